@@ -1,0 +1,23 @@
+"""hf-kvtransfer: reuse one model's KV cache in another model of the same family instead of re-running prefill."""
+
+__version__ = "0.1.0"
+
+from .cache import TransferredCache
+from .capture import capture_kv, prefill
+from .fit import collect_statistics, fit_mapper, solve_mapper
+from .mapper import KVMapper, MapperConfig
+from .stats import KVLayout, KVStatistics
+
+__all__ = [
+    "KVLayout",
+    "KVMapper",
+    "KVStatistics",
+    "MapperConfig",
+    "TransferredCache",
+    "__version__",
+    "capture_kv",
+    "collect_statistics",
+    "fit_mapper",
+    "prefill",
+    "solve_mapper",
+]

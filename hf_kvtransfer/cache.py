@@ -1,0 +1,308 @@
+"""TransferredCache: a `DynamicCache` for the target model, filled lazily from the source model's cache."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import warnings
+from typing import Any
+
+import torch
+from transformers import Cache, DynamicCache
+
+from .mapper import KVMapper
+from .rope import apply_rope, position_ids_from_mask, rotary_cos_sin, strip_rope
+
+
+@functools.lru_cache(maxsize=8)
+def _load_mapper(name_or_path: str, revision: str | None, token: str | bool | None) -> KVMapper:
+    # One load per process: a cache is built per request, the mapper is shared.
+    return KVMapper.from_pretrained(name_or_path, revision=revision, token=token)
+
+
+def _source_layers(source_cache: Cache | tuple) -> list[tuple[torch.Tensor | None, torch.Tensor | None, Any]]:
+    """`(keys, values, layer)` per source layer from a transformers `Cache` or a legacy tuple of pairs."""
+    if isinstance(source_cache, Cache):
+        return [(getattr(layer, "keys", None), getattr(layer, "values", None), layer) for layer in source_cache.layers]
+    if isinstance(source_cache, (tuple, list)):
+        return [(kv[0], kv[1], None) for kv in source_cache]
+    raise TypeError(
+        f"source_cache must be a transformers Cache (e.g. from `prefill(source, input_ids)`) or a tuple of "
+        f"(key, value) pairs, got {type(source_cache).__name__}"
+    )
+
+
+class TransferredCache(DynamicCache):
+    """The target model's KV cache, converted from the source model's cache one layer at a time.
+
+    Nothing is mapped at construction. The first time the target's attention layer `layer_idx` calls
+    `update`, that layer's KV is produced from the source cache (strip source RoPE -> map -> apply
+    target RoPE, on the device and in the dtype of the incoming `key_states`), and the cache then behaves
+    exactly like a `DynamicCache`. Pass it to stock `generate` (`cache=` or `past_key_values=`).
+
+    The last `num_recompute_tokens` tokens of the source cache are *not* transferred: the target
+    recomputes them itself, so `generate` can be called with the same full `input_ids` the source saw
+    (a cache covering the whole prompt would leave `generate` nothing to feed). More recomputed tokens
+    also means more of the context the target encodes itself.
+
+    Args:
+        source_cache: the source model's cache for the prompt (`DynamicCache`, e.g. from `prefill`).
+            It is never modified.
+        mapper: a `KVMapper`, or a Hub repo id / local path of one (loaded once per process).
+        attention_mask: `[batch, seq]` mask the source cache was built with (left padding); RoPE is
+            stripped and re-applied at the per-row positions `cumsum(mask) - 1`.
+        num_recompute_tokens: trailing prompt tokens left for the target to recompute (default 1).
+
+    Example:
+        ```python
+        src_cache = prefill(source, input_ids, attention_mask=mask)
+        cache = TransferredCache(src_cache, mapper, attention_mask=mask)
+        out = target.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=32)
+        ```
+    """
+
+    def __init__(
+        self,
+        source_cache: Cache | tuple,
+        mapper: KVMapper | str | os.PathLike,
+        attention_mask: torch.Tensor | None = None,
+        num_recompute_tokens: int = 1,
+        *,
+        revision: str | None = None,
+        token: str | bool | None = None,
+    ):
+        if not isinstance(mapper, KVMapper):
+            if not isinstance(mapper, (str, os.PathLike)):
+                raise TypeError(f"mapper must be a KVMapper or a repo id / path, got {type(mapper).__name__}")
+            mapper = _load_mapper(os.fspath(mapper), revision, token)
+        super().__init__(config=mapper.target_model_config)
+        self.mapper = mapper
+        self.num_recompute_tokens = num_recompute_tokens
+        self._source_rotary = mapper.source_rotary()
+        self._target_rotary = mapper.target_rotary()
+
+        src_layout = mapper.source_layout
+        layers = _source_layers(source_cache)
+        if len(layers) != src_layout.num_layers:
+            raise ValueError(
+                f"source cache has {len(layers)} layers but the mapper was fit for a source with "
+                f"{src_layout.num_layers} layers ({mapper.config.source_model_id}); build the cache with that model"
+            )
+        consumers = mapper.consumers()
+        self._source: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        length = batch_size = None
+        for s in sorted(consumers):
+            keys, values, layer = layers[s]
+            if keys is None or values is None or keys.numel() == 0:
+                raise ValueError(f"source cache layer {s} is empty; run the source prefill before transferring")
+            expected = (src_layout.num_kv_heads, src_layout.head_dim)
+            if keys.ndim != 4 or (keys.shape[1], keys.shape[3]) != expected or values.shape != keys.shape:
+                raise ValueError(
+                    f"source cache layer {s} has keys {list(keys.shape)} / values {list(values.shape)}; the mapper "
+                    f"expects [batch, {expected[0]}, seq, {expected[1]}] from {mapper.config.source_model_id}"
+                )
+            seen = getattr(layer, "cumulative_length", keys.shape[-2])
+            if getattr(layer, "is_sliding", False) and seen > keys.shape[-2]:
+                raise ValueError(
+                    f"source layer {s} is a sliding-window layer that kept only its last {keys.shape[-2]} of {seen} "
+                    "tokens, but target layers read it for the whole context; build the source cache with "
+                    "`prefill(source, ...)` (keeps every token) or a DynamicCache without a config"
+                )
+            if length is None:
+                length, batch_size = keys.shape[-2], keys.shape[0]
+            elif (keys.shape[0], keys.shape[-2]) != (batch_size, length):
+                raise ValueError(
+                    f"source cache layers disagree: layer {s} holds {keys.shape[-2]} tokens x batch {keys.shape[0]}, "
+                    f"earlier layers {length} x {batch_size}"
+                )
+            self._source[s] = (keys, values)
+        if not 0 <= num_recompute_tokens <= length:
+            raise ValueError(f"num_recompute_tokens must be in [0, {length}] (the cached tokens), got {num_recompute_tokens}")
+        self._length = length - num_recompute_tokens
+        self._batch_size = batch_size
+        device = next(iter(self._source.values()))[0].device
+        self._position_ids = position_ids_from_mask(attention_mask, batch_size, length, device)[:, : self._length]
+        self._source = {s: (k[:, :, : self._length], v[:, :, : self._length]) for s, (k, v) in self._source.items()}
+        self._consumers = {s: set(ts) for s, ts in consumers.items()}
+        self._pending = set(range(len(self.layers)))
+        self._stripped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._warned_refeed = False
+
+    def __deepcopy__(self, memo):
+        # Share the mapper and rotary modules: a copy of a cache must not copy model-sized weights.
+        for shared in (self.mapper, self._source_rotary, self._target_rotary):
+            memo[id(shared)] = shared
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
+    # -- what the model sees before conversion ------------------------------------------------------
+    @property
+    def num_pending_layers(self) -> int:
+        """Target layers not converted yet."""
+        return len(self._pending)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx in self._pending:
+            return self._length
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        # Masks and positions are built before any layer runs, so pending layers must already report
+        # the sizes they will have once converted.
+        if layer_idx not in self._pending:
+            return super().get_mask_sizes(query_length, layer_idx)
+        window = getattr(self.layers[layer_idx], "sliding_window", None)
+        if getattr(self.layers[layer_idx], "is_sliding", False) and window is not None:
+            offset = max(self._length - window + 1, 0)
+            kv_length = window - 1 + query_length if self._length >= window else self._length + query_length
+            return kv_length, offset
+        return self._length + query_length, 0
+
+    # -- conversion ---------------------------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"the model has more layers than the mapper's target ({len(self.layers)} layers, "
+                f"{self.mapper.config.target_model_id}); load the mapper made for this target model"
+            )
+        if layer_idx in self._pending:
+            self._check_refeed(key_states)
+            self._convert(layer_idx, key_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_refeed(self, key_states: torch.Tensor) -> None:
+        if self.num_recompute_tokens == 0 and not self._warned_refeed and key_states.shape[-2] == self._length > 1:
+            self._warned_refeed = True
+            warnings.warn(
+                f"the target is fed {self._length} tokens on top of a transferred cache of the same length. If these "
+                "are the prompt tokens again (generate re-feeds the whole prompt when the cache covers all of it), "
+                "the output is wrong: use num_recompute_tokens >= 1 (the default) or pass only the new tokens.",
+                stacklevel=3,
+            )
+
+    def _stripped_source(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE-stripped source layer `s` as `[batch, seq, heads * head_dim]` float32, computed once per layer."""
+        if s not in self._stripped:
+            keys, values = self._source[s]
+            if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+                raise ValueError(f"source cache layer {s} has non-finite values (NaN/inf); check the source model's dtype")
+            cos, sin = rotary_cos_sin(self._source_rotary, self._position_ids.to(keys.device), keys.device)
+            k = strip_rope(keys, cos, sin)
+            # (B, H, T, D) -> (B, T, H*D)
+            self._stripped[s] = (
+                k.transpose(1, 2).reshape(k.shape[0], k.shape[2], -1),
+                values.float().transpose(1, 2).reshape(k.shape[0], k.shape[2], -1),
+            )
+        return self._stripped[s]
+
+    def _convert(self, layer_idx: int, like: torch.Tensor) -> None:
+        tgt = self.mapper.target_layout
+        if like.shape[1] != tgt.num_kv_heads or like.shape[-1] != tgt.head_dim:
+            raise ValueError(
+                f"target layer {layer_idx} passes key_states {list(like.shape)} but the mapper produces "
+                f"[batch, {tgt.num_kv_heads}, seq, {tgt.head_dim}] for {self.mapper.config.target_model_id}; "
+                "load the mapper made for this target model"
+            )
+        if self._length > 0:
+            selected = self.mapper.config.selected_layers[layer_idx]
+            feats = [self._stripped_source(s) for s in selected]
+            key_feats = torch.cat([f[0].to(like.device) for f in feats], dim=-1)
+            value_feats = torch.cat([f[1].to(like.device) for f in feats], dim=-1)
+            keys, values = self.mapper(layer_idx, key_feats, value_feats)
+            cos, sin = rotary_cos_sin(self._target_rotary, self._position_ids.to(like.device), like.device)
+            keys = apply_rope(keys.float(), cos, sin).to(like.dtype)
+            values = values.to(like.dtype)
+            if like.shape[0] != keys.shape[0]:
+                keys, values = self._expand_batch(keys, values, like.shape[0])
+            self.layers[layer_idx].update(keys, values)
+        self._pending.discard(layer_idx)
+        for s in self.mapper.config.selected_layers[layer_idx]:
+            self._consumers[s].discard(layer_idx)
+            if not self._consumers[s]:
+                # Every reader of this source layer is converted: free it (the caller's cache keeps its own).
+                self._source.pop(s, None)
+                self._stripped.pop(s, None)
+
+    @staticmethod
+    def _expand_batch(keys: torch.Tensor, values: torch.Tensor, batch_size: int):
+        # `generate` expands inputs for beam search / num_return_sequences but not a user-passed cache.
+        if batch_size % keys.shape[0]:
+            raise ValueError(
+                f"the target runs a batch of {batch_size} rows on a transferred cache of {keys.shape[0]} rows; the "
+                "batch must be the source's (times num_beams / num_return_sequences)"
+            )
+        repeats = batch_size // keys.shape[0]
+        return keys.repeat_interleave(repeats, dim=0), values.repeat_interleave(repeats, dim=0)
+
+    def convert_all(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "TransferredCache":
+        """Convert every pending layer now (e.g. to time the mapping or to inspect the target KV)."""
+        some = next(iter(self._source.values()), None)
+        ref = some[0] if some is not None else torch.empty(0)
+        like = torch.empty(
+            (self._batch_size, self.mapper.target_layout.num_kv_heads, 0, self.mapper.target_layout.head_dim),
+            device=device if device is not None else ref.device,
+            dtype=dtype if dtype is not None else ref.dtype,
+        )
+        for layer_idx in sorted(self._pending):
+            self._convert(layer_idx, like)
+        return self
+
+    # -- cache operations that must also act on what is not converted yet -----------------------------
+    def _map_source(self, fn) -> None:
+        self._source = {s: (fn(k), fn(v)) for s, (k, v) in self._source.items()}
+        self._position_ids = fn(self._position_ids)
+        self._stripped.clear()
+        if self._source:
+            self._batch_size = next(iter(self._source.values()))[0].shape[0]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self._pending and tokens_to_remove < 0:
+            n = min(-tokens_to_remove, self._length)
+            self._length -= n
+            self._map_source(lambda t: t[..., : self._length, :] if t.ndim == 4 else t[:, : self._length])
+        elif self._pending and tokens_to_remove > 0:
+            raise ValueError(
+                f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove} (as DynamicCache)"
+            )
+        super().crop(tokens_to_remove)
+
+    def _expand_source_to(self, batch_size: int) -> None:
+        if self._pending and batch_size != self._batch_size and batch_size % self._batch_size == 0:
+            repeats = batch_size // self._batch_size
+            self._map_source(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self._pending:
+            self._expand_source_to(beam_idx.numel())
+            self._map_source(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._pending:
+            self._map_source(lambda t: t.repeat_interleave(repeats, dim=0))
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._pending:
+            self._map_source(lambda t: t[indices.to(t.device)])
+        super().batch_select_indices(indices)
+
+    def reset(self) -> None:
+        self._pending.clear()
+        self._source.clear()
+        self._stripped.clear()
+        self._length = 0
+        super().reset()
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferredCache(layers={len(self.layers)}, pending={len(self._pending)}, "
+            f"transferred_tokens={self._length}, mapper={self.mapper.config.source_model_id}->"
+            f"{self.mapper.config.target_model_id})"
+        )

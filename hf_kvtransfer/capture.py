@@ -1,0 +1,85 @@
+"""Run a model over tokens and hand back its KV cache, with RoPE positions that are right for padded rows."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .rope import build_rotary_embedding, position_ids_from_mask, rotary_cos_sin, strip_rope
+
+
+@torch.no_grad()
+def prefill(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    cache: DynamicCache | None = None,
+) -> DynamicCache:
+    """Run the prefill of `input_ids` through `model` and return its `DynamicCache`.
+
+    Unlike a bare `model(input_ids, attention_mask=mask)`, the RoPE positions of left-padded rows are
+    `cumsum(mask) - 1` (what `generate` uses). Every layer keeps every token, sliding-window layers too:
+    a full-attention layer of the target may need the whole context. Only the transformer body runs: no
+    logits are computed.
+
+    Args:
+        model: a causal LM (e.g. `AutoModelForCausalLM`) or its base model.
+        input_ids: `[batch, seq]` token ids.
+        attention_mask: `[batch, seq]`, 1 for real tokens, 0 for (left) padding. Optional.
+        cache: an existing cache to extend (positions continue from its length). Optional.
+
+    Returns:
+        The filled `DynamicCache` (keys are stored with RoPE applied, as transformers stores them).
+
+    Example:
+        ```python
+        src_cache = prefill(source, batch.input_ids, attention_mask=batch.attention_mask)
+        ```
+    """
+    body = model.base_model if hasattr(model, "base_model") else model
+    device = input_ids.device
+    batch_size, seq_len = input_ids.shape
+    past = cache.get_seq_length() if cache is not None else 0
+    if cache is None:
+        # No config: plain DynamicLayers, so sliding-window layers do not drop tokens the target needs.
+        cache = DynamicCache()
+    if attention_mask is not None:
+        # The mask of a continued prefill covers past + new tokens; positions are those of the new ones.
+        position_ids = position_ids_from_mask(attention_mask, batch_size, past + seq_len, device)[:, past:]
+    else:
+        position_ids = torch.arange(past, past + seq_len, device=device).unsqueeze(0).expand(batch_size, -1)
+    body(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=True,
+    )
+    return cache
+
+
+@torch.no_grad()
+def capture_kv(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Run `model` and return its position-free (RoPE-stripped) keys and its values, per layer.
+
+    Returns:
+        `(keys, values)`: two lists with one float32 tensor `[batch, kv_heads, seq, head_dim]` per layer.
+    """
+    cache = prefill(model, input_ids, attention_mask)
+    batch_size, seq_len = input_ids.shape
+    position_ids = position_ids_from_mask(attention_mask, batch_size, seq_len, input_ids.device)
+    rotary = getattr(getattr(model, "base_model", model), "rotary_emb", None)
+    if rotary is None:
+        rotary = build_rotary_embedding(model.config)
+    keys, values = [], []
+    cos = sin = None
+    for layer in cache.layers:
+        if cos is None or cos.device != layer.keys.device:
+            cos, sin = rotary_cos_sin(rotary, position_ids, layer.keys.device)
+        keys.append(strip_rope(layer.keys, cos, sin))
+        values.append(layer.values.float())
+    return keys, values

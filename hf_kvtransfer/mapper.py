@@ -1,0 +1,418 @@
+"""KVMapper: turns the source model's stripped KV states into the target model's, one target layer at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedConfig
+
+from .rope import build_rotary_embedding, check_supported, config_from_dict, head_dim_of, text_config
+from .stats import KVLayout
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+MAPPER_TYPES = ("ridge", "mlp")
+
+# Config fields that fix tensor shapes: a mismatch there can never work.
+_SHAPE_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
+
+
+def config_fingerprint(config: PreTrainedConfig | dict[str, Any]) -> dict[str, Any]:
+    """The facts about a model that a mapper depends on: KV shape, RoPE, vocabulary, attention layout."""
+    if isinstance(config, dict):
+        config = config_from_dict(config)
+    config = text_config(config)
+    rope = getattr(config, "rope_parameters", None)
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": head_dim_of(config),
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "rope_parameters": dict(rope) if rope is not None else None,
+        "partial_rotary_factor": getattr(config, "partial_rotary_factor", None),
+        "layer_types": list(config.layer_types) if getattr(config, "layer_types", None) else None,
+        "sliding_window": getattr(config, "sliding_window", None),
+    }
+
+
+def _model_name(config: PreTrainedConfig | dict) -> str | None:
+    name = config.get("_name_or_path") if isinstance(config, dict) else getattr(config, "_name_or_path", None)
+    return name or None
+
+
+def _library_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+@dataclass
+class MapperConfig:
+    """Everything that defines a mapper besides its weights; saved as `config.json`.
+
+    Args:
+        source_config / target_config: the two models' decoder configs as dicts (enough to rebuild their
+            rotary modules without loading either model).
+        selected_layers: for each target layer, the source layers its inputs come from (ascending).
+        top_k, ridge_lambda: fit hyper-parameters.
+        fit_r2_key / fit_r2_value: in-sample head-averaged R^2 per target layer.
+        calibration: how the calibration data was built (dataset, split, sequences, seq_len, stride, tokens).
+    """
+
+    source_config: dict[str, Any]
+    target_config: dict[str, Any]
+    selected_layers: list[list[int]]
+    mapper_type: str = "ridge"
+    source_model_id: str | None = None
+    source_revision: str | None = None
+    target_model_id: str | None = None
+    target_revision: str | None = None
+    source_fingerprint: dict[str, Any] = field(default_factory=dict)
+    target_fingerprint: dict[str, Any] = field(default_factory=dict)
+    top_k: int | None = None
+    ridge_lambda: float = 0.01
+    fit_r2_key: list[float] | None = None
+    fit_r2_value: list[float] | None = None
+    heldout_r2_key: list[float] | None = None
+    heldout_r2_value: list[float] | None = None
+    calibration: dict[str, Any] = field(default_factory=dict)
+    mlp: dict[str, Any] | None = None
+    num_parameters: int | None = None
+    eval_results: dict[str, Any] | None = None
+    license: str = "apache-2.0"
+    library_version: str = field(default_factory=_library_version)
+
+    def __post_init__(self):
+        if self.mapper_type not in MAPPER_TYPES:
+            raise ValueError(f"mapper_type must be one of {MAPPER_TYPES}, got {self.mapper_type!r}")
+        if not self.source_fingerprint:
+            self.source_fingerprint = config_fingerprint(self.source_config)
+        if not self.target_fingerprint:
+            self.target_fingerprint = config_fingerprint(self.target_config)
+        self.source_model_id = self.source_model_id or _model_name(self.source_config)
+        self.target_model_id = self.target_model_id or _model_name(self.target_config)
+        num_target = self.target_fingerprint["num_hidden_layers"]
+        num_source = self.source_fingerprint["num_hidden_layers"]
+        if len(self.selected_layers) != num_target:
+            raise ValueError(
+                f"selected_layers has {len(self.selected_layers)} entries, expected one per target layer ({num_target})"
+            )
+        for t, selected in enumerate(self.selected_layers):
+            if not selected or any(not 0 <= s < num_source for s in selected) or len(set(selected)) != len(selected):
+                raise ValueError(
+                    f"selected_layers[{t}] = {selected} must be distinct source layer indices in [0, {num_source})"
+                )
+        for name in ("fit_r2_key", "fit_r2_value", "heldout_r2_key", "heldout_r2_value"):
+            value = getattr(self, name)
+            if value is not None and len(value) != num_target:
+                raise ValueError(f"{name} has {len(value)} entries, expected {num_target} (one per target layer)")
+        if self.ridge_lambda < 0:
+            raise ValueError(f"ridge_lambda must be >= 0, got {self.ridge_lambda}")
+
+    @property
+    def source_layout(self) -> KVLayout:
+        f = self.source_fingerprint
+        return KVLayout(f["num_hidden_layers"], f["num_key_value_heads"], f["head_dim"])
+
+    @property
+    def target_layout(self) -> KVLayout:
+        f = self.target_fingerprint
+        return KVLayout(f["num_hidden_layers"], f["num_key_value_heads"], f["head_dim"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MapperConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            warnings.warn(
+                f"ignoring unknown mapper config keys {unknown} (written by a newer hf-kvtransfer "
+                f"{data.get('library_version', '?')}?)",
+                stacklevel=3,
+            )
+        data = {k: v for k, v in data.items() if k in known}
+        data.setdefault("library_version", "unknown")
+        return cls(**data)
+
+
+class _LinearLayerMap(nn.Module):
+    """Ridge map of one target layer: stripped source features -> stripped target keys and values."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.key = nn.Linear(in_features, out_features)
+        self.value = nn.Linear(in_features, out_features)
+
+
+class KVMapper(nn.Module):
+    """Maps a source model's KV cache to a target model's, per target layer (ridge, closed form).
+
+    Target layer `t` reads all KV heads of its selected source layers `config.selected_layers[t]` (RoPE
+    stripped), applies one affine map for keys and one for values, and the caller re-applies the target's
+    RoPE to the keys. Use it through `TransferredCache`; build it with `fit_mapper` or load it with
+    `from_pretrained`.
+
+    Example:
+        ```python
+        mapper = KVMapper.from_pretrained("mappers/small-to-large")
+        cache = TransferredCache(prefill(source, input_ids), mapper)
+        out = target.generate(input_ids, cache=cache, max_new_tokens=32)
+        ```
+    """
+
+    def __init__(self, config: MapperConfig, layer_maps: nn.ModuleList | None = None):
+        super().__init__()
+        self.config = config
+        src, tgt = config.source_layout, config.target_layout
+        if layer_maps is None:
+            layer_maps = nn.ModuleList(
+                _LinearLayerMap(len(selected) * src.layer_dim, tgt.layer_dim) for selected in config.selected_layers
+            )
+        self.layers = layer_maps
+
+    # -- structure ----------------------------------------------------------------------------------
+    @property
+    def source_layout(self) -> KVLayout:
+        return self.config.source_layout
+
+    @property
+    def target_layout(self) -> KVLayout:
+        return self.config.target_layout
+
+    @cached_property
+    def source_model_config(self) -> PreTrainedConfig:
+        return config_from_dict(self.config.source_config)
+
+    @cached_property
+    def target_model_config(self) -> PreTrainedConfig:
+        return config_from_dict(self.config.target_config)
+
+    def source_rotary(self) -> nn.Module:
+        """The source architecture's rotary module, rebuilt from the stored config (no model needed)."""
+        return build_rotary_embedding(self.source_model_config)
+
+    def target_rotary(self) -> nn.Module:
+        return build_rotary_embedding(self.target_model_config)
+
+    def consumers(self) -> dict[int, list[int]]:
+        """For each source layer that is used, the target layers that read it."""
+        out: dict[int, list[int]] = {}
+        for t, selected in enumerate(self.config.selected_layers):
+            for s in selected:
+                out.setdefault(s, []).append(t)
+        return out
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -- application --------------------------------------------------------------------------------
+    def forward(
+        self, layer_idx: int, source_key_states: torch.Tensor, source_value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Map stripped source features to stripped target states for target layer `layer_idx`.
+
+        Args:
+            source_key_states / source_value_states: `[batch, seq, k * n_kv_s * d_s]`, the RoPE-stripped
+                states of the selected source layers side by side (layer-major, then head), any float dtype.
+
+        Returns:
+            Stripped target keys and values `[batch, n_kv_t, seq, d_t]` in the mapper's dtype.
+        """
+        layer_map = self.layers[layer_idx]
+        tgt = self.target_layout
+        out = []
+        for proj, x in ((layer_map.key, source_key_states), (layer_map.value, source_value_states)):
+            weight, bias = proj.weight.to(x.device), proj.bias.to(x.device)  # no-op when already there
+            y = nn.functional.linear(x.to(weight.dtype), weight, bias)
+            # (B, T, H*D) -> (B, H, T, D)
+            out.append(y.view(*y.shape[:-1], tgt.num_kv_heads, tgt.head_dim).transpose(1, 2))
+        return out[0], out[1]
+
+    # -- compatibility ------------------------------------------------------------------------------
+    def check_compatible(
+        self,
+        source_config: PreTrainedConfig | None = None,
+        target_config: PreTrainedConfig | None = None,
+        strict: bool = False,
+    ) -> None:
+        """Compare the models a mapper is used with against those it was fit for.
+
+        A difference in KV shape (layers, KV heads, head dim) always raises. Any other difference in the
+        config fingerprint (RoPE, vocabulary, hidden size, ...) warns, or raises with `strict=True`.
+        """
+        for which, config, expected in (
+            ("source", source_config, self.config.source_fingerprint),
+            ("target", target_config, self.config.target_fingerprint),
+        ):
+            if config is None:
+                continue
+            got = config_fingerprint(config)
+            diffs = {k: (expected.get(k), got.get(k)) for k in expected if expected.get(k) != got.get(k)}
+            if not diffs:
+                continue
+            model_id = getattr(self.config, f"{which}_model_id")
+            detail = "; ".join(f"{k}: mapper has {a!r}, model has {b!r}" for k, (a, b) in diffs.items())
+            name = _model_name(config) or "the given model"
+            message = (
+                f"this mapper was fit for {which} model {model_id!r} but is used with {name} whose config differs: "
+                f"{detail}. Load the mapper made for this {which} model (or fit one with `fit_mapper`)."
+            )
+            if strict or any(k in _SHAPE_FIELDS for k in diffs):
+                raise ValueError(message)
+            warnings.warn(message, stacklevel=2)
+
+    # -- persistence --------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike, repo_id: str | None = None) -> None:
+        """Write `config.json`, `model.safetensors` and a model card `README.md` to `save_directory`."""
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.num_parameters = self.num_parameters()
+        self.config.library_version = _library_version()
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "mapper_type": self.config.mapper_type})
+        (path / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n")
+        try:
+            from .hub import render_model_card
+        except ImportError:  # hub layer not available in a stripped-down install
+            return
+        render_model_card(self.config.to_dict(), repo_id=repo_id).save(str(path / "README.md"))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_mapper_name_or_path: str | os.PathLike,
+        *,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        token: str | bool | None = None,
+        local_files_only: bool = False,
+        force_download: bool = False,
+        device: torch.device | str | None = None,
+    ) -> "KVMapper":
+        """Load a mapper from a local directory or a Hugging Face Hub repo (safetensors + JSON only).
+
+        Loading is strict: a missing, extra or mis-shaped tensor raises with the names involved.
+        """
+        from .hub import resolve_mapper_dir
+
+        path = resolve_mapper_dir(
+            pretrained_mapper_name_or_path,
+            revision=revision,
+            cache_dir=cache_dir,
+            token=token,
+            local_files_only=local_files_only,
+            force_download=force_download,
+        )
+        return cls._from_directory(path, device=device)
+
+    @classmethod
+    def _from_directory(cls, path: Path, device=None) -> "KVMapper":
+        config_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
+        for p in (config_path, weights_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"{path} is not a hf-kvtransfer mapper: {p.name} is missing")
+        config = MapperConfig.from_dict(json.loads(config_path.read_text()))
+        mapper = cls._build(config)
+        state = load_file(str(weights_path), device=str(device) if device is not None else "cpu")
+        mapper._load_strict(state, source=str(path))
+        return mapper
+
+    @classmethod
+    def _build(cls, config: MapperConfig) -> "KVMapper":
+        if config.mapper_type == "mlp":
+            from .mlp import build_mlp_layer_maps
+
+            return cls(config, build_mlp_layer_maps(config))
+        return cls(config)
+
+    def _load_strict(self, state: dict[str, torch.Tensor], source: str) -> None:
+        expected = {k: v.shape for k, v in self.state_dict().items()}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        wrong = sorted(k for k in set(expected) & set(state) if tuple(state[k].shape) != tuple(expected[k]))
+        if missing or unexpected or wrong:
+            parts = []
+            if missing:
+                parts.append(f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            if unexpected:
+                parts.append(f"unexpected tensors {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+            for k in wrong[:5]:
+                parts.append(f"{k} has shape {list(state[k].shape)}, config implies {list(expected[k])}")
+            raise ValueError(f"weights in {source} do not match its config.json: " + "; ".join(parts))
+        for k, v in state.items():
+            if not torch.isfinite(v).all():
+                raise ValueError(f"weights in {source}: tensor {k} has non-finite values (corrupt checkpoint?)")
+        self.load_state_dict(state, strict=True)
+        if state:
+            self.to(next(iter(state.values())).dtype)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        revision: str | None = None,
+        commit_message: str | None = None,
+        token: str | bool | None = None,
+        create_pr: bool = False,
+    ) -> str:
+        """Upload config, weights and model card to `repo_id` in one commit; returns the commit URL."""
+        import tempfile
+
+        from .hub import push_mapper_dir
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp, repo_id=repo_id)
+            return push_mapper_dir(
+                tmp,
+                repo_id,
+                private=private,
+                revision=revision,
+                commit_message=commit_message,
+                token=token,
+                create_pr=create_pr,
+            )
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"type={c.mapper_type}, source={c.source_model_id}, target={c.target_model_id}, "
+            f"top_k={c.top_k}, params={self.num_parameters():,}"
+        )
+
+
+def _mapper_from_solution(
+    config: MapperConfig, solutions: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]], dtype=torch.float32
+) -> KVMapper:
+    """A ridge `KVMapper` from `ridge.solve_layers` outputs for keys and values."""
+    mapper = KVMapper(config)
+    with torch.no_grad():
+        for t, layer_map in enumerate(mapper.layers):
+            for kind in ("key", "value"):
+                weight, bias, _ = solutions[kind][t]
+                proj = getattr(layer_map, kind)
+                proj.weight.copy_(weight.to(proj.weight.dtype))
+                proj.bias.copy_(bias.to(proj.bias.dtype))
+    config.fit_r2_key = [solutions["key"][t][2] for t in range(len(mapper.layers))]
+    config.fit_r2_value = [solutions["value"][t][2] for t in range(len(mapper.layers))]
+    config.num_parameters = mapper.num_parameters()
+    return mapper.to(dtype)
+
+
+__all__ = ["KVMapper", "MapperConfig", "config_fingerprint", "check_supported"]

@@ -1,0 +1,210 @@
+"""Tiny models built from configs (no downloads), and the exactly linear model pair of DESIGN §7."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Ministral3Config,
+    Ministral3ForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    # The default 0.02 makes random models emit one repeated token; 0.2 gives varied, sharp outputs.
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+ARCHITECTURES = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=16)),
+    "llama3-scaling": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "yarn": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        dict(
+            head_dim=16,
+            max_position_embeddings=128,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+        ),
+    ),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(head_dim=16, sliding_window=None)),
+    "phi3-partial": (Phi3Config, Phi3ForCausalLM, dict(partial_rotary_factor=0.5)),
+    "ministral3-yarn": (
+        Ministral3Config,
+        Ministral3ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=None,
+            max_position_embeddings=128,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "llama_4_scaling_beta": 0.1,
+            },
+        ),
+    ),
+}
+
+
+def tiny_model(arch: str = "qwen3", num_hidden_layers: int = 2, seed: int = 0, **overrides) -> torch.nn.Module:
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    kwargs = {**COMMON, **extra, "num_hidden_layers": num_hidden_layers, **overrides}
+    torch.manual_seed(seed)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    return model_cls(config).eval()
+
+
+def random_ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seq), generator=g)
+
+
+def left_pad(ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad row i to keep only its last `lengths[i]` tokens; returns (ids, mask)."""
+    ids = ids.clone()
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, : ids.shape[1] - n] = COMMON["pad_token_id"]
+        mask[row, : ids.shape[1] - n] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="session")
+def qwen3_model():
+    return tiny_model("qwen3", num_hidden_layers=3)
+
+
+@pytest.fixture(scope="session")
+def calibration_ids():
+    return random_ids(24, 64, seed=123)
+
+
+@pytest.fixture(scope="session")
+def identity_mapper(qwen3_model, calibration_ids):
+    from hf_kvtransfer import fit_mapper
+
+    # lambda=0.01 on 384 calibration tokens shrinks the map by ~1e-4 relative (logit error ~1e-3); the paper's
+    # 128K tokens make that negligible. A small lambda gives the same effect on a fast test budget.
+    return fit_mapper(qwen3_model, qwen3_model, calibration_ids, top_k=1, ridge_lambda=1e-4, progress=False)
+
+
+# -- the exactly linear pair -----------------------------------------------------------------------
+
+
+def _rope_commuting_transform(head_dim: int, g: torch.Generator) -> torch.Tensor:
+    """A scaled rotation inside each RoPE plane (dims i, i + d/2): it commutes with every RoPE rotation."""
+    half = head_dim // 2
+    m = torch.zeros(head_dim, head_dim)
+    scale = 0.5 + torch.rand(half, generator=g)
+    angle = torch.rand(half, generator=g) * 6.28
+    for i in range(half):
+        c, s = scale[i] * torch.cos(angle[i]), scale[i] * torch.sin(angle[i])
+        m[i, i], m[i, i + half], m[i + half, i], m[i + half, i + half] = c, -s, s, c
+    return m
+
+
+def linear_pair(num_source_layers: int = 3, inserted_after: tuple[int, ...] = (0, 2), seed: int = 0):
+    """A source Llama and a target that computes the same function but stores linearly transformed KV.
+
+    Target layer for source layer s: keys K' = B_h K (B commutes with RoPE; q_proj compensates), values
+    V' = A_h V (o_proj compensates), KV heads permuted (query head groups follow). After the source layers
+    listed in `inserted_after`, an extra layer with zero `o_proj` and `down_proj` is inserted: it leaves the
+    function unchanged but its KV is unrelated to any source layer.
+
+    Returns:
+        `(source, target, true_source_of)` where `true_source_of[t]` is the source layer behind target layer
+        `t`, or None for an inserted layer.
+    """
+    source = tiny_model("llama3-scaling", num_hidden_layers=num_source_layers, seed=seed, initializer_range=0.15)
+    cfg = source.config
+    d, n_kv, n_heads = cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
+    group = n_heads // n_kv
+    g = torch.Generator().manual_seed(seed + 1)
+    true_source_of: list[int | None] = []
+    for s in range(num_source_layers):
+        true_source_of.append(s)
+        if s in inserted_after:
+            true_source_of.append(None)
+    target = tiny_model(
+        "llama3-scaling", num_hidden_layers=len(true_source_of), seed=seed + 2, initializer_range=0.15
+    )
+    sd_src = source.state_dict()
+    with torch.no_grad():
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            target.state_dict()[name].copy_(sd_src[name])
+        perm = torch.randperm(n_kv, generator=g)  # target KV head h reads source KV head perm[h]
+        for t, s in enumerate(true_source_of):
+            tl = target.model.layers[t]
+            if s is None:
+                tl.self_attn.o_proj.weight.zero_()
+                tl.mlp.down_proj.weight.zero_()
+                continue
+            sl = source.model.layers[s]
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                getattr(tl, name).weight.copy_(getattr(sl, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(tl.mlp, name).weight.copy_(getattr(sl.mlp, name).weight)
+            wq = sl.self_attn.q_proj.weight.view(n_heads, d, -1)
+            wk = sl.self_attn.k_proj.weight.view(n_kv, d, -1)
+            wv = sl.self_attn.v_proj.weight.view(n_kv, d, -1)
+            wo = sl.self_attn.o_proj.weight.view(-1, n_heads, d)
+            new_q, new_k, new_v, new_o = (torch.empty_like(w) for w in (wq, wk, wv, wo))
+            for h in range(n_kv):
+                src_h = int(perm[h])
+                b = _rope_commuting_transform(d, g)
+                a = torch.eye(d) + 0.3 * torch.randn(d, d, generator=g) / d**0.5
+                new_k[h] = b @ wk[src_h]
+                new_v[h] = a @ wv[src_h]
+                for j in range(group):
+                    # scores: (B^-T q)^T (B k) = q^T k ; outputs: o_proj A^-1 (A v) = o_proj v
+                    new_q[h * group + j] = torch.linalg.inv(b).T @ wq[src_h * group + j]
+                    new_o[:, h * group + j] = wo[:, src_h * group + j] @ torch.linalg.inv(a)
+            tl.self_attn.q_proj.weight.copy_(new_q.reshape_as(tl.self_attn.q_proj.weight))
+            tl.self_attn.k_proj.weight.copy_(new_k.reshape_as(tl.self_attn.k_proj.weight))
+            tl.self_attn.v_proj.weight.copy_(new_v.reshape_as(tl.self_attn.v_proj.weight))
+            tl.self_attn.o_proj.weight.copy_(new_o.reshape_as(tl.self_attn.o_proj.weight))
+    return source, target, true_source_of
+
+
+@pytest.fixture(scope="session")
+def linear_models():
+    return linear_pair()

@@ -1,0 +1,219 @@
+"""TransferredCache inside stock `generate`, compared with the target's own prefill (an independent path)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import left_pad, random_ids
+from hf_kvtransfer import TransferredCache, prefill
+
+GEN = dict(max_new_tokens=10, min_new_tokens=10, return_dict_in_generate=True, output_logits=True)
+
+
+def _max_logit_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
+
+
+def test_greedy_single_prompt_matches_target_prefill(qwen3_model, identity_mapper):
+    ids = random_ids(1, 24, seed=2)
+    ref = qwen3_model.generate(ids, do_sample=False, **GEN)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    assert cache.num_pending_layers == 3  # nothing converted before generate
+    out = qwen3_model.generate(ids, cache=cache, do_sample=False, **GEN)
+    assert cache.num_pending_layers == 0
+    assert len(set(ref.sequences[0, 24:].tolist())) > 2, "degenerate test model"
+    assert torch.equal(out.sequences, ref.sequences)
+    assert _max_logit_diff(out, ref) < 1e-4
+
+
+def test_past_key_values_name_still_works(qwen3_model, identity_mapper):
+    ids = random_ids(1, 16, seed=3)
+    ref = qwen3_model.generate(ids, do_sample=False, max_new_tokens=6)
+    with pytest.warns(Warning):  # transformers' deprecation of the old name
+        out = qwen3_model.generate(
+            ids, past_key_values=TransferredCache(prefill(qwen3_model, ids), identity_mapper), do_sample=False,
+            max_new_tokens=6,
+        )
+    assert torch.equal(out, ref)
+
+
+def test_left_padded_batch(qwen3_model, identity_mapper):
+    ids, mask = left_pad(random_ids(3, 28, seed=4), [28, 19, 9])
+    ref = qwen3_model.generate(ids, attention_mask=mask, do_sample=False, **GEN)
+    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), identity_mapper, attention_mask=mask)
+    out = qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert _max_logit_diff(out, ref) < 1e-4
+
+
+def test_left_padding_without_mask_in_transfer_is_detectably_wrong(qwen3_model, identity_mapper):
+    # The mask matters: stripping at unpadded positions gives different logits (guards the test above).
+    ids, mask = left_pad(random_ids(2, 20, seed=4), [20, 8])
+    ref = qwen3_model.generate(ids, attention_mask=mask, do_sample=False, **GEN)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    out = qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
+    assert _max_logit_diff(out, ref) > 1e-3
+
+
+def test_beam_search_expands_lazily(qwen3_model, identity_mapper):
+    ids = random_ids(1, 20, seed=5)
+    kw = dict(num_beams=2, num_return_sequences=2, do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    ref = qwen3_model.generate(ids, **kw)
+    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper), **kw)
+    assert torch.equal(out, ref)
+
+
+def test_seeded_sampling(qwen3_model, identity_mapper):
+    ids = random_ids(2, 18, seed=6)
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=10, min_new_tokens=10)
+    torch.manual_seed(11)
+    ref = qwen3_model.generate(ids, **kw)
+    torch.manual_seed(11)
+    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper), **kw)
+    assert torch.equal(out, ref)
+
+
+def test_second_turn_on_same_cache(qwen3_model, identity_mapper):
+    ids = random_ids(1, 20, seed=7)
+    own = DynamicCache(config=qwen3_model.config)
+    ref1 = qwen3_model.generate(ids, cache=own, do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    turn2 = torch.cat([ref1, random_ids(1, 7, seed=8)], dim=1)
+    ref2 = qwen3_model.generate(turn2, cache=own, do_sample=False, **GEN)
+
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    out1 = qwen3_model.generate(ids, cache=cache, do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    assert torch.equal(out1, ref1)
+    out2 = qwen3_model.generate(turn2, cache=cache, do_sample=False, **GEN)
+    assert torch.equal(out2.sequences, ref2.sequences)
+    assert _max_logit_diff(out2, ref2) < 1e-4
+
+
+@pytest.mark.parametrize("num_recompute_tokens", [1, 4])
+def test_recompute_tokens_only_new_tokens_fed(qwen3_model, identity_mapper, num_recompute_tokens):
+    ids = random_ids(1, 16, seed=9)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=num_recompute_tokens)
+    assert cache.get_seq_length() == 16 - num_recompute_tokens
+    with torch.no_grad():
+        logits = qwen3_model(ids[:, 16 - num_recompute_tokens :], cache=cache).logits
+        ref = qwen3_model(ids).logits[:, -num_recompute_tokens:]
+    assert (logits - ref).abs().max().item() < 1e-4
+    assert cache.get_seq_length() == 16
+
+
+def test_refeeding_whole_prompt_without_recompute_warns(qwen3_model, identity_mapper):
+    ids = random_ids(1, 12, seed=10)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=0)
+    with pytest.warns(UserWarning, match="num_recompute_tokens"):
+        qwen3_model.generate(ids, cache=cache, do_sample=False, max_new_tokens=2)
+
+
+def test_cache_operations_before_conversion(qwen3_model, identity_mapper):
+    ids = random_ids(2, 20, seed=12)
+    src = prefill(qwen3_model, ids)
+    src_keys = [layer.keys.clone() for layer in src.layers]
+
+    # crop before conversion == transferring the shorter prompt
+    cache = TransferredCache(src, identity_mapper)
+    cache.crop(-5)
+    assert cache.get_seq_length() == 14
+    with torch.no_grad():
+        out = qwen3_model(ids[:, 14:16], cache=cache).logits
+        ref = qwen3_model(ids[:, :16]).logits[:, 14:16]
+    assert (out - ref).abs().max().item() < 1e-4
+
+    # batch_select + repeat before conversion, then reorder
+    cache = TransferredCache(src, identity_mapper)
+    cache.batch_select_indices(torch.tensor([1]))
+    cache.batch_repeat_interleave(2)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    with torch.no_grad():
+        out = qwen3_model(ids[[1, 1], 19:], cache=cache).logits
+        ref = qwen3_model(ids[[1]]).logits[:, -1:]
+    assert (out - ref).abs().max().item() < 1e-4
+
+    # the caller's source cache was never modified
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(src.layers, src_keys))
+
+
+def test_cache_operations_after_conversion(qwen3_model, identity_mapper):
+    ids = random_ids(1, 20, seed=13)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    own = DynamicCache(config=qwen3_model.config)
+    with torch.no_grad():
+        qwen3_model(ids[:, 19:], cache=cache)
+        qwen3_model(ids, cache=own)
+    for c in (cache, own):
+        c.crop(-3)
+        c.batch_repeat_interleave(2)
+    for a, b in zip(cache.layers, own.layers):
+        assert a.keys.shape == b.keys.shape
+        assert (a.keys - b.keys).abs().max() < 1e-4
+
+
+def test_source_layers_released_and_deepcopy_shares_mapper(qwen3_model, identity_mapper):
+    ids = random_ids(1, 10, seed=14)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    clone = copy.deepcopy(cache)
+    assert clone.mapper is cache.mapper
+    with torch.no_grad():
+        qwen3_model(ids[:, 9:], cache=cache)
+    assert cache._source == {} and cache._stripped == {}
+    assert clone.num_pending_layers == 3  # the copy is independent
+
+
+def test_dtype_and_device_follow_key_states(qwen3_model, identity_mapper):
+    ids = random_ids(1, 12, seed=15)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    cache.convert_all(dtype=torch.bfloat16)
+    assert all(layer.keys.dtype == torch.bfloat16 for layer in cache.layers)
+
+
+def test_errors_for_wrong_source_cache(qwen3_model, identity_mapper):
+    from conftest import tiny_model
+
+    ids = random_ids(1, 10, seed=16)
+    other = tiny_model("qwen3", num_hidden_layers=2)
+    with pytest.raises(ValueError, match="source cache has 2 layers"):
+        TransferredCache(prefill(other, ids), identity_mapper)
+    wide = tiny_model("qwen3", num_hidden_layers=3, num_key_value_heads=4)
+    with pytest.raises(ValueError, match=r"expects \[batch, 2, seq, 16\]"):
+        TransferredCache(prefill(wide, ids), identity_mapper)
+    with pytest.raises(TypeError, match="source_cache must be"):
+        TransferredCache("not a cache", identity_mapper)
+    bad = prefill(qwen3_model, ids)
+    bad.layers[0].keys[0, 0, 3, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        TransferredCache(bad, identity_mapper).convert_all()
+
+
+def test_error_for_wrong_target_model(qwen3_model, identity_mapper):
+    from conftest import tiny_model
+
+    ids = random_ids(1, 10, seed=17)
+    deeper = tiny_model("qwen3", num_hidden_layers=4)
+    with pytest.raises(ValueError, match="more layers than the mapper's target"):
+        deeper.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper), max_new_tokens=2)
+    wide = tiny_model("qwen3", num_hidden_layers=3, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="load the mapper made for this target"):
+        wide.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper), max_new_tokens=2)
+
+
+def test_sliding_window_source_that_dropped_tokens_is_refused():
+    from conftest import tiny_model
+    from hf_kvtransfer import fit_mapper
+
+    model = tiny_model("mistral", num_hidden_layers=2, sliding_window=8)
+    mapper = fit_mapper(model, model, random_ids(8, 32, seed=1), top_k=1, progress=False)
+    ids = random_ids(1, 20, seed=2)
+    windowed = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=windowed)
+    with pytest.raises(ValueError, match="sliding-window layer that kept only"):
+        TransferredCache(windowed, mapper)
+    # prefill keeps every token; the target's own sliding layers then hold only their window.
+    kw = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    ref = model.generate(ids, **kw)
+    out = model.generate(ids, cache=TransferredCache(prefill(model, ids), mapper), **kw)
+    assert torch.equal(out, ref)

@@ -1,0 +1,163 @@
+"""Statistics, layer selection and the ridge solve, against closed-form references on materialised features."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_ids, tiny_model
+from hf_kvtransfer import (
+    KVStatistics,
+    TransferredCache,
+    capture_kv,
+    collect_statistics,
+    fit_mapper,
+    prefill,
+    solve_mapper,
+)
+from hf_kvtransfer.ridge import select_layers, single_source_r2, solve_layer
+from hf_kvtransfer.stats import flatten_layers, token_selection
+
+
+def test_linear_pair_selection_r2_and_generation(linear_models):
+    source, target, true_source_of = linear_models
+    mapper = fit_mapper(source, target, random_ids(24, 64, seed=9), top_k=1, progress=False)
+    for t, s in enumerate(true_source_of):
+        if s is None:
+            continue
+        assert mapper.config.selected_layers[t] == [s], f"target layer {t} should read source layer {s}"
+        assert mapper.config.fit_r2_key[t] > 0.999 and mapper.config.fit_r2_value[t] > 0.999
+    # the inserted layers' KV is not a linear function of any source layer
+    assert max(mapper.config.fit_r2_key[t] for t, s in enumerate(true_source_of) if s is None) < 0.95
+
+    ids = random_ids(2, 24, seed=7)
+    kw = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True, output_logits=True)
+    ref = target.generate(ids, **kw)
+    out = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper), **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 2e-3
+
+
+def test_linear_pair_topk_contains_true_layer(linear_models):
+    source, target, true_source_of = linear_models
+    stats = collect_statistics(source, target, random_ids(16, 64, seed=3), progress=False)
+    scores = single_source_r2(stats)["mean"]
+    selected = select_layers(scores, 2)
+    for t, s in enumerate(true_source_of):
+        if s is not None:
+            assert s in selected[t]
+            assert scores[s, t] > 0.999
+
+
+def _materialise(source, target, ids, stride):
+    sk, sv = capture_kv(source, ids)
+    tk, tv = capture_kv(target, ids)
+    index = token_selection(ids.shape[0], ids.shape[1], stride, None, ids.device)
+    return {
+        "key": (flatten_layers(sk, index).double().numpy(), flatten_layers(tk, index).double().numpy()),
+        "value": (flatten_layers(sv, index).double().numpy(), flatten_layers(tv, index).double().numpy()),
+    }
+
+
+@pytest.fixture(scope="module")
+def mismatched_pair():
+    # Different depth, KV heads and head dim: the map must still be a plain least-squares problem.
+    source = tiny_model("qwen3", num_hidden_layers=3, seed=1)
+    target = tiny_model("qwen3", num_hidden_layers=2, seed=2, num_key_value_heads=1, head_dim=8, num_attention_heads=2)
+    return source, target
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_ridge_matches_numpy_on_materialised_features(mismatched_pair, kind):
+    source, target = mismatched_pair
+    ids = random_ids(6, 40, seed=4)
+    stats = collect_statistics(source, target, ids, stride=3, progress=False)
+    x, y = _materialise(source, target, ids, stride=3)[kind]
+    assert stats.count == x.shape[0]
+    lam, selected, t = 0.5, [0, 2], 1
+    ls, lt = 2 * 16, 1 * 8  # per-layer dims of source and target
+    xs = np.concatenate([x[:, s * ls : (s + 1) * ls] for s in selected], axis=1)
+    yt = y[:, t * lt : (t + 1) * lt]
+    xc, yc = xs - xs.mean(0), yt - yt.mean(0)
+    w_ref = np.linalg.solve(xc.T @ xc + lam * np.eye(xs.shape[1]), xc.T @ yc)
+    b_ref = yt.mean(0) - xs.mean(0) @ w_ref
+    weight, bias, r2 = solve_layer(stats, kind, t, selected, ridge_lambda=lam)
+    np.testing.assert_allclose(weight.numpy().T, w_ref, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(bias.numpy(), b_ref, rtol=1e-6, atol=1e-8)
+    resid = yt - (xs @ w_ref + b_ref)
+    r2_ref = np.mean(1 - (resid**2).sum(0).reshape(1, -1).sum(-1) / (yc**2).sum(0).reshape(1, -1).sum(-1))
+    assert abs(r2 - r2_ref) < 1e-8
+
+
+def test_single_source_r2_matches_numpy(mismatched_pair):
+    source, target = mismatched_pair
+    ids = random_ids(4, 32, seed=5)
+    stats = collect_statistics(source, target, ids, stride=2, progress=False)
+    feats = _materialise(source, target, ids, stride=2)
+    scores = single_source_r2(stats, ridge_lambda=0.1)
+    for kind in ("key", "value"):
+        x, y = feats[kind]
+        for s in range(3):
+            xs = x[:, s * 32 : (s + 1) * 32]
+            xc = xs - xs.mean(0)
+            for t in range(2):
+                yc = y[:, t * 8 : (t + 1) * 8] - y[:, t * 8 : (t + 1) * 8].mean(0)
+                w = np.linalg.solve(xc.T @ xc + 0.1 * np.eye(32), xc.T @ yc)
+                r2 = 1 - ((yc - xc @ w) ** 2).sum() / (yc**2).sum()  # one target head
+                assert abs(scores[kind][s, t].item() - r2) < 1e-8
+
+
+def test_merged_shards_equal_one_pass_and_save_load(mismatched_pair, tmp_path):
+    source, target = mismatched_pair
+    ids = random_ids(8, 32, seed=6)
+    whole = collect_statistics(source, target, ids, progress=False)
+    a = collect_statistics(source, target, ids[:3], progress=False)
+    b = collect_statistics(source, target, ids[3:], progress=False)
+    b.save(tmp_path / "shard")
+    merged = a + KVStatistics.load(tmp_path / "shard")
+    assert merged.count == whole.count
+    for name in whole.tensors:
+        torch.testing.assert_close(merged.tensors[name], whole.tensors[name], rtol=1e-10, atol=1e-9)
+    m1, m2 = solve_mapper(whole, top_k=2), solve_mapper(merged, top_k=2)
+    assert m1.config.selected_layers == m2.config.selected_layers
+    for (n1, p1), (n2, p2) in zip(m1.state_dict().items(), m2.state_dict().items()):
+        torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_and_lambda_change_without_models(mismatched_pair):
+    source, target = mismatched_pair
+    stats = collect_statistics(source, target, random_ids(4, 32, seed=7), progress=False)
+    m_all = solve_mapper(stats, top_k="all", ridge_lambda=1.0)
+    assert all(sel == [0, 1, 2] for sel in m_all.config.selected_layers)
+    assert m_all.layers[0].key.weight.shape == (8, 3 * 32)
+    with pytest.raises(ValueError, match="top_k must be between 1"):
+        solve_mapper(stats, top_k=4)
+
+
+def test_padded_calibration_uses_only_real_tokens(mismatched_pair):
+    source, target = mismatched_pair
+    ids = random_ids(2, 24, seed=8)
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    padded = collect_statistics(source, target, ids, attention_mask=mask, stride=1, progress=False)
+    assert padded.count == 24 + 14
+    # the padded row's real tokens, prefilled alone at positions 0..13, give the same statistics
+    row0 = collect_statistics(source, target, ids[:1], stride=1, progress=False)
+    row1 = collect_statistics(source, target, ids[1:, 10:], stride=1, progress=False)
+    torch.testing.assert_close(padded.tensors["key.gram"], (row0 + row1).tensors["key.gram"], rtol=1e-5, atol=1e-4)
+
+
+def test_vocab_mismatch_is_refused():
+    a = tiny_model("qwen3")
+    b = tiny_model("qwen3", vocab_size=128)
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        fit_mapper(a, b, random_ids(2, 16), progress=False)
+
+
+def test_non_finite_states_are_refused(mismatched_pair):
+    source, target = mismatched_pair
+    stats = collect_statistics(source, target, random_ids(1, 16), progress=False)
+    sk, sv = capture_kv(source, random_ids(1, 16))
+    tk, tv = capture_kv(target, random_ids(1, 16))
+    sk[1][0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite key states"):
+        stats.update(sk, sv, tk, tv, stride=1)

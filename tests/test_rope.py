@@ -1,0 +1,81 @@
+"""RoPE strip / re-apply against the pre-RoPE keys hooked out of the attention modules themselves."""
+
+import importlib
+
+import pytest
+import torch
+
+from conftest import ARCHITECTURES, left_pad, random_ids, tiny_model
+from hf_kvtransfer import prefill
+from hf_kvtransfer.rope import (
+    apply_rope,
+    build_rotary_embedding,
+    config_from_dict,
+    position_ids_from_mask,
+    rotary_cos_sin,
+    strip_rope,
+)
+
+
+def _hook_pre_rope_keys(model, monkeypatch):
+    """Record the key states each attention layer passes into `apply_rotary_pos_emb` (i.e. before RoPE)."""
+    module = importlib.import_module(type(model).__module__)
+    original = module.apply_rotary_pos_emb
+    captured = []
+
+    def recording(q, k, cos, sin, *args, **kwargs):
+        captured.append(k.detach().clone())
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", recording)
+    return captured
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_strip_matches_hooked_pre_rope_keys_with_left_padding(arch, monkeypatch):
+    model = tiny_model(arch, num_hidden_layers=2)
+    ids, mask = left_pad(random_ids(3, 40, seed=1), [40, 31, 17])
+    captured = _hook_pre_rope_keys(model, monkeypatch)
+    cache = prefill(model, ids, attention_mask=mask)
+    assert len(captured) == model.config.num_hidden_layers
+
+    # Rebuilt from the config dict alone, as the target process does (no model object).
+    rotary = build_rotary_embedding(config_from_dict(model.config.to_dict()))
+    position_ids = position_ids_from_mask(mask, 3, 40, ids.device)
+    cos, sin = rotary_cos_sin(rotary, position_ids, ids.device)
+    real = mask.bool()
+    for layer_idx, pre_rope in enumerate(captured):
+        cached = cache.layers[layer_idx].keys
+        stripped = strip_rope(cached, cos, sin)
+        err = (stripped - pre_rope).abs().amax(dim=(1, 3))[real].max().item()
+        assert err < 1e-5, f"{arch} layer {layer_idx}: strip error {err}"
+        reapplied = apply_rope(stripped, cos, sin)
+        assert (reapplied - cached).abs().amax(dim=(1, 3))[real].max().item() < 1e-5
+
+
+def test_attention_scaling_is_removed_by_strip():
+    # yarn scales cos/sin by a != 1: a plain inverse rotation would leave keys scaled by a^2.
+    model = tiny_model("yarn")
+    rotary = build_rotary_embedding(model.config)
+    assert abs(rotary.attention_scaling - 1.0) > 0.05
+    k = torch.randn(1, 2, 9, 16)
+    cos, sin = rotary_cos_sin(rotary, torch.arange(9).unsqueeze(0), k.device)
+    assert torch.allclose(strip_rope(apply_rope(k, cos, sin), cos, sin), k, atol=1e-5)
+
+
+def test_partial_rotary_leaves_pass_through_dims_untouched():
+    model = tiny_model("phi3-partial")
+    rotary = build_rotary_embedding(model.config)
+    k = torch.randn(2, 2, 5, 16)
+    cos, sin = rotary_cos_sin(rotary, torch.arange(5).unsqueeze(0).expand(2, -1), k.device)
+    assert cos.shape[-1] == 8
+    rotated = apply_rope(k, cos, sin)
+    assert torch.equal(rotated[..., 8:], k[..., 8:])
+    assert not torch.allclose(rotated[..., :8], k[..., :8])
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        build_rotary_embedding(GPT2Config())
