@@ -12,7 +12,7 @@ import torch
 from transformers import Cache, DynamicCache
 
 from .mapper import KVMapper
-from .rope import apply_rope, position_ids_from_mask, rotary_cos_sin, strip_rope
+from .rope import position_ids_from_mask, rotary_cos_sin
 
 
 @functools.lru_cache(maxsize=8)
@@ -31,6 +31,25 @@ def _source_layers(source_cache: Cache | tuple) -> list[tuple[torch.Tensor | Non
         f"source_cache must be a transformers Cache (e.g. from `prefill(source, input_ids)`) or a tuple of "
         f"(key, value) pairs, got {type(source_cache).__name__}"
     )
+
+
+def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out = x * cos + rotate_half(x) * sin` on the rotary dims (the rest copied), with no temporaries.
+
+    Same math as `rope.apply_rope` (and, with the folded tables of `_rope_tables("strip")`, `rope.strip_rope`)
+    in four fused multiply-adds over half-width views; `out` may be a strided view and of another dtype.
+    """
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    o1, o2 = out[..., :half], out[..., half:rotary_dim]
+    torch.mul(x1, cos[..., :half], out=o1)
+    o1.addcmul_(x2, sin[..., :half], value=-1)
+    torch.mul(x2, cos[..., half:], out=o2)
+    o2.addcmul_(x1, sin[..., half:])
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:].copy_(x[..., rotary_dim:])
+    return out
 
 
 class TransferredCache(DynamicCache):
@@ -53,6 +72,9 @@ class TransferredCache(DynamicCache):
         attention_mask: `[batch, seq]` mask the source cache was built with (left padding); RoPE is
             stripped and re-applied at the per-row positions `cumsum(mask) - 1`.
         num_recompute_tokens: trailing prompt tokens left for the target to recompute (default 1).
+        strict: when the source cache comes from `prefill`, its model's config is compared with the one the
+            mapper was fit for; a difference beyond KV shapes warns, or raises with `strict=True`.
+        revision, token: used when `mapper` is a Hub repo id.
 
     Example:
         ```python
@@ -69,6 +91,7 @@ class TransferredCache(DynamicCache):
         attention_mask: torch.Tensor | None = None,
         num_recompute_tokens: int = 1,
         *,
+        strict: bool = False,
         revision: str | None = None,
         token: str | bool | None = None,
     ):
@@ -83,6 +106,9 @@ class TransferredCache(DynamicCache):
         self._target_rotary = mapper.target_rotary()
 
         src_layout = mapper.source_layout
+        source_config = getattr(source_cache, "source_model_config", None)
+        if source_config is not None:
+            mapper.check_compatible(source_config=source_config, strict=strict)
         layers = _source_layers(source_cache)
         if len(layers) != src_layout.num_layers:
             raise ValueError(
@@ -186,21 +212,97 @@ class TransferredCache(DynamicCache):
                 stacklevel=3,
             )
 
-    def _stripped_source(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE-stripped source layer `s` as `[batch, seq, heads * head_dim]` float32, computed once per layer."""
-        if s not in self._stripped:
-            keys, values = self._source[s]
-            if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+    # Everything derived from the source for the conversion lives in `self._stripped` (so `crop`/beam ops,
+    # which clear it, invalidate all of it): int keys hold one stripped source layer, ("sel", layers) keys the
+    # side-by-side features of a selection, ("rope", which, device) the cos/sin tables, ("finite", device)
+    # a deferred non-finite flag per source layer on accelerators.
+    def _rope_tables(self, which: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[batch, 1, seq, rotary_dim]` float32 at the transferred positions, computed once per cache.
+
+        For the source ("strip") the inverse rotation is folded in: `(cos, -sin) / (cos^2 + sin^2)`, so stripping
+        is the same multiply-add as applying RoPE and removes the rope type's attention scaling.
+        """
+        key = ("rope", which, device)
+        if key not in self._stripped:
+            rotary = self._source_rotary if which == "strip" else self._target_rotary
+            cos, sin = rotary_cos_sin(rotary, self._position_ids.to(device), device)
+            if which == "strip":
+                norm = cos * cos + sin * sin
+                cos, sin = cos / norm, -sin / norm
+            self._stripped[key] = (cos, sin)
+        return self._stripped[key]
+
+    def _feature_dtype(self) -> torch.dtype:
+        # Features are produced directly in the dtype the mapper computes in (no extra cast pass).
+        param = next(self.mapper.parameters(), None)
+        return param.dtype if param is not None and param.is_floating_point() else torch.float32
+
+    def _strip_into(self, s: int, key_out: torch.Tensor, value_out: torch.Tensor) -> None:
+        """Write stripped source layer `s` into `[batch, seq, heads, head_dim]` buffers (any dtype)."""
+        keys, values = self._source[s]
+        cos, sin = self._rope_tables("strip", keys.device)
+        # (B, H, T, D) -> (B, T, H, D) by writing through a transposed view: the transpose costs no extra pass.
+        _rotate_into(keys, cos, sin, key_out.transpose(1, 2))
+        value_out.transpose(1, 2).copy_(values)
+        # One reduction over the (contiguous) source tensors instead of isfinite().all(): NaN and inf survive a
+        # float32 sum, and reading the source is cheaper than reading strided output slots.
+        bad = ~torch.isfinite(keys.sum(dtype=torch.float32) + values.sum(dtype=torch.float32))
+        if keys.device.type == "cpu":
+            if bool(bad):
                 raise ValueError(f"source cache layer {s} has non-finite values (NaN/inf); check the source model's dtype")
-            cos, sin = rotary_cos_sin(self._source_rotary, self._position_ids.to(keys.device), keys.device)
-            k = strip_rope(keys, cos, sin)
-            # (B, H, T, D) -> (B, T, H*D)
-            self._stripped[s] = (
-                k.transpose(1, 2).reshape(k.shape[0], k.shape[2], -1),
-                values.float().transpose(1, 2).reshape(k.shape[0], k.shape[2], -1),
-            )
+        else:
+            # No host sync per layer on accelerators: collect the flags, check once after the last layer.
+            flags = self._stripped.setdefault(("finite", keys.device), {})
+            flags[s] = bad
+
+    def _raise_deferred_nonfinite(self) -> None:
+        for key in [k for k in self._stripped if isinstance(k, tuple) and k[0] == "finite"]:
+            bad = sorted(s for s, flag in self._stripped[key].items() if bool(flag))
+            if bad:
+                raise ValueError(
+                    f"source cache layers {bad} have non-finite values (NaN/inf); check the source model's dtype"
+                )
+
+    def _stripped_source(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE-stripped source layer `s` as `[batch, seq, heads * head_dim]` in the mapper's dtype, once per layer."""
+        if s not in self._stripped:
+            keys = self._source[s][0]
+            batch, heads, seq, dim = keys.shape
+            out = [torch.empty(batch, seq, heads, dim, dtype=self._feature_dtype(), device=keys.device) for _ in "kv"]
+            self._strip_into(s, *out)
+            self._stripped[s] = tuple(o.view(batch, seq, heads * dim) for o in out)
         return self._stripped[s]
 
+    def _selection_features(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stripped features of target layer `layer_idx`'s source layers side by side: `[batch, seq, k * H * D]`.
+
+        Target layers that read the same source layers share one buffer, and each source layer is stripped
+        straight into its slot, so the common case (every target layer reads the same layers) costs no copy.
+        """
+        selected = self.mapper.config.selected_layers[layer_idx]
+        if len(selected) == 1:
+            return self._stripped_source(selected[0])
+        key = ("sel", tuple(selected))
+        if key not in self._stripped:
+            ref = self._source[selected[0]][0]  # a pending layer's sources are never freed
+            batch, seq = ref.shape[0], ref.shape[2]
+            layout = self.mapper.source_layout
+            shape = (batch, seq, len(selected), layout.num_kv_heads, layout.head_dim)
+            buffers = [torch.empty(shape, dtype=self._feature_dtype(), device=ref.device) for _ in "kv"]
+            others = {tuple(self.mapper.config.selected_layers[t]) for t in self._pending if t != layer_idx} - {key[1]}
+            for j, s in enumerate(selected):
+                if s in self._stripped:  # stripped before for another selection: one copy, as a cat would do
+                    for buf, feats in zip(buffers, self._stripped[s]):
+                        buf[:, :, j].copy_(feats.view(batch, seq, layout.num_kv_heads, layout.head_dim))
+                    continue
+                self._strip_into(s, buffers[0][:, :, j], buffers[1][:, :, j])
+                if any(s in other for other in others):
+                    # Another selection reads this layer too: keep a view (no copy) for it.
+                    self._stripped[s] = tuple(b[:, :, j].reshape(batch, seq, -1) for b in buffers)
+            self._stripped[key] = tuple(b.view(batch, seq, -1) for b in buffers)
+        return self._stripped[key]
+
+    @torch.no_grad()
     def _convert(self, layer_idx: int, like: torch.Tensor) -> None:
         tgt = self.mapper.target_layout
         if like.shape[1] != tgt.num_kv_heads or like.shape[-1] != tgt.head_dim:
@@ -209,25 +311,32 @@ class TransferredCache(DynamicCache):
                 f"[batch, {tgt.num_kv_heads}, seq, {tgt.head_dim}] for {self.mapper.config.target_model_id}; "
                 "load the mapper made for this target model"
             )
+        selected = self.mapper.config.selected_layers[layer_idx]
         if self._length > 0:
-            selected = self.mapper.config.selected_layers[layer_idx]
-            feats = [self._stripped_source(s) for s in selected]
-            key_feats = torch.cat([f[0].to(like.device) for f in feats], dim=-1)
-            value_feats = torch.cat([f[1].to(like.device) for f in feats], dim=-1)
-            keys, values = self.mapper(layer_idx, key_feats, value_feats)
-            cos, sin = rotary_cos_sin(self._target_rotary, self._position_ids.to(like.device), like.device)
-            keys = apply_rope(keys.float(), cos, sin).to(like.dtype)
-            values = values.to(like.dtype)
+            key_feats, value_feats = (f.to(like.device) for f in self._selection_features(layer_idx))
+            keys, values = self.mapper(layer_idx, key_feats, value_feats)  # (B, H, T, D) views
+            cos, sin = self._rope_tables("apply", like.device)
+            # Straight into the cache dtype when the map already computed in it; else in float32, cast once.
+            rope_dtype = like.dtype if keys.dtype == like.dtype else torch.float32
+            keys = _rotate_into(keys, cos, sin, torch.empty(keys.shape, dtype=rope_dtype, device=like.device))
+            keys, values = keys.to(like.dtype), values.to(like.dtype)
             if like.shape[0] != keys.shape[0]:
                 keys, values = self._expand_batch(keys, values, like.shape[0])
             self.layers[layer_idx].update(keys, values)
         self._pending.discard(layer_idx)
-        for s in self.mapper.config.selected_layers[layer_idx]:
+        if ("sel", tuple(selected)) in self._stripped and not any(
+            self.mapper.config.selected_layers[t] == selected for t in self._pending
+        ):
+            del self._stripped[("sel", tuple(selected))]
+        for s in selected:
             self._consumers[s].discard(layer_idx)
             if not self._consumers[s]:
                 # Every reader of this source layer is converted: free it (the caller's cache keeps its own).
                 self._source.pop(s, None)
                 self._stripped.pop(s, None)
+        if not self._pending:
+            self._raise_deferred_nonfinite()
+            self._stripped.clear()  # cos/sin tables and flags
 
     @staticmethod
     def _expand_batch(keys: torch.Tensor, values: torch.Tensor, batch_size: int):

@@ -55,6 +55,8 @@ def prefill(
         cache=cache,
         use_cache=True,
     )
+    # Lets TransferredCache check that the mapper was fit for this source model (a config is small).
+    cache.source_model_config = model.config
     return cache
 
 

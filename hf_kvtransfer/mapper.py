@@ -71,6 +71,8 @@ class MapperConfig:
         top_k, ridge_lambda: fit hyper-parameters.
         fit_r2_key / fit_r2_value: in-sample head-averaged R^2 per target layer.
         calibration: how the calibration data was built (dataset, split, sequences, seq_len, stride, tokens).
+        model_selection: how `top_k` / `ridge_lambda` were chosen on held-out statistics (candidates, the
+            held-out R^2 curve, the choice), when they were.
     """
 
     source_config: dict[str, Any]
@@ -90,6 +92,7 @@ class MapperConfig:
     heldout_r2_key: list[float] | None = None
     heldout_r2_value: list[float] | None = None
     calibration: dict[str, Any] = field(default_factory=dict)
+    model_selection: dict[str, Any] | None = None
     mlp: dict[str, Any] | None = None
     num_parameters: int | None = None
     eval_results: dict[str, Any] | None = None
@@ -99,6 +102,9 @@ class MapperConfig:
     def __post_init__(self):
         if self.mapper_type not in MAPPER_TYPES:
             raise ValueError(f"mapper_type must be one of {MAPPER_TYPES}, got {self.mapper_type!r}")
+        # JSON-normalise (int dict keys become str, tuples lists) so a loaded config equals the saved one.
+        self.source_config = json.loads(json.dumps(self.source_config))
+        self.target_config = json.loads(json.dumps(self.target_config))
         if not self.source_fingerprint:
             self.source_fingerprint = config_fingerprint(self.source_config)
         if not self.target_fingerprint:
@@ -238,8 +244,11 @@ class KVMapper(nn.Module):
         tgt = self.target_layout
         out = []
         for proj, x in ((layer_map.key, source_key_states), (layer_map.value, source_value_states)):
-            weight, bias = proj.weight.to(x.device), proj.bias.to(x.device)  # no-op when already there
-            y = nn.functional.linear(x.to(weight.dtype), weight, bias)
+            if isinstance(proj, nn.Linear):
+                weight, bias = proj.weight.to(x.device), proj.bias.to(x.device)  # no-op when already there
+                y = nn.functional.linear(x.to(weight.dtype), weight, bias)
+            else:  # a nonlinear map (mlp.py) handles device and dtype itself
+                y = proj(x)
             # (B, T, H*D) -> (B, H, T, D)
             out.append(y.view(*y.shape[:-1], tgt.num_kv_heads, tgt.head_dim).transpose(1, 2))
         return out[0], out[1]
@@ -287,10 +296,8 @@ class KVMapper(nn.Module):
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "mapper_type": self.config.mapper_type})
         (path / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n")
-        try:
-            from .hub import render_model_card
-        except ImportError:  # hub layer not available in a stripped-down install
-            return
+        from .hub import render_model_card
+
         render_model_card(self.config.to_dict(), repo_id=repo_id).save(str(path / "README.md"))
 
     @classmethod

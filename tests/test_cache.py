@@ -175,11 +175,20 @@ def test_errors_for_wrong_source_cache(qwen3_model, identity_mapper):
 
     ids = random_ids(1, 10, seed=16)
     other = tiny_model("qwen3", num_hidden_layers=2)
-    with pytest.raises(ValueError, match="source cache has 2 layers"):
+    with pytest.raises(ValueError, match="num_hidden_layers: mapper has 3, model has 2"):
         TransferredCache(prefill(other, ids), identity_mapper)
+    legacy = tuple((layer.keys, layer.values) for layer in prefill(other, ids).layers)  # no config attached
+    with pytest.raises(ValueError, match="source cache has 2 layers"):
+        TransferredCache(legacy, identity_mapper)
     wide = tiny_model("qwen3", num_hidden_layers=3, num_key_value_heads=4)
+    legacy = tuple((layer.keys, layer.values) for layer in prefill(wide, ids).layers)
     with pytest.raises(ValueError, match=r"expects \[batch, 2, seq, 16\]"):
-        TransferredCache(prefill(wide, ids), identity_mapper)
+        TransferredCache(legacy, identity_mapper)
+    rope_changed = tiny_model("qwen3", num_hidden_layers=3, rope_parameters={"rope_type": "default", "rope_theta": 50.0})
+    with pytest.warns(UserWarning, match="fit for source model"):
+        TransferredCache(prefill(rope_changed, ids), identity_mapper)
+    with pytest.raises(ValueError, match="rope_parameters"):
+        TransferredCache(prefill(rope_changed, ids), identity_mapper, strict=True)
     with pytest.raises(TypeError, match="source_cache must be"):
         TransferredCache("not a cache", identity_mapper)
     bad = prefill(qwen3_model, ids)

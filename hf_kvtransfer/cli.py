@@ -1,0 +1,295 @@
+"""`hf-kvtransfer` command line: thin subcommands over the public API.
+
+Each subcommand registers itself with an `_add_<name>(subparsers)` function listed in `_SUBCOMMANDS`;
+the handler receives the parsed `argparse.Namespace` and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import textwrap
+
+from . import __version__
+
+# Errors a user can act on: printed as one line plus a hint; the traceback only with --debug / HF_DEBUG=1.
+_KNOWN_ERRORS = (ValueError, FileNotFoundError, OSError, ImportError, TypeError, KeyError)
+
+
+def _example(text: str) -> str:
+    return "example:\n" + textwrap.indent(textwrap.dedent(text).strip(), "  ")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-kvtransfer",
+        description="Reuse a source model's KV cache in a target model of the same family (no re-prefill).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_example(
+            """
+            hf-kvtransfer demo
+            hf-kvtransfer info ./mappers/small-to-large
+            """
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"hf-kvtransfer {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks (also HF_DEBUG=1)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def _subparser(subparsers, name: str, help: str, example: str) -> argparse.ArgumentParser:
+    return subparsers.add_parser(
+        name, help=help, description=help, epilog=_example(example), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+# -- subcommands (each: _add_<name> registers, _run_<name> executes) -------------------------------------
+
+_SUBCOMMANDS: list = []
+
+
+# -- eval / demo (evaluate.py, demo.py) ------------------------------------------------------------------
+
+
+def _load_pair(args):
+    import torch
+
+    from .demo import load_models
+
+    dtype = getattr(torch, args.dtype)
+    return load_models(args.source, args.target, device=args.device, dtype=dtype)
+
+
+def _add_eval(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "eval",
+        "measure what a mapper retains: prefix-conditioned perplexity, multiple choice, diagnostics, multi-turn drift",
+        """
+        hf-kvtransfer eval --source examples/family/small --target examples/family/large \\
+            --mapper ./small-to-large --text examples/family/heldout.txt --json eval.json --plot eval.png
+        """,
+    )
+    p.add_argument("--source", required=True, help="source model id or path")
+    p.add_argument("--target", required=True, help="target model id or path (its tokenizer is used)")
+    p.add_argument("--mapper", required=True, help="source -> target mapper (Hub id or local directory)")
+    p.add_argument("--text", required=True, help="evaluation text file (documents split at lines holding only EOS)")
+    p.add_argument("--reverse-mapper", help="target -> source mapper: adds the multi-turn handoff")
+    p.add_argument("--mc", help="multiple-choice JSONL (generic / HellaSwag / ARC / PIQA / WinoGrande fields)")
+    p.add_argument("--mc-limit", type=int, help="score only the first N multiple-choice items")
+    p.add_argument("--prefix-len", type=int, default=128, help="prefix length T (windows of 2T tokens; default 128)")
+    p.add_argument("--max-windows", type=int, default=256, help="perplexity windows, evenly spaced (default 256)")
+    p.add_argument("--recompute", type=int, default=0, help="prefix tokens the target recomputes (default 0)")
+    p.add_argument("--no-continuation", action="store_true", help="skip the continuation task built from --text")
+    p.add_argument("--num-items", type=int, default=200, help="continuation-task items (default 200)")
+    p.add_argument("--context-len", type=int, default=128, help="continuation-task context tokens (default 128)")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: number of turns (default 4)")
+    p.add_argument("--turn-len", type=int, default=64, help="multi-turn: tokens per turn (default 64)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--markdown", help="write the markdown tables here (they are printed either way)")
+    p.add_argument("--plot", help="write a PNG of per-layer cosine / R^2 and per-turn drift (needs matplotlib)")
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .evaluate import evaluate, load_multiple_choice, plot_results, results_to_markdown
+    from .mapper import KVMapper
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (fail before the run, not after it)
+        except ImportError as exc:
+            raise ImportError("--plot needs matplotlib: pip install 'hf-kvtransfer[plot]'") from exc
+    source, target, tokenizer = _load_pair(args)
+    mapper = KVMapper.from_pretrained(args.mapper)
+    mapper.check_compatible(source.config, target.config)
+    reverse = None
+    if args.reverse_mapper:
+        reverse = KVMapper.from_pretrained(args.reverse_mapper)
+        reverse.check_compatible(target.config, source.config)
+    items = load_multiple_choice(args.mc, tokenizer, args.mc_limit) if args.mc else None
+    results = evaluate(
+        source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"),
+        prefix_len=args.prefix_len, max_windows=args.max_windows, num_recompute_tokens=args.recompute,
+        continuation=not args.no_continuation, context_len=args.context_len, num_items=args.num_items,
+        multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,
+        batch_size=args.batch_size, seed=args.seed,
+    )
+    results["config"].update(source=args.source, target=args.target, mapper=args.mapper, text=args.text)
+    table = results_to_markdown(results)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(table, encoding="utf-8")
+    if args.plot:
+        plot_results(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _add_demo(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "demo",
+        "transfer a prompt's cache from a small model to a large one and compare with the large model's own run "
+        "(offline on the bundled family when run without arguments)",
+        """
+        hf-kvtransfer demo
+        hf-kvtransfer demo --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --mapper org/qwen3-0.6b-to-1.7b \\
+            --text my_eval.txt
+        """,
+    )
+    p.add_argument("--source", help="source model id or path (default: the bundled family's small model)")
+    p.add_argument("--target", help="target model id or path (default: the bundled family's large model)")
+    p.add_argument("--mapper", help="fitted mapper id or path (default: fit one on --calibration now)")
+    p.add_argument("--family", help="directory of the bundled family (default: examples/family of the checkout)")
+    p.add_argument("--calibration", help="text file to fit the mapper on (default: the family's calibration.txt)")
+    p.add_argument("--num-sequences", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (default 256)")
+    p.add_argument("--top-k", default="4", help="source layers per target layer (default 4; 'all')")
+    p.add_argument("--prompt", help="prompt text (default: the start of a held-out document)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--text", help="text for the retention estimate (default: the family's heldout.txt)")
+    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows for the retention estimate")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="write the demo's numbers as JSON here")
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .demo import format_demo, run_demo
+
+    top_k = args.top_k if args.top_k == "all" else int(args.top_k)
+    result = run_demo(
+        args.source, args.target, args.mapper, family=args.family, prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens, calibration=args.calibration, num_sequences=args.num_sequences,
+        seq_len=args.seq_len, top_k=top_k, text=args.text, eval_windows=args.eval_windows, device=args.device,
+    )
+    print(format_demo(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    return 0
+
+
+_SUBCOMMANDS += [_add_demo, _add_eval]
+
+
+# -- fit (fit.py, calibration.py) ------------------------------------------------------------------------
+
+
+def _add_fit(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "fit",
+        "fit a ridge KV mapper from calibration text (paper defaults: FineWeb-Edu, 500 x 1024 tokens, stride 4, "
+        "k=8, lambda=0.01); resumable, distributed under torchrun",
+        """
+        hf-kvtransfer fit --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --output mappers/0.6b-to-1.7b
+        hf-kvtransfer fit --source examples/family/small --target examples/family/large \\
+            --dataset examples/family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 1,2,all \\
+            --output mappers/family
+        torchrun --nproc-per-node 8 -m hf_kvtransfer.cli fit --source Qwen/Qwen3-14B --target Qwen/Qwen3-32B \\
+            --dtype bfloat16 --top-k auto --stats-dir stats/14b-32b --output mappers/14b-to-32b
+        """,
+    )
+    p.add_argument("--source", required=True, help="source model id or local directory")
+    p.add_argument("--target", required=True, help="target model id or local directory")
+    p.add_argument("--output", required=True, help="mapper directory (one subdirectory per k when several)")
+    p.add_argument("--dataset", help="Hub dataset id (streamed) or local .txt/.jsonl/.parquet file or directory "
+                   "(default HuggingFaceFW/fineweb-edu, config sample-10BT)")  # fmt: skip
+    p.add_argument("--dataset-config", help="Hub dataset config (default sample-10BT for the default dataset)")
+    p.add_argument("--split", default="train", help="dataset split (default train)")
+    p.add_argument("--text-field", default="text", help="text column of .jsonl/.parquet/Hub rows (default text)")
+    p.add_argument("--num-sequences", type=int, default=500, help="calibration sequences (default 500)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per packed sequence (default 1024)")
+    p.add_argument("--stride", type=int, default=4, help="use every n-th token (default 4)")
+    p.add_argument("--top-k", default="8", help="source layers per target layer: N, 'all', several ('1,2,all': one "
+                   "mapper each from one pass) or 'auto' (pick by held-out R^2, among listed values if any)")  # fmt: skip
+    p.add_argument("--ridge-lambda", default="0.01", help="ridge penalty (default 0.01) or 'auto' (held-out R^2)")
+    p.add_argument("--heldout-fraction", type=float, default=0.1,
+                   help="share of sequences held out for out-of-sample R^2 and 'auto' (default 0.1; 0 disables)")  # fmt: skip
+    p.add_argument("--no-refit", action="store_true", help="keep the fit-shard weights (default: refit on all sequences)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
+    p.add_argument("--dtype", default="auto", help="model dtype: auto, float32, bfloat16, float16 (default auto)")
+    p.add_argument("--device-map", help="accelerate device map for both models, e.g. auto or cuda:0")
+    p.add_argument("--source-revision", help="source model revision")
+    p.add_argument("--target-revision", help="target model revision")
+    p.add_argument("--stats-dir", help="keep the statistics (train/, heldout/) and checkpoints here for later refits")
+    p.add_argument("--checkpoint-every", type=int, default=64, help="checkpoint every N sequences per rank (default 64)")
+    p.add_argument("--statistics-device", help="where the sums live (default: the target's GPU if they fit, else cpu)")
+    p.add_argument("--push-to-hub", metavar="REPO", help="also upload the mapper to this Hub repo")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(func=_run_fit)
+
+
+def _run_fit(args) -> int:
+    from .fit import fit_and_save
+
+    results = fit_and_save(
+        args.source, args.target, args.output, dataset=args.dataset, dataset_config=args.dataset_config,
+        split=args.split, text_field=args.text_field, num_sequences=args.num_sequences, seq_len=args.seq_len,
+        stride=args.stride, top_k=args.top_k, ridge_lambda=args.ridge_lambda, batch_size=args.batch_size,
+        dtype=args.dtype, device_map=args.device_map, source_revision=args.source_revision,
+        target_revision=args.target_revision, heldout_fraction=args.heldout_fraction, refit=not args.no_refit,
+        stats_dir=args.stats_dir, checkpoint_every=args.checkpoint_every, statistics_device=args.statistics_device,
+        push_to_hub=args.push_to_hub, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    for path, mapper in results:
+        c = mapper.config
+
+        def mean(values):
+            return f"{sum(values) / len(values):.4f}" if values else "-"
+
+        print(
+            f"wrote {path}: k={c.top_k} lambda={c.ridge_lambda:g} fit R^2 K/V {mean(c.fit_r2_key)}/{mean(c.fit_r2_value)}"
+            f" held-out R^2 K/V {mean(c.heldout_r2_key)}/{mean(c.heldout_r2_value)}"
+        )
+    return 0
+
+
+_SUBCOMMANDS += [_add_fit]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    debug = args.debug or os.environ.get("HF_DEBUG", "").lower() in ("1", "true", "yes")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except _KNOWN_ERRORS as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        print("hint: rerun with --debug (or HF_DEBUG=1) for the full traceback", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""The README's quickstart runs as written (on the bundled model family)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _quickstart_code() -> str:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- quickstart:[^>]*-->\s*```python\n(.*?)```", readme, re.S)
+    assert match, "README.md lost its quickstart block"
+    return match.group(1)
+
+
+def test_readme_quickstart_runs(tmp_path, monkeypatch, capsys):
+    if not (ROOT / "examples/family/large/model.safetensors").is_file():
+        pytest.fail("examples/family is missing: the bundled model family must be committed")
+    code = _quickstart_code()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+    printed = capsys.readouterr().out
+    assert (tmp_path / "mappers/small-to-large/model.safetensors").is_file()
+    assert printed.startswith("[") and len(printed) > 10
