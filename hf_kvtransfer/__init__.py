@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 from .cache import TransferredCache
 from .capture import capture_kv, prefill
 from .fit import collect_statistics, fit_mapper, solve_mapper
+from .hub import MapperHubError
 from .mapper import KVMapper, MapperConfig
 from .stats import KVLayout, KVStatistics
 
@@ -13,6 +14,7 @@ __all__ = [
     "KVMapper",
     "KVStatistics",
     "MapperConfig",
+    "MapperHubError",
     "TransferredCache",
     "__version__",
     "capture_kv",

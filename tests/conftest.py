@@ -22,6 +22,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+# The local Hub-compatible server (tests/hub_server.py) and its `hub_server` / `unreachable_hub` fixtures.
+pytest_plugins = ["hub_fixtures"]
+
 VOCAB = 96
 COMMON = dict(
     vocab_size=VOCAB,
