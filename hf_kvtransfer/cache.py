@@ -9,9 +9,11 @@ import warnings
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from .mapper import KVMapper
+from .mapper import KVMapper, _LowRankLayerMap
 from .rope import position_ids_from_mask, rotary_cos_sin
 
 
@@ -52,6 +54,38 @@ def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _compiled_rope():
+    """`torch.compile`d RoPE (one fused loop instead of four passes), returning a contiguous tensor of `dtype`."""
+
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rotary_dim = cos.shape[-1]
+        half = rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        parts = [x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]]
+        if rotary_dim < x.shape[-1]:
+            parts.append(x[..., rotary_dim:].to(parts[0].dtype))
+        return torch.cat(parts, dim=-1).to(dtype).contiguous()
+
+    return torch.compile(rope, dynamic=True)
+
+
+def _stacked_down(mapper: KVMapper, group: tuple[int, ...], kind: str, device: torch.device) -> torch.Tensor:
+    """`down` factors of `group`'s layer maps stacked `[sum of ranks, F_in]`, kept on the mapper between caches.
+
+    Rebuilt when any factor changed in place (tensor version counters) or moved, so edits are never missed.
+    """
+    weights = [getattr(mapper.layers[t], kind).down.weight for t in group]
+    if len(weights) == 1:
+        return weights[0].to(device)
+    store = mapper.__dict__.setdefault("_stacked_down", {})
+    versions = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+    entry = store.get((group, kind, device))
+    if entry is None or entry[0] != versions:
+        entry = store[(group, kind, device)] = (versions, torch.cat([w.detach() for w in weights]).to(device))
+    return entry[1]
+
+
 class TransferredCache(DynamicCache):
     """The target model's KV cache, converted from the source model's cache one layer at a time.
 
@@ -83,6 +117,10 @@ class TransferredCache(DynamicCache):
         out = target.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=32)
         ```
     """
+
+    # Opt-in: run RoPE strip/apply through `torch.compile` (one fused kernel per call instead of four passes;
+    # ~1.9x faster RoPE on CPU at 4096 tokens, after a one-off compile of several seconds). Off by default.
+    compile_rope: bool = False
 
     def __init__(
         self,
@@ -214,8 +252,8 @@ class TransferredCache(DynamicCache):
 
     # Everything derived from the source for the conversion lives in `self._stripped` (so `crop`/beam ops,
     # which clear it, invalidate all of it): int keys hold one stripped source layer, ("sel", layers) keys the
-    # side-by-side features of a selection, ("rope", which, device) the cos/sin tables, ("finite", device)
-    # a deferred non-finite flag per source layer on accelerators.
+    # side-by-side features of a selection, ("codes", layers) the low-rank codes of the layers reading them,
+    # ("rope", which, device) the cos/sin tables, ("finite", device) deferred non-finite flags on accelerators.
     def _rope_tables(self, which: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[batch, 1, seq, rotary_dim]` float32 at the transferred positions, computed once per cache.
 
@@ -242,7 +280,10 @@ class TransferredCache(DynamicCache):
         keys, values = self._source[s]
         cos, sin = self._rope_tables("strip", keys.device)
         # (B, H, T, D) -> (B, T, H, D) by writing through a transposed view: the transpose costs no extra pass.
-        _rotate_into(keys, cos, sin, key_out.transpose(1, 2))
+        if self.compile_rope:
+            key_out.transpose(1, 2).copy_(_compiled_rope()(keys, cos, sin, key_out.dtype))
+        else:
+            _rotate_into(keys, cos, sin, key_out.transpose(1, 2))
         value_out.transpose(1, 2).copy_(values)
         # One reduction over the (contiguous) source tensors instead of isfinite().all(): NaN and inf survive a
         # float32 sum, and reading the source is cheaper than reading strided output slots.
@@ -302,6 +343,39 @@ class TransferredCache(DynamicCache):
             self._stripped[key] = tuple(b.view(batch, seq, -1) for b in buffers)
         return self._stripped[key]
 
+    def _map_low_rank(self, layer_idx: int, key_feats: torch.Tensor, value_feats: torch.Tensor):
+        """A reduced-rank layer map, with the `down` projections of every pending layer that reads the same source
+        layers done in one matmul: a few wide GEMMs instead of one skinny `[F_in -> r]` GEMM per layer and kind.
+
+        The codes `[batch, seq, sum of ranks]` are tiny next to the features, so computing them ahead is cheap.
+        """
+        selected = tuple(self.mapper.config.selected_layers[layer_idx])
+        key = ("codes", selected)
+        if key not in self._stripped:
+            group = [
+                t for t in sorted(self._pending)
+                if tuple(self.mapper.config.selected_layers[t]) == selected
+                and isinstance(self.mapper.layers[t], _LowRankLayerMap)
+            ]  # fmt: skip
+            codes = {}
+            for kind, x in (("key", key_feats), ("value", value_feats)):
+                down = _stacked_down(self.mapper, tuple(group), kind, x.device)  # (sum r, F_in)
+                z = nn.functional.linear(x.to(down.dtype), down)  # (B, T, sum r)
+                offsets = torch.tensor([0] + [getattr(self.mapper.layers[t], kind).down.weight.shape[0] for t in group])
+                bounds = offsets.cumsum(0).tolist()
+                codes[kind] = {t: z[..., bounds[i] : bounds[i + 1]] for i, t in enumerate(group)}
+            self._stripped[key] = codes
+        codes = self._stripped[key]
+        tgt = self.mapper.target_layout
+        out = []
+        for kind in ("key", "value"):
+            up = getattr(self.mapper.layers[layer_idx], kind).up
+            z = codes[kind].pop(layer_idx)
+            y = nn.functional.linear(z, up.weight.to(z.device), up.bias.to(z.device))
+            # (B, T, H*D) -> (B, H, T, D)
+            out.append(y.view(*y.shape[:-1], tgt.num_kv_heads, tgt.head_dim).transpose(1, 2))
+        return out[0], out[1]
+
     @torch.no_grad()
     def _convert(self, layer_idx: int, like: torch.Tensor) -> None:
         tgt = self.mapper.target_layout
@@ -314,20 +388,33 @@ class TransferredCache(DynamicCache):
         selected = self.mapper.config.selected_layers[layer_idx]
         if self._length > 0:
             key_feats, value_feats = (f.to(like.device) for f in self._selection_features(layer_idx))
-            keys, values = self.mapper(layer_idx, key_feats, value_feats)  # (B, H, T, D) views
+            if isinstance(self.mapper.layers[layer_idx], _LowRankLayerMap):
+                keys, values = self._map_low_rank(layer_idx, key_feats, value_feats)
+            else:
+                keys, values = self.mapper(layer_idx, key_feats, value_feats)  # (B, H, T, D) views
             cos, sin = self._rope_tables("apply", like.device)
             # Straight into the cache dtype when the map already computed in it; else in float32, cast once.
             rope_dtype = like.dtype if keys.dtype == like.dtype else torch.float32
-            keys = _rotate_into(keys, cos, sin, torch.empty(keys.shape, dtype=rope_dtype, device=like.device))
-            keys, values = keys.to(like.dtype), values.to(like.dtype)
+            if self.compile_rope:
+                keys = _compiled_rope()(keys, cos, sin, rope_dtype)
+            else:
+                keys = _rotate_into(keys, cos, sin, torch.empty(keys.shape, dtype=rope_dtype, device=like.device))
+            # One copy for the values: transpose and cast together into the contiguous layout the cache keeps.
+            keys = keys.to(like.dtype)
+            values = torch.empty(values.shape, dtype=like.dtype, device=like.device).copy_(values)
             if like.shape[0] != keys.shape[0]:
                 keys, values = self._expand_batch(keys, values, like.shape[0])
-            self.layers[layer_idx].update(keys, values)
+            layer = self.layers[layer_idx]
+            if type(layer) is DynamicLayer and not layer.is_initialized:
+                # What `update` would store, without its copy (a concatenation onto an empty tensor).
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+            else:
+                layer.update(keys, values)
         self._pending.discard(layer_idx)
-        if ("sel", tuple(selected)) in self._stripped and not any(
-            self.mapper.config.selected_layers[t] == selected for t in self._pending
-        ):
-            del self._stripped[("sel", tuple(selected))]
+        if not any(self.mapper.config.selected_layers[t] == selected for t in self._pending):
+            self._stripped.pop(("sel", tuple(selected)), None)
+            self._stripped.pop(("codes", tuple(selected)), None)
         for s in selected:
             self._consumers[s].discard(layer_idx)
             if not self._consumers[s]:

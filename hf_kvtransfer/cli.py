@@ -54,6 +54,110 @@ def _subparser(subparsers, name: str, help: str, example: str) -> argparse.Argum
 _SUBCOMMANDS: list = []
 
 
+def _add_push(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "push",
+        "publish a mapper folder to the Hugging Face Hub (config, weights and model card in one commit)",
+        """
+        hf-kvtransfer push mappers/small-to-large my-org/small-to-large-kv --private
+        hf-kvtransfer push mappers/small-to-large my-org/small-to-large-kv --revision k8
+        """,
+    )
+    p.add_argument("mapper_dir", help="folder written by `KVMapper.save_pretrained` or `hf-kvtransfer fit`")
+    p.add_argument("repo_id", help="Hub repo to create or update, e.g. my-org/qwen3-14b-to-32b-kv")
+    p.add_argument("--private", action="store_true", help="create the repo private (only applies when it is new)")
+    p.add_argument("--revision", help="branch to publish to (created from main if missing)")
+    p.add_argument("--commit-message", help="commit title (default: describes the mapper)")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing directly")
+    p.add_argument("--token", help="Hub token with write access (default: `hf auth login` / HF_TOKEN)")
+    p.set_defaults(func=_run_push)
+
+
+def _run_push(args) -> int:
+    from .mapper import KVMapper
+
+    # Loading first validates the folder strictly, and re-rendering the card puts the repo id in its usage snippet.
+    mapper = KVMapper.from_pretrained(args.mapper_dir, local_files_only=True)
+    url = mapper.push_to_hub(
+        args.repo_id,
+        private=args.private or None,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        token=args.token,
+        create_pr=args.create_pr,
+    )
+    print(url)
+    return 0
+
+
+def _add_info(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "info",
+        "summarise a mapper (local folder or Hub repo): model pair, k, size, fit quality",
+        """
+        hf-kvtransfer info mappers/small-to-large
+        hf-kvtransfer info my-org/small-to-large-kv --revision k8
+        """,
+    )
+    p.add_argument("mapper", help="local mapper folder or Hub repo id")
+    p.add_argument("--revision", help="branch, tag or commit on the Hub")
+    p.add_argument("--token", help="Hub token for private or gated repos")
+    p.add_argument("--json", action="store_true", help="print the full config.json instead of the summary")
+    p.set_defaults(func=_run_info)
+
+
+def _run_info(args) -> int:
+    import json
+
+    from .hub import resolve_mapper_dir
+    from .mapper import CONFIG_NAME, WEIGHTS_NAME
+
+    path = resolve_mapper_dir(args.mapper, revision=args.revision, token=args.token)
+    config = json.loads((path / CONFIG_NAME).read_text())
+    if args.json:
+        print(json.dumps(config, indent=2, sort_keys=True))
+        return 0
+    print(_format_info(config, (path / WEIGHTS_NAME).stat().st_size))
+    return 0
+
+
+def _format_info(config: dict, weights_bytes: int) -> str:
+    def fp(which: str) -> str:
+        f = config.get(f"{which}_fingerprint", {})
+        name = config.get(f"{which}_model_id") or "?"
+        rev = config.get(f"{which}_revision")
+        return (
+            f"{name}{'@' + rev if rev else ''} ({f.get('model_type')}, {f.get('num_hidden_layers')} layers x "
+            f"{f.get('num_key_value_heads')} KV heads x {f.get('head_dim')})"
+        )
+
+    lines = [
+        f"mapper:      {config.get('mapper_type')} (hf-kvtransfer {config.get('library_version')})",
+        f"source:      {fp('source')}",
+        f"target:      {fp('target')}",
+        f"top_k:       {config.get('top_k')}    ridge_lambda: {config.get('ridge_lambda')}",
+        f"parameters:  {config.get('num_parameters') or 0:,} ({weights_bytes / 2**20:.1f} MiB on disk)",
+    ]
+    calibration = config.get("calibration") or {}
+    if calibration:
+        lines.append("calibration: " + ", ".join(f"{k}={v}" for k, v in sorted(calibration.items()) if v is not None))
+    for label, key in (("fit R^2", "fit_r2"), ("held-out R^2", "heldout_r2")):
+        rk, rv = config.get(f"{key}_key"), config.get(f"{key}_value")
+        if rk and rv:
+            lines.append(
+                f"{label + ':':<13}K mean {sum(rk) / len(rk):.4f} (min {min(rk):.4f}), "
+                f"V mean {sum(rv) / len(rv):.4f} (min {min(rv):.4f})"
+            )
+    for name, value in sorted((config.get("eval_results") or {}).items()):
+        lines.append(f"eval:        {name} = {value}")
+    return "\n".join(lines)
+
+
+_SUBCOMMANDS += [_add_push, _add_info]
+
+
 # -- eval / demo (evaluate.py, demo.py) ------------------------------------------------------------------
 
 
@@ -159,13 +263,13 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--mapper", help="fitted mapper id or path (default: fit one on --calibration now)")
     p.add_argument("--family", help="directory of the bundled family (default: examples/family of the checkout)")
     p.add_argument("--calibration", help="text file to fit the mapper on (default: the family's calibration.txt)")
-    p.add_argument("--num-sequences", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--num-sequences", type=int, default=64, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (default 256)")
     p.add_argument("--top-k", default="4", help="source layers per target layer (default 4; 'all')")
     p.add_argument("--prompt", help="prompt text (default: the start of a held-out document)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--text", help="text for the retention estimate (default: the family's heldout.txt)")
-    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows for the retention estimate")
+    p.add_argument("--eval-windows", type=int, default=48, help="held-out windows for the retention estimate (default 48)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", help="write the demo's numbers as JSON here")
     p.set_defaults(func=_run_demo)
@@ -237,7 +341,30 @@ def _add_fit(subparsers) -> None:
     p.add_argument("--statistics-device", help="where the sums live (default: the target's GPU if they fit, else cpu)")
     p.add_argument("--push-to-hub", metavar="REPO", help="also upload the mapper to this Hub repo")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--two-stage", action=argparse.BooleanOptionalAction, default=None,
+                   help="bounded memory: probe layer selection on --probe-tokens tokens, then keep only the blocks "
+                   "of the top-k layers (default: automatic when the full statistics exceed the memory budget)")  # fmt: skip
+    p.add_argument("--probe-tokens", type=int, default=8192, help="tokens for the two-stage probe (default 8192)")
+    p.add_argument("--max-statistics-memory", type=float, metavar="GIB",
+                   help="budget for the statistics before switching to two-stage (default: half the free memory)")  # fmt: skip
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--mapper", choices=("ridge", "mlp"), default="ridge",
+                   help="ridge (closed form, default) or mlp: an MLP per target layer and K|V, by default a residual "
+                   "on top of ridge with early stopping on the held-out sequences")  # fmt: skip
+    mlp = p.add_argument_group("MLP mapper (--mapper mlp; paper: 2 x 1024 ReLU units, Adam, MSE)")
+    mlp.add_argument("--mlp-hidden-size", type=int, default=1024, help="hidden units per layer (default 1024)")
+    mlp.add_argument("--mlp-layers", type=int, default=2, help="hidden layers (default 2)")
+    mlp.add_argument("--mlp-epochs", type=int, default=20, help="maximum epochs (default 20)")
+    mlp.add_argument("--mlp-lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    mlp.add_argument("--mlp-batch-size", type=int, default=256, help="tokens per Adam step (default 256)")
+    mlp.add_argument("--mlp-patience", type=int, default=5,
+                     help="stop after this many epochs without held-out improvement (default 5)")  # fmt: skip
+    mlp.add_argument("--mlp-plain", action="store_true", help="the paper's plain MLP instead of a residual on ridge")
+    mlp.add_argument("--mlp-per-head", action="store_true", help="one MLP per target KV head (the paper's layout)")
+    mlp.add_argument("--mlp-feature-stride", type=int,
+                     help="token stride of the features the MLP trains on (default: --stride); raise it to save memory")  # fmt: skip
+    mlp.add_argument("--mlp-device", help="where the MLPs train (default: the source model's device)")
+    mlp.add_argument("--seed", type=int, default=0, help="seed of the MLP's held-out split, init and shuffling (default 0)")
     p.set_defaults(func=_run_fit)
 
 
@@ -252,7 +379,14 @@ def _run_fit(args) -> int:
         target_revision=args.target_revision, heldout_fraction=args.heldout_fraction, refit=not args.no_refit,
         stats_dir=args.stats_dir, checkpoint_every=args.checkpoint_every, statistics_device=args.statistics_device,
         push_to_hub=args.push_to_hub, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
+        two_stage=args.two_stage, probe_tokens=args.probe_tokens, max_statistics_memory=args.max_statistics_memory,
         log=lambda line: print(line, file=sys.stderr),
+        mapper_type=args.mapper,
+        mlp_kwargs=dict(
+            hidden_size=args.mlp_hidden_size, num_hidden_layers=args.mlp_layers, epochs=args.mlp_epochs,
+            lr=args.mlp_lr, batch_size=args.mlp_batch_size, patience=args.mlp_patience, residual=not args.mlp_plain,
+            per_head=args.mlp_per_head, feature_stride=args.mlp_feature_stride, device=args.mlp_device, seed=args.seed,
+        ),
     )
     for path, mapper in results:
         c = mapper.config
@@ -268,6 +402,43 @@ def _run_fit(args) -> int:
 
 
 _SUBCOMMANDS += [_add_fit]
+
+
+# -- bench (bench.py) ----------------------------------------------------------------------------------------
+
+
+def _add_bench(subparsers) -> None:
+    from .bench import add_arguments
+
+    p = _subparser(
+        subparsers,
+        "bench",
+        "time the transfer (strip + map + re-apply RoPE) against the target's own prefill, TTFT, decode step and "
+        "memory, over sequence lengths; writes bench.json, bench.md and bench.png (runs with OMP_WAIT_POLICY=PASSIVE)",
+        """
+        hf-kvtransfer bench --shapes family --seq-lens 256 1024 4096 --ranks full 16 8 --output-dir bench_out
+        hf-kvtransfer bench --source examples/family/small --target examples/family/large \\
+            --calibration-text examples/family/calibration.txt --ranks full energy=0.99 budget=0.25
+        hf-kvtransfer bench --quick --device cuda      # < 3 minutes on one GPU
+        """,
+    )
+    add_arguments(p)
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from .bench import reexec_with_passive_omp, results_to_markdown, run_from_args
+
+    if not args.no_reexec and "bench" in sys.argv[1:]:
+        # OpenMP reads OMP_WAIT_POLICY when torch loads, i.e. before we get here: re-run with it set.
+        reexec_with_passive_omp("hf_kvtransfer.cli", sys.argv[1:])
+    report = run_from_args(args)
+    print(results_to_markdown(report), end="")
+    print(f"results in {args.output_dir}/bench.{{json,md,png}}")
+    return 0
+
+
+_SUBCOMMANDS += [_add_bench]
 
 
 def main(argv: list[str] | None = None) -> int:

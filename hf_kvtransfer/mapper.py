@@ -94,6 +94,7 @@ class MapperConfig:
     calibration: dict[str, Any] = field(default_factory=dict)
     model_selection: dict[str, Any] | None = None
     mlp: dict[str, Any] | None = None
+    rank: list[list[int]] | None = None
     num_parameters: int | None = None
     eval_results: dict[str, Any] | None = None
     license: str = "apache-2.0"
@@ -128,6 +129,18 @@ class MapperConfig:
                 raise ValueError(f"{name} has {len(value)} entries, expected {num_target} (one per target layer)")
         if self.ridge_lambda < 0:
             raise ValueError(f"ridge_lambda must be >= 0, got {self.ridge_lambda}")
+        if self.rank is not None:
+            # Reduced-rank ridge (lowrank.py): [key_rank, value_rank] per target layer, each in [1, n_kv_t * d_t].
+            out_dim = self.target_fingerprint["num_key_value_heads"] * self.target_fingerprint["head_dim"]
+            if self.mapper_type != "ridge":
+                raise ValueError(f"rank applies to ridge mappers only, got mapper_type={self.mapper_type!r}")
+            if len(self.rank) != num_target or any(
+                len(r) != 2 or any(not 1 <= int(x) <= out_dim for x in r) for r in self.rank
+            ):
+                raise ValueError(
+                    f"rank must hold one [key_rank, value_rank] per target layer ({num_target}), each in "
+                    f"[1, {out_dim}]; got {self.rank}"
+                )
 
     @property
     def source_layout(self) -> KVLayout:
@@ -166,6 +179,28 @@ class _LinearLayerMap(nn.Module):
         self.value = nn.Linear(in_features, out_features)
 
 
+class _LowRankLinear(nn.Module):
+    """A rank-r affine map stored as two factors: `up(down(x))`, costing `r * (F_in + F_out)` per token."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int):
+        super().__init__()
+        self.down = nn.Linear(in_features, rank, bias=False)  # weight (r, F_in)
+        self.up = nn.Linear(rank, out_features)  # weight (F_out, r) + bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down, up, bias = (t.to(x.device) for t in (self.down.weight, self.up.weight, self.up.bias))
+        return nn.functional.linear(nn.functional.linear(x.to(down.dtype), down), up, bias)
+
+
+class _LowRankLayerMap(nn.Module):
+    """Reduced-rank ridge map of one target layer (see lowrank.py)."""
+
+    def __init__(self, in_features: int, out_features: int, key_rank: int, value_rank: int):
+        super().__init__()
+        self.key = _LowRankLinear(in_features, out_features, key_rank)
+        self.value = _LowRankLinear(in_features, out_features, value_rank)
+
+
 class KVMapper(nn.Module):
     """Maps a source model's KV cache to a target model's, per target layer (ridge, closed form).
 
@@ -186,6 +221,11 @@ class KVMapper(nn.Module):
         super().__init__()
         self.config = config
         src, tgt = config.source_layout, config.target_layout
+        if layer_maps is None and config.rank is not None:
+            layer_maps = nn.ModuleList(
+                _LowRankLayerMap(len(selected) * src.layer_dim, tgt.layer_dim, *config.rank[t])
+                for t, selected in enumerate(config.selected_layers)
+            )
         if layer_maps is None:
             layer_maps = nn.ModuleList(
                 _LinearLayerMap(len(selected) * src.layer_dim, tgt.layer_dim) for selected in config.selected_layers
@@ -247,7 +287,7 @@ class KVMapper(nn.Module):
             if isinstance(proj, nn.Linear):
                 weight, bias = proj.weight.to(x.device), proj.bias.to(x.device)  # no-op when already there
                 y = nn.functional.linear(x.to(weight.dtype), weight, bias)
-            else:  # a nonlinear map (mlp.py) handles device and dtype itself
+            else:  # other maps (MLP, low-rank) move and cast their own weights
                 y = proj(x)
             # (B, T, H*D) -> (B, H, T, D)
             out.append(y.view(*y.shape[:-1], tgt.num_kv_heads, tgt.head_dim).transpose(1, 2))

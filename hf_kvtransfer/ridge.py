@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .stats import KINDS, KVStatistics
+from .stats import KINDS, BlockStatistics, KVStatistics
 
 
 def _cholesky_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
@@ -45,6 +45,18 @@ def _head_r2(sse: torch.Tensor, var_y: torch.Tensor, num_heads: int) -> torch.Te
     return torch.where(sst > 0, 1 - sse / sst.clamp_min(1e-30), torch.ones_like(sst))
 
 
+def _single_source_scores(blocks, num_source: int, num_target: int, num_heads: int, ridge_lambda: float):
+    """`[L_s, L_t]` head-averaged R^2 from `blocks(s) -> (centered G_ss, C_s [F_s, L_t*F_t], var_y [L_t*F_t])`."""
+    scores = torch.empty(num_source, num_target, dtype=torch.float64)
+    for s in range(num_source):
+        gram_ss, cross_s, var_y = (t.double() for t in blocks(s))
+        weight = _cholesky_solve(gram_ss, cross_s, ridge_lambda)  # (F_s, L_t * F_t)
+        sse = _residual_sum_squares(gram_ss, cross_s, var_y, weight)
+        r2 = _head_r2(sse.reshape(num_target, -1), var_y.reshape(num_target, -1), num_heads)
+        scores[s] = r2.mean(-1).cpu()
+    return scores
+
+
 @torch.no_grad()
 def single_source_r2(stats: KVStatistics, ridge_lambda: float = 0.01) -> dict[str, torch.Tensor]:
     """Head-averaged in-sample R^2 of predicting each target layer from each single source layer.
@@ -57,17 +69,46 @@ def single_source_r2(stats: KVStatistics, ridge_lambda: float = 0.01) -> dict[st
     out = {}
     for kind in KINDS:
         c = stats.centered(kind)
-        scores = torch.empty(src.num_layers, tgt.num_layers, dtype=torch.float64)
-        for s in range(src.num_layers):
+
+        def blocks(s, c=c):
             sl = _layer_slice(s, src.layer_dim)
-            gram_ss, cross_s = c["gram"][sl, sl], c["cross"][sl]
-            weight = _cholesky_solve(gram_ss, cross_s, ridge_lambda)  # (F_s, L_t * F_t)
-            sse = _residual_sum_squares(gram_ss.double(), cross_s.double(), c["var_y"].double(), weight)
-            r2 = _head_r2(sse.reshape(tgt.num_layers, -1), c["var_y"].double().reshape(tgt.num_layers, -1), tgt.num_kv_heads)
-            scores[s] = r2.mean(-1).cpu()
-        out[kind] = scores
+            return c["gram"][sl, sl], c["cross"][sl], c["var_y"]
+
+        out[kind] = _single_source_scores(blocks, src.num_layers, tgt.num_layers, tgt.num_kv_heads, ridge_lambda)
     out["mean"] = (out["key"] + out["value"]) / 2
     return out
+
+
+@torch.no_grad()
+def probe_single_source_r2(
+    features: dict[str, tuple[torch.Tensor, torch.Tensor]], source_layout, target_layout, ridge_lambda: float = 0.01
+) -> dict[str, torch.Tensor]:
+    """`single_source_r2` from materialised probe features `{kind: (x [n, L_s*F_s], y [n, L_t*F_t])}`.
+
+    Memory: the features plus one source layer's `F_s x L_t*F_t` cross block at a time (no full Gram).
+    """
+    out = {}
+    for kind in KINDS:
+        x, y = (f.double() for f in features[kind])
+        xc, yc = x - x.mean(0), y - y.mean(0)
+        var_y = (yc * yc).sum(0)
+
+        def blocks(s, xc=xc, yc=yc, var_y=var_y):
+            xs = xc[:, _layer_slice(s, source_layout.layer_dim)]
+            return xs.T @ xs, xs.T @ yc, var_y
+
+        out[kind] = _single_source_scores(
+            blocks, source_layout.num_layers, target_layout.num_layers, target_layout.num_kv_heads, ridge_lambda
+        )
+    out["mean"] = (out["key"] + out["value"]) / 2
+    return out
+
+
+def layer_scores(stats: KVStatistics, ridge_lambda: float = 0.01) -> torch.Tensor:
+    """The `[L_s, L_t]` ranking scores: in-sample single-source R^2, or the two-stage probe's for block statistics."""
+    if isinstance(stats, BlockStatistics):
+        return stats.scores
+    return single_source_r2(stats, ridge_lambda)["mean"]
 
 
 def select_layers(scores: torch.Tensor, top_k: int | None) -> list[list[int]]:
@@ -102,23 +143,133 @@ def solve_layer(
     return solve_layers(stats, kind, {target_layer: selected}, ridge_lambda)[target_layer]
 
 
+# Largest batch of stacked Gram matrices factorised at once (bytes): bounds solve memory for big pairs.
+_SOLVE_BATCH_BYTES = 2**30
+
+
+def _solve_batch(grams: torch.Tensor, rhs: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
+    """Batched `(G_b + lambda I) W_b = R_b` (float64, one Cholesky call); per-item jitter fallback on failure."""
+    eye = torch.eye(grams.shape[-1], dtype=grams.dtype, device=grams.device)
+    factor, info = torch.linalg.cholesky_ex(grams + ridge_lambda * eye)
+    out = torch.cholesky_solve(rhs, factor)
+    for b in (info != 0).nonzero().flatten().tolist():
+        out[b] = _cholesky_solve(grams[b], rhs[b], ridge_lambda)
+    return out
+
+
+def _centered(stats: KVStatistics, kind: str):
+    return None if isinstance(stats, BlockStatistics) else stats.centered(kind)
+
+
+def _system(stats: KVStatistics, c, kind: str, target_layer: int, selected: list[int]):
+    """Centered `(gram, cross, var_y, mean_x, mean_y)` of one target layer's ridge problem (float64)."""
+    if isinstance(stats, BlockStatistics):
+        return stats.system(kind, target_layer, selected)
+    src, tgt = stats.source_layout, stats.target_layout
+    idx = _feature_index(selected, src.layer_dim).to(c["gram"].device)
+    tl = _layer_slice(target_layer, tgt.layer_dim)
+    gram = c["gram"].index_select(0, idx).index_select(1, idx).double()
+    cross = c["cross"][:, tl].index_select(0, idx).double()
+    return gram, cross, c["var_y"][tl].double(), c["mean_x"].index_select(0, idx).double(), c["mean_y"][tl].double()
+
+
 @torch.no_grad()
 def solve_layers(
     stats: KVStatistics, kind: str, selections: dict[int, list[int]], ridge_lambda: float = 0.01
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor, float]]:
-    """`solve_layer` for several target layers, centering the statistics once."""
+    """`solve_layer` for several target layers, centering the statistics once.
+
+    Target layers with the same number of inputs are solved as one batched Cholesky (in chunks of at most
+    ~1 GiB of stacked Gram matrices), on the device the statistics live on. Works on `KVStatistics` and on
+    two-stage `BlockStatistics`.
+    """
     src, tgt = stats.source_layout, stats.target_layout
-    c = stats.centered(kind)
+    c = _centered(stats, kind)
     out = {}
+    groups: dict[int, list[int]] = {}
     for target_layer, selected in selections.items():
-        idx = _feature_index(selected, src.layer_dim).to(c["gram"].device)
-        tl = _layer_slice(target_layer, tgt.layer_dim)
-        gram = c["gram"].index_select(0, idx).index_select(1, idx).double()
-        cross = c["cross"][:, tl].index_select(0, idx).double()
-        var_y = c["var_y"][tl].double()
-        weight = _cholesky_solve(gram, cross, ridge_lambda)  # (F_in, F_out)
-        bias = c["mean_y"][tl].double() - c["mean_x"].index_select(0, idx).double() @ weight
-        sse = _residual_sum_squares(gram, cross, var_y, weight)
-        r2 = float(_head_r2(sse, var_y, tgt.num_kv_heads).mean())
-        out[target_layer] = (weight.T.contiguous(), bias, r2)
-    return out
+        groups.setdefault(len(selected), []).append(target_layer)
+    for k, layers in groups.items():
+        n_in = k * src.layer_dim
+        chunk = max(1, _SOLVE_BATCH_BYTES // (8 * n_in * (n_in + tgt.layer_dim)))
+        for start in range(0, len(layers), chunk):
+            part = layers[start : start + chunk]
+            systems = [_system(stats, c, kind, t, selections[t]) for t in part]
+            grams = torch.stack([g[0] for g in systems])  # (B, F_in, F_in)
+            crosses = torch.stack([g[1] for g in systems])  # (B, F_in, F_out)
+            weights = _solve_batch(grams, crosses, ridge_lambda)  # (B, F_in, F_out)
+            for b, t in enumerate(part):
+                _, _, var_y, mean_x, mean_y = systems[b]
+                weight = weights[b]
+                bias = mean_y - mean_x @ weight
+                sse = _residual_sum_squares(grams[b], crosses[b], var_y, weight)
+                r2 = float(_head_r2(sse, var_y, tgt.num_kv_heads).mean())
+                out[t] = (weight.T.contiguous(), bias, r2)
+    return dict(sorted(out.items()))
+
+
+def _heldout_head_r2(system, count: int, weight: torch.Tensor, bias: torch.Tensor, num_heads: int) -> float:
+    """Head-averaged R^2 of `y = x W + b` on a held-out centered system; W `[F_in, F_out]`."""
+    gram, cross, var_y, mean_x, mean_y = system
+    weight, bias = weight.to(gram.device), bias.to(gram.device)
+    # Error around the held-out means plus the offset between held-out means and the prediction of them.
+    offset = mean_y - mean_x @ weight - bias
+    sse = _residual_sum_squares(gram, cross, var_y, weight) + count * offset**2
+    return float(_head_r2(sse, var_y, num_heads).mean())
+
+
+@torch.no_grad()
+def heldout_r2(
+    train: KVStatistics, heldout: KVStatistics, kind: str, selections: dict[int, list[int]], ridge_lambda: float = 0.01
+) -> list[float]:
+    """Out-of-sample head-averaged R^2 per target layer: fit on `train`, score on `heldout` statistics."""
+    solutions = solve_layers(train, kind, selections, ridge_lambda)
+    hc = _centered(heldout, kind)
+    num_heads = train.target_layout.num_kv_heads
+    return [
+        _heldout_head_r2(_system(heldout, hc, kind, t, selections[t]), heldout.count, weight.T, bias, num_heads)
+        for t, (weight, bias, _) in solutions.items()
+    ]
+
+
+@torch.no_grad()
+def sweep_heldout(
+    train: KVStatistics, heldout: KVStatistics, top_ks: list[int | None], ridge_lambdas: list[float]
+) -> list[dict]:
+    """Held-out R^2 for every (top_k, ridge_lambda) candidate, from statistics alone.
+
+    Layers are ranked on `train` (single-source R^2 with the candidate lambda, or the two-stage probe's
+    ranking); each target layer is fit on `train` and scored on `heldout`. One eigendecomposition per
+    (selection, target layer, kind) serves every lambda: `W(lambda) = Q diag(1 / (e + lambda)) Q^T C`.
+
+    Returns:
+        One dict per candidate: `top_k` (None = all), `ridge_lambda`, `selected_layers`, per-layer
+        `heldout_r2_key` / `heldout_r2_value` lists, and `heldout_r2` (mean over layers of K and V).
+    """
+    tgt = train.target_layout
+    centered = {kind: _centered(train, kind) for kind in KINDS}
+    held = {kind: _centered(heldout, kind) for kind in KINDS}
+    scores = {lam: layer_scores(train, lam) for lam in ridge_lambdas}
+    eig_cache: dict = {}
+    results = []
+    for top_k in top_ks:
+        for lam in ridge_lambdas:
+            selected = select_layers(scores[lam], top_k)
+            row = {"top_k": top_k, "ridge_lambda": lam, "selected_layers": selected}
+            for kind in KINDS:
+                per_layer = []
+                for t, sel in enumerate(selected):
+                    key = (kind, t, tuple(sel))
+                    if key not in eig_cache:
+                        gram, cross, _, mean_x, mean_y = _system(train, centered[kind], kind, t, sel)
+                        evals, evecs = torch.linalg.eigh(gram)
+                        hsys = _system(heldout, held[kind], kind, t, sel)
+                        eig_cache[key] = (evals.clamp_min(0), evecs, evecs.T @ cross, mean_x, mean_y, hsys)
+                    evals, evecs, proj, mean_x, mean_y, hsys = eig_cache[key]
+                    weight = evecs @ (proj / (evals + lam).clamp_min(1e-300).unsqueeze(-1))
+                    bias = mean_y - mean_x @ weight
+                    per_layer.append(_heldout_head_r2(hsys, heldout.count, weight, bias, tgt.num_kv_heads))
+                row[f"heldout_r2_{kind}"] = per_layer
+            row["heldout_r2"] = (sum(row["heldout_r2_key"]) + sum(row["heldout_r2_value"])) / (2 * tgt.num_layers)
+            results.append(row)
+    return results

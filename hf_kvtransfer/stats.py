@@ -148,20 +148,47 @@ class KVStatistics:
         batch_size, _, seq_len, _ = source_keys[0].shape
         index = token_selection(batch_size, seq_len, stride, attention_mask, source_keys[0].device)
         for kind, xs, ys in (("key", source_keys, target_keys), ("value", source_values, target_values)):
-            x = flatten_layers(xs, index).to(self.device, self.dtype)
-            y = flatten_layers(ys, index.to(ys[0].device)).to(self.device, self.dtype)
+            x = flatten_layers(xs, index).to(self.device)
+            y = flatten_layers(ys, index.to(ys[0].device)).to(self.device)
             if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
                 raise ValueError(
                     f"non-finite {kind} states in a calibration batch (NaN/inf from the model); check the model "
                     "dtype (fp16 overflows are common; use bf16 or fp32) and the input ids"
                 )
-            self.tensors[f"{kind}.sum_x"] += x.sum(0)
-            self.tensors[f"{kind}.sum_y"] += y.sum(0)
-            self.tensors[f"{kind}.gram"].addmm_(x.T, x)
-            self.tensors[f"{kind}.cross"].addmm_(x.T, y)
-            self.tensors[f"{kind}.sq_y"] += (y * y).sum(0)
+            self._add(kind, x, y)
         self.count += int(index.numel())
         return int(index.numel())
+
+    def _add(self, kind: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add features `x [n, D_s]`, `y [n, D_t]` to the raw sums of `kind`.
+
+        With `product_dtype = torch.float32` (set on the object; the default on CUDA in
+        `fit.accumulate_statistics`), float32 features go into float64 sums with the products in float32 on
+        per-batch centered data and the mean part added back in float64 (Chan-style merge): half the CPU cost
+        and far less on GPUs with slow float64, with errors ~1e-6 relative to the centered signal (not to the
+        much larger raw second moments). The default multiplies in the sums' dtype (exact float64).
+        """
+        t = self.tensors
+        fast = getattr(self, "product_dtype", self.dtype) == torch.float32
+        if not (fast and self.dtype == torch.float64 and x.dtype == torch.float32 and y.dtype == torch.float32):
+            x, y = x.to(self.dtype), y.to(self.dtype)
+            t[f"{kind}.sum_x"] += x.sum(0)
+            t[f"{kind}.sum_y"] += y.sum(0)
+            t[f"{kind}.gram"].addmm_(x.T, x)
+            t[f"{kind}.cross"].addmm_(x.T, y)
+            t[f"{kind}.sq_y"] += (y * y).sum(0)
+            return
+        # sum x x^T = Xc^T Xc + s m^T + m s^T + n m m^T with Xc = X - m, s = sum(Xc): exact for any shift m.
+        n = x.shape[0]
+        mx, my = x.mean(0), y.mean(0)  # float32 shifts
+        xc, yc = x - mx, y - my
+        sx, sy = xc.sum(0, dtype=torch.float64), yc.sum(0, dtype=torch.float64)
+        mx64, my64 = mx.double(), my.double()
+        t[f"{kind}.sum_x"] += sx + n * mx64
+        t[f"{kind}.sum_y"] += sy + n * my64
+        t[f"{kind}.gram"] += (xc.T @ xc).double() + torch.outer(sx, mx64) + torch.outer(mx64, sx) + n * torch.outer(mx64, mx64)
+        t[f"{kind}.cross"] += (xc.T @ yc).double() + torch.outer(sx, my64) + torch.outer(mx64, sy) + n * torch.outer(mx64, my64)
+        t[f"{kind}.sq_y"] += (yc * yc).sum(0, dtype=torch.float64) + 2 * sy * my64 + n * my64 * my64
 
     def _check_states(self, states: list[torch.Tensor], layout: KVLayout, which: str) -> None:
         if len(states) != layout.num_layers:
@@ -193,7 +220,7 @@ class KVStatistics:
         return self.copy().merge(other)
 
     def copy(self) -> "KVStatistics":
-        new = KVStatistics.__new__(KVStatistics)
+        new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.metadata = dict(self.metadata)
         new.tensors = {k: v.clone() for k, v in self.tensors.items()}
@@ -203,10 +230,16 @@ class KVStatistics:
         """Sum the statistics over all ranks of `torch.distributed` (in place)."""
         import torch.distributed as dist
 
-        count = torch.tensor([float(self.count)], dtype=torch.float64, device=self.device)
+        # NCCL reduces only CUDA tensors: CPU-resident sums travel through this rank's GPU.
+        device = self.device
+        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        count = torch.tensor([float(self.count)], dtype=torch.float64, device=device)
         dist.all_reduce(count, group=group)
-        for tensor in self.tensors.values():
-            dist.all_reduce(tensor, group=group)
+        for name, tensor in self.tensors.items():
+            reduced = tensor.to(device)
+            dist.all_reduce(reduced, group=group)
+            self.tensors[name] = reduced.to(self.device) if reduced is not tensor else tensor
         self.count = int(count.item())
         return self
 
@@ -227,11 +260,8 @@ class KVStatistics:
         }
 
     # -- persistence --------------------------------------------------------------------------------
-    def save(self, save_directory: str | os.PathLike) -> None:
-        """Write `statistics.safetensors` + `statistics.json` atomically (temp files, then rename)."""
-        path = Path(save_directory)
-        path.mkdir(parents=True, exist_ok=True)
-        meta = {
+    def _meta(self) -> dict[str, Any]:
+        return {
             "count": self.count,
             "source_layout": vars(self.source_layout),
             "target_layout": vars(self.target_layout),
@@ -239,21 +269,9 @@ class KVStatistics:
             "target_config": self.target_config,
             "metadata": self.metadata,
         }
-        tmp_tensors, tmp_meta = path / ".statistics.safetensors.tmp", path / ".statistics.json.tmp"
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}, str(tmp_tensors))
-        tmp_meta.write_text(json.dumps(meta, indent=2, sort_keys=True))
-        # The tensors land first: a crash between the two renames leaves the old json, which a load detects.
-        os.replace(tmp_tensors, path / "statistics.safetensors")
-        os.replace(tmp_meta, path / "statistics.json")
 
     @classmethod
-    def load(cls, save_directory: str | os.PathLike, device: torch.device | str = "cpu") -> "KVStatistics":
-        path = Path(save_directory)
-        meta_path, tensor_path = path / "statistics.json", path / "statistics.safetensors"
-        if not meta_path.is_file() or not tensor_path.is_file():
-            raise FileNotFoundError(f"no statistics in {path}: expected statistics.json and statistics.safetensors")
-        meta = json.loads(meta_path.read_text())
-        tensors = load_file(str(tensor_path), device=str(device))
+    def _from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], where: str) -> "KVStatistics":
         stats = cls(
             KVLayout(**meta["source_layout"]),
             KVLayout(**meta["target_layout"]),
@@ -261,18 +279,206 @@ class KVStatistics:
             meta.get("target_config"),
             meta.get("metadata"),
             dtype=tensors["key.gram"].dtype,
-            device=device,
+            device="meta",
         )
-        expected = {name: t.shape for name, t in stats.tensors.items()}
-        got = {name: t.shape for name, t in tensors.items()}
+        expected = {name: tuple(t.shape) for name, t in stats.tensors.items()}
+        got = {name: tuple(t.shape) for name, t in tensors.items()}
         if expected != got:
-            raise ValueError(f"statistics in {path} do not match their layout: expected {expected}, got {got}")
+            raise ValueError(f"statistics in {where} do not match their layout: expected {expected}, got {got}")
         stats.tensors = tensors
         stats.count = int(meta["count"])
         return stats
+
+    def save(self, save_directory: str | os.PathLike) -> None:
+        """Write `statistics.safetensors` (+ a readable `statistics.json`) atomically.
+
+        The safetensors header carries the metadata too, and it is written to a temp file and renamed in
+        one step, so a crash at any moment leaves either the old or the new statistics, never a mix.
+        """
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        meta = json.dumps(self._meta(), indent=2, sort_keys=True)
+        tmp_tensors, tmp_meta = path / ".statistics.safetensors.tmp", path / ".statistics.json.tmp"
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
+        save_file(tensors, str(tmp_tensors), metadata={"statistics": meta})
+        tmp_meta.write_text(meta)
+        os.replace(tmp_tensors, path / "statistics.safetensors")
+        os.replace(tmp_meta, path / "statistics.json")
+
+    @classmethod
+    def load(cls, save_directory: str | os.PathLike, device: torch.device | str = "cpu") -> "KVStatistics":
+        """Load statistics written by `save` (the metadata is read from the safetensors header)."""
+        from safetensors import safe_open
+
+        path = Path(save_directory)
+        tensor_path = path / "statistics.safetensors"
+        if not tensor_path.is_file():
+            raise FileNotFoundError(f"no statistics in {path}: expected statistics.safetensors (written by save())")
+        with safe_open(str(tensor_path), framework="pt") as f:
+            header = (f.metadata() or {}).get("statistics")
+        if header is None:  # written by an older version: metadata only in the json side file
+            meta_path = path / "statistics.json"
+            if not meta_path.is_file():
+                raise FileNotFoundError(f"no statistics metadata in {path}: statistics.json is missing")
+            header = meta_path.read_text()
+        tensors = load_file(str(tensor_path), device=str(device))
+        return statistics_from_state(tensors, json.loads(header), str(path))
 
     def __repr__(self) -> str:
         return (
             f"KVStatistics(tokens={self.count}, source={self.source_layout}, target={self.target_layout}, "
             f"{self.nbytes() / 2**20:.1f} MiB {self.dtype})"
         )
+
+
+class BlockStatistics(KVStatistics):
+    """Bounded-memory statistics: only the Gram and cross blocks that fixed layer selections need.
+
+    The second stage of DESIGN §2's two-stage fit: once a probe has chosen, for each target layer t, the
+    source layers `selections[t]` it may read, the fit needs only G[s, s'] for s, s' in one selection and
+    C[s, t] for s in selections[t] (plus the small sums). Memory is then about
+    `L_t * (k^2 F_s^2 + k F_s F_t)` numbers per kind instead of `(L_s F_s)^2 + L_s F_s L_t F_t`. Any k up to
+    the selections' size can be solved (top-k is nested in the probe ranking `scores`).
+
+    Args:
+        selections: per target layer, the source layers to keep blocks for (the probe's top-k_max).
+        scores: the probe's `[L_s, L_t]` single-source R^2 used to rank layers at solve time.
+    """
+
+    def __init__(
+        self,
+        source_layout: KVLayout,
+        target_layout: KVLayout,
+        selections: list[list[int]],
+        scores: torch.Tensor,
+        source_config: dict[str, Any] | None = None,
+        target_config: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+    ):
+        if len(selections) != target_layout.num_layers:
+            raise ValueError(f"need one selection per target layer ({target_layout.num_layers}), got {len(selections)}")
+        self.source_layout, self.target_layout = source_layout, target_layout
+        self.source_config, self.target_config = source_config or {}, target_config or {}
+        self.metadata = dict(metadata or {})
+        self.count = 0
+        self.selections = [sorted(int(s) for s in sel) for sel in selections]
+        self.scores = torch.as_tensor(scores, dtype=torch.float64).cpu()
+        self.gram_pairs = sorted({(a, b) for sel in self.selections for a in sel for b in sel if a <= b})
+        self.cross_pairs = sorted({(s, t) for t, sel in enumerate(self.selections) for s in sel})
+        fs, ft = source_layout.layer_dim, target_layout.layer_dim
+        self.tensors = {}
+        for kind in KINDS:
+            self.tensors[f"{kind}.sum_x"] = torch.zeros(source_layout.total_dim, dtype=dtype, device=device)
+            self.tensors[f"{kind}.sum_y"] = torch.zeros(target_layout.total_dim, dtype=dtype, device=device)
+            self.tensors[f"{kind}.sq_y"] = torch.zeros(target_layout.total_dim, dtype=dtype, device=device)
+            for a, b in self.gram_pairs:
+                self.tensors[f"{kind}.gram.{a}.{b}"] = torch.zeros(fs, fs, dtype=dtype, device=device)
+            for s, t in self.cross_pairs:
+                self.tensors[f"{kind}.cross.{s}.{t}"] = torch.zeros(fs, ft, dtype=dtype, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors["key.sum_x"].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors["key.sum_x"].device
+
+    @property
+    def max_top_k(self) -> int:
+        return min(len(sel) for sel in self.selections)
+
+    def _check_mergeable(self, other: "KVStatistics") -> None:
+        super()._check_mergeable(other)
+        if getattr(other, "selections", None) != self.selections:
+            raise ValueError("cannot merge block statistics kept for different layer selections")
+
+    @torch.no_grad()
+    def add_features(self, kind: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add materialised features `x [tokens, L_s*F_s]`, `y [tokens, L_t*F_t]` of one kind (no count change)."""
+        fs, ft = self.source_layout.layer_dim, self.target_layout.layer_dim
+        x, y = x.to(self.device, self.dtype), y.to(self.device, self.dtype)
+        t = self.tensors
+        t[f"{kind}.sum_x"] += x.sum(0)
+        t[f"{kind}.sum_y"] += y.sum(0)
+        t[f"{kind}.sq_y"] += (y * y).sum(0)
+        for a, b in self.gram_pairs:
+            t[f"{kind}.gram.{a}.{b}"].addmm_(x[:, a * fs : (a + 1) * fs].T, x[:, b * fs : (b + 1) * fs])
+        for s, tl in self.cross_pairs:
+            t[f"{kind}.cross.{s}.{tl}"].addmm_(x[:, s * fs : (s + 1) * fs].T, y[:, tl * ft : (tl + 1) * ft])
+
+    @torch.no_grad()
+    def update(self, source_keys, source_values, target_keys, target_values, attention_mask=None, stride: int = 4) -> int:
+        self._check_states(source_keys, self.source_layout, "source")
+        self._check_states(target_keys, self.target_layout, "target")
+        batch_size, _, seq_len, _ = source_keys[0].shape
+        index = token_selection(batch_size, seq_len, stride, attention_mask, source_keys[0].device)
+        for kind, xs, ys in (("key", source_keys, target_keys), ("value", source_values, target_values)):
+            x, y = flatten_layers(xs, index), flatten_layers(ys, index.to(ys[0].device))
+            if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
+                raise ValueError(f"non-finite {kind} states in a calibration batch (NaN/inf from the model)")
+            self.add_features(kind, x, y)
+        self.count += int(index.numel())
+        return int(index.numel())
+
+    def centered(self, kind: str):
+        raise NotImplementedError("block statistics hold no full Gram matrix; use system(kind, target_layer, selected)")
+
+    def system(self, kind: str, target_layer: int, selected: list[int]):
+        """Centered `(gram [n, n], cross [n, F_t], var_y [F_t], mean_x [n], mean_y [F_t])` for one target layer."""
+        if self.count < 2:
+            raise ValueError(f"statistics hold {self.count} tokens; need at least 2 (feed more calibration data)")
+        missing = sorted(set(selected) - set(self.selections[target_layer]))
+        if missing:
+            raise ValueError(
+                f"target layer {target_layer}: source layers {missing} were not kept by the two-stage probe "
+                f"(kept {self.selections[target_layer]}); ask for top_k <= {self.max_top_k} or run the full mode"
+            )
+        fs, ft = self.source_layout.layer_dim, self.target_layout.layer_dim
+        t, n = self.tensors, float(self.count)
+        sel = sorted(selected)
+        mean_x = torch.cat([t[f"{kind}.sum_x"][s * fs : (s + 1) * fs] for s in sel]).double() / n
+        tl = slice(target_layer * ft, (target_layer + 1) * ft)
+        sum_y, sq_y = t[f"{kind}.sum_y"][tl].double(), t[f"{kind}.sq_y"][tl].double()
+        mean_y = sum_y / n
+        rows = []
+        for a in sel:
+            rows.append(torch.cat([
+                t[f"{kind}.gram.{a}.{b}"] if a <= b else t[f"{kind}.gram.{b}.{a}"].T for b in sel
+            ], dim=1))  # fmt: skip
+        gram = torch.cat(rows, dim=0).double() - n * torch.outer(mean_x, mean_x)
+        cross = torch.cat([t[f"{kind}.cross.{s}.{target_layer}"] for s in sel]).double() - n * torch.outer(mean_x, mean_y)
+        return gram, cross, sq_y - sum_y * mean_y, mean_x, mean_y
+
+    def _meta(self) -> dict[str, Any]:
+        return {**super()._meta(), "selections": self.selections, "scores": self.scores.tolist()}
+
+    @classmethod
+    def _from_state(cls, tensors, meta, where: str) -> "BlockStatistics":
+        stats = cls(
+            KVLayout(**meta["source_layout"]), KVLayout(**meta["target_layout"]), meta["selections"],
+            torch.tensor(meta["scores"]), meta.get("source_config"), meta.get("target_config"), meta.get("metadata"),
+            dtype=tensors["key.sum_x"].dtype, device="meta",
+        )  # fmt: skip
+        expected = {name: tuple(t.shape) for name, t in stats.tensors.items()}
+        if expected != {name: tuple(t.shape) for name, t in tensors.items()}:
+            raise ValueError(f"block statistics in {where} do not match their selections")
+        stats.tensors, stats.count = tensors, int(meta["count"])
+        return stats
+
+
+def statistics_from_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any], where: str) -> KVStatistics:
+    """`KVStatistics` or `BlockStatistics`, whichever `meta` describes."""
+    cls = BlockStatistics if "selections" in meta else KVStatistics
+    return cls._from_state(tensors, meta, where)
+
+
+def block_statistics_nbytes(source: KVLayout, target: KVLayout, max_top_k: int, dtype=torch.float64) -> int:
+    """Upper bound on `BlockStatistics` bytes for selections of `max_top_k` layers (disjoint worst case)."""
+    fs, ft, k = source.layer_dim, target.layer_dim, min(max_top_k, source.num_layers)
+    pairs = min(target.num_layers * k * (k + 1) // 2, source.num_layers * (source.num_layers + 1) // 2)
+    per_kind = pairs * fs * fs + min(target.num_layers * k, source.num_layers * target.num_layers) * fs * ft
+    per_kind += source.total_dim + 2 * target.total_dim
+    return 2 * per_kind * torch.empty(0, dtype=dtype).element_size()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# OpenMP busy-waiting makes small ops cost milliseconds on a loaded 2-core machine (set before torch loads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import pytest

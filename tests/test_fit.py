@@ -161,3 +161,97 @@ def test_non_finite_states_are_refused(mismatched_pair):
     sk[1][0, 0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match="non-finite key states"):
         stats.update(sk, sv, tk, tv, stride=1)
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_heldout_r2_matches_numpy(mismatched_pair, kind):
+    source, target = mismatched_pair
+    ids = random_ids(8, 40, seed=11)
+    lam = 0.5
+    mapper = fit_mapper(
+        source, target, ids, top_k=2, ridge_lambda=lam, stride=3, heldout_fraction=0.25, refit=False, progress=False
+    )
+    (x_fit, y_fit), (x_held, y_held) = (_materialise(source, target, part, stride=3)[kind] for part in (ids[:6], ids[6:]))
+    ls, lt = 32, 8
+    for t, selected in enumerate(mapper.config.selected_layers):
+        cols = np.concatenate([np.arange(s * ls, (s + 1) * ls) for s in selected])
+        xs, yt = x_fit[:, cols], y_fit[:, t * lt : (t + 1) * lt]
+        xc, yc = xs - xs.mean(0), yt - yt.mean(0)
+        w = np.linalg.solve(xc.T @ xc + lam * np.eye(xs.shape[1]), xc.T @ yc)
+        b = yt.mean(0) - xs.mean(0) @ w
+        proj = getattr(mapper.layers[t], kind)
+        np.testing.assert_allclose(proj.weight.detach().double().numpy().T, w, rtol=1e-4, atol=1e-5)
+        yh = y_held[:, t * lt : (t + 1) * lt]
+        resid = yh - (x_held[:, cols] @ w + b)
+        r2_ref = 1 - (resid**2).sum() / ((yh - yh.mean(0)) ** 2).sum()  # the target has one KV head
+        assert abs(getattr(mapper.config, f"heldout_r2_{kind}")[t] - r2_ref) < 1e-8
+
+
+def test_two_stage_blocks_equal_full_statistics(mismatched_pair, tmp_path):
+    from hf_kvtransfer.fit import accumulate_statistics, solve_mappers
+    from hf_kvtransfer.stats import BlockStatistics
+
+    source, target = mismatched_pair
+    ids = random_ids(8, 40, seed=12)
+    kw = dict(stride=2, batch_size=3, num_heldout=2, progress=False)
+    full, full_held = accumulate_statistics(source, target, ids, **kw)
+    # a probe larger than the fit shard ranks on exactly the full statistics' tokens
+    blocks, blocks_held = accumulate_statistics(source, target, ids, two_stage=True, probe_tokens=10**6, max_top_k=2, **kw)
+    assert isinstance(blocks, BlockStatistics) and blocks.count == full.count and blocks_held.count == full_held.count
+    torch.testing.assert_close(blocks.scores, single_source_r2(full)["mean"], rtol=1e-8, atol=1e-10)
+    assert blocks.selections == select_layers(single_source_r2(full)["mean"], 2)
+    assert blocks.nbytes() < full.nbytes()
+    for k in (1, 2):
+        (a,) = solve_mappers(full, full_held, top_k=k).values()
+        (b,) = solve_mappers(blocks, blocks_held, top_k=k).values()
+        assert a.config.selected_layers == b.config.selected_layers
+        np.testing.assert_allclose(a.config.heldout_r2_key, b.config.heldout_r2_key, rtol=1e-7, atol=1e-9)
+        for name, tensor in a.state_dict().items():
+            torch.testing.assert_close(b.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="did not keep"):
+        solve_mappers(blocks, blocks_held, top_k="all")
+    blocks.save(tmp_path / "blocks")
+    loaded = KVStatistics.load(tmp_path / "blocks")
+    assert isinstance(loaded, BlockStatistics) and loaded.selections == blocks.selections
+    for name, tensor in blocks.tensors.items():
+        assert torch.equal(loaded.tensors[name], tensor)
+
+
+def test_two_stage_small_probe_finds_the_true_layers(linear_models):
+    from hf_kvtransfer.fit import accumulate_statistics, solve_mappers
+
+    source, target, true_source_of = linear_models
+    blocks, _ = accumulate_statistics(
+        source, target, random_ids(12, 64, seed=9), batch_size=4, two_stage=True, probe_tokens=64, max_top_k=1,
+        progress=False,
+    )
+    assert blocks.count == 12 * 64 // 4  # the probe's tokens count once: they enter the block sums too
+    (mapper,) = solve_mappers(blocks, top_k=1).values()
+    for t, s in enumerate(true_source_of):
+        if s is not None:
+            assert mapper.config.selected_layers[t] == [s]
+            assert mapper.config.fit_r2_key[t] > 0.999 and mapper.config.fit_r2_value[t] > 0.999
+
+
+def test_float32_products_with_chan_merge_stay_close_to_float64(mismatched_pair):
+    from hf_kvtransfer.fit import accumulate_statistics
+
+    source, target = mismatched_pair
+    # an offset much larger than the spread: raw float32 sums of squares would lose the centered signal
+    ids = random_ids(6, 40, seed=13)
+    exact, _ = accumulate_statistics(source, target, ids, stride=1, batch_size=2, progress=False)
+    fast, _ = accumulate_statistics(source, target, ids, stride=1, batch_size=2, progress=False, product_dtype=torch.float32)
+    x, y = _materialise(source, target, ids, stride=1)["value"]
+    x, y = x + 100.0, y - 50.0
+    ref = KVStatistics(exact.source_layout, exact.target_layout)
+    ref._add("value", torch.from_numpy(x), torch.from_numpy(y))
+    shifted = KVStatistics(exact.source_layout, exact.target_layout)
+    shifted.product_dtype = torch.float32
+    shifted._add("value", torch.from_numpy(x).float(), torch.from_numpy(y).float())
+    ref.count = shifted.count = x.shape[0]
+    for a, b in ((exact, fast), (ref, shifted)):
+        for kind in ("value",) if a is ref else ("key", "value"):
+            ca, cb = a.centered(kind), b.centered(kind)
+            for name in ("gram", "cross", "var_y"):
+                scale = ca[name].abs().max().item()
+                torch.testing.assert_close(cb[name], ca[name], rtol=0, atol=2e-6 * scale)

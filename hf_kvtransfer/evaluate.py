@@ -1,0 +1,864 @@
+"""Does the target still do what it would have done with its own prefill? Retention, diagnostics, drift.
+
+Every score is reported three ways, side by side (DESIGN §6):
+
+- **target**: the target model with its own prefill of the context (the ceiling),
+- **transfer**: the context prefilled by the source and mapped into the target's cache,
+- **floor**: the target without the context (perplexity), or chance (multiple choice),
+
+with `retention = transfer / target` and `normalized_retention = (transfer - floor) / (target - floor)`,
+the share of what the context is worth to the target that survives the transfer. Perplexity scores are
+compared in log space (mean negative log-likelihood per token, lower is better), so the normalized
+retention of perplexity is `(nll_floor - nll_transfer) / (nll_floor - nll_target)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from huggingface_hub.utils import tqdm
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+from .cache import TransferredCache
+from .capture import capture_kv, prefill
+from .mapper import KVMapper
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MultipleChoiceItem",
+    "build_continuation_task",
+    "evaluate",
+    "kv_r2",
+    "load_multiple_choice",
+    "multi_turn_drift",
+    "multiple_choice",
+    "normalized_retention",
+    "plot_results",
+    "prefix_perplexity",
+    "results_to_markdown",
+    "split_documents",
+    "text_windows",
+]
+
+# TransferredCache warns when exactly as many tokens are fed as it transfers (the `generate` re-feed trap);
+# here the fed tokens are new on purpose (second half of a window, the next turn).
+_REFEED_WARNING = "the target is fed"
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _attention_modules(model: PreTrainedModel) -> list[nn.Module]:
+    body = getattr(model, "base_model", model)
+    layers = getattr(body, "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+        raise ValueError(
+            f"cannot find `layers[i].self_attn` in {type(model).__name__}; attention-output cosine needs a "
+            "transformers decoder with the usual module names"
+        )
+    return [layer.self_attn for layer in layers]
+
+
+class _AttentionRecorder:
+    """Forward hooks that keep each attention module's output `[batch, seq, hidden]` of the last call."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.outputs: list[torch.Tensor | None] = []
+        self._handles = []
+        for idx, module in enumerate(_attention_modules(model)):
+            self.outputs.append(None)
+            self._handles.append(module.register_forward_hook(self._hook(idx)))
+
+    def _hook(self, idx: int) -> Callable:
+        def hook(module, args, output):
+            self.outputs[idx] = (output[0] if isinstance(output, tuple) else output).detach().float()
+
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        out, self.outputs = self.outputs, [None] * len(self.outputs)
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def normalized_retention(score: float, standalone: float, floor: float) -> float:
+    """`(score - floor) / (standalone - floor)`: 1 = as good as the target's own prefill, 0 = no better than
+    the floor. NaN when the context is worth nothing to the target (`standalone == floor`)."""
+    gain = standalone - floor
+    if gain == 0 or not math.isfinite(gain):
+        return float("nan")
+    return float((score - floor) / gain)
+
+
+def _bootstrap(stat: Callable[[np.ndarray], float], num_rows: int, num_bootstrap: int, seed: int) -> list[float]:
+    """95% percentile interval of `stat(row_indices)` over `num_bootstrap` resamples of the rows."""
+    if num_bootstrap <= 0 or num_rows < 2:
+        return [float("nan"), float("nan")]
+    rng = np.random.default_rng(seed)
+    values = np.array([stat(rng.integers(0, num_rows, num_rows)) for _ in range(num_bootstrap)])
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return [float("nan"), float("nan")]
+    return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+
+
+# -- text -> token windows -------------------------------------------------------------------------------
+
+
+def split_documents(text: str, separator: str | None = "<|endoftext|>") -> list[str]:
+    """Split a text file into documents at lines holding only `separator` (the bundled family's format).
+
+    Without a separator line the whole text is one document.
+    """
+    if separator:
+        docs = [d.strip("\n") for d in text.split(f"\n{separator}\n")]
+        docs = [d for d in docs if d.strip()]
+        if docs:
+            return docs
+    return [text] if text.strip() else []
+
+
+def _tokenize_documents(tokenizer, documents: Sequence[str]) -> list[list[int]]:
+    return [tokenizer(doc, add_special_tokens=False)["input_ids"] for doc in documents]
+
+
+def text_windows(token_docs: Sequence[Sequence[int]], window: int, max_windows: int | None = None) -> torch.Tensor:
+    """Non-overlapping `window`-token windows from each document (no window crosses a document boundary).
+
+    Returns:
+        `[num_windows, window]` token ids; with `max_windows`, an evenly spaced subset (deterministic).
+    """
+    rows = [doc[i : i + window] for doc in token_docs for i in range(0, len(doc) - window + 1, window)]
+    if not rows:
+        longest = max((len(d) for d in token_docs), default=0)
+        raise ValueError(
+            f"no document has {window} tokens (longest: {longest}); use a longer text or a smaller --prefix-len"
+        )
+    if max_windows is not None and len(rows) > max_windows:
+        keep = np.linspace(0, len(rows) - 1, max_windows).round().astype(int)
+        rows = [rows[i] for i in keep]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+# -- prefix-conditioned perplexity -----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def prefix_perplexity(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    input_ids: torch.Tensor,
+    prefix_len: int | None = None,
+    num_recompute_tokens: int = 0,
+    batch_size: int = 8,
+    diagnostics: bool = True,
+    num_bootstrap: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Prefix-conditioned perplexity (the paper's WikiText-2 protocol) and the diagnostics on the same tokens.
+
+    Each row of `input_ids` is a window of `2 * prefix_len` tokens. The second half is scored by the target
+    (tokens `prefix_len + 1 ..` end, each given everything before it) on top of a cache of the first half:
+
+    - `target`: the target's own prefill of the prefix,
+    - `transfer`: the source's prefill mapped by `mapper` (`TransferredCache`),
+    - `floor`: no prefix at all (the second half alone).
+
+    All three feed the target the same tokens and score the same positions, so they differ only in the cache.
+
+    Args:
+        input_ids: `[num_windows, 2 * prefix_len]` token ids (see `text_windows`).
+        prefix_len: prefix length T (default: half the window).
+        num_recompute_tokens: the last W prefix tokens are recomputed by the target instead of transferred.
+        diagnostics: also compute logit KL / top-1 agreement against the target's own prefill and the
+            per-layer cosine of the target's attention outputs (mapped vs. own KV).
+        num_bootstrap: resamples over windows for the 95% confidence intervals.
+
+    Returns:
+        A dict with `nll` / `perplexity` per setting, `retention`, `normalized_retention` and their `*_ci`,
+        and with diagnostics `logit_kl`, `top1_agreement`, `attention_cosine` (one value per target layer).
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [num_windows, 2 * prefix_len], got shape {list(input_ids.shape)}")
+    num_windows, window = input_ids.shape
+    prefix_len = prefix_len if prefix_len is not None else window // 2
+    if not 1 <= prefix_len <= window - 2:
+        raise ValueError(f"prefix_len must leave >= 2 tokens to score in a {window}-token window, got {prefix_len}")
+    if not 0 <= num_recompute_tokens < prefix_len:
+        raise ValueError(f"num_recompute_tokens must be in [0, {prefix_len}), got {num_recompute_tokens}")
+    r, t = num_recompute_tokens, prefix_len
+    src_device, tgt_device = _device(source), _device(target)
+    nll = {"target": [], "transfer": [], "floor": []}
+    kl_sum, agree_sum, num_tokens = 0.0, 0.0, 0
+    cos_sum: torch.Tensor | None = None
+    recorder = _AttentionRecorder(target) if diagnostics else None
+    bar = tqdm(total=num_windows, desc="prefix perplexity", unit="window", disable=not progress)
+    try:
+        for start in range(0, num_windows, batch_size):
+            ids = input_ids[start : start + batch_size].to(tgt_device)
+            feed, labels = ids[:, t - r :], ids[:, t + 1 :]
+            # Feed position r + j predicts token t + j + 1.
+            own_cache = prefill(target, ids[:, : t - r]) if t - r > 0 else DynamicCache()
+            own_logits = target(feed, cache=own_cache, use_cache=True).logits[:, r:-1].float()
+            own_attn = recorder.take() if recorder else None
+
+            src_cache = prefill(source, ids[:, :t].to(src_device))
+            cache = TransferredCache(src_cache, mapper, num_recompute_tokens=r)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_REFEED_WARNING)
+                trans_logits = target(feed, cache=cache, use_cache=True).logits[:, r:-1].float()
+            trans_attn = recorder.take() if recorder else None
+
+            floor_logits = target(ids[:, t:], use_cache=False).logits[:, :-1].float()
+            if recorder:
+                recorder.take()
+
+            for name, logits in (("target", own_logits), ("transfer", trans_logits), ("floor", floor_logits)):
+                token_nll = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # (B, T-1)
+                nll[name].append(token_nll.mean(-1).double().cpu())
+            if diagnostics:
+                own_logp, trans_logp = own_logits.log_softmax(-1), trans_logits.log_softmax(-1)
+                kl_sum += float((own_logp.exp() * (own_logp - trans_logp)).sum(-1).sum())
+                agree_sum += float((own_logits.argmax(-1) == trans_logits.argmax(-1)).sum())
+                num_tokens += labels.numel()
+                # Cosine per token over the fed positions, summed per layer.
+                cos = torch.stack(
+                    [F.cosine_similarity(a[:, r:], b[:, r:], dim=-1).sum() for a, b in zip(own_attn, trans_attn)]
+                ).double().cpu()
+                cos_sum = cos if cos_sum is None else cos_sum + cos
+            bar.update(ids.shape[0])
+    finally:
+        bar.close()
+        if recorder:
+            recorder.remove()
+
+    per_window = {name: torch.cat(v).numpy() for name, v in nll.items()}
+    result: dict[str, Any] = {
+        "num_windows": num_windows,
+        "prefix_len": t,
+        "scored_tokens_per_window": window - t - 1,
+        "num_recompute_tokens": r,
+        "nll": {name: float(v.mean()) for name, v in per_window.items()},
+        "perplexity": {name: float(np.exp(v.mean())) for name, v in per_window.items()},
+    }
+    result.update(_perplexity_retention(per_window, num_bootstrap, seed))
+    if diagnostics:
+        result["logit_kl"] = kl_sum / num_tokens
+        result["top1_agreement"] = agree_sum / num_tokens
+        result["attention_cosine"] = (cos_sum / (num_windows * (window - t))).tolist()
+    return result
+
+
+def _perplexity_retention(per_window: dict[str, np.ndarray], num_bootstrap: int, seed: int) -> dict[str, Any]:
+    own, trans, floor = per_window["target"], per_window["transfer"], per_window["floor"]
+
+    def retention(idx):
+        # Scores are 1 / perplexity: the ratio of perplexities, target over transfer.
+        return float(np.exp(own[idx].mean() - trans[idx].mean()))
+
+    def normalized(idx):
+        return normalized_retention(-trans[idx].mean(), -own[idx].mean(), -floor[idx].mean())
+
+    every = np.arange(len(own))
+    if own.mean() >= floor.mean():
+        logger.warning(
+            "the target's own prefix does not lower its loss (nll %.4f with prefix vs %.4f without): floor-normalized "
+            "retention is undefined; use longer windows or a model that uses its context",
+            own.mean(),
+            floor.mean(),
+        )
+    return {
+        "context_gain_nats": float(floor.mean() - own.mean()),
+        "retention": retention(every),
+        "retention_ci": _bootstrap(retention, len(own), num_bootstrap, seed),
+        "normalized_retention": normalized(every),
+        "normalized_retention_ci": _bootstrap(normalized, len(own), num_bootstrap, seed),
+    }
+
+
+# -- K/V R^2 on evaluation tokens ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def kv_r2(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    input_ids: torch.Tensor,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict[str, list[float]]:
+    """Out-of-sample R^2 of the mapped (RoPE-stripped) keys and values against the target's own, per layer.
+
+    Head-averaged like the fit R^2 in the mapper config, on every token of `input_ids`.
+
+    Returns:
+        `{"key": [L_t], "value": [L_t]}`.
+    """
+    tgt = mapper.target_layout
+    sums: dict[str, dict[str, torch.Tensor]] = {}
+    count = 0
+    bar = tqdm(total=input_ids.shape[0], desc="K/V R^2", unit="window", disable=not progress)
+    for start in range(0, input_ids.shape[0], batch_size):
+        ids = input_ids[start : start + batch_size]
+        src_k, src_v = capture_kv(source, ids.to(_device(source)))
+        tgt_k, tgt_v = capture_kv(target, ids.to(_device(target)))
+        count += ids.numel()
+        for t, selected in enumerate(mapper.config.selected_layers):
+            # (B, H, T, D) -> (B, T, H*D), layer-major like the fit
+            feats = [torch.cat([s[i].transpose(1, 2).flatten(2) for i in selected], dim=-1) for s in (src_k, src_v)]
+            pred_k, pred_v = mapper(t, feats[0], feats[1])
+            for kind, pred, true in (("key", pred_k, tgt_k[t]), ("value", pred_v, tgt_v[t])):
+                y = true.transpose(1, 2).flatten(0, 1).flatten(1).double().cpu()  # (N, H*D)
+                p = pred.transpose(1, 2).flatten(0, 1).flatten(1).double().cpu()
+                acc = sums.setdefault(f"{kind}{t}", {"sse": 0, "sy": 0, "syy": 0})
+                acc["sse"] = acc["sse"] + ((y - p) ** 2).sum(0)
+                acc["sy"] = acc["sy"] + y.sum(0)
+                acc["syy"] = acc["syy"] + (y * y).sum(0)
+        bar.update(ids.shape[0])
+    bar.close()
+    out: dict[str, list[float]] = {"key": [], "value": []}
+    for kind in out:
+        for t in range(tgt.num_layers):
+            acc = sums[f"{kind}{t}"]
+            sst = (acc["syy"] - acc["sy"] ** 2 / count).reshape(tgt.num_kv_heads, -1).sum(-1)
+            sse = acc["sse"].reshape(tgt.num_kv_heads, -1).sum(-1)
+            out[kind].append(float(torch.where(sst > 0, 1 - sse / sst.clamp_min(1e-30), torch.ones_like(sst)).mean()))
+    return out
+
+
+# -- multiple choice -------------------------------------------------------------------------------------
+
+
+@dataclass
+class MultipleChoiceItem:
+    """One question: a context (goes into the cache) and choices (scored by the target).
+
+    Args:
+        context_ids: token ids of the context (at least one token).
+        choice_ids: token ids of each choice, as they continue the context.
+        label: index of the right choice.
+    """
+
+    context_ids: list[int]
+    choice_ids: list[list[int]]
+    label: int
+
+    def __post_init__(self):
+        if not self.context_ids:
+            raise ValueError("a multiple-choice item needs a non-empty context (the transferred part)")
+        if len(self.choice_ids) < 2 or not all(self.choice_ids):
+            raise ValueError(f"need >= 2 non-empty choices, got lengths {[len(c) for c in self.choice_ids]}")
+        if not 0 <= self.label < len(self.choice_ids):
+            raise ValueError(f"label {self.label} out of range for {len(self.choice_ids)} choices")
+
+
+def build_continuation_task(
+    token_docs: Sequence[Sequence[int]],
+    context_len: int = 128,
+    continuation_len: int = 16,
+    num_choices: int = 4,
+    num_items: int = 200,
+    gap: int = 0,
+    seed: int = 0,
+) -> list[MultipleChoiceItem]:
+    """A context-dependent multiple-choice task from plain held-out text.
+
+    Each item: `context_len` tokens of one document; the choices are the `continuation_len` tokens that follow
+    it (after skipping `gap` tokens) and continuations cut the same way from *other* documents. True and
+    distractor continuations are drawn from the same pool of windows, so without the context every choice is
+    equally likely to be picked: only a model that reads the context beats chance (1 / num_choices).
+
+    Documents shorter than one window are skipped; with a single long document, it is cut into 1024-token
+    pseudo-documents.
+    """
+    span = context_len + gap + continuation_len
+    if len(token_docs) == 1:
+        doc = token_docs[0]
+        token_docs = [doc[i : i + 1024] for i in range(0, len(doc), 1024)]
+    windows = [
+        (d, doc[i : i + context_len], doc[i + context_len + gap : i + span])
+        for d, doc in enumerate(token_docs)
+        for i in range(0, len(doc) - span + 1, span)
+    ]
+    docs_with_windows = len({w[0] for w in windows})
+    if docs_with_windows < num_choices:
+        raise ValueError(
+            f"the continuation task needs windows of {span} tokens from >= {num_choices} documents, found "
+            f"{docs_with_windows}; use more/longer text or smaller --context-len / --num-choices"
+        )
+    rng = random.Random(seed)
+    order = list(range(len(windows)))
+    rng.shuffle(order)
+    items = []
+    for idx in order[:num_items]:
+        doc, context, continuation = windows[idx]
+        distractors: list[list[int]] = []
+        while len(distractors) < num_choices - 1:
+            other = windows[rng.randrange(len(windows))]
+            if other[0] != doc and other[2] not in distractors:
+                distractors.append(list(other[2]))
+        label = rng.randrange(num_choices)
+        choices = distractors[:label] + [list(continuation)] + distractors[label:]
+        items.append(MultipleChoiceItem(list(context), choices, label))
+    return items
+
+
+def _mc_record(record: dict[str, Any], line_no: int) -> tuple[str, list[str], int]:
+    """(context, choices, label) from the common JSONL shapes: generic, HellaSwag, ARC, PIQA, WinoGrande."""
+    r = record
+    if "context" in r and "choices" in r:
+        context, choices, label = r["context"], r["choices"], r.get("label", r.get("answer"))
+    elif "ctx" in r and "endings" in r:  # HellaSwag
+        context, choices, label = r["ctx"], r["endings"], r["label"]
+    elif "question" in r and isinstance(r.get("choices"), dict):  # ARC
+        labels = list(r["choices"]["label"])
+        context, choices = f"Question: {r['question']}\nAnswer:", r["choices"]["text"]
+        label = labels.index(r["answerKey"]) if r["answerKey"] in labels else None
+    elif "goal" in r and "sol1" in r:  # PIQA
+        context, choices, label = f"Question: {r['goal']}\nAnswer:", [r["sol1"], r["sol2"]], r["label"]
+    elif "sentence" in r and "option1" in r:  # WinoGrande, scored as a continuation after the blank
+        head, _, tail = r["sentence"].partition("_")
+        context, choices = head.rstrip(), [f"{r['option1']}{tail}", f"{r['option2']}{tail}"]
+        label = int(r["answer"]) - 1
+    else:
+        raise ValueError(
+            f"line {line_no}: unknown multiple-choice record with keys {sorted(r)}; expected "
+            "{'context', 'choices', 'label'} or HellaSwag (ctx/endings/label), ARC (question/choices/answerKey), "
+            "PIQA (goal/sol1/sol2/label) or WinoGrande (sentence/option1/option2/answer)"
+        )
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if not isinstance(label, int):
+        raise ValueError(f"line {line_no}: label must be an integer index into the choices, got {label!r}")
+    return context, list(choices), label
+
+
+def load_multiple_choice(path: str | os.PathLike, tokenizer, limit: int | None = None) -> list[MultipleChoiceItem]:
+    """Read a multiple-choice JSONL file and tokenize it (choices continue the context after a space)."""
+    items = []
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            context, choices, label = _mc_record(json.loads(line), line_no)
+            ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+            if not ctx and tokenizer.bos_token_id is not None:
+                ctx = [tokenizer.bos_token_id]
+            chs = [tokenizer(" " + c.lstrip(), add_special_tokens=False)["input_ids"] for c in choices]
+            items.append(MultipleChoiceItem(ctx, chs, label))
+            if limit is not None and len(items) >= limit:
+                break
+    if not items:
+        raise ValueError(f"{path} holds no multiple-choice records")
+    return items
+
+
+@torch.no_grad()
+def _choice_logprobs(
+    target: PreTrainedModel, feed_prefix: list[int], choices: list[list[int]], cache, pad_id: int
+) -> torch.Tensor:
+    """Sum of log-probs of each choice given the cache + `feed_prefix`; choices batched, right-padded.
+
+    Right padding needs no mask: a causal model's real tokens never attend to pads that come after them.
+    """
+    device = _device(target)
+    width = max(len(c) for c in choices)
+    feed = torch.full((len(choices), len(feed_prefix) + width), pad_id, dtype=torch.long, device=device)
+    for row, choice in enumerate(choices):
+        feed[row, : len(feed_prefix)] = torch.tensor(feed_prefix)
+        feed[row, len(feed_prefix) : len(feed_prefix) + len(choice)] = torch.tensor(choice)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_REFEED_WARNING)
+        logits = target(feed, cache=cache, use_cache=cache is not None).logits.float()
+    logp = logits[:, len(feed_prefix) - 1 : -1].log_softmax(-1)
+    out = torch.empty(len(choices), dtype=torch.float64)
+    for row, choice in enumerate(choices):
+        tok = torch.tensor(choice, device=device)
+        out[row] = logp[row, torch.arange(len(choice), device=device), tok].sum().double().cpu()
+    return out
+
+
+@torch.no_grad()
+def multiple_choice(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    items: Sequence[MultipleChoiceItem],
+    num_recompute_tokens: int = 1,
+    num_bootstrap: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+    desc: str = "multiple choice",
+) -> dict[str, Any]:
+    """Log-likelihood multiple choice with the context in the cache and the choices scored by the target.
+
+    Per item the target is fed the last `num_recompute_tokens` context tokens (at least 1: it must predict
+    the first choice token) and then each choice, on top of a cache of the rest of the context:
+
+    - `target`: its own prefill,
+    - `transfer`: the source's prefill through `mapper`,
+    - `no_context`: no cache (the same fed tokens only), a check that the task needs the context.
+
+    `acc` picks the highest total log-likelihood, `acc_norm` the highest per-token mean. The floor is chance.
+
+    Returns:
+        `{"acc": {...}, "acc_norm": {...}, "chance", "retention", "normalized_retention" (+ `_ci`, on acc)}`.
+    """
+    if num_recompute_tokens < 1:
+        raise ValueError("multiple choice needs num_recompute_tokens >= 1 (the target predicts the first choice token)")
+    pad_id = 0
+    modes = ("target", "transfer", "no_context")
+    correct = {m: [] for m in modes}
+    correct_norm = {m: [] for m in modes}
+    bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
+    for item in items:
+        r = min(num_recompute_tokens, len(item.context_ids))
+        ctx = torch.tensor([item.context_ids])
+        n = len(item.choice_ids)
+        lengths = torch.tensor([len(c) for c in item.choice_ids], dtype=torch.float64)
+        head = item.context_ids[-r:]
+        caches: dict[str, Any] = {"no_context": None}
+        own = prefill(target, ctx[:, :-r].to(_device(target))) if len(item.context_ids) > r else DynamicCache()
+        own.batch_repeat_interleave(n)
+        caches["target"] = own
+        src = prefill(source, ctx.to(_device(source)))
+        caches["transfer"] = TransferredCache(src, mapper, num_recompute_tokens=r)
+        for mode in modes:
+            scores = _choice_logprobs(target, head, item.choice_ids, caches[mode], pad_id)
+            correct[mode].append(int(scores.argmax()) == item.label)
+            correct_norm[mode].append(int((scores / lengths).argmax()) == item.label)
+        bar.update(1)
+    bar.close()
+    chance = float(np.mean([1 / len(item.choice_ids) for item in items]))
+    acc = {m: np.array(v, dtype=np.float64) for m, v in correct.items()}
+    result: dict[str, Any] = {
+        "num_items": len(items),
+        "num_recompute_tokens": num_recompute_tokens,
+        "chance": chance,
+        "acc": {m: float(v.mean()) for m, v in acc.items()},
+        "acc_norm": {m: float(np.mean(v)) for m, v in correct_norm.items()},
+    }
+
+    def retention(idx):
+        own = acc["target"][idx].mean()
+        return float(acc["transfer"][idx].mean() / own) if own > 0 else float("nan")
+
+    def normalized(idx):
+        return normalized_retention(acc["transfer"][idx].mean(), acc["target"][idx].mean(), chance)
+
+    every = np.arange(len(items))
+    result.update(
+        retention=retention(every),
+        retention_ci=_bootstrap(retention, len(items), num_bootstrap, seed),
+        normalized_retention=normalized(every),
+        normalized_retention_ci=_bootstrap(normalized, len(items), num_bootstrap, seed),
+    )
+    return result
+
+
+# -- multi-turn handoff ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def multi_turn_drift(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    reverse_mapper: KVMapper,
+    input_ids: torch.Tensor,
+    num_turns: int = 4,
+    first: str = "source",
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Alternate source and target turn by turn, carrying one cache across every switch, and measure drift.
+
+    The token stream of each row is cut into `num_turns` equal turns. Turn 0 is read by `first`, turn 1 by the
+    other model, and so on; at each switch the whole cache so far (the other model's own turns and what was
+    mapped into it before) is mapped into the next model's cache (`mapper`: source -> target,
+    `reverse_mapper`: target -> source), so errors can accumulate. Each turn's logits are compared with those
+    of the same model reading the whole conversation itself (its standalone prefill).
+
+    Returns:
+        `{"turns": [{"turn", "model", "logit_kl", "top1_agreement", "nll", "nll_standalone"}, ...]}`.
+    """
+    if first not in ("source", "target"):
+        raise ValueError(f"first must be 'source' or 'target', got {first!r}")
+    num_rows, length = input_ids.shape
+    turn_len = length // num_turns
+    if num_turns < 2 or turn_len < 2:
+        raise ValueError(f"need >= 2 turns of >= 2 tokens, got {num_turns} turns from {length} tokens")
+    models = {"source": source, "target": target}
+    mappers = {("source", "target"): mapper, ("target", "source"): reverse_mapper}
+    roles = [first if i % 2 == 0 else ("target" if first == "source" else "source") for i in range(num_turns)]
+    sums = [{"kl": 0.0, "agree": 0.0, "nll": 0.0, "nll_standalone": 0.0, "tokens": 0} for _ in range(num_turns)]
+    bar = tqdm(total=num_rows, desc="multi-turn", unit="conversation", disable=not progress)
+    for start in range(0, num_rows, batch_size):
+        ids = input_ids[start : start + batch_size, : turn_len * num_turns]
+        # Standalone: each model over the whole conversation; causal, so its slice for turn i is what it
+        # would compute with its own prefill of turns 0..i-1.
+        standalone = {
+            role: model(ids.to(_device(model)), use_cache=False).logits.float().cpu()
+            for role, model in models.items()
+            if role in roles
+        }
+        cache, prev = DynamicCache(), None
+        for i, role in enumerate(roles):
+            model = models[role]
+            if prev is not None and prev != role:
+                cache = TransferredCache(cache, mappers[(prev, role)], num_recompute_tokens=0)
+            chunk = ids[:, i * turn_len : (i + 1) * turn_len].to(_device(model))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_REFEED_WARNING)
+                logits = model(chunk, cache=cache, use_cache=True).logits.float().cpu()
+            ref = standalone[role][:, i * turn_len : (i + 1) * turn_len]
+            logp, ref_logp = logits.log_softmax(-1), ref.log_softmax(-1)
+            sums[i]["kl"] += float((ref_logp.exp() * (ref_logp - logp)).sum(-1).sum())
+            sums[i]["agree"] += float((logits.argmax(-1) == ref.argmax(-1)).sum())
+            # Next-token loss inside the turn (the last position's label is the next turn's first token).
+            labels = ids[:, i * turn_len + 1 : (i + 1) * turn_len + 1]
+            width = labels.shape[1]
+            sums[i]["nll"] += float(F.cross_entropy(logits[:, :width].transpose(1, 2), labels, reduction="sum"))
+            sums[i]["nll_standalone"] += float(F.cross_entropy(ref[:, :width].transpose(1, 2), labels, reduction="sum"))
+            sums[i]["tokens"] += chunk.numel()
+            sums[i]["scored"] = sums[i].get("scored", 0) + labels.numel()
+            prev = role
+        bar.update(ids.shape[0])
+    bar.close()
+    turns = [
+        {
+            "turn": i,
+            "model": roles[i],
+            "logit_kl": s["kl"] / s["tokens"],
+            "top1_agreement": s["agree"] / s["tokens"],
+            "nll": s["nll"] / s["scored"],
+            "nll_standalone": s["nll_standalone"] / s["scored"],
+        }
+        for i, s in enumerate(sums)
+    ]
+    return {"num_conversations": num_rows, "num_turns": num_turns, "turn_len": turn_len, "turns": turns}
+
+
+# -- everything at once ----------------------------------------------------------------------------------
+
+
+def evaluate(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    tokenizer,
+    text: str,
+    *,
+    prefix_len: int = 128,
+    max_windows: int | None = 256,
+    num_recompute_tokens: int = 0,
+    continuation: bool = True,
+    context_len: int = 128,
+    continuation_len: int = 16,
+    num_choices: int = 4,
+    num_items: int = 200,
+    multiple_choice_items: Sequence[MultipleChoiceItem] | None = None,
+    reverse_mapper: KVMapper | None = None,
+    num_turns: int = 4,
+    turn_len: int = 64,
+    max_conversations: int = 32,
+    batch_size: int = 8,
+    num_bootstrap: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the evaluation suite for one (source, target, mapper) on a text: perplexity, tasks, diagnostics.
+
+    Args:
+        tokenizer: the family's tokenizer (source and target share it).
+        text: evaluation text, documents separated by lines holding only the tokenizer's EOS token (the
+            bundled family's `heldout.txt`); otherwise one document.
+        prefix_len: T of the prefix-conditioned perplexity (windows of 2T tokens).
+        max_windows: cap on perplexity windows (evenly spaced).
+        continuation: build and score the continuation task from `text`.
+        multiple_choice_items: a task to score too (e.g. `load_multiple_choice("hellaswag.jsonl", tok)`).
+        reverse_mapper: a target -> source mapper; enables the multi-turn handoff.
+
+    Returns:
+        A JSON-serializable dict: `prefix_perplexity`, `kv_r2`, `continuation`, `multiple_choice`,
+        `multi_turn` (when run) and a `config` block. See `results_to_markdown` / `plot_results`.
+
+    Example:
+        ```python
+        results = evaluate(small, large, mapper, tokenizer, open("heldout.txt").read())
+        print(results_to_markdown(results))
+        ```
+    """
+    docs = _tokenize_documents(tokenizer, split_documents(text, getattr(tokenizer, "eos_token", None)))
+    results: dict[str, Any] = {
+        "config": {
+            "source": mapper.config.source_model_id,
+            "target": mapper.config.target_model_id,
+            "top_k": mapper.config.top_k,
+            "ridge_lambda": mapper.config.ridge_lambda,
+            "num_documents": len(docs),
+            "num_tokens": sum(len(d) for d in docs),
+            "seed": seed,
+        }
+    }
+    windows = text_windows(docs, 2 * prefix_len, max_windows)
+    results["prefix_perplexity"] = prefix_perplexity(
+        source, target, mapper, windows, prefix_len, num_recompute_tokens, batch_size,
+        num_bootstrap=num_bootstrap, seed=seed, progress=progress,
+    )
+    results["kv_r2"] = kv_r2(source, target, mapper, windows[:, :prefix_len], batch_size, progress=progress)
+    if continuation:
+        items = build_continuation_task(docs, context_len, continuation_len, num_choices, num_items, seed=seed)
+        results["continuation"] = multiple_choice(
+            source, target, mapper, items, num_bootstrap=num_bootstrap, seed=seed, progress=progress,
+            desc="continuation task",
+        )
+        results["continuation"].update(context_len=context_len, continuation_len=continuation_len)
+    if multiple_choice_items:
+        results["multiple_choice"] = multiple_choice(
+            source, target, mapper, multiple_choice_items, num_bootstrap=num_bootstrap, seed=seed, progress=progress
+        )
+    if reverse_mapper is not None:
+        conversations = text_windows(docs, num_turns * turn_len, max_conversations)
+        results["multi_turn"] = multi_turn_drift(
+            source, target, mapper, reverse_mapper, conversations, num_turns, batch_size=batch_size, progress=progress
+        )
+    return results
+
+
+# -- reporting -------------------------------------------------------------------------------------------
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
+def _ci(ci: Sequence[float] | None) -> str:
+    if not ci or not all(math.isfinite(c) for c in ci):
+        return ""
+    return f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+def results_to_markdown(results: dict[str, Any]) -> str:
+    """A readable summary of `evaluate` results: one table of scores, then diagnostics and drift."""
+    cfg = results.get("config", {})
+    title = f"**{cfg.get('source')} -> {cfg.get('target')}**"
+    lines = [f"{title} (top_k={cfg.get('top_k')}, lambda={cfg.get('ridge_lambda')})", ""]
+    lines += [
+        "| metric | target (own prefill) | transfer | floor | retention | floor-normalized retention [95% CI] |",
+        "|---|---|---|---|---|---|",
+    ]
+    ppl = results.get("prefix_perplexity")
+    if ppl:
+        p = ppl["perplexity"]
+        lines.append(
+            f"| prefix-conditioned perplexity (T={ppl['prefix_len']}, {ppl['num_windows']} windows) "
+            f"| {p['target']:.3f} | {p['transfer']:.3f} | {p['floor']:.3f} (no prefix) | {_pct(ppl['retention'])} "
+            f"| {_pct(ppl['normalized_retention'])}{_ci(ppl['normalized_retention_ci'])} |"
+        )
+    for key, name in (("continuation", "continuation task"), ("multiple_choice", "multiple choice")):
+        mc = results.get(key)
+        if mc:
+            a = mc["acc"]
+            lines.append(
+                f"| {name} acc ({mc['num_items']} items) | {_pct(a['target'])} | {_pct(a['transfer'])} "
+                f"| {_pct(mc['chance'])} (chance; no context: {_pct(a['no_context'])}) | {_pct(mc['retention'])} "
+                f"| {_pct(mc['normalized_retention'])}{_ci(mc['normalized_retention_ci'])} |"
+            )
+    if ppl and "logit_kl" in ppl:
+        lines += [
+            "",
+            f"Against the target's own prefill: logit KL {ppl['logit_kl']:.4f} nats/token, top-1 agreement "
+            f"{_pct(ppl['top1_agreement'])}; context worth {ppl['context_gain_nats']:.4f} nats/token to the target.",
+            "",
+            "| target layer | attention-output cosine | K R^2 | V R^2 |",
+            "|---|---|---|---|",
+        ]
+        r2 = results.get("kv_r2", {})
+        for t, cos in enumerate(ppl["attention_cosine"]):
+            k = r2.get("key", [float("nan")] * (t + 1))[t]
+            v = r2.get("value", [float("nan")] * (t + 1))[t]
+            lines.append(f"| {t} | {cos:.4f} | {k:.3f} | {v:.3f} |")
+    turns = results.get("multi_turn")
+    if turns:
+        lines += [
+            "",
+            f"Multi-turn handoff ({turns['num_conversations']} conversations, {turns['turn_len']} tokens per turn):",
+            "",
+            "| turn | model | logit KL vs standalone | top-1 agreement | nll | nll standalone |",
+            "|---|---|---|---|---|---|",
+        ]
+        for t in turns["turns"]:
+            lines.append(
+                f"| {t['turn']} | {t['model']} | {t['logit_kl']:.4f} | {_pct(t['top1_agreement'])} | {t['nll']:.4f} "
+                f"| {t['nll_standalone']:.4f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(results: dict[str, Any], path: str | os.PathLike) -> None:
+    """Save a PNG: per-layer attention-output cosine and K/V R^2, and drift per turn (if measured)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'hf-kvtransfer[plot]' (or pip install matplotlib)") from exc
+    ppl, r2, turns = results.get("prefix_perplexity", {}), results.get("kv_r2"), results.get("multi_turn")
+    panels = int(bool(ppl.get("attention_cosine") or r2)) + int(bool(turns))
+    if panels == 0:
+        raise ValueError("nothing to plot: the results hold neither per-layer diagnostics nor multi-turn drift")
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+    ax_iter = iter(axes[0])
+    if ppl.get("attention_cosine") or r2:
+        ax = next(ax_iter)
+        if ppl.get("attention_cosine"):
+            ax.plot(ppl["attention_cosine"], marker="o", label="attention-output cosine")
+        if r2:
+            ax.plot(r2["key"], marker="s", label="K R^2 (stripped)")
+            ax.plot(r2["value"], marker="^", label="V R^2")
+        ax.set_xlabel("target layer")
+        ax.set_ylim(min(0.0, ax.get_ylim()[0]), 1.02)
+        ax.set_title("per-layer fidelity on evaluation tokens")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    if turns:
+        ax = next(ax_iter)
+        xs = [t["turn"] for t in turns["turns"]]
+        ax.plot(xs, [t["logit_kl"] for t in turns["turns"]], marker="o", color="C3", label="logit KL vs standalone")
+        for t in turns["turns"]:
+            ax.annotate(t["model"], (t["turn"], t["logit_kl"]), textcoords="offset points", xytext=(0, 6), ha="center")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("KL (nats/token)")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [t["top1_agreement"] for t in turns["turns"]], marker="s", color="C2", label="top-1 agreement")
+        ax2.set_ylabel("top-1 agreement")
+        ax.set_title("multi-turn handoff drift")
+        ax.legend(loc="upper left")
+        ax2.legend(loc="lower right")
+    cfg = results.get("config", {})
+    fig.suptitle(f"{cfg.get('source')} -> {cfg.get('target')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,180 @@
+"""The fast conversion path against the plain reference, FLOP formulas against torch's counter, and the
+benchmark's report (no timed assertions)."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import left_pad, random_ids, tiny_model
+from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
+from hf_kvtransfer.bench import mapping_flops, parse_rank_spec, prefill_flops, run_benchmark, save_report
+from hf_kvtransfer.cli import main
+from hf_kvtransfer.rope import apply_rope, build_rotary_embedding, position_ids_from_mask, rotary_cos_sin, strip_rope
+
+
+def _random_mapper(source, target, selected_layers, seed=0, rank=None):
+    torch.manual_seed(seed)
+    config = MapperConfig(source.config.to_dict(), target.config.to_dict(), selected_layers, rank=rank)
+    return KVMapper(config)
+
+
+def _dense(proj):
+    """(weight, bias) of a full-rank or factored projection."""
+    if hasattr(proj, "down"):
+        return proj.up.weight @ proj.down.weight, proj.up.bias
+    return proj.weight, proj.bias
+
+
+def _reference_conversion(source, target, cache, mapper, mask, length):
+    """Strip -> map -> apply with the plain functions of rope.py, one source layer at a time, no buffers."""
+    batch = cache.layers[0].keys.shape[0]
+    positions = position_ids_from_mask(mask, batch, cache.get_seq_length(), "cpu")[:, :length]
+    cos_s, sin_s = rotary_cos_sin(build_rotary_embedding(source.config), positions, "cpu")
+    cos_t, sin_t = rotary_cos_sin(build_rotary_embedding(target.config), positions, "cpu")
+    tgt = mapper.target_layout
+    out = []
+    for t, selected in enumerate(mapper.config.selected_layers):
+        feats = {"key": [], "value": []}
+        for s in selected:
+            k = strip_rope(cache.layers[s].keys[:, :, :length], cos_s, sin_s)
+            v = cache.layers[s].values[:, :, :length].float()
+            feats["key"].append(k.transpose(1, 2).reshape(batch, length, -1))
+            feats["value"].append(v.transpose(1, 2).reshape(batch, length, -1))
+        kv = []
+        for kind in ("key", "value"):
+            y = torch.nn.functional.linear(torch.cat(feats[kind], -1), *_dense(getattr(mapper.layers[t], kind)))
+            kv.append(y.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2))
+        out.append((apply_rope(kv[0], cos_t, sin_t), kv[1]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "yarn"])
+@pytest.mark.parametrize("selected", [[[0, 2], [1, 2], [0, 2]], [[0, 1, 2]] * 3, [[1], [2, 0], [2]]])
+@pytest.mark.parametrize("rank", [None, [[3, 5], [1, 2], [7, 4]]])
+def test_fast_conversion_matches_plain_reference(arch, selected, rank):
+    source = tiny_model(arch, num_hidden_layers=3, seed=3)
+    target = tiny_model(arch, num_hidden_layers=3, seed=4)
+    mapper = _random_mapper(source, target, selected, rank=rank)
+    ids, mask = left_pad(random_ids(2, 14, seed=5), [14, 9])
+    cache = prefill(source, ids, attention_mask=mask)
+    expected = _reference_conversion(source, target, cache, mapper, mask, length=13)
+    got = TransferredCache(cache, mapper, attention_mask=mask).convert_all()
+    for (k_ref, v_ref), layer in zip(expected, got.layers):
+        torch.testing.assert_close(layer.keys, k_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.values, v_ref, rtol=1e-5, atol=1e-5)
+        assert layer.keys.is_contiguous() and layer.values.is_contiguous()  # what a plain prefill cache holds
+    assert got._stripped == {} and got._source == {}  # buffers, codes, tables and source layers all released
+    # Editing the mapper in place after a conversion is seen by the next one (no stale stacked factors).
+    if rank is not None:
+        with torch.no_grad():
+            mapper.layers[2].key.down.weight.mul_(2)
+        expected = _reference_conversion(source, target, cache, mapper, mask, length=13)
+        again = TransferredCache(cache, mapper, attention_mask=mask).convert_all()
+        torch.testing.assert_close(again.layers[2].keys, expected[2][0], rtol=1e-5, atol=1e-5)
+    # Into a bf16 cache: the float32 result rounded once (not per step): at most one bf16 ulp apart, where a
+    # float32 round-off difference flips a rounding tie.
+    half = TransferredCache(cache, mapper, attention_mask=mask).convert_all(dtype=torch.bfloat16)
+    for (k_ref, v_ref), layer in zip(expected, half.layers):
+        assert layer.keys.dtype == torch.bfloat16
+        for got_t, ref in ((layer.keys, k_ref), (layer.values, v_ref)):
+            exact = (got_t.float() == ref.bfloat16().float()).float().mean()
+            assert exact > 0.99
+            torch.testing.assert_close(got_t.float(), ref.bfloat16().float(), rtol=2**-7, atol=1e-6)
+
+
+def test_bf16_source_and_nonfinite_detection():
+    source = tiny_model("qwen3", num_hidden_layers=3, seed=3)
+    target = tiny_model("qwen3", num_hidden_layers=3, seed=4)
+    mapper = _random_mapper(source, target, [[0, 1]] * 3)
+    ids = random_ids(1, 12, seed=6)
+    cache = prefill(source, ids)
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.bfloat16(), layer.values.bfloat16()
+    expected = _reference_conversion(source, target, cache, mapper, None, length=11)
+    got = TransferredCache(cache, mapper).convert_all(dtype=torch.float32)
+    for (k_ref, v_ref), layer in zip(expected, got.layers):
+        torch.testing.assert_close(layer.keys, k_ref, rtol=1e-5, atol=1e-5)
+    cache.layers[1].values[0, 1, 4, 2] = float("inf")
+    with pytest.raises(ValueError, match="source cache layer 1 has non-finite"):
+        TransferredCache(cache, mapper).convert_all()
+
+
+def test_flop_formulas_match_torch_flop_counter():
+    source = tiny_model("qwen3", num_hidden_layers=3, seed=3)
+    target = tiny_model("qwen3", num_hidden_layers=2, seed=4)
+    seq = 24
+    ids = random_ids(1, seq, seed=7)
+    with FlopCounterMode(display=False) as counter:
+        target(ids)
+    flops = prefill_flops(target.config, seq, logits=True)
+    cfg = target.config
+    # The counter sees eager attention's full square; the formula counts the causal triangle.
+    full_square = 2 * cfg.num_hidden_layers * 2 * cfg.num_attention_heads * cfg.head_dim * seq * seq
+    assert counter.get_total_flops() == flops["projections"] + flops["lm_head"] + full_square
+
+    for selected, rank in (([[0, 2], [1, 2]], None), ([[0, 1, 2], [2]], [[3, 5], [1, 16]])):
+        config = MapperConfig(source.config.to_dict(), target.config.to_dict(), selected, rank=rank)
+        mapper = KVMapper(config)
+        cache = prefill(source, ids)
+        with FlopCounterMode(display=False) as counter:
+            TransferredCache(cache, mapper, num_recompute_tokens=0).convert_all()
+        assert counter.get_total_flops() == mapping_flops(mapper, seq)
+
+
+def test_parse_rank_spec():
+    assert parse_rank_spec("full") == {}
+    assert parse_rank_spec("16") == {"rank": 16}
+    assert parse_rank_spec("energy=0.99") == {"energy": 0.99}
+    assert parse_rank_spec("budget=0.25") == {"size_budget": 0.25}
+    with pytest.raises(ValueError, match="rank spec must be"):
+        parse_rank_spec("half")
+
+
+def test_run_benchmark_report_and_files(tmp_path):
+    source = tiny_model("qwen3", num_hidden_layers=2, seed=3)
+    target = tiny_model("qwen3", num_hidden_layers=3, seed=4)
+    mappers = {"a": _random_mapper(source, target, [[0, 1]] * 3), "b": _random_mapper(source, target, [[1]] * 3)}
+    report = run_benchmark(source, target, mappers, seq_lens=[8, 16], repeats=1, warmup=0, decode_steps=2, progress=False)
+    assert [r["seq_len"] for r in report["results"]] == [8, 16]
+    for row in report["results"]:
+        assert set(row["transfer"]) == {"a", "b"}
+        for entry in row["transfer"].values():
+            assert entry["ms"] > 0 and entry["speedup_vs_body"] == pytest.approx(row["prefill_body_ms"] / entry["ms"])
+            assert entry["peak_bytes"] > 0
+        assert row["decode_own_ms"] > 0 and row["ttft_transfer_ms"] > 0
+    assert report["mappers"]["b"]["parameters"] < report["mappers"]["a"]["parameters"]
+    assert report["environment"]["torch_num_threads"] == torch.get_num_threads()
+    paths = save_report(report, tmp_path)
+    assert json.loads(paths["json"].read_text())["results"][1]["seq_len"] == 16
+    table = paths["markdown"].read_text()
+    assert "| 16 |" in table and "OMP_WAIT_POLICY" in table
+    assert paths["plot"].stat().st_size > 1000
+
+
+def test_cli_bench_runs_and_writes_results(tmp_path, capsys):
+    code = main([
+        "bench", "--no-reexec", "--seq-lens", "32", "--repeats", "1", "--warmup", "0", "--decode-steps", "1",
+        "--ranks", "full", "4", "--calibration-tokens", "1024", "--output-dir", str(tmp_path),
+    ])  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert set(report["results"][0]["transfer"]) == {"k=4 full", "k=4 4"}
+    assert report["mappers"]["k=4 4"]["rank"] == [[4, 4]] * 8
+    assert "| 32 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_compiled_rope_matches_reference(monkeypatch):
+    monkeypatch.setattr(TransferredCache, "compile_rope", True)
+    source = tiny_model("phi3-partial", num_hidden_layers=3, seed=3)
+    target = tiny_model("phi3-partial", num_hidden_layers=3, seed=4)
+    mapper = _random_mapper(source, target, [[0, 2], [1, 2], [0, 2]], rank=[[3, 5], [1, 2], [7, 4]])
+    ids, mask = left_pad(random_ids(2, 14, seed=5), [14, 9])
+    cache = prefill(source, ids, attention_mask=mask)
+    expected = _reference_conversion(source, target, cache, mapper, mask, length=13)
+    got = TransferredCache(cache, mapper, attention_mask=mask).convert_all()
+    for (k_ref, v_ref), layer in zip(expected, got.layers):
+        torch.testing.assert_close(layer.keys, k_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.values, v_ref, rtol=1e-5, atol=1e-5)

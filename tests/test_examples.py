@@ -1,0 +1,94 @@
+"""Smoke tests: every script in examples/ and the `demo` / `eval` commands run offline on the bundled family.
+
+Each is a fresh process (imports, model loads, a small fit): only the quickstart runs in the default suite; the
+rest are `slow` (`pytest -m slow tests/test_examples.py`, ~2.5 CPU-minutes on 2 cores).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_kvtransfer.demo import find_family
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+try:
+    # HF_KVTRANSFER_FAMILY points the examples at another family directory (they read it too).
+    FAMILY = find_family(os.environ.get("HF_KVTRANSFER_FAMILY") or ROOT / "examples" / "family")
+except FileNotFoundError:
+    FAMILY = None
+
+pytestmark = pytest.mark.skipif(
+    FAMILY is None,
+    reason="the bundled model family is not in examples/family (small/ and large/ model.safetensors); "
+    "build it with `python examples/train_family.py --output-dir examples/family`",
+)
+
+
+def _run(args: list[str], timeout: int = 300) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "2",
+           "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, args))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def fitted_mapper(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mapper") / "small-to-large"
+    stdout = _run([sys.executable, str(EXAMPLES / "fit_and_publish.py"), "--output-dir", str(out),
+                   "--num-sequences", "16", "--eval-windows", "16"])
+    assert "not published" in stdout and (out / "model.safetensors").is_file()
+    return out
+
+
+def test_quickstart():
+    out = _run([sys.executable, str(EXAMPLES / "quickstart.py"), "--num-sequences", "16"])
+    assert "large, transferred cache:" in out and "large, its own prefill:" in out
+
+
+@pytest.mark.slow
+def test_cascade():
+    out = _run([sys.executable, str(EXAMPLES / "cascade.py"), "--new-tokens", "12", "--num-sequences", "16"])
+    assert "small answers:" in out and "greedy tokens equal" in out
+
+
+@pytest.mark.slow
+def test_multi_turn():
+    out = _run([sys.executable, str(EXAMPLES / "multi_turn.py"), "--new-tokens", "8", "--num-sequences", "16"])
+    assert "turn 1 (small)" in out and "turn 2 (large)" in out and "turn 3 (small)" in out
+
+
+@pytest.mark.slow
+def test_fit_and_publish_saves_a_loadable_mapper(fitted_mapper):
+    config = json.loads((fitted_mapper / "config.json").read_text())
+    assert isinstance(config["eval_results"]["normalized_retention"], float)
+    assert (fitted_mapper / "README.md").is_file()
+
+
+@pytest.mark.slow
+def test_demo_without_arguments(tmp_path):
+    out = _run([sys.executable, str(EXAMPLES / "demo.py"), "--json", str(tmp_path / "demo.json")])
+    assert "target, transferred cache" in out and "floor-normalized retention" in out
+    result = json.loads((tmp_path / "demo.json").read_text())
+    assert result["transfer_text"] and result["timing"]["mapping_ms"] > 0
+
+
+@pytest.mark.slow
+def test_eval_command(tmp_path, fitted_mapper):
+    pytest.importorskip("matplotlib")
+    out = _run([
+        sys.executable, "-m", "hf_kvtransfer.cli", "eval", "--source", str(FAMILY / "small"),
+        "--target", str(FAMILY / "large"), "--mapper", str(fitted_mapper), "--text", str(FAMILY / "heldout.txt"),
+        "--max-windows", "8", "--num-items", "8", "--turns", "2", "--json", str(tmp_path / "e.json"), "--plot", str(tmp_path / "e.png"),
+    ])
+    assert "prefix-conditioned perplexity" in out and "continuation task" in out
+    results = json.loads((tmp_path / "e.json").read_text())
+    num_layers = json.loads((FAMILY / "large" / "config.json").read_text())["num_hidden_layers"]
+    assert len(results["kv_r2"]["key"]) == len(results["prefix_perplexity"]["attention_cosine"]) == num_layers
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,226 @@
+"""`hf-kvtransfer fit` end to end on tiny saved models: outputs, one pass for several k, resume, errors."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import hf_kvtransfer.fit as fit_module
+from fit_fixtures import make_tokenizer, save_pair, write_corpus
+from hf_kvtransfer import KVMapper, KVStatistics, collect_statistics, solve_mapper
+from hf_kvtransfer.calibration import build_calibration, sample_hash
+from hf_kvtransfer.cli import main
+
+NUM_SEQUENCES, SEQ_LEN, BATCH = 24, 32, 4
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    source, target = save_pair(root)
+    corpus = write_corpus(root / "corpus.txt", num_paragraphs=200)
+    return source, target, corpus
+
+
+def _args(pair, output, *extra):
+    source, target, corpus = pair
+    return [
+        "fit", "--source", str(source), "--target", str(target), "--output", str(output), "--dataset", str(corpus),
+        "--num-sequences", str(NUM_SEQUENCES), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), *extra,
+    ]  # fmt: skip
+
+
+def _leftovers(output: Path) -> list[str]:
+    """Anything the fit left next to the output: temp dirs, checkpoints, the output itself."""
+    return sorted(p.name for p in output.parent.iterdir() if output.name in p.name)
+
+
+class _CountingCapture:
+    """Stands in for `capture_kv` in fit.py: counts model forwards, optionally sends SIGINT on call `interrupt_at`."""
+
+    def __init__(self, interrupt_at: int | None = None):
+        self.calls = 0
+        self.interrupt_at = interrupt_at
+        self._real = fit_module.capture_kv
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.interrupt_at:
+            signal.raise_signal(signal.SIGINT)
+        return self._real(*args, **kwargs)
+
+
+def _assert_same_mapper(dir_a: Path, dir_b: Path, **tol):
+    a, b = load_file(str(dir_a / "model.safetensors")), load_file(str(dir_b / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], **tol)
+
+
+def test_cli_subprocess_fit_matches_in_memory_fit(pair, tmp_path):
+    source, target, corpus = pair
+    out = tmp_path / "mapper"
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_kvtransfer.cli", *_args(pair, out, "--top-k", "2", "--heldout-fraction", "0")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "statistics: 2 x (96^2 + 96x16 + 96 + 2x16) float64 = 0.2 MiB on cpu" in proc.stderr
+    assert f"wrote {out}: k=2" in proc.stdout
+    assert _leftovers(out) == ["mapper"]  # no checkpoint or temp directory left behind
+    mapper = KVMapper.from_pretrained(out)
+
+    # Reference: the plain in-memory path on independently packed ids.
+    ids, _ = build_calibration(make_tokenizer(), corpus, num_sequences=NUM_SEQUENCES, seq_len=SEQ_LEN)
+    src = AutoModelForCausalLM.from_pretrained(source).eval()
+    tgt = AutoModelForCausalLM.from_pretrained(target).eval()
+    reference = solve_mapper(collect_statistics(src, tgt, ids, stride=4, progress=False), top_k=2)
+    assert mapper.config.selected_layers == reference.config.selected_layers
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(mapper.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
+    calibration = mapper.config.calibration
+    assert calibration["sample_sha256"] == sample_hash(ids)
+    assert (calibration["num_sequences"], calibration["seq_len"], calibration["stride"]) == (NUM_SEQUENCES, SEQ_LEN, 4)
+    assert calibration["num_tokens"] == NUM_SEQUENCES * SEQ_LEN // 4
+    assert mapper.config.source_model_id == str(source)
+
+
+def test_several_top_k_from_one_pass(pair, tmp_path, monkeypatch):
+    counter = _CountingCapture()
+    monkeypatch.setattr(fit_module, "capture_kv", counter)
+    out = tmp_path / "mappers"
+    assert main(_args(pair, out, "--top-k", "1,2,all", "--heldout-fraction", "0.25")) == 0
+    # 18 fit + 6 held-out sequences in batches of 4: 5 + 2 batches, two models each, and nothing more
+    assert counter.calls == 2 * (5 + 2)
+    for name, k in (("k1", 1), ("k2", 2), ("kall", 3)):
+        mapper = KVMapper.from_pretrained(out / name)
+        assert mapper.config.top_k == k and all(len(s) == k for s in mapper.config.selected_layers)
+        assert mapper.layers[0].key.weight.shape == (8, k * 32)
+        assert len(mapper.config.heldout_r2_key) == 2 and mapper.config.calibration["heldout_tokens"] == 6 * 8
+
+
+def test_resume_after_sigint_equals_uninterrupted_run(pair, tmp_path, monkeypatch, capsys):
+    common = ("--top-k", "2", "--heldout-fraction", "0.25", "--checkpoint-every", "100")
+    full = tmp_path / "full"
+    assert main(_args(pair, full, *common, "--stats-dir", str(tmp_path / "stats-full"))) == 0
+
+    out, stats_dir = tmp_path / "resumed", tmp_path / "stats"
+    monkeypatch.setattr(fit_module, "capture_kv", _CountingCapture(interrupt_at=5))  # inside the 3rd batch
+    assert main(_args(pair, out, *common, "--stats-dir", str(stats_dir))) == 130
+    assert not out.exists()
+    checkpoint = stats_dir / "checkpoints" / "checkpoint-rank0-of-1.safetensors"
+    train, heldout, done = fit_module._load_checkpoint(checkpoint, fit_module._json_roundtrip(_run_key(checkpoint)), "cpu")
+    assert done == 3 * BATCH and train.count == done * SEQ_LEN // 4 and heldout.count == 0
+
+    counter = _CountingCapture()
+    monkeypatch.setattr(fit_module, "capture_kv", counter)
+    assert main(_args(pair, out, *common, "--stats-dir", str(stats_dir))) == 0
+    assert counter.calls == 2 * 4  # the 2 fit batches left and the 2 held-out batches
+    assert not (stats_dir / "checkpoints").exists()
+    _assert_same_mapper(full, out, rtol=0, atol=0)
+    for part in ("train", "heldout"):
+        a, b = KVStatistics.load(tmp_path / "stats-full" / part), KVStatistics.load(stats_dir / part)
+        assert a.count == b.count
+        for name in a.tensors:
+            torch.testing.assert_close(a.tensors[name], b.tensors[name], rtol=0, atol=0)
+
+
+def _run_key(checkpoint: Path) -> dict:
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint), framework="pt") as f:
+        return json.loads(f.metadata()["checkpoint"])["run"]
+
+
+def test_changed_options_refuse_a_foreign_checkpoint(pair, tmp_path, monkeypatch, capsys):
+    stats_dir = tmp_path / "stats"
+    monkeypatch.setattr(fit_module, "capture_kv", _CountingCapture(interrupt_at=1))
+    assert main(_args(pair, tmp_path / "a", "--top-k", "1", "--stats-dir", str(stats_dir))) == 130
+    monkeypatch.undo()
+    assert main(_args(pair, tmp_path / "a", "--top-k", "1", "--stats-dir", str(stats_dir), "--stride", "2")) == 1
+    assert "belongs to a different fit (differs in: stride)" in capsys.readouterr().err
+
+
+def test_tokenizer_mismatch_is_refused_without_output(tmp_path, capsys):
+    other = make_tokenizer(specials=["<pad>", "<bos>", "<eos>", "<unk>"])
+    source, target = save_pair(tmp_path / "models", target_tokenizer=other)
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "out"
+    assert main(_args((source, target, corpus), out, "--top-k", "1")) == 1
+    err = capsys.readouterr().err
+    assert "source and target tokenizers differ" in err and "special tokens differ" in err
+    assert _leftovers(out) == []
+
+
+def test_unreadable_dataset_and_failed_write_leave_no_output(pair, tmp_path, monkeypatch, capsys):
+    source, target, _ = pair
+    out = tmp_path / "out"
+    assert main(_args((source, target, tmp_path / "nope.txt"), out, "--top-k", "1")) == 1
+    assert "calibration file" in capsys.readouterr().err and _leftovers(out) == []
+
+    # A failure while writing the second of three mappers: nothing that looks like a finished output.
+    real_save, calls = KVMapper.save_pretrained, []
+
+    def failing_save(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVMapper, "save_pretrained", failing_save)
+    assert main(_args(pair, out, "--top-k", "1,2,all")) == 1
+    assert "disk full" in capsys.readouterr().err
+    assert not out.exists() and not any(".tmp-" in name for name in _leftovers(out))
+
+
+def test_existing_output_needs_overwrite(pair, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(_args(pair, out, "--top-k", "1")) == 1
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert main(_args(pair, out, "--top-k", "1", "--overwrite", "--heldout-fraction", "0")) == 0
+    assert KVMapper.from_pretrained(out).config.top_k == 1
+
+
+def test_auto_picks_the_best_held_out_candidate(pair, tmp_path):
+    out = tmp_path / "auto"
+    assert main(_args(pair, out, "--top-k", "auto", "--ridge-lambda", "0.01,100,auto", "--heldout-fraction", "0.25")) == 0
+    config = KVMapper.from_pretrained(out).config
+    selection = config.model_selection
+    curve = selection["curve"]
+    assert {(r["top_k"], r["ridge_lambda"]) for r in curve} == {(k, lam) for k in (1, 2, "all") for lam in (0.01, 100.0)}
+    best = max(curve, key=lambda r: r["heldout_r2"])
+    assert selection["chosen"] == [{"top_k": best["top_k"], "ridge_lambda": best["ridge_lambda"]}]
+    assert config.ridge_lambda == best["ridge_lambda"]
+    assert config.top_k == (3 if best["top_k"] == "all" else best["top_k"])
+    mean_heldout = (sum(config.heldout_r2_key) + sum(config.heldout_r2_value)) / (2 * len(config.heldout_r2_key))
+    assert abs(mean_heldout - best["heldout_r2"]) < 1e-9
+
+
+def test_fit_mapper_takes_the_cli_options_in_python(pair, tmp_path):
+    from hf_kvtransfer import fit_mapper
+
+    source, target, corpus = pair
+    assert main(_args(pair, tmp_path / "cli", "--top-k", "1,all", "--heldout-fraction", "0.25")) == 0
+    src = AutoModelForCausalLM.from_pretrained(source).eval()
+    tgt = AutoModelForCausalLM.from_pretrained(target).eval()
+    mappers = fit_mapper(
+        src, tgt, corpus, tokenizer=make_tokenizer(), num_sequences=NUM_SEQUENCES, seq_len=SEQ_LEN, batch_size=BATCH,
+        top_k="1,all", heldout_fraction=0.25, checkpoint_dir=tmp_path / "ckpt", progress=False,
+    )  # fmt: skip
+    assert sorted(mappers) == ["k1", "kall"]
+    for name, mapper in mappers.items():
+        cli = KVMapper.from_pretrained(tmp_path / "cli" / name)
+        assert mapper.config.calibration["sample_sha256"] == cli.config.calibration["sample_sha256"]
+        assert mapper.config.heldout_r2_key == pytest.approx(cli.config.heldout_r2_key, rel=1e-9, abs=1e-12)
+        for key, tensor in cli.state_dict().items():
+            torch.testing.assert_close(mapper.state_dict()[key], tensor, rtol=1e-6, atol=1e-7)
