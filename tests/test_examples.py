@@ -1,7 +1,7 @@
 """Smoke tests: every script in examples/ and the `demo` / `eval` commands run offline on the bundled family.
 
-Each is a fresh process (imports, model loads, a small fit): only the quickstart runs in the default suite; the
-rest are `slow` (`pytest -m slow tests/test_examples.py`, ~2.5 CPU-minutes on 2 cores).
+Each is a fresh process (imports, model loads, a small fit); all of them run in the default suite (about 35 s
+together on 2 idle cores).
 """
 
 import json
@@ -52,26 +52,22 @@ def test_quickstart():
     assert "large, transferred cache:" in out and "large, its own prefill:" in out
 
 
-@pytest.mark.slow
 def test_cascade():
     out = _run([sys.executable, str(EXAMPLES / "cascade.py"), "--new-tokens", "12", "--num-sequences", "16"])
     assert "small answers:" in out and "greedy tokens equal" in out
 
 
-@pytest.mark.slow
 def test_multi_turn():
     out = _run([sys.executable, str(EXAMPLES / "multi_turn.py"), "--new-tokens", "8", "--num-sequences", "16"])
     assert "turn 1 (small)" in out and "turn 2 (large)" in out and "turn 3 (small)" in out
 
 
-@pytest.mark.slow
 def test_fit_and_publish_saves_a_loadable_mapper(fitted_mapper):
     config = json.loads((fitted_mapper / "config.json").read_text())
     assert isinstance(config["eval_results"]["normalized_retention"], float)
     assert (fitted_mapper / "README.md").is_file()
 
 
-@pytest.mark.slow
 def test_demo_without_arguments(tmp_path):
     out = _run([sys.executable, str(EXAMPLES / "demo.py"), "--json", str(tmp_path / "demo.json")])
     assert "target, transferred cache" in out and "floor-normalized retention" in out
@@ -79,7 +75,6 @@ def test_demo_without_arguments(tmp_path):
     assert result["transfer_text"] and result["timing"]["mapping_ms"] > 0
 
 
-@pytest.mark.slow
 def test_eval_command(tmp_path, fitted_mapper):
     pytest.importorskip("matplotlib")
     out = _run([
