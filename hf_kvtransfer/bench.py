@@ -426,13 +426,9 @@ def results_to_markdown(report: dict[str, Any]) -> str:
 
 def plot_results(report: dict[str, Any], path: str | os.PathLike) -> None:
     """Time vs. sequence length (log-log): own prefill, full forward, each mapper's transfer."""
-    try:
-        import matplotlib
+    from .evaluate import _pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("plotting needs matplotlib: pip install 'hf-kvtransfer[plot]'") from exc
+    plt = _pyplot()
     rows = report["results"]
     seq = [r["seq_len"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))

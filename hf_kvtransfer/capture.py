@@ -37,7 +37,10 @@ def prefill(
         ```
     """
     body = model.base_model if hasattr(model, "base_model") else model
-    device = input_ids.device
+    # Inputs go where the model's embedding lives (also for accelerate device maps), so callers never move them.
+    device = model.get_input_embeddings().weight.device
+    input_ids = input_ids.to(device)
+    attention_mask = attention_mask.to(device) if attention_mask is not None else None
     batch_size, seq_len = input_ids.shape
     past = cache.get_seq_length() if cache is not None else 0
     if cache is None:
@@ -73,7 +76,7 @@ def capture_kv(
     """
     cache = prefill(model, input_ids, attention_mask)
     batch_size, seq_len = input_ids.shape
-    position_ids = position_ids_from_mask(attention_mask, batch_size, seq_len, input_ids.device)
+    position_ids = position_ids_from_mask(attention_mask, batch_size, seq_len, cache.layers[0].keys.device)
     rotary = getattr(getattr(model, "base_model", model), "rotary_emb", None)
     if rotary is None:
         rotary = build_rotary_embedding(model.config)

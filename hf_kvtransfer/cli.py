@@ -209,14 +209,11 @@ def _run_eval(args) -> int:
     import json
     from pathlib import Path
 
-    from .evaluate import evaluate, load_multiple_choice, plot_results, results_to_markdown
+    from .evaluate import _pyplot, evaluate, load_multiple_choice, plot_results, results_to_markdown
     from .mapper import KVMapper
 
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401  (fail before the run, not after it)
-        except ImportError as exc:
-            raise ImportError("--plot needs matplotlib: pip install 'hf-kvtransfer[plot]'") from exc
+        _pyplot()  # a missing matplotlib fails before the run, not after it
     source, target, tokenizer = _load_pair(args)
     mapper = KVMapper.from_pretrained(args.mapper)
     mapper.check_compatible(source.config, target.config)

@@ -816,8 +816,8 @@ def results_to_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_results(results: dict[str, Any], path: str | os.PathLike) -> None:
-    """Save a PNG: per-layer attention-output cosine and K/V R^2, and drift per turn (if measured)."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (plots are written, never shown)."""
     try:
         import matplotlib
 
@@ -825,6 +825,12 @@ def plot_results(results: dict[str, Any], path: str | os.PathLike) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError("plots need matplotlib: pip install 'hf-kvtransfer[plot]' (or pip install matplotlib)") from exc
+    return plt
+
+
+def plot_results(results: dict[str, Any], path: str | os.PathLike) -> None:
+    """Save a PNG: per-layer attention-output cosine and K/V R^2, and drift per turn (if measured)."""
+    plt = _pyplot()
     ppl, r2, turns = results.get("prefix_perplexity", {}), results.get("kv_r2"), results.get("multi_turn")
     panels = int(bool(ppl.get("attention_cosine") or r2)) + int(bool(turns))
     if panels == 0:

@@ -145,13 +145,12 @@ def collect_statistics(
         stats.dtype,
         stats.device,
     )
-    src_device, tgt_device = _model_device(source), _model_device(target)
     total = calibration_input_ids.shape[0] if isinstance(calibration_input_ids, torch.Tensor) else None
     bar = tqdm(total=total, desc="calibration", unit="seq", disable=not progress)
     tokens, start = 0, time.perf_counter()
     for ids, mask in _batches(calibration_input_ids, attention_mask, batch_size):
-        src_k, src_v = capture_kv(source, ids.to(src_device), mask.to(src_device) if mask is not None else None)
-        tgt_k, tgt_v = capture_kv(target, ids.to(tgt_device), mask.to(tgt_device) if mask is not None else None)
+        src_k, src_v = capture_kv(source, ids, mask)
+        tgt_k, tgt_v = capture_kv(target, ids, mask)
         stats.update(src_k, src_v, tgt_k, tgt_v, attention_mask=mask, stride=stride)
         tokens += int(mask.sum()) if mask is not None else ids.numel()
         bar.update(ids.shape[0])
@@ -414,7 +413,6 @@ def accumulate_statistics(
         else:
             batches.append((which, [i]))
 
-    src_device, tgt_device = _model_device(source), _model_device(target)
     seq_len = input_ids.shape[1]
     bar = tqdm(
         total=len(order) * seq_len, initial=done * seq_len, desc="calibration", unit="tok", unit_scale=True,
@@ -429,8 +427,8 @@ def accumulate_statistics(
             ids = input_ids[rows]
             mask = attention_mask[rows] if attention_mask is not None else None
             try:
-                src_k, src_v = capture_kv(source, ids.to(src_device), mask.to(src_device) if mask is not None else None)
-                tgt_k, tgt_v = capture_kv(target, ids.to(tgt_device), mask.to(tgt_device) if mask is not None else None)
+                src_k, src_v = capture_kv(source, ids, mask)
+                tgt_k, tgt_v = capture_kv(target, ids, mask)
             except BaseException:
                 # Sums are untouched by this batch: keep what is done (OOM, Ctrl-C twice, a bad batch, ...).
                 if path is not None and done > saved and train is not None:

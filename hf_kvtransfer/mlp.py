@@ -504,8 +504,7 @@ def fit_mlp_mapper(
         )
     if top_k == "all":
         top_k = None
-    src_device, tgt_device = _model_device(source), _model_device(target)
-    device = torch.device(device) if device is not None else src_device
+    device = torch.device(device) if device is not None else _model_device(source)
     started = time.perf_counter()
 
     # Token ids are small: materialise the batches to split whole sequences and size the features up front.
@@ -544,8 +543,8 @@ def fit_mlp_mapper(
         for ids, mask in batches:
             held = torch.tensor([row + i in heldout_rows for i in range(ids.shape[0])])
             row += ids.shape[0]
-            src_k, src_v = _capture(source, ids, mask, src_device)
-            tgt_k, tgt_v = _capture(target, ids, mask, tgt_device)
+            src_k, src_v = capture_kv(source, ids, mask)
+            tgt_k, tgt_v = capture_kv(target, ids, mask)
             states = {"key": (src_k, tgt_k), "value": (src_v, tgt_v)}
             for part, rows in (("train", ~held), ("heldout", held)):
                 if not rows.any():
@@ -652,10 +651,6 @@ def fit_mlp_mapper(
         )
     config.num_parameters = mapper.num_parameters()
     return mapper
-
-
-def _capture(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None, device: torch.device):
-    return capture_kv(model, ids.to(device), mask.to(device) if mask is not None else None)
 
 
 __all__ = ["MLPKindMap", "build_mlp_layer_maps", "fit_mlp_mapper", "mlp_fit_nbytes", "train_mlp_map"]
