@@ -484,9 +484,17 @@ def family_shaped_models(vocab_size: int = 4096, seed: int = 0, max_position_emb
     return models[0], models[1]
 
 
+_SPEC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def parse_rank_spec(spec: str) -> dict[str, Any]:
-    """'full' | '16' | 'energy=0.99' | 'budget=0.25' -> solve_mapper keyword arguments."""
-    spec = str(spec).strip()
+    """'full' | '16' | 'energy=0.99' | 'budget=0.25', optionally '@bf16' / '@fp16' / '@fp32' (the mapper's weight
+    and compute dtype, whatever the models' dtype) -> solve_mapper keyword arguments."""
+    spec, _, dtype = str(spec).strip().partition("@")
+    if dtype:
+        if dtype not in _SPEC_DTYPES:
+            raise ValueError(f"mapper dtype in {spec}@{dtype} must be one of {sorted(_SPEC_DTYPES)}")
+        return {**parse_rank_spec(spec), "dtype": _SPEC_DTYPES[dtype]}
     if spec == "full":
         return {}
     if spec.isdigit():
@@ -494,7 +502,9 @@ def parse_rank_spec(spec: str) -> dict[str, Any]:
     key, _, value = spec.partition("=")
     if key in ("energy", "budget") and value:
         return {"energy" if key == "energy" else "size_budget": float(value)}
-    raise ValueError(f"rank spec must be 'full', an integer rank, 'energy=F' or 'budget=F'; got {spec!r}")
+    raise ValueError(
+        f"rank spec must be 'full', an integer rank, 'energy=F' or 'budget=F' (optionally @bf16/@fp16/@fp32); got {spec!r}"
+    )
 
 
 def _calibration_ids(target_path: str | None, text_path: str | None, num_tokens: int, seq_len: int, vocab: int, seed: int):
@@ -578,7 +588,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", default="4", help="source layers per target layer for solved mappers (default 4)")
     p.add_argument("--ranks", nargs="+", default=["full", "16", "8"],
                    help="mappers to solve: full, an integer rank, energy=0.99, budget=0.25, each optionally with "
-                   "another top-k as kN:SPEC, e.g. k1:full (default: full 16 8)")
+                   "another top-k as kN:SPEC (k1:full) and a weight/compute dtype as SPEC@bf16 (full@bf16); the "
+                   "first one is also used for TTFT and decode (default: full 16 8)")
     p.add_argument("--seq-lens", type=int, nargs="+", help=f"context lengths (default {' '.join(map(str, DEFAULT_SEQ_LENS))})")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5, quick 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")
@@ -658,8 +669,11 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         heldout = _calibration_ids(args.target, args.heldout_text, args.heldout_tokens, 512, vocab, seed=2)
         quality = mapper_quality(source, target, mappers, heldout.to(device))
     source, target = source.to(device, dtype), target.to(device, dtype)
-    # The mapper computes in the cache dtype on accelerators (bf16 GEMMs accumulate in fp32); fp32 on CPU.
-    mappers = {n: m.to(device, dtype if device.type == "cuda" else torch.float32) for n, m in mappers.items()}
+    # The mapper computes in the cache dtype on accelerators (bf16 GEMMs accumulate in fp32), in fp32 on CPU,
+    # unless its spec named a dtype ("full@bf16": bf16 GEMMs, e.g. on CPUs with AMX, into the fp32 cache).
+    default = dtype if device.type == "cuda" else torch.float32
+    named = {n for n in mappers if "@" in n}
+    mappers = {n: m.to(device) if n in named else m.to(device, default) for n, m in mappers.items()}
     report = run_benchmark(
         source, target, mappers, seq_lens=seq_lens, repeats=repeats, warmup=args.warmup,
         decode_steps=4 if args.quick and args.decode_steps == 8 else args.decode_steps,

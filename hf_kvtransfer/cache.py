@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 import os
 import warnings
 from typing import Any
@@ -13,7 +14,7 @@ from torch import nn
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .mapper import KVMapper, _LowRankLayerMap
+from .mapper import KVMapper, _LinearLayerMap, _LowRankLayerMap
 from .rope import position_ids_from_mask, rotary_cos_sin
 
 
@@ -70,20 +71,40 @@ def _compiled_rope():
     return torch.compile(rope, dynamic=True)
 
 
-def _stacked_down(mapper: KVMapper, group: tuple[int, ...], kind: str, device: torch.device) -> torch.Tensor:
-    """`down` factors of `group`'s layer maps stacked `[sum of ranks, F_in]`, kept on the mapper between caches.
+def _stacked(
+    mapper: KVMapper, group: tuple[int, ...], attr: str, device: torch.device, rotary_dim: int | None = None
+) -> torch.Tensor:
+    """`attr` (e.g. `"key.weight"`, `"value.down.weight"`) of `group`'s layer maps concatenated along dim 0.
 
-    Rebuilt when any factor changed in place (tensor version counters) or moved, so edits are never missed.
+    With `rotary_dim`, the output rows are reordered from (layer, head, dim) to: first halves of the rotary dims
+    of every (layer, head), then the second halves, then the pass-through dims (the order `TransferredCache._finish` reads).
+    Kept on the mapper between caches, and rebuilt when any part changed in place (tensor version counters) or
+    moved, so edits to the mapper are never missed.
     """
-    weights = [getattr(mapper.layers[t], kind).down.weight for t in group]
-    if len(weights) == 1:
-        return weights[0].to(device)
-    store = mapper.__dict__.setdefault("_stacked_down", {})
-    versions = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
-    entry = store.get((group, kind, device))
+    get = operator.attrgetter(attr)
+    tensors = [get(mapper.layers[t]) for t in group]
+    if len(tensors) == 1 and rotary_dim is None:
+        return tensors[0].to(device)
+    store = mapper.__dict__.setdefault("_stacked", {})
+    versions = tuple((w.data_ptr(), w._version, w.dtype) for w in tensors)
+    key = (group, attr, device, rotary_dim)
+    entry = store.get(key)
     if entry is None or entry[0] != versions:
-        entry = store[(group, kind, device)] = (versions, torch.cat([w.detach() for w in weights]).to(device))
+        stacked = torch.cat([w.detach() for w in tensors])
+        if rotary_dim is not None:
+            tgt = mapper.target_layout
+            rows = torch.arange(stacked.shape[0]).view(len(group), tgt.num_kv_heads, tgt.head_dim)
+            rotary = rows[..., :rotary_dim].unflatten(-1, (2, rotary_dim // 2)).permute(2, 0, 1, 3)
+            stacked = stacked[torch.cat([rotary.flatten(), rows[..., rotary_dim:].flatten()])]
+        entry = store[key] = (versions, stacked.to(device))
     return entry[1]
+
+
+# Full-rank maps of target layers that read the same source layers run as one GEMM of up to this many output
+# features per kind: on CPU one [F_in -> 512] product is ~2x faster than eight [F_in -> 64] ones (the skinny
+# products are dominated by packing the shared input). Big models' layers (n_kv * d >= 1024) still map one at
+# a time, so what is computed ahead of the layers asking for it stays at most about one layer's KV.
+GROUP_OUT_FEATURES = 1024
 
 
 class TransferredCache(DynamicCache):
@@ -253,13 +274,22 @@ class TransferredCache(DynamicCache):
     # Everything derived from the source for the conversion lives in `self._stripped` (so `crop`/beam ops,
     # which clear it, invalidate all of it): int keys hold one stripped source layer, ("sel", layers) keys the
     # side-by-side features of a selection, ("codes", layers) the low-rank codes of the layers reading them,
+    # ("mapped", t) a target layer's full-rank K/V computed ahead with an earlier layer's,
     # ("rope", which, device) the cos/sin tables, ("finite", device) deferred non-finite flags on accelerators.
-    def _rope_tables(self, which: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[batch, 1, seq, rotary_dim]` float32 at the transferred positions, computed once per cache.
+    def _rope_tables(
+        self, which: str, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[batch, 1, seq, rotary_dim]` at the transferred positions, computed once per cache (in float32,
+        then cast to `dtype`).
 
         For the source ("strip") the inverse rotation is folded in: `(cos, -sin) / (cos^2 + sin^2)`, so stripping
         is the same multiply-add as applying RoPE and removes the rope type's attention scaling.
         """
+        if dtype != torch.float32:
+            key = ("rope", which, device, dtype)
+            if key not in self._stripped:
+                self._stripped[key] = tuple(t.to(dtype) for t in self._rope_tables(which, device))
+            return self._stripped[key]
         key = ("rope", which, device)
         if key not in self._stripped:
             rotary = self._source_rotary if which == "strip" else self._target_rotary
@@ -270,10 +300,13 @@ class TransferredCache(DynamicCache):
             self._stripped[key] = (cos, sin)
         return self._stripped[key]
 
-    def _feature_dtype(self) -> torch.dtype:
-        # Features are produced directly in the dtype the mapper computes in (no extra cast pass).
+    def _feature_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
+        # The wider of the source's and the mapper's dtype: a bf16 source is stripped at the mapper's float32
+        # precision, and a float32 source for a bf16 mapper is stripped in float32 and cast once by the map (writing
+        # RoPE results into a narrower buffer takes PyTorch's mixed-dtype path, several times slower on CPU).
         param = next(self.mapper.parameters(), None)
-        return param.dtype if param is not None and param.is_floating_point() else torch.float32
+        mapper_dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+        return torch.promote_types(source_dtype, mapper_dtype)
 
     def _strip_into(self, s: int, key_out: torch.Tensor, value_out: torch.Tensor) -> None:
         """Write stripped source layer `s` into `[batch, seq, heads, head_dim]` buffers (any dtype)."""
@@ -305,11 +338,11 @@ class TransferredCache(DynamicCache):
                 )
 
     def _stripped_source(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE-stripped source layer `s` as `[batch, seq, heads * head_dim]` in the mapper's dtype, once per layer."""
+        """RoPE-stripped source layer `s` as `[batch, seq, heads * head_dim]` (see `_feature_dtype`), once per layer."""
         if s not in self._stripped:
             keys = self._source[s][0]
             batch, heads, seq, dim = keys.shape
-            out = [torch.empty(batch, seq, heads, dim, dtype=self._feature_dtype(), device=keys.device) for _ in "kv"]
+            out = [torch.empty(batch, seq, heads, dim, dtype=self._feature_dtype(keys.dtype), device=keys.device) for _ in "kv"]
             self._strip_into(s, *out)
             self._stripped[s] = tuple(o.view(batch, seq, heads * dim) for o in out)
         return self._stripped[s]
@@ -329,7 +362,7 @@ class TransferredCache(DynamicCache):
             batch, seq = ref.shape[0], ref.shape[2]
             layout = self.mapper.source_layout
             shape = (batch, seq, len(selected), layout.num_kv_heads, layout.head_dim)
-            buffers = [torch.empty(shape, dtype=self._feature_dtype(), device=ref.device) for _ in "kv"]
+            buffers = [torch.empty(shape, dtype=self._feature_dtype(ref.dtype), device=ref.device) for _ in "kv"]
             others = {tuple(self.mapper.config.selected_layers[t]) for t in self._pending if t != layer_idx} - {key[1]}
             for j, s in enumerate(selected):
                 if s in self._stripped:  # stripped before for another selection: one copy, as a cat would do
@@ -343,38 +376,109 @@ class TransferredCache(DynamicCache):
             self._stripped[key] = tuple(b.view(batch, seq, -1) for b in buffers)
         return self._stripped[key]
 
-    def _map_low_rank(self, layer_idx: int, key_feats: torch.Tensor, value_feats: torch.Tensor):
+    def _same_selection(self, layer_idx: int, map_type: type) -> list[int]:
+        """Pending target layers reading the same source layers as `layer_idx` through the same kind of map."""
+        selected = self.mapper.config.selected_layers[layer_idx]
+        return [
+            t for t in sorted(self._pending)
+            if self.mapper.config.selected_layers[t] == selected and type(self.mapper.layers[t]) is map_type
+        ]  # fmt: skip
+
+    def _finish(self, key_rows: torch.Tensor, value_rows: torch.Tensor, num_layers: int, like: torch.Tensor):
+        """Target K/V of `num_layers` layers from their mapped outputs, finished: RoPE applied, cache layout and dtype.
+
+        Args:
+            key_rows: `[B, T, num_layers * n_kv * d]` stripped keys with the feature order of `_stacked(...,
+                rotary_dim)`: the first halves of the rotary dims of every (layer, head), then the second halves,
+                then the pass-through dims. RoPE is then four passes over the whole group reading long contiguous
+                runs, instead of four passes per layer over transposed views.
+            value_rows: `[B, T, num_layers * n_kv * d]` values in (layer, head, dim) order.
+
+        Returns:
+            `(keys, values)`, each `[num_layers, B, n_kv, T, d]` in `like`'s dtype and device: one buffer per kind,
+            so each layer's tensor is contiguous and no further copy is needed.
+        """
+        tgt = self.mapper.target_layout
+        num_heads, head_dim = tgt.num_kv_heads, tgt.head_dim
+        batch, seq = key_rows.shape[:2]
+        dtype = like.dtype
+        # RoPE runs in the cache dtype, or in the map's when that is wider (a float32 map into a bf16 cache is
+        # rounded once, at the end). Narrower map outputs are widened first, in one contiguous pass: mixed-dtype
+        # elementwise kernels are several times slower on CPU.
+        rope_dtype = key_rows.dtype if key_rows.dtype.itemsize > dtype.itemsize else dtype
+        key_rows = key_rows.to(device=like.device, dtype=rope_dtype)
+        cos, sin = self._rope_tables("apply", like.device, rope_dtype)  # (B, 1, T, rotary_dim)
+        rotary_dim = cos.shape[-1]
+        half = rotary_dim // 2
+        # (B, 1, T, half) -> (B, T, 1, 1, half): broadcast over layers and heads
+        c1, c2, s1, s2 = (t.transpose(1, 2).unsqueeze(2) for t in (cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]))
+        shape = (num_layers, batch, num_heads, seq, head_dim)
+        keys, values = (torch.empty(shape, dtype=dtype, device=like.device) for _ in "kv")
+        rotated = keys if rope_dtype == dtype else torch.empty(shape, dtype=rope_dtype, device=like.device)
+        out = rotated.permute(1, 3, 0, 2, 4)  # (B, T, layers, heads, D) view of the cache layout
+        split = 2 * num_layers * num_heads * half
+        x1, x2 = key_rows[..., :split].unflatten(-1, (2, num_layers, num_heads, half)).unbind(2)
+        o1, o2 = out[..., :half], out[..., half:rotary_dim]
+        torch.mul(x1, c1, out=o1)
+        o1.addcmul_(x2, s1, value=-1)
+        torch.mul(x2, c2, out=o2)
+        o2.addcmul_(x1, s2)
+        if rotary_dim < head_dim:  # partial rotary: the rest passes through
+            out[..., rotary_dim:].copy_(key_rows[..., split:].unflatten(-1, (num_layers, num_heads, head_dim - rotary_dim)))
+        if rotated is not keys:
+            keys.copy_(rotated)
+        values.permute(1, 3, 0, 2, 4).copy_(value_rows.unflatten(-1, (num_layers, num_heads, head_dim)))
+        return keys, values
+
+    def _rotary_dim(self, device: torch.device) -> int:
+        return self._rope_tables("apply", device)[0].shape[-1]
+
+    def _convert_linear_group(self, layer_idx: int, key_feats: torch.Tensor, value_feats: torch.Tensor, like: torch.Tensor):
+        """Full-rank maps: `layer_idx` together with the next pending layers that read the same source layers (up
+        to `GROUP_OUT_FEATURES` outputs per kind), one GEMM per kind for the group; the others wait, finished, in
+        `self._stripped`. Returns `layer_idx`'s finished keys and values."""
+        entry = ("mapped", layer_idx)
+        if entry not in self._stripped:
+            candidates = [t for t in self._same_selection(layer_idx, _LinearLayerMap) if t >= layer_idx]
+            group = tuple(candidates[: max(1, GROUP_OUT_FEATURES // self.mapper.target_layout.layer_dim)])
+            rows = []
+            for kind, x, rotary_dim in (("key", key_feats, self._rotary_dim(like.device)), ("value", value_feats, None)):
+                weight = _stacked(self.mapper, group, f"{kind}.weight", like.device, rotary_dim)
+                bias = _stacked(self.mapper, group, f"{kind}.bias", like.device, rotary_dim)
+                rows.append(nn.functional.linear(x.to(weight.dtype), weight, bias))
+            keys, values = self._finish(*rows, len(group), like)
+            for i, t in enumerate(group):
+                self._stripped[("mapped", t)] = (keys[i], values[i])
+        return self._stripped.pop(entry)
+
+    def _convert_low_rank(self, layer_idx: int, key_feats: torch.Tensor, value_feats: torch.Tensor, like: torch.Tensor):
         """A reduced-rank layer map, with the `down` projections of every pending layer that reads the same source
         layers done in one matmul: a few wide GEMMs instead of one skinny `[F_in -> r]` GEMM per layer and kind.
 
         The codes `[batch, seq, sum of ranks]` are tiny next to the features, so computing them ahead is cheap.
+        Returns `layer_idx`'s finished keys and values.
         """
-        selected = tuple(self.mapper.config.selected_layers[layer_idx])
-        key = ("codes", selected)
+        key = ("codes", tuple(self.mapper.config.selected_layers[layer_idx]))
         if key not in self._stripped:
-            group = [
-                t for t in sorted(self._pending)
-                if tuple(self.mapper.config.selected_layers[t]) == selected
-                and isinstance(self.mapper.layers[t], _LowRankLayerMap)
-            ]  # fmt: skip
+            group = tuple(self._same_selection(layer_idx, _LowRankLayerMap))
             codes = {}
             for kind, x in (("key", key_feats), ("value", value_feats)):
-                down = _stacked_down(self.mapper, tuple(group), kind, x.device)  # (sum r, F_in)
+                down = _stacked(self.mapper, group, f"{kind}.down.weight", x.device)  # (sum r, F_in)
                 z = nn.functional.linear(x.to(down.dtype), down)  # (B, T, sum r)
-                offsets = torch.tensor([0] + [getattr(self.mapper.layers[t], kind).down.weight.shape[0] for t in group])
-                bounds = offsets.cumsum(0).tolist()
+                bounds = [0]
+                for t in group:
+                    bounds.append(bounds[-1] + getattr(self.mapper.layers[t], kind).down.weight.shape[0])
                 codes[kind] = {t: z[..., bounds[i] : bounds[i + 1]] for i, t in enumerate(group)}
             self._stripped[key] = codes
         codes = self._stripped[key]
-        tgt = self.mapper.target_layout
-        out = []
-        for kind in ("key", "value"):
-            up = getattr(self.mapper.layers[layer_idx], kind).up
+        rows = []
+        for kind, rotary_dim in (("key", self._rotary_dim(like.device)), ("value", None)):
             z = codes[kind].pop(layer_idx)
-            y = nn.functional.linear(z, up.weight.to(z.device), up.bias.to(z.device))
-            # (B, T, H*D) -> (B, H, T, D)
-            out.append(y.view(*y.shape[:-1], tgt.num_kv_heads, tgt.head_dim).transpose(1, 2))
-        return out[0], out[1]
+            up = _stacked(self.mapper, (layer_idx,), f"{kind}.up.weight", z.device, rotary_dim)
+            bias = _stacked(self.mapper, (layer_idx,), f"{kind}.up.bias", z.device, rotary_dim)
+            rows.append(nn.functional.linear(z, up, bias))
+        keys, values = self._finish(*rows, 1, like)
+        return keys[0], values[0]
 
     @torch.no_grad()
     def _convert(self, layer_idx: int, like: torch.Tensor) -> None:
@@ -388,20 +492,26 @@ class TransferredCache(DynamicCache):
         selected = self.mapper.config.selected_layers[layer_idx]
         if self._length > 0:
             key_feats, value_feats = (f.to(like.device) for f in self._selection_features(layer_idx))
-            if isinstance(self.mapper.layers[layer_idx], _LowRankLayerMap):
-                keys, values = self._map_low_rank(layer_idx, key_feats, value_feats)
-            else:
+            map_type = type(self.mapper.layers[layer_idx])
+            if map_type is _LinearLayerMap and not self.compile_rope:
+                keys, values = self._convert_linear_group(layer_idx, key_feats, value_feats, like)
+            elif map_type is _LowRankLayerMap and not self.compile_rope:
+                keys, values = self._convert_low_rank(layer_idx, key_feats, value_feats, like)
+            else:  # other maps (MLP), or RoPE through torch.compile
                 keys, values = self.mapper(layer_idx, key_feats, value_feats)  # (B, H, T, D) views
-            cos, sin = self._rope_tables("apply", like.device)
-            # Straight into the cache dtype when the map already computed in it; else in float32, cast once.
-            rope_dtype = like.dtype if keys.dtype == like.dtype else torch.float32
-            if self.compile_rope:
-                keys = _compiled_rope()(keys, cos, sin, rope_dtype)
-            else:
-                keys = _rotate_into(keys, cos, sin, torch.empty(keys.shape, dtype=rope_dtype, device=like.device))
-            # One copy for the values: transpose and cast together into the contiguous layout the cache keeps.
-            keys = keys.to(like.dtype)
-            values = torch.empty(values.shape, dtype=like.dtype, device=like.device).copy_(values)
+                if keys.dtype.itemsize < like.dtype.itemsize:  # e.g. a bf16 mapper filling a float32 cache
+                    keys = keys.to(like.dtype)
+                # Straight into the cache dtype when the map already computed in it; else in float32, cast once.
+                rope_dtype = like.dtype if keys.dtype == like.dtype else torch.float32
+                # Tables in the dtype RoPE runs in, as the target's own rotary embedding casts them.
+                cos, sin = self._rope_tables("apply", like.device, rope_dtype)
+                if self.compile_rope:
+                    keys = _compiled_rope()(keys, cos, sin, rope_dtype)
+                else:
+                    keys = _rotate_into(keys, cos, sin, torch.empty(keys.shape, dtype=rope_dtype, device=like.device))
+                # One copy for the values: transpose and cast together into the contiguous layout the cache keeps.
+                keys = keys.to(like.dtype)
+                values = torch.empty(values.shape, dtype=like.dtype, device=like.device).copy_(values)
             if like.shape[0] != keys.shape[0]:
                 keys, values = self._expand_batch(keys, values, like.shape[0])
             layer = self.layers[layer_idx]

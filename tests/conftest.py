@@ -132,6 +132,55 @@ def identity_mapper(qwen3_model, calibration_ids):
     return fit_mapper(qwen3_model, qwen3_model, calibration_ids, top_k=1, ridge_lambda=1e-4, progress=False)
 
 
+def exact_identity_mapper(model, mode: str = "per_layer"):
+    """A mapper from `model` to itself whose weights are the identity by construction (no fit). `mode`:
+    "per_layer" (target layer t reads source layer t), "grouped" (every layer reads all source layers, zero weights
+    on the others) or "low_rank" (per layer, stored as full-rank factors `up @ down`)."""
+    from hf_kvtransfer import KVMapper, MapperConfig
+
+    num_layers = model.config.num_hidden_layers
+    selected = [list(range(num_layers)) if mode == "grouped" else [t] for t in range(num_layers)]
+    config = MapperConfig(source_config=model.config.to_dict(), target_config=model.config.to_dict(), selected_layers=selected)
+    width = config.target_layout.layer_dim
+    if mode == "low_rank":
+        config.rank = [[width, width]] * num_layers
+    mapper = KVMapper(config)
+    with torch.no_grad():
+        for param in mapper.parameters():
+            param.zero_()
+        for t, layer in enumerate(mapper.layers):
+            for kind in ("key", "value"):
+                proj = getattr(layer, kind)
+                if mode == "low_rank":
+                    proj.down.weight.copy_(torch.eye(width))
+                    proj.up.weight.copy_(torch.eye(width))
+                else:
+                    offset = selected[t].index(t) * width
+                    proj.weight[:, offset : offset + width] = torch.eye(width)
+    return mapper
+
+
+@pytest.fixture(scope="session")
+def grouped_identity_mapper(identity_mapper):
+    """`identity_mapper` rewritten so every target layer reads *all* source layers (zero weights on the others):
+    the same map, taken through the cache's grouped path (one product for all layers sharing a selection)."""
+    import copy
+
+    from hf_kvtransfer import KVMapper
+
+    config = copy.deepcopy(identity_mapper.config)
+    num_layers = len(config.selected_layers)
+    config.selected_layers, config.top_k = [list(range(num_layers))] * num_layers, num_layers
+    mapper = KVMapper(config)
+    width = identity_mapper.source_layout.layer_dim
+    with torch.no_grad():
+        for t, (dense, one) in enumerate(zip(mapper.layers, identity_mapper.layers)):
+            for kind in ("key", "value"):
+                getattr(dense, kind).weight.zero_()[:, t * width : (t + 1) * width] = getattr(one, kind).weight
+                getattr(dense, kind).bias.copy_(getattr(one, kind).bias)
+    return mapper
+
+
 # -- the exactly linear pair -----------------------------------------------------------------------
 
 

@@ -128,8 +128,12 @@ def test_parse_rank_spec():
     assert parse_rank_spec("16") == {"rank": 16}
     assert parse_rank_spec("energy=0.99") == {"energy": 0.99}
     assert parse_rank_spec("budget=0.25") == {"size_budget": 0.25}
+    assert parse_rank_spec("energy=0.99@bf16") == {"energy": 0.99, "dtype": torch.bfloat16}
+    assert parse_rank_spec("full@fp32") == {"dtype": torch.float32}
     with pytest.raises(ValueError, match="rank spec must be"):
         parse_rank_spec("half")
+    with pytest.raises(ValueError, match="must be one of"):
+        parse_rank_spec("full@int4")
 
 
 def test_run_benchmark_report_and_files(tmp_path):

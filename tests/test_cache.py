@@ -6,8 +6,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import left_pad, random_ids
+from conftest import ARCHITECTURES, exact_identity_mapper, left_pad, random_ids, tiny_model
 from hf_kvtransfer import TransferredCache, prefill
+
+@pytest.fixture(params=["per_layer", "grouped"])
+def mapper(request, identity_mapper, grouped_identity_mapper):
+    """The same identity map through the per-layer path (each layer reads its own source layer) and the grouped
+    path (every layer reads all source layers: one product for all layers)."""
+    return identity_mapper if request.param == "per_layer" else grouped_identity_mapper
+
 
 GEN = dict(max_new_tokens=10, min_new_tokens=10, return_dict_in_generate=True, output_logits=True)
 
@@ -16,10 +23,10 @@ def _max_logit_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
 
 
-def test_greedy_single_prompt_matches_target_prefill(qwen3_model, identity_mapper):
+def test_greedy_single_prompt_matches_target_prefill(qwen3_model, mapper):
     ids = random_ids(1, 24, seed=2)
     ref = qwen3_model.generate(ids, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper)
     assert cache.num_pending_layers == 3  # nothing converted before generate
     out = qwen3_model.generate(ids, cache=cache, do_sample=False, **GEN)
     assert cache.num_pending_layers == 0
@@ -39,10 +46,10 @@ def test_past_key_values_name_still_works(qwen3_model, identity_mapper):
     assert torch.equal(out, ref)
 
 
-def test_left_padded_batch(qwen3_model, identity_mapper):
+def test_left_padded_batch(qwen3_model, mapper):
     ids, mask = left_pad(random_ids(3, 28, seed=4), [28, 19, 9])
     ref = qwen3_model.generate(ids, attention_mask=mask, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), identity_mapper, attention_mask=mask)
+    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), mapper, attention_mask=mask)
     out = qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
     assert torch.equal(out.sequences, ref.sequences)
     assert _max_logit_diff(out, ref) < 1e-4
@@ -57,32 +64,32 @@ def test_left_padding_without_mask_in_transfer_is_detectably_wrong(qwen3_model, 
     assert _max_logit_diff(out, ref) > 1e-3
 
 
-def test_beam_search_expands_lazily(qwen3_model, identity_mapper):
+def test_beam_search_expands_lazily(qwen3_model, mapper):
     ids = random_ids(1, 20, seed=5)
     kw = dict(num_beams=2, num_return_sequences=2, do_sample=False, max_new_tokens=8, min_new_tokens=8)
     ref = qwen3_model.generate(ids, **kw)
-    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper), **kw)
+    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), mapper), **kw)
     assert torch.equal(out, ref)
 
 
-def test_seeded_sampling(qwen3_model, identity_mapper):
+def test_seeded_sampling(qwen3_model, mapper):
     ids = random_ids(2, 18, seed=6)
     kw = dict(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=10, min_new_tokens=10)
     torch.manual_seed(11)
     ref = qwen3_model.generate(ids, **kw)
     torch.manual_seed(11)
-    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper), **kw)
+    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), mapper), **kw)
     assert torch.equal(out, ref)
 
 
-def test_second_turn_on_same_cache(qwen3_model, identity_mapper):
+def test_second_turn_on_same_cache(qwen3_model, mapper):
     ids = random_ids(1, 20, seed=7)
     own = DynamicCache(config=qwen3_model.config)
     ref1 = qwen3_model.generate(ids, cache=own, do_sample=False, max_new_tokens=6, min_new_tokens=6)
     turn2 = torch.cat([ref1, random_ids(1, 7, seed=8)], dim=1)
     ref2 = qwen3_model.generate(turn2, cache=own, do_sample=False, **GEN)
 
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper)
     out1 = qwen3_model.generate(ids, cache=cache, do_sample=False, max_new_tokens=6, min_new_tokens=6)
     assert torch.equal(out1, ref1)
     out2 = qwen3_model.generate(turn2, cache=cache, do_sample=False, **GEN)
@@ -109,13 +116,13 @@ def test_refeeding_whole_prompt_without_recompute_warns(qwen3_model, identity_ma
         qwen3_model.generate(ids, cache=cache, do_sample=False, max_new_tokens=2)
 
 
-def test_cache_operations_before_conversion(qwen3_model, identity_mapper):
+def test_cache_operations_before_conversion(qwen3_model, mapper):
     ids = random_ids(2, 20, seed=12)
     src = prefill(qwen3_model, ids)
     src_keys = [layer.keys.clone() for layer in src.layers]
 
     # crop before conversion == transferring the shorter prompt
-    cache = TransferredCache(src, identity_mapper)
+    cache = TransferredCache(src, mapper)
     cache.crop(-5)
     assert cache.get_seq_length() == 14
     with torch.no_grad():
@@ -124,7 +131,7 @@ def test_cache_operations_before_conversion(qwen3_model, identity_mapper):
     assert (out - ref).abs().max().item() < 1e-4
 
     # batch_select + repeat before conversion, then reorder
-    cache = TransferredCache(src, identity_mapper)
+    cache = TransferredCache(src, mapper)
     cache.batch_select_indices(torch.tensor([1]))
     cache.batch_repeat_interleave(2)
     cache.reorder_cache(torch.tensor([1, 0]))
@@ -152,9 +159,9 @@ def test_cache_operations_after_conversion(qwen3_model, identity_mapper):
         assert (a.keys - b.keys).abs().max() < 1e-4
 
 
-def test_source_layers_released_and_deepcopy_shares_mapper(qwen3_model, identity_mapper):
+def test_source_layers_released_and_deepcopy_shares_mapper(qwen3_model, mapper):
     ids = random_ids(1, 10, seed=14)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper)
     clone = copy.deepcopy(cache)
     assert clone.mapper is cache.mapper
     with torch.no_grad():
@@ -226,3 +233,46 @@ def test_sliding_window_source_that_dropped_tokens_is_refused():
     ref = model.generate(ids, **kw)
     out = model.generate(ids, cache=TransferredCache(prefill(model, ids), mapper), **kw)
     assert torch.equal(out, ref)
+
+
+def test_grouped_products_split_and_bf16_mapper(qwen3_model, identity_mapper, grouped_identity_mapper, monkeypatch):
+    from hf_kvtransfer import cache as cache_module
+
+    ids = random_ids(2, 18, seed=16)
+    own = prefill(qwen3_model, ids)
+    grouped = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
+    # One layer per product (what a big model gets): the same numbers.
+    monkeypatch.setattr(cache_module, "GROUP_OUT_FEATURES", 1)
+    single = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
+    for a, b, ref in zip(grouped.layers, single.layers, own.layers):
+        assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5
+        # ... and the target's own KV (an independent computation), to the identity map's fit accuracy
+        assert (a.keys - ref.keys).abs().max() < 1e-3 and (a.values - ref.values).abs().max() < 1e-3
+        assert a.keys.is_contiguous() and a.values.is_contiguous()
+    monkeypatch.undo()
+
+    # A bf16 mapper fills a float32 cache: float32 tensors, within bf16 rounding of the float32 mapper's.
+    half = copy.deepcopy(grouped_identity_mapper).to(torch.bfloat16)
+    cache = TransferredCache(prefill(qwen3_model, ids), half, num_recompute_tokens=0).convert_all()
+    for a, ref in zip(cache.layers, grouped.layers):
+        assert a.keys.dtype == torch.float32
+        scale = ref.keys.abs().max()
+        assert (a.keys - ref.keys).abs().max() < 2e-2 * scale
+        assert (a.values - ref.values).abs().max() < 2e-2 * ref.values.abs().max()
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "grouped", "low_rank"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_exact_identity_transfer_reproduces_own_cache(arch, mode):
+    # Strip + map + re-apply with an identity map must give back the model's own cache, for every supported
+    # RoPE flavour (scaled, partial rotary), with left padding, through the per-layer, grouped and low-rank paths.
+    model = tiny_model(arch, num_hidden_layers=3)
+    ids, mask = left_pad(random_ids(2, 21, seed=17), [21, 12])
+    own = prefill(model, ids, attention_mask=mask)
+    cache = TransferredCache(own, exact_identity_mapper(model, mode), attention_mask=mask, num_recompute_tokens=0)
+    cache.convert_all()
+    real = mask.bool()
+    for a, b in zip(cache.layers, own.layers):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            assert x.shape == y.shape and x.is_contiguous()
+            assert (x - y).abs().amax(dim=(1, 3))[real].max().item() < 1e-5
