@@ -156,16 +156,21 @@ def prefill_flops(config, seq_len: int, logits: bool = False) -> dict[str, int]:
 
 
 def mapping_flops(mapper: KVMapper, seq_len: int) -> int:
-    """FLOPs of mapping `seq_len` tokens through every target layer (keys and values), batch 1."""
+    """FLOPs of mapping `seq_len` tokens through every target layer (keys and values), batch 1, as
+    `TransferredCache` computes them: reduced-rank maps it takes densely (`cache.conversion_groups`) cost the
+    dense product (the one-off `up @ down` is not counted: it is kept on the mapper)."""
+    from .cache import conversion_groups
+
+    if mapper.config.mapper_type != "ridge":  # nonlinear maps: count their parameters once per token
+        return 2 * seq_len * mapper.num_parameters()
     src, tgt = mapper.source_layout, mapper.target_layout
     total = 0
-    for t, selected in enumerate(mapper.config.selected_layers):
-        f_in = len(selected) * src.layer_dim
-        ranks = mapper.config.rank[t] if mapper.config.rank is not None else (None, None)
-        for r in ranks:
-            total += f_in * tgt.layer_dim if r is None else r * (f_in + tgt.layer_dim)
-    if mapper.config.mapper_type != "ridge":  # nonlinear maps: count their parameters once per token
-        total = mapper.num_parameters()
+    for group, dense in conversion_groups(mapper):
+        for t in group:
+            f_in = len(mapper.config.selected_layers[t]) * src.layer_dim
+            ranks = mapper.config.rank[t] if mapper.config.rank is not None and not dense else (None, None)
+            for r in ranks:
+                total += f_in * tgt.layer_dim if r is None else r * (f_in + tgt.layer_dim)
     return 2 * seq_len * total
 
 

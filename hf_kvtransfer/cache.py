@@ -14,7 +14,7 @@ from torch import nn
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .mapper import KVMapper, _LinearLayerMap, _LowRankLayerMap
+from .mapper import KVMapper, _LinearLayerMap, _LowRankLayerMap, _LowRankLinear
 from .rope import position_ids_from_mask, rotary_cos_sin
 
 
@@ -71,26 +71,36 @@ def _compiled_rope():
     return torch.compile(rope, dynamic=True)
 
 
+def _parts(layer_map: nn.Module, attr: str) -> list[torch.Tensor]:
+    """The tensors `attr` of one layer map is computed from: itself, or for `"<kind>.weight"` / `"<kind>.bias"` of a
+    reduced-rank map, its factors (the dense weight is `up @ down`, the bias `up.bias`)."""
+    kind, _, name = attr.partition(".")
+    proj = getattr(layer_map, kind)
+    if isinstance(proj, _LowRankLinear) and name in ("weight", "bias"):
+        return [proj.up.weight, proj.down.weight] if name == "weight" else [proj.up.bias]
+    return [operator.attrgetter(attr)(layer_map)]
+
+
 def _stacked(
     mapper: KVMapper, group: tuple[int, ...], attr: str, device: torch.device, rotary_dim: int | None = None
 ) -> torch.Tensor:
-    """`attr` (e.g. `"key.weight"`, `"value.down.weight"`) of `group`'s layer maps concatenated along dim 0.
+    """`attr` (e.g. `"key.weight"`, `"value.down.weight"`) of `group`'s layer maps concatenated along dim 0. For a
+    reduced-rank map, `"key.weight"` is its dense weight `up @ down`.
 
     With `rotary_dim`, the output rows are reordered from (layer, head, dim) to: first halves of the rotary dims
-    of every (layer, head), then the second halves, then the pass-through dims (the order `TransferredCache._finish` reads).
-    Kept on the mapper between caches, and rebuilt when any part changed in place (tensor version counters) or
-    moved, so edits to the mapper are never missed.
+    of every (layer, head), then the second halves, then the pass-through dims (the order `TransferredCache._finish`
+    reads). Kept on the mapper between caches, and rebuilt when any part changed in place (tensor version
+    counters) or moved, so edits to the mapper are never missed.
     """
-    get = operator.attrgetter(attr)
-    tensors = [get(mapper.layers[t]) for t in group]
-    if len(tensors) == 1 and rotary_dim is None:
-        return tensors[0].to(device)
+    parts = [_parts(mapper.layers[t], attr) for t in group]
+    if len(group) == 1 and rotary_dim is None and len(parts[0]) == 1:
+        return parts[0][0].to(device)
     store = mapper.__dict__.setdefault("_stacked", {})
-    versions = tuple((w.data_ptr(), w._version, w.dtype) for w in tensors)
+    versions = tuple((w.data_ptr(), w._version, w.dtype) for p in parts for w in p)
     key = (group, attr, device, rotary_dim)
-    entry = store.get(key)
+    entry = store.get((group, attr, device, rotary_dim))
     if entry is None or entry[0] != versions:
-        stacked = torch.cat([w.detach() for w in tensors])
+        stacked = torch.cat([p[0].detach() if len(p) == 1 else p[0].detach() @ p[1].detach() for p in parts])
         if rotary_dim is not None:
             tgt = mapper.target_layout
             rows = torch.arange(stacked.shape[0]).view(len(group), tgt.num_kv_heads, tgt.head_dim)
@@ -98,6 +108,38 @@ def _stacked(
             stacked = stacked[torch.cat([rotary.flatten(), rows[..., rotary_dim:].flatten()])]
         entry = store[key] = (versions, stacked.to(device))
     return entry[1]
+
+
+def conversion_groups(mapper: KVMapper) -> list[tuple[tuple[int, ...], bool]]:
+    """How `TransferredCache` maps the target layers when they are converted in order (as a forward does):
+    `(layers mapped together, taken densely)` per group; the flag is False for factored reduced-rank maps and
+    for other (MLP) maps, which are mapped one layer at a time."""
+    width = mapper.target_layout.layer_dim
+    selections = mapper.config.selected_layers
+    done: set[int] = set()
+    groups = []
+    for t, layer_map in enumerate(mapper.layers):
+        if t in done:
+            continue
+        if type(layer_map) not in (_LinearLayerMap, _LowRankLayerMap):
+            groups.append(((t,), False))
+            continue
+        same = [u for u in range(t, len(selections)) if u not in done and selections[u] == selections[t]
+                and type(mapper.layers[u]) is type(layer_map)]  # fmt: skip
+        group = tuple(same[: max(1, GROUP_OUT_FEATURES // width)])
+        done.update(group)
+        groups.append((group, type(layer_map) is _LinearLayerMap or _take_densely(mapper, list(group))))
+    return groups
+
+
+def _take_densely(mapper: KVMapper, group: list[int]) -> bool:
+    """Whether reduced-rank maps are cheaper applied as their dense product `up @ down` (one wide GEMM, the
+    full-rank path) than factored: when the factors cost at least half the dense multiply-adds, which is the case
+    for small layers (n_kv * d of 64-256), where skinny factor GEMMs and the extra pass lose to one dense GEMM."""
+    src, tgt = mapper.source_layout, mapper.target_layout
+    f_in = len(mapper.config.selected_layers[group[0]]) * src.layer_dim
+    factored = sum(r * (f_in + tgt.layer_dim) for t in group for r in mapper.config.rank[t])
+    return factored >= len(group) * f_in * tgt.layer_dim  # half of the dense K and V multiply-adds
 
 
 # Full-rank maps of target layers that read the same source layers run as one GEMM of up to this many output
@@ -273,9 +315,9 @@ class TransferredCache(DynamicCache):
 
     # Everything derived from the source for the conversion lives in `self._stripped` (so `crop`/beam ops,
     # which clear it, invalidate all of it): int keys hold one stripped source layer, ("sel", layers) keys the
-    # side-by-side features of a selection, ("codes", layers) the low-rank codes of the layers reading them,
-    # ("mapped", t) a target layer's full-rank K/V computed ahead with an earlier layer's,
-    # ("rope", which, device) the cos/sin tables, ("finite", device) deferred non-finite flags on accelerators.
+    # side-by-side features of a selection, ("mapped", t) a target layer's finished K/V computed with an earlier
+    # layer of its group, ("rope", which, device[, dtype]) the cos/sin tables, ("finite", device) deferred
+    # non-finite flags on accelerators.
     def _rope_tables(
         self, which: str, device: torch.device, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,52 +475,61 @@ class TransferredCache(DynamicCache):
     def _rotary_dim(self, device: torch.device) -> int:
         return self._rope_tables("apply", device)[0].shape[-1]
 
-    def _convert_linear_group(self, layer_idx: int, key_feats: torch.Tensor, value_feats: torch.Tensor, like: torch.Tensor):
-        """Full-rank maps: `layer_idx` together with the next pending layers that read the same source layers (up
-        to `GROUP_OUT_FEATURES` outputs per kind), one GEMM per kind for the group; the others wait, finished, in
-        `self._stripped`. Returns `layer_idx`'s finished keys and values."""
+    def _convert_group(self, layer_idx: int, key_feats: torch.Tensor, value_feats: torch.Tensor, like: torch.Tensor):
+        """Ridge maps (full or reduced rank): `layer_idx` together with the next pending layers that read the same
+        source layers through the same kind of map, up to `GROUP_OUT_FEATURES` outputs per kind; the others wait,
+        finished, in `self._stripped`. Returns `layer_idx`'s finished keys and values.
+
+        Full-rank maps (and reduced-rank ones cheaper taken densely, `_take_densely`) are one GEMM per kind for the
+        group. Factored maps do the group's `down` projections in one GEMM, then each layer's `up` into its columns
+        of the group output. Either way the output columns come in the order `_finish` reads.
+        """
         entry = ("mapped", layer_idx)
         if entry not in self._stripped:
-            candidates = [t for t in self._same_selection(layer_idx, _LinearLayerMap) if t >= layer_idx]
-            group = tuple(candidates[: max(1, GROUP_OUT_FEATURES // self.mapper.target_layout.layer_dim)])
+            tgt = self.mapper.target_layout
+            width = tgt.layer_dim
+            map_type = type(self.mapper.layers[layer_idx])
+            candidates = [t for t in self._same_selection(layer_idx, map_type) if t >= layer_idx]
+            group = tuple(candidates[: max(1, GROUP_OUT_FEATURES // width)])
+            rotary_dim = self._rotary_dim(like.device)
             rows = []
-            for kind, x, rotary_dim in (("key", key_feats, self._rotary_dim(like.device)), ("value", value_feats, None)):
-                weight = _stacked(self.mapper, group, f"{kind}.weight", like.device, rotary_dim)
-                bias = _stacked(self.mapper, group, f"{kind}.bias", like.device, rotary_dim)
-                rows.append(nn.functional.linear(x.to(weight.dtype), weight, bias))
+            if map_type is _LinearLayerMap or _take_densely(self.mapper, list(group)):
+                for kind, x, order in (("key", key_feats, rotary_dim), ("value", value_feats, None)):
+                    weight = _stacked(self.mapper, group, f"{kind}.weight", like.device, order)
+                    bias = _stacked(self.mapper, group, f"{kind}.bias", like.device, order)
+                    rows.append(nn.functional.linear(x.to(weight.dtype), weight, bias))
+            else:
+                rows = [self._factored_rows(group, kind, x, rotary_dim) for kind, x in (("key", key_feats), ("value", value_feats))]
             keys, values = self._finish(*rows, len(group), like)
             for i, t in enumerate(group):
                 self._stripped[("mapped", t)] = (keys[i], values[i])
         return self._stripped.pop(entry)
 
-    def _convert_low_rank(self, layer_idx: int, key_feats: torch.Tensor, value_feats: torch.Tensor, like: torch.Tensor):
-        """A reduced-rank layer map, with the `down` projections of every pending layer that reads the same source
-        layers done in one matmul: a few wide GEMMs instead of one skinny `[F_in -> r]` GEMM per layer and kind.
-
-        The codes `[batch, seq, sum of ranks]` are tiny next to the features, so computing them ahead is cheap.
-        Returns `layer_idx`'s finished keys and values.
-        """
-        key = ("codes", tuple(self.mapper.config.selected_layers[layer_idx]))
-        if key not in self._stripped:
-            group = tuple(self._same_selection(layer_idx, _LowRankLayerMap))
-            codes = {}
-            for kind, x in (("key", key_feats), ("value", value_feats)):
-                down = _stacked(self.mapper, group, f"{kind}.down.weight", x.device)  # (sum r, F_in)
-                z = nn.functional.linear(x.to(down.dtype), down)  # (B, T, sum r)
-                bounds = [0]
-                for t in group:
-                    bounds.append(bounds[-1] + getattr(self.mapper.layers[t], kind).down.weight.shape[0])
-                codes[kind] = {t: z[..., bounds[i] : bounds[i + 1]] for i, t in enumerate(group)}
-            self._stripped[key] = codes
-        codes = self._stripped[key]
-        rows = []
-        for kind, rotary_dim in (("key", self._rotary_dim(like.device)), ("value", None)):
-            z = codes[kind].pop(layer_idx)
-            up = _stacked(self.mapper, (layer_idx,), f"{kind}.up.weight", z.device, rotary_dim)
-            bias = _stacked(self.mapper, (layer_idx,), f"{kind}.up.bias", z.device, rotary_dim)
-            rows.append(nn.functional.linear(z, up, bias))
-        keys, values = self._finish(*rows, 1, like)
-        return keys[0], values[0]
+    def _factored_rows(self, group: tuple[int, ...], kind: str, x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+        """`[B, T, len(group) * F_out]` outputs of reduced-rank maps applied factored, in `_finish`'s column order."""
+        tgt = self.mapper.target_layout
+        width, num = tgt.layer_dim, len(group)
+        rot = tgt.num_kv_heads * (rotary_dim // 2)  # features in one rotary half of one layer
+        rest = width - 2 * rot  # pass-through features of one layer (partial rotary)
+        down = _stacked(self.mapper, group, f"{kind}.down.weight", x.device)  # (sum r, F_in)
+        codes = nn.functional.linear(x.to(down.dtype), down).flatten(0, -2)  # (B*T, sum r)
+        out = torch.empty(codes.shape[0], num * width, dtype=codes.dtype, device=codes.device)
+        start = 0
+        for i, t in enumerate(group):
+            order = rotary_dim if kind == "key" else None
+            up = _stacked(self.mapper, (t,), f"{kind}.up.weight", codes.device, order)  # (F_out, r)
+            bias = _stacked(self.mapper, (t,), f"{kind}.up.bias", codes.device, order)
+            code = codes[:, start : start + up.shape[1]]
+            start += up.shape[1]
+            if kind == "value":
+                spans = [(i * width, 0, width)]
+            else:  # (first column in the group output, first row of `up`, count)
+                spans = [(i * rot, 0, rot), ((num + i) * rot, rot, rot), (2 * num * rot + i * rest, 2 * rot, rest)]
+            for column, row, count in spans:
+                if count:
+                    part = slice(row, row + count)
+                    torch.addmm(bias[part], code, up[part].T, out=out[:, column : column + count])
+        return out.view(*x.shape[:-1], num * width)
 
     @torch.no_grad()
     def _convert(self, layer_idx: int, like: torch.Tensor) -> None:
@@ -493,10 +544,8 @@ class TransferredCache(DynamicCache):
         if self._length > 0:
             key_feats, value_feats = (f.to(like.device) for f in self._selection_features(layer_idx))
             map_type = type(self.mapper.layers[layer_idx])
-            if map_type is _LinearLayerMap and not self.compile_rope:
-                keys, values = self._convert_linear_group(layer_idx, key_feats, value_feats, like)
-            elif map_type is _LowRankLayerMap and not self.compile_rope:
-                keys, values = self._convert_low_rank(layer_idx, key_feats, value_feats, like)
+            if map_type in (_LinearLayerMap, _LowRankLayerMap) and not self.compile_rope:
+                keys, values = self._convert_group(layer_idx, key_feats, value_feats, like)
             else:  # other maps (MLP), or RoPE through torch.compile
                 keys, values = self.mapper(layer_idx, key_feats, value_feats)  # (B, H, T, D) views
                 if keys.dtype.itemsize < like.dtype.itemsize:  # e.g. a bf16 mapper filling a float32 cache
@@ -524,7 +573,6 @@ class TransferredCache(DynamicCache):
         self._pending.discard(layer_idx)
         if not any(self.mapper.config.selected_layers[t] == selected for t in self._pending):
             self._stripped.pop(("sel", tuple(selected)), None)
-            self._stripped.pop(("codes", tuple(selected)), None)
         for s in selected:
             self._consumers[s].discard(layer_idx)
             if not self._consumers[s]:
