@@ -55,6 +55,12 @@ def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
     return out
 
 
+def _elementwise_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype RoPE arithmetic runs in: `dtype`, except float32 on CPU for 16-bit floats, whose CPU kernels
+    convert per element (bf16 `addcmul_` measured 3.4x slower than float32 on this project's CPUs)."""
+    return torch.float32 if device.type == "cpu" and dtype.itemsize < 4 else dtype
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_rope():
     """`torch.compile`d RoPE (one fused loop instead of four passes), returning a contiguous tensor of `dtype`."""
@@ -181,8 +187,9 @@ class TransferredCache(DynamicCache):
         ```
     """
 
-    # Opt-in: run RoPE strip/apply through `torch.compile` (one fused kernel per call instead of four passes;
-    # ~1.9x faster RoPE on CPU at 4096 tokens, after a one-off compile of several seconds). Off by default.
+    # Opt-in: strip source RoPE (and apply the target's for MLP maps) through `torch.compile`: one fused kernel
+    # per layer instead of four passes. Whole transfer 6-11% faster on the bundled pair at 4096 tokens on CPU
+    # (`hf-kvtransfer bench --compile both`), after a one-off compile of several seconds. Off by default.
     compile_rope: bool = False
 
     def __init__(
@@ -342,13 +349,12 @@ class TransferredCache(DynamicCache):
             self._stripped[key] = (cos, sin)
         return self._stripped[key]
 
-    def _feature_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
-        # The wider of the source's and the mapper's dtype: a bf16 source is stripped at the mapper's float32
-        # precision, and a float32 source for a bf16 mapper is stripped in float32 and cast once by the map (writing
-        # RoPE results into a narrower buffer takes PyTorch's mixed-dtype path, several times slower on CPU).
+    def _feature_dtype(self, source_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        # The wider of the source's and the mapper's dtype (a bf16 source is stripped at a float32 mapper's
+        # precision), and float32 on CPU (`_elementwise_dtype`); the map casts the finished features once.
         param = next(self.mapper.parameters(), None)
         mapper_dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
-        return torch.promote_types(source_dtype, mapper_dtype)
+        return _elementwise_dtype(torch.promote_types(source_dtype, mapper_dtype), device)
 
     def _strip_into(self, s: int, key_out: torch.Tensor, value_out: torch.Tensor) -> None:
         """Write stripped source layer `s` into `[batch, seq, heads, head_dim]` buffers (any dtype)."""
@@ -384,7 +390,7 @@ class TransferredCache(DynamicCache):
         if s not in self._stripped:
             keys = self._source[s][0]
             batch, heads, seq, dim = keys.shape
-            out = [torch.empty(batch, seq, heads, dim, dtype=self._feature_dtype(keys.dtype), device=keys.device) for _ in "kv"]
+            out = [torch.empty(batch, seq, heads, dim, dtype=self._feature_dtype(keys.dtype, keys.device), device=keys.device) for _ in "kv"]
             self._strip_into(s, *out)
             self._stripped[s] = tuple(o.view(batch, seq, heads * dim) for o in out)
         return self._stripped[s]
@@ -404,7 +410,7 @@ class TransferredCache(DynamicCache):
             batch, seq = ref.shape[0], ref.shape[2]
             layout = self.mapper.source_layout
             shape = (batch, seq, len(selected), layout.num_kv_heads, layout.head_dim)
-            buffers = [torch.empty(shape, dtype=self._feature_dtype(ref.dtype), device=ref.device) for _ in "kv"]
+            buffers = [torch.empty(shape, dtype=self._feature_dtype(ref.dtype, ref.device), device=ref.device) for _ in "kv"]
             others = {tuple(self.mapper.config.selected_layers[t]) for t in self._pending if t != layer_idx} - {key[1]}
             for j, s in enumerate(selected):
                 if s in self._stripped:  # stripped before for another selection: one copy, as a cat would do
@@ -445,9 +451,9 @@ class TransferredCache(DynamicCache):
         batch, seq = key_rows.shape[:2]
         dtype = like.dtype
         # RoPE runs in the cache dtype, or in the map's when that is wider (a float32 map into a bf16 cache is
-        # rounded once, at the end). Narrower map outputs are widened first, in one contiguous pass: mixed-dtype
-        # elementwise kernels are several times slower on CPU.
-        rope_dtype = key_rows.dtype if key_rows.dtype.itemsize > dtype.itemsize else dtype
+        # rounded once, at the end), and in float32 on CPU (`_elementwise_dtype`). Map outputs are converted first,
+        # in one contiguous pass: mixed-dtype elementwise kernels are several times slower on CPU.
+        rope_dtype = _elementwise_dtype(torch.promote_types(key_rows.dtype, dtype), like.device)
         key_rows = key_rows.to(device=like.device, dtype=rope_dtype)
         cos, sin = self._rope_tables("apply", like.device, rope_dtype)  # (B, 1, T, rotary_dim)
         rotary_dim = cos.shape[-1]
@@ -544,9 +550,9 @@ class TransferredCache(DynamicCache):
         if self._length > 0:
             key_feats, value_feats = (f.to(like.device) for f in self._selection_features(layer_idx))
             map_type = type(self.mapper.layers[layer_idx])
-            if map_type in (_LinearLayerMap, _LowRankLayerMap) and not self.compile_rope:
+            if map_type in (_LinearLayerMap, _LowRankLayerMap):
                 keys, values = self._convert_group(layer_idx, key_feats, value_feats, like)
-            else:  # other maps (MLP), or RoPE through torch.compile
+            else:  # other maps (MLP): one layer at a time
                 keys, values = self.mapper(layer_idx, key_feats, value_feats)  # (B, H, T, D) views
                 if keys.dtype.itemsize < like.dtype.itemsize:  # e.g. a bf16 mapper filling a float32 cache
                     keys = keys.to(like.dtype)
