@@ -60,6 +60,21 @@ with torch.no_grad():
     timing_cache = prefill(source, timing_ids)
 
 
+def prefill_times(repeats: int) -> list[float]:
+    with torch.no_grad():
+        prefill(target, timing_ids)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            prefill(target, timing_ids)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+# The target's own prefill, timed before and after the mappers (machine drift shows in both halves).
+own_times = prefill_times(max(3, args.repeats // 3))
+
+
 def transfer_ms(mapper) -> float:
     convert = lambda: TransferredCache(timing_cache, mapper, num_recompute_tokens=0).convert_all()  # noqa: E731
     convert()
@@ -92,14 +107,7 @@ for spec in args.specs:
     print(f"{spec:>18}: {params:>9,} parameters, retention {100 * row['normalized_retention']:.1f}%, "
           f"transfer {row['transfer_ms']:.1f} ms at T={args.seq_len}", flush=True)  # fmt: skip
 
-with torch.no_grad():
-    prefill(target, timing_ids)
-    times = []
-    for _ in range(max(3, args.repeats // 3)):
-        start = time.perf_counter()
-        prefill(target, timing_ids)
-        times.append(time.perf_counter() - start)
-prefill_ms = 1e3 * statistics.median(times)
+prefill_ms = 1e3 * statistics.median(own_times + prefill_times(max(3, args.repeats // 3)))
 
 base = rows[0]
 report = {
@@ -109,7 +117,7 @@ report = {
 }  # fmt: skip
 lines = [
     f"{args.direction}, retention on {windows.shape[0]} held-out windows of 2 x 128 tokens; transfer at T={args.seq_len}, "
-    f"median of {args.repeats}; target prefill (body) {prefill_ms:.1f} ms; torch threads {torch.get_num_threads()}, "
+    f"median of {args.repeats}; target prefill (body) {prefill_ms:.1f} ms (median, timed before and after); torch threads {torch.get_num_threads()}, "
     f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}.",
     "",
     "| mapper | parameters | bytes (x smaller) | retention [95% CI] | vs first (pp) | transfer ms (x faster than prefill) |",

@@ -9,8 +9,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import left_pad, random_ids, tiny_model
 from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
-from hf_kvtransfer.cache import conversion_groups
+from hf_kvtransfer import cache as cache_module
 from hf_kvtransfer.bench import mapping_flops, parse_rank_spec, prefill_flops, run_benchmark, save_report
+from hf_kvtransfer.cache import conversion_groups
 from hf_kvtransfer.cli import main
 from hf_kvtransfer.rope import apply_rope, build_rotary_embedding, position_ids_from_mask, rotary_cos_sin, strip_rope
 
@@ -54,7 +55,8 @@ def _reference_conversion(source, target, cache, mapper, mask, length):
 @pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "yarn"])
 @pytest.mark.parametrize("selected", [[[0, 2], [1, 2], [0, 2]], [[0, 1, 2]] * 3, [[1], [2, 0], [2]]])
 @pytest.mark.parametrize("rank", [None, [[3, 5], [1, 2], [7, 4]], [[30, 20], [32, 25], [28, 32]]], ids=["full", "factored", "dense"])
-def test_fast_conversion_matches_plain_reference(arch, selected, rank):
+def test_fast_conversion_matches_plain_reference(arch, selected, rank, monkeypatch):
+    monkeypatch.setattr(cache_module, "SMALL_MAP_ENTRIES", 0)  # tiny maps would always be taken densely
     source = tiny_model(arch, num_hidden_layers=3, seed=3)
     target = tiny_model(arch, num_hidden_layers=3, seed=4)
     mapper = _random_mapper(source, target, selected, rank=rank)
@@ -102,7 +104,7 @@ def test_bf16_source_and_nonfinite_detection():
         TransferredCache(cache, mapper).convert_all()
 
 
-def test_flop_formulas_match_torch_flop_counter():
+def test_flop_formulas_match_torch_flop_counter(monkeypatch):
     source = tiny_model("qwen3", num_hidden_layers=3, seed=3)
     target = tiny_model("qwen3", num_hidden_layers=2, seed=4)
     seq = 24
@@ -116,6 +118,7 @@ def test_flop_formulas_match_torch_flop_counter():
     assert counter.get_total_flops() == flops["projections"] + flops["lm_head"] + full_square
 
     # Full rank; reduced rank taken factored (small ranks) and densely (ranks near full: cheaper as one product).
+    monkeypatch.setattr(cache_module, "SMALL_MAP_ENTRIES", 0)  # tiny maps would always be taken densely
     for selected, rank in (([[0, 2], [1, 2]], None), ([[0, 1, 2], [2]], [[3, 5], [1, 2]]), ([[0, 1], [0, 1]], [[16, 12], [9, 16]])):
         config = MapperConfig(source.config.to_dict(), target.config.to_dict(), selected, rank=rank)
         mapper = KVMapper(config)
@@ -126,6 +129,8 @@ def test_flop_formulas_match_torch_flop_counter():
         assert counter.get_total_flops() == mapping_flops(mapper, seq)
     dense = [d for _, d in conversion_groups(mapper)]
     assert dense == [True]  # the last case: one group of both layers, taken densely
+    monkeypatch.undo()
+    assert [d for _, d in conversion_groups(KVMapper(config))] == [True]  # small maps: always densely
 
 
 def test_parse_rank_spec():
