@@ -27,7 +27,7 @@ from hf_kvtransfer import TransferredCache, collect_statistics, prefill, solve_m
 from hf_kvtransfer.bench import environment, parse_rank_spec
 from hf_kvtransfer.calibration import build_calibration
 from hf_kvtransfer.demo import find_family
-from hf_kvtransfer.evaluate import _pyplot, _tokenize_documents, prefix_perplexity, split_documents, text_windows
+from hf_kvtransfer.evaluate import prefix_perplexity, split_documents, text_windows
 
 DEFAULT_SPECS = ["full", "full@bf16", "energy=0.995", "energy=0.99", "energy=0.99@bf16", "budget=0.5", "32", "16",
                  "budget=0.25", "8", "k2:full", "k1:full"]  # fmt: skip
@@ -40,7 +40,7 @@ parser.add_argument("--top-k", type=int, default=4, help="source layers per targ
 parser.add_argument("--num-sequences", type=int, default=400, help="calibration sequences of 256 tokens (default 400)")
 parser.add_argument("--windows", type=int, default=128, help="held-out windows of 2 x 128 tokens (default 128)")
 parser.add_argument("--seq-len", type=int, default=4096, help="context length for the transfer time (default 4096)")
-parser.add_argument("--repeats", type=int, default=15, help="timed transfers per mapper (default 15)")
+parser.add_argument("--repeats", type=int, default=15, help="timing rounds (default 15)")
 parser.add_argument("--output-dir", default="tradeoff_results", help="where tradeoff.{json,md,png} go")
 args = parser.parse_args()
 
@@ -53,40 +53,21 @@ target = AutoModelForCausalLM.from_pretrained(family / tgt_name, dtype=torch.flo
 # One statistics pass; every mapper below is solved from it (no model runs in between).
 calibration_ids, info = build_calibration(tokenizer, family / "calibration.txt", num_sequences=args.num_sequences, seq_len=256)
 stats = collect_statistics(source, target, calibration_ids, stride=4)
-docs = _tokenize_documents(tokenizer, split_documents((family / "heldout.txt").read_text(), tokenizer.eos_token))
+documents = split_documents((family / "heldout.txt").read_text(), tokenizer.eos_token)
+docs = [tokenizer(doc, add_special_tokens=False).input_ids for doc in documents]
 windows = text_windows(docs, 256, args.windows)
 timing_ids = torch.randint(4, tokenizer.vocab_size, (1, args.seq_len), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     timing_cache = prefill(source, timing_ids)
 
 
-def prefill_times(repeats: int) -> list[float]:
-    with torch.no_grad():
-        prefill(target, timing_ids)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            prefill(target, timing_ids)
-            times.append(time.perf_counter() - start)
-    return times
+def timed_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
 
 
-# The target's own prefill, timed before and after the mappers (machine drift shows in both halves).
-own_times = prefill_times(max(3, args.repeats // 3))
-
-
-def transfer_ms(mapper) -> float:
-    convert = lambda: TransferredCache(timing_cache, mapper, num_recompute_tokens=0).convert_all()  # noqa: E731
-    convert()
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        convert()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
-rows = []
+rows, mappers = [], []
 for spec in args.specs:
     top_k, rest = args.top_k, spec
     if spec.startswith("k") and ":" in spec:
@@ -94,20 +75,33 @@ for spec in args.specs:
         top_k = int(k)
     mapper = solve_mapper(stats, top_k=top_k, **parse_rank_spec(rest))
     quality = prefix_perplexity(source, target, mapper, windows, 128, diagnostics=False, progress=False)
-    params = mapper.num_parameters()
-    row = {
-        "spec": spec, "top_k": top_k, "parameters": params,
+    rows.append({
+        "spec": spec, "top_k": top_k, "parameters": mapper.num_parameters(),
         "bytes": sum(p.numel() * p.element_size() for p in mapper.parameters()),
         "dtype": str(next(mapper.parameters()).dtype).removeprefix("torch."),
         "rank": mapper.config.rank,
         "normalized_retention": quality["normalized_retention"], "normalized_retention_ci": quality["normalized_retention_ci"],
-        "transfer_ms": transfer_ms(mapper),
-    }  # fmt: skip
-    rows.append(row)
-    print(f"{spec:>18}: {params:>9,} parameters, retention {100 * row['normalized_retention']:.1f}%, "
-          f"transfer {row['transfer_ms']:.1f} ms at T={args.seq_len}", flush=True)  # fmt: skip
+    })  # fmt: skip
+    mappers.append(mapper)
+    print(f"{spec:>18}: {rows[-1]['parameters']:>9,} parameters, retention {100 * quality['normalized_retention']:.1f}%", flush=True)
 
-prefill_ms = 1e3 * statistics.median(own_times + prefill_times(max(3, args.repeats // 3)))
+# Timing round-robin (every mapper once per round, the target's prefill every round too), so drifting machine
+# load hits all of them alike; medians over rounds.
+converts = [lambda m=m: TransferredCache(timing_cache, m, num_recompute_tokens=0).convert_all() for m in mappers]
+own = lambda: prefill(target, timing_ids)  # noqa: E731
+times: list[list[float]] = [[] for _ in mappers]
+own_times: list[float] = []
+with torch.no_grad():
+    for fn in [own, *converts]:
+        fn()  # warm-up
+    for _ in range(args.repeats):
+        own_times.append(timed_ms(own))
+        for i, fn in enumerate(converts):
+            times[i].append(timed_ms(fn))
+prefill_ms = statistics.median(own_times)
+for row, t in zip(rows, times):
+    row["transfer_ms"] = statistics.median(t)
+    print(f"{row['spec']:>18}: transfer {row['transfer_ms']:.1f} ms at T={args.seq_len}", flush=True)
 
 base = rows[0]
 report = {
@@ -117,7 +111,8 @@ report = {
 }  # fmt: skip
 lines = [
     f"{args.direction}, retention on {windows.shape[0]} held-out windows of 2 x 128 tokens; transfer at T={args.seq_len}, "
-    f"median of {args.repeats}; target prefill (body) {prefill_ms:.1f} ms (median, timed before and after); torch threads {torch.get_num_threads()}, "
+    f"medians of {args.repeats} rounds (every mapper and the target's prefill once per round); target prefill (body) "
+    f"{prefill_ms:.1f} ms; torch threads {torch.get_num_threads()}, "
     f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}.",
     "",
     "| mapper | parameters | bytes (x smaller) | retention [95% CI] | vs first (pp) | transfer ms (x faster than prefill) |",
@@ -137,7 +132,13 @@ out.mkdir(parents=True, exist_ok=True)
 (out / "tradeoff.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 
-plt = _pyplot()
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")  # written to a file, never shown
+    import matplotlib.pyplot as plt
+except ImportError:
+    sys.exit(f"tables written to {out}; the plot needs matplotlib: pip install 'hf-kvtransfer[plot]'")
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
 for row in rows:
     kib = row["bytes"] / 2**10

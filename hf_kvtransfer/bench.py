@@ -38,6 +38,7 @@ from huggingface_hub.utils import tqdm
 
 from .capture import prefill
 from .cache import TransferredCache
+from .lowrank import parse_rank_spec
 from .mapper import KVMapper
 from .rope import head_dim_of, text_config
 
@@ -487,29 +488,6 @@ def family_shaped_models(vocab_size: int = 4096, seed: int = 0, max_position_emb
         model.config._name_or_path = f"random-init family-shaped {name}"
         models.append(model)
     return models[0], models[1]
-
-
-_SPEC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_rank_spec(spec: str) -> dict[str, Any]:
-    """'full' | '16' | 'energy=0.99' | 'budget=0.25', optionally '@bf16' / '@fp16' / '@fp32' (the mapper's weight
-    and compute dtype, whatever the models' dtype) -> solve_mapper keyword arguments."""
-    spec, _, dtype = str(spec).strip().partition("@")
-    if dtype:
-        if dtype not in _SPEC_DTYPES:
-            raise ValueError(f"mapper dtype in {spec}@{dtype} must be one of {sorted(_SPEC_DTYPES)}")
-        return {**parse_rank_spec(spec), "dtype": _SPEC_DTYPES[dtype]}
-    if spec == "full":
-        return {}
-    if spec.isdigit():
-        return {"rank": int(spec)}
-    key, _, value = spec.partition("=")
-    if key in ("energy", "budget") and value:
-        return {"energy" if key == "energy" else "size_budget": float(value)}
-    raise ValueError(
-        f"rank spec must be 'full', an integer rank, 'energy=F' or 'budget=F' (optionally @bf16/@fp16/@fp32); got {spec!r}"
-    )
 
 
 def _calibration_ids(target_path: str | None, text_path: str | None, num_tokens: int, seq_len: int, vocab: int, seed: int):

@@ -55,12 +55,6 @@ def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
     return out
 
 
-def _elementwise_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype RoPE arithmetic runs in: `dtype`, except float32 on CPU for 16-bit floats, whose CPU kernels
-    convert per element (bf16 `addcmul_` measured 3.4x slower than float32 on this project's CPUs)."""
-    return torch.float32 if device.type == "cpu" and dtype.itemsize < 4 else dtype
-
-
 @functools.lru_cache(maxsize=1)
 def _compiled_rope():
     """`torch.compile`d RoPE (one fused loop instead of four passes), returning a contiguous tensor of `dtype`."""
@@ -357,12 +351,13 @@ class TransferredCache(DynamicCache):
             self._stripped[key] = (cos, sin)
         return self._stripped[key]
 
-    def _feature_dtype(self, source_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        # The wider of the source's and the mapper's dtype (a bf16 source is stripped at a float32 mapper's
-        # precision), and float32 on CPU (`_elementwise_dtype`); the map casts the finished features once.
+    def _feature_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
+        # The wider of the source's and the mapper's dtype: a bf16 source is stripped at a float32 mapper's
+        # precision, and a float32 source for a bf16 mapper is stripped in float32 and cast once by the map
+        # (writing RoPE results into a narrower buffer takes PyTorch's mixed-dtype path, slow on CPU).
         param = next(self.mapper.parameters(), None)
         mapper_dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
-        return _elementwise_dtype(torch.promote_types(source_dtype, mapper_dtype), device)
+        return torch.promote_types(source_dtype, mapper_dtype)
 
     def _strip_into(self, s: int, key_out: torch.Tensor, value_out: torch.Tensor) -> None:
         """Write stripped source layer `s` into `[batch, seq, heads, head_dim]` buffers (any dtype)."""
@@ -398,7 +393,7 @@ class TransferredCache(DynamicCache):
         if s not in self._stripped:
             keys = self._source[s][0]
             batch, heads, seq, dim = keys.shape
-            out = [torch.empty(batch, seq, heads, dim, dtype=self._feature_dtype(keys.dtype, keys.device), device=keys.device) for _ in "kv"]
+            out = [torch.empty(batch, seq, heads, dim, dtype=self._feature_dtype(keys.dtype), device=keys.device) for _ in "kv"]
             self._strip_into(s, *out)
             self._stripped[s] = tuple(o.view(batch, seq, heads * dim) for o in out)
         return self._stripped[s]
@@ -418,7 +413,7 @@ class TransferredCache(DynamicCache):
             batch, seq = ref.shape[0], ref.shape[2]
             layout = self.mapper.source_layout
             shape = (batch, seq, len(selected), layout.num_kv_heads, layout.head_dim)
-            buffers = [torch.empty(shape, dtype=self._feature_dtype(ref.dtype, ref.device), device=ref.device) for _ in "kv"]
+            buffers = [torch.empty(shape, dtype=self._feature_dtype(ref.dtype), device=ref.device) for _ in "kv"]
             others = {tuple(self.mapper.config.selected_layers[t]) for t in self._pending if t != layer_idx} - {key[1]}
             for j, s in enumerate(selected):
                 if s in self._stripped:  # stripped before for another selection: one copy, as a cat would do
@@ -459,9 +454,9 @@ class TransferredCache(DynamicCache):
         batch, seq = key_rows.shape[:2]
         dtype = like.dtype
         # RoPE runs in the cache dtype, or in the map's when that is wider (a float32 map into a bf16 cache is
-        # rounded once, at the end), and in float32 on CPU (`_elementwise_dtype`). Map outputs are converted first,
-        # in one contiguous pass: mixed-dtype elementwise kernels are several times slower on CPU.
-        rope_dtype = _elementwise_dtype(torch.promote_types(key_rows.dtype, dtype), like.device)
+        # rounded once, at the end). Narrower map outputs are widened first, in one contiguous pass: mixed-dtype
+        # elementwise kernels are several times slower on CPU.
+        rope_dtype = torch.promote_types(key_rows.dtype, dtype)
         key_rows = key_rows.to(device=like.device, dtype=rope_dtype)
         cos, sin = self._rope_tables("apply", like.device, rope_dtype)  # (B, 1, T, rotary_dim)
         rotary_dim = cos.shape[-1]

@@ -345,6 +345,13 @@ def _add_fit(subparsers) -> None:
     p.add_argument("--max-statistics-memory", type=float, metavar="GIB",
                    help="budget for the statistics before switching to two-stage (default: half the free memory)")  # fmt: skip
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--rank", metavar="SPEC",
+                   help="reduced-rank ridge mapper from the same statistics: an integer rank per map, energy=F (per "
+                   "map, the smallest rank keeping this fraction of the fitted variance, e.g. 0.99) or budget=F "
+                   "(parameters, a count or a fraction of full rank); default full rank")  # fmt: skip
+    p.add_argument("--mapper-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype of the written mapper; bfloat16 halves the file and runs the transfer's GEMMs "
+                   "in bf16 (float32 accumulation); default float32")  # fmt: skip
     p.add_argument("--mapper", choices=("ridge", "mlp"), default="ridge",
                    help="ridge (closed form, default) or mlp: an MLP per target layer and K|V, by default a residual "
                    "on top of ridge with early stopping on the held-out sequences")  # fmt: skip
@@ -377,7 +384,7 @@ def _run_fit(args) -> int:
         stats_dir=args.stats_dir, checkpoint_every=args.checkpoint_every, statistics_device=args.statistics_device,
         push_to_hub=args.push_to_hub, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
         two_stage=args.two_stage, probe_tokens=args.probe_tokens, max_statistics_memory=args.max_statistics_memory,
-        log=lambda line: print(line, file=sys.stderr),
+        low_rank=args.rank, mapper_dtype=args.mapper_dtype, log=lambda line: print(line, file=sys.stderr),
         mapper_type=args.mapper,
         mlp_kwargs=dict(
             hidden_size=args.mlp_hidden_size, num_hidden_layers=args.mlp_layers, epochs=args.mlp_epochs,

@@ -960,6 +960,8 @@ def fit_and_save(
     log=None,
     mapper_type: str = "ridge",
     mlp_kwargs: dict[str, Any] | None = None,
+    low_rank: str | int | None = None,
+    mapper_dtype: str | torch.dtype = torch.float32,
 ) -> list[tuple[Path, KVMapper]]:
     """What `hf-kvtransfer fit` does: load both models, pack calibration data, accumulate, solve, write.
 
@@ -976,6 +978,9 @@ def fit_and_save(
             statistics exceed `max_statistics_memory` GiB (default: half the free memory where they would live).
             It keeps blocks for the largest k asked for (8 for a bare 'auto'); 'all' needs the full mode.
         log: a callable taking one line of text for the few facts a person should see (default: logger.info).
+        low_rank: a reduced-rank ridge mapper (`lowrank.py`): an integer rank, "energy=F" or "budget=F"
+            (`hf-kvtransfer fit --rank`); None for full rank.
+        mapper_dtype: the mapper's weight dtype (bfloat16 halves the file, and transfers then run bf16 GEMMs).
 
     Returns:
         `[(directory, mapper), ...]` on rank 0; `[]` on other ranks.
@@ -990,6 +995,20 @@ def fit_and_save(
         raise FileExistsError(f"{output} already exists; pass --overwrite (overwrite=True) or choose another --output")
     ks = parse_top_k(top_k)
     parse_ridge_lambda(ridge_lambda)  # fail on a typo before loading any model
+    mapper_dtype = _parse_dtype(mapper_dtype)
+    if not isinstance(mapper_dtype, torch.dtype):
+        raise ValueError(f"mapper_dtype must be float32, bfloat16 or float16, got {mapper_dtype!r}")
+    rank_kwargs = {}
+    if low_rank is not None:
+        from .lowrank import parse_rank_spec
+
+        rank_kwargs = parse_rank_spec(str(low_rank))
+        if "dtype" in rank_kwargs or not rank_kwargs:
+            raise ValueError(
+                f"rank {low_rank!r}: give an integer rank, energy=F or budget=F (the weight dtype is --mapper-dtype)"
+            )
+        if mapper_type != "ridge":
+            raise ValueError("a reduced rank applies to ridge mappers; drop --rank or --mapper mlp")
     several = len(ks) > 1 and "auto" not in ks
     if push_to_hub and several:
         raise ValueError(f"--push-to-hub publishes one mapper, but top_k asks for {len(ks)}; give one k (or 'auto')")
@@ -1071,7 +1090,9 @@ def fit_and_save(
                     train.save(Path(stats_dir) / "train")
                     if heldout is not None:
                         heldout.save(Path(stats_dir) / "heldout")
-                mappers = solve_mappers(train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, refit=refit)
+                mappers = solve_mappers(
+                    train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, refit=refit, dtype=mapper_dtype, **rank_kwargs
+                )
             tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
             import shutil
 

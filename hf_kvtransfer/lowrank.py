@@ -20,6 +20,7 @@ layer's total variance (an R^2 unit).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -248,8 +249,33 @@ def reduce_mapper_rank(
 
 
 
+_SPEC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_rank_spec(spec: str) -> dict[str, Any]:
+    """'full' | '16' | 'energy=0.99' | 'budget=0.25', optionally '@bf16' / '@fp16' / '@fp32' (the mapper's weight
+    and compute dtype, whatever the models' dtype) -> `solve_mapper` keyword arguments (`hf-kvtransfer fit --rank`,
+    `bench --ranks`)."""
+    spec, _, dtype = str(spec).strip().partition("@")
+    if dtype:
+        if dtype not in _SPEC_DTYPES:
+            raise ValueError(f"mapper dtype in {spec}@{dtype} must be one of {sorted(_SPEC_DTYPES)}")
+        return {**parse_rank_spec(spec), "dtype": _SPEC_DTYPES[dtype]}
+    if spec == "full":
+        return {}
+    if spec.isdigit():
+        return {"rank": int(spec)}
+    key, _, value = spec.partition("=")
+    if key in ("energy", "budget") and value:
+        return {"energy" if key == "energy" else "size_budget": float(value)}
+    raise ValueError(
+        f"rank spec must be 'full', an integer rank, 'energy=F' or 'budget=F' (optionally @bf16/@fp16/@fp32); got {spec!r}"
+    )
+
+
 __all__ = [
     "allocate_ranks",
+    "parse_rank_spec",
     "lowrank_mapper_from_solution",
     "rank_for_energy",
     "reduce_mapper_rank",

@@ -87,3 +87,19 @@ def test_eval_command(tmp_path, fitted_mapper):
     num_layers = json.loads((FAMILY / "large" / "config.json").read_text())["num_hidden_layers"]
     assert len(results["kv_r2"]["key"]) == len(results["prefix_perplexity"]["attention_cosine"]) == num_layers
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rank_tradeoff(tmp_path):
+    pytest.importorskip("matplotlib")
+    _run([sys.executable, str(EXAMPLES / "rank_tradeoff.py"), "--num-sequences", "16", "--windows", "8",
+          "--seq-len", "128", "--repeats", "2", "--specs", "full", "8@bf16", "--output-dir", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "tradeoff.json").read_text())
+    full, low = report["rows"]
+    # Sizes follow from the shapes alone: per target layer and K/V, a full map is (k * inputs) x outputs + biases,
+    # rank 8 stores (k * inputs + outputs) x 8 + biases, in bf16 (2 bytes).
+    small, large = (json.loads((FAMILY / name / "config.json").read_text()) for name in ("small", "large"))
+    f_in = min(4, small["num_hidden_layers"]) * small["num_key_value_heads"] * small["head_dim"]
+    f_out, layers = large["num_key_value_heads"] * large["head_dim"], large["num_hidden_layers"]
+    assert full["parameters"] == layers * 2 * (f_in * f_out + f_out) and full["bytes"] == 4 * full["parameters"]
+    assert low["parameters"] == layers * 2 * ((f_in + f_out) * 8 + f_out) and low["bytes"] == 2 * low["parameters"]
+    assert all(r["transfer_ms"] > 0 for r in report["rows"]) and (tmp_path / "tradeoff.png").stat().st_size > 1000

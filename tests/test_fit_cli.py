@@ -224,3 +224,23 @@ def test_fit_mapper_takes_the_cli_options_in_python(pair, tmp_path):
         assert mapper.config.heldout_r2_key == pytest.approx(cli.config.heldout_r2_key, rel=1e-9, abs=1e-12)
         for key, tensor in cli.state_dict().items():
             torch.testing.assert_close(mapper.state_dict()[key], tensor, rtol=1e-6, atol=1e-7)
+
+
+def test_reduced_rank_and_bf16_mapper_from_the_cli(pair, tmp_path, capsys):
+    from hf_kvtransfer import reduce_mapper_rank
+
+    stats_dir = tmp_path / "stats"
+    assert main(_args(pair, tmp_path / "full", "--top-k", "2", "--heldout-fraction", "0", "--stats-dir", str(stats_dir))) == 0
+    assert main(_args(pair, tmp_path / "low", "--top-k", "2", "--heldout-fraction", "0", "--rank", "3",
+                      "--mapper-dtype", "bfloat16")) == 0  # fmt: skip
+    low = KVMapper.from_pretrained(tmp_path / "low")
+    assert low.config.rank == [[3, 3], [3, 3]] and next(low.parameters()).dtype == torch.bfloat16
+    # The same factors as reducing the full-rank mapper with the statistics it was solved from, rounded to bf16.
+    full = KVMapper.from_pretrained(tmp_path / "full")
+    expected = reduce_mapper_rank(full, KVStatistics.load(stats_dir / "train"), rank=3, dtype=torch.float32)
+    for (name, got), ref in zip(low.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(got.float(), ref.bfloat16().float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item(), msg=name)
+    # A bad spec is refused before any model loads, with the accepted forms named.
+    assert main(_args(pair, tmp_path / "bad", "--rank", "energy=0.99@bf16")) != 0
+    assert "give an integer rank, energy=F or budget=F" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
