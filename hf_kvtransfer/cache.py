@@ -98,7 +98,7 @@ def _stacked(
     store = mapper.__dict__.setdefault("_stacked", {})
     versions = tuple((w.data_ptr(), w._version, w.dtype) for p in parts for w in p)
     key = (group, attr, device, rotary_dim)
-    entry = store.get((group, attr, device, rotary_dim))
+    entry = store.get(key)
     if entry is None or entry[0] != versions:
         stacked = torch.cat([p[0].detach() if len(p) == 1 else p[0].detach() @ p[1].detach() for p in parts])
         if rotary_dim is not None:
@@ -150,7 +150,7 @@ def _take_densely(mapper: KVMapper, group: list[int]) -> bool:
     return factored >= len(group) * f_in * tgt.layer_dim  # half of the dense K and V multiply-adds
 
 
-# Full-rank maps of target layers that read the same source layers run as one GEMM of up to this many output
+# Ridge maps of target layers that read the same source layers run as one GEMM of up to this many output
 # features per kind: on CPU one [F_in -> 512] product is ~2x faster than eight [F_in -> 64] ones (the skinny
 # products are dominated by packing the shared input). Big models' layers (n_kv * d >= 1024) still map one at
 # a time, so what is computed ahead of the layers asking for it stays at most about one layer's KV.
@@ -555,6 +555,8 @@ class TransferredCache(DynamicCache):
             map_type = type(self.mapper.layers[layer_idx])
             if map_type in (_LinearLayerMap, _LowRankLayerMap):
                 keys, values = self._convert_group(layer_idx, key_feats, value_feats, like)
+                # Computed with an earlier layer of the group, which under a device map may live elsewhere.
+                keys, values = keys.to(like.device, like.dtype), values.to(like.device, like.dtype)
             else:  # other maps (MLP): one layer at a time
                 keys, values = self.mapper(layer_idx, key_feats, value_feats)  # (B, H, T, D) views
                 if keys.dtype.itemsize < like.dtype.itemsize:  # e.g. a bf16 mapper filling a float32 cache
