@@ -276,3 +276,17 @@ def test_exact_identity_transfer_reproduces_own_cache(arch, mode):
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
             assert x.shape == y.shape and x.is_contiguous()
             assert (x - y).abs().amax(dim=(1, 3))[real].max().item() < 1e-5
+
+
+def test_group_members_land_on_their_own_layers_dtype(qwen3_model, grouped_identity_mapper):
+    # Layer 0's conversion computes the whole group; layer 1 then asks in another dtype (as a layer on another
+    # device would ask on its device) and must get its KV in that dtype, equal to the float32 result rounded.
+    ids = random_ids(1, 10, seed=18)
+    cache = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0)
+    shape = (1, 2, 0, grouped_identity_mapper.target_layout.head_dim)
+    cache.update(torch.empty(shape), torch.empty(shape), 0)
+    assert ("mapped", 1) in cache._stripped and ("mapped", 2) in cache._stripped  # computed ahead
+    cache.update(torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16), 1)
+    ref = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
+    assert cache.layers[1].keys.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.float32
+    assert torch.equal(cache.layers[1].keys, ref.layers[1].keys.bfloat16())
