@@ -605,8 +605,14 @@ def _fit_facts(config: dict) -> list[tuple[str, str]]:
         facts.append(("Ridge lambda (on centered data)", _plain(config["ridge_lambda"])))
     for key, value in (config.get("mlp") or {}).items():
         facts.append((f"MLP {key.replace('_', ' ')}", _plain(value)))
+    if config.get("rank"):
+        ranks = ", ".join(f"{k}/{v}" for k, v in config["rank"])
+        facts.append(("Reduced rank (key/value per target layer)", ranks))
     if config.get("num_parameters") is not None:
         facts.append(("Parameters", _number(config["num_parameters"])))
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(config.get("dtype") or "")
+    if itemsize and config.get("num_parameters") is not None:
+        facts.append(("Weights", f"{config['dtype']}, {config['num_parameters'] * itemsize / 2**20:.2f} MiB"))
     return facts
 
 

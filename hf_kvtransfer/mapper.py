@@ -73,6 +73,8 @@ class MapperConfig:
         calibration: how the calibration data was built (dataset, split, sequences, seq_len, stride, tokens).
         model_selection: how `top_k` / `ridge_lambda` were chosen on held-out statistics (candidates, the
             held-out R^2 curve, the choice), when they were.
+        rank: `[key_rank, value_rank]` per target layer for a reduced-rank ridge mapper (`lowrank.py`).
+        num_parameters / dtype: size and weight dtype as saved (written by `save_pretrained`, for the card).
     """
 
     source_config: dict[str, Any]
@@ -96,6 +98,7 @@ class MapperConfig:
     mlp: dict[str, Any] | None = None
     rank: list[list[int]] | None = None
     num_parameters: int | None = None
+    dtype: str | None = None
     eval_results: dict[str, Any] | None = None
     license: str = "apache-2.0"
     library_version: str = field(default_factory=_library_version)
@@ -332,6 +335,8 @@ class KVMapper(nn.Module):
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
         self.config.num_parameters = self.num_parameters()
+        param = next(self.parameters(), None)
+        self.config.dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
         self.config.library_version = _library_version()
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "mapper_type": self.config.mapper_type})

@@ -175,6 +175,9 @@ def test_save_load_strict_bf16_and_transfer(pair_stats, tmp_path):
     assert size("h") < 0.6 * size("m")
     reloaded = KVMapper.from_pretrained(tmp_path / "h")
     assert next(reloaded.parameters()).dtype == torch.bfloat16
+    card = (tmp_path / "h" / "README.md").read_text()  # the card says what a downloader gets
+    assert "**Reduced rank (key/value per target layer)**: 3/5, 16/1" in card
+    assert f"**Weights**: bfloat16, {2 * half.num_parameters() / 2**20:.2f} MiB" in card
     for p16, p32 in zip(reloaded.parameters(), low.parameters()):
         assert torch.allclose(p16.float(), p32, rtol=1e-2, atol=1e-2 * p32.abs().max().item())
 
