@@ -138,8 +138,11 @@ def _format_info(config: dict, weights_bytes: int) -> str:
         f"source:      {fp('source')}",
         f"target:      {fp('target')}",
         f"top_k:       {config.get('top_k')}    ridge_lambda: {config.get('ridge_lambda')}",
-        f"parameters:  {config.get('num_parameters') or 0:,} ({weights_bytes / 2**20:.1f} MiB on disk)",
+        f"parameters:  {config.get('num_parameters') or 0:,} ({weights_bytes / 2**20:.1f} MiB on disk"
+        + (f", {config['dtype']})" if config.get("dtype") else ")"),
     ]
+    if config.get("rank"):
+        lines.append("rank:        K/V per target layer " + ", ".join(f"{k}/{v}" for k, v in config["rank"]))
     calibration = config.get("calibration") or {}
     if calibration:
         lines.append("calibration: " + ", ".join(f"{k}={v}" for k, v in sorted(calibration.items()) if v is not None))

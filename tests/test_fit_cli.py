@@ -240,6 +240,10 @@ def test_reduced_rank_and_bf16_mapper_from_the_cli(pair, tmp_path, capsys):
     expected = reduce_mapper_rank(full, KVStatistics.load(stats_dir / "train"), rank=3, dtype=torch.float32)
     for (name, got), ref in zip(low.state_dict().items(), expected.state_dict().values()):
         torch.testing.assert_close(got.float(), ref.bfloat16().float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item(), msg=name)
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "low")]) == 0
+    info = capsys.readouterr().out
+    assert "MiB on disk, bfloat16)" in info and "rank:        K/V per target layer 3/3, 3/3" in info
     # A bad spec is refused before any model loads, with the accepted forms named.
     assert main(_args(pair, tmp_path / "bad", "--rank", "energy=0.99@bf16")) != 0
     assert "give an integer rank, energy=F or budget=F" in capsys.readouterr().err
