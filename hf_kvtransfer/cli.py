@@ -395,20 +395,66 @@ def _run_fit(args) -> int:
             per_head=args.mlp_per_head, feature_stride=args.mlp_feature_stride, device=args.mlp_device, seed=args.seed,
         ),
     )
-    for path, mapper in results:
-        c = mapper.config
-
-        def mean(values):
-            return f"{sum(values) / len(values):.4f}" if values else "-"
-
-        print(
-            f"wrote {path}: k={c.top_k} lambda={c.ridge_lambda:g} fit R^2 K/V {mean(c.fit_r2_key)}/{mean(c.fit_r2_value)}"
-            f" held-out R^2 K/V {mean(c.heldout_r2_key)}/{mean(c.heldout_r2_value)}"
-        )
+    _print_written(results)
     return 0
 
 
 _SUBCOMMANDS += [_add_fit]
+
+
+def _print_written(results) -> None:
+    def mean(values):
+        return f"{sum(values) / len(values):.4f}" if values else "-"
+
+    for path, mapper in results:
+        c = mapper.config
+        print(
+            f"wrote {path}: k={c.top_k} lambda={c.ridge_lambda:g} fit R^2 K/V {mean(c.fit_r2_key)}/{mean(c.fit_r2_value)}"
+            f" held-out R^2 K/V {mean(c.heldout_r2_key)}/{mean(c.heldout_r2_value)}"
+            + (f" rank {sum(map(sum, c.rank))} total" if c.rank else "")
+            + f", {mapper.num_parameters():,} parameters ({next(mapper.parameters()).dtype})".replace("torch.", "")
+        )
+
+
+def _add_solve(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "solve",
+        "solve mappers from statistics a fit kept (--stats-dir): any k, lambda, rank or weight dtype, no models loaded",
+        """
+        hf-kvtransfer fit --source examples/family/small --target examples/family/large \\
+            --dataset examples/family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 4 \\
+            --stats-dir stats/family --output mappers/family-k4
+        hf-kvtransfer solve --stats-dir stats/family --top-k 4 --rank energy=0.99 --mapper-dtype bfloat16 \\
+            --output mappers/family-k4-small
+        """,
+    )
+    p.add_argument("--stats-dir", required=True, help="the --stats-dir of a fit (holds train/ and maybe heldout/)")
+    p.add_argument("--output", required=True, help="mapper directory (one subdirectory per k when several)")
+    p.add_argument("--top-k", default="8", help="N, 'all', several ('1,2,all') or 'auto' (held-out R^2), as for fit")
+    p.add_argument("--ridge-lambda", default="0.01", help="ridge penalty (default 0.01) or 'auto'")
+    p.add_argument("--no-refit", action="store_true", help="solve on the fit shard only (default: fit + held-out)")
+    p.add_argument("--rank", metavar="SPEC", help="reduced rank: an integer, energy=F or budget=F (as for fit)")
+    p.add_argument("--mapper-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype of the written mapper (default float32)")  # fmt: skip
+    p.add_argument("--push-to-hub", metavar="REPO", help="also upload the mapper to this Hub repo")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.set_defaults(func=_run_solve)
+
+
+def _run_solve(args) -> int:
+    from .fit import solve_and_save
+
+    results = solve_and_save(
+        args.stats_dir, args.output, top_k=args.top_k, ridge_lambda=args.ridge_lambda, refit=not args.no_refit,
+        low_rank=args.rank, mapper_dtype=args.mapper_dtype, push_to_hub=args.push_to_hub, overwrite=args.overwrite,
+        log=lambda line: print(line, file=sys.stderr),
+    )  # fmt: skip
+    _print_written(results)
+    return 0
+
+
+_SUBCOMMANDS += [_add_solve]
 
 
 # -- bench (bench.py) ----------------------------------------------------------------------------------------

@@ -926,6 +926,88 @@ def _replace_directory(tmp: Path, output: Path, overwrite: bool) -> None:
         os.rename(tmp, output)
 
 
+def _write_mappers(
+    mappers: dict[str, KVMapper], output: Path, several: bool, overwrite: bool, push_to_hub: str | None, log
+) -> list[tuple[Path, KVMapper]]:
+    """Save mappers under `output` (one subdirectory each when `several`) all at once: written to a temp
+    directory and renamed into place, so a failure leaves no half-written mapper. Optionally push the first."""
+    import shutil
+
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    results = []
+    try:
+        for name, mapper in mappers.items():
+            mapper.save_pretrained(tmp / name if several else tmp, repo_id=push_to_hub)
+            results.append((output / name if several else output, mapper))
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _replace_directory(tmp, output, overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if push_to_hub:
+        url = results[0][1].push_to_hub(push_to_hub)
+        log(f"pushed to {url}")
+    return results
+
+
+def _rank_kwargs(low_rank: str | int | None, mapper_type: str = "ridge") -> dict[str, Any]:
+    """`solve_mapper` keywords for a `--rank` spec (an integer rank, energy=F or budget=F); {} for full rank."""
+    if low_rank is None:
+        return {}
+    from .lowrank import parse_rank_spec
+
+    kwargs = parse_rank_spec(str(low_rank))
+    if "dtype" in kwargs or not kwargs:
+        raise ValueError(f"rank {low_rank!r}: give an integer rank, energy=F or budget=F (the weight dtype is --mapper-dtype)")
+    if mapper_type != "ridge":
+        raise ValueError("a reduced rank applies to ridge mappers; drop --rank or --mapper mlp")
+    return kwargs
+
+
+def _mapper_dtype(mapper_dtype: str | torch.dtype) -> torch.dtype:
+    dtype = _parse_dtype(mapper_dtype)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"mapper_dtype must be float32, bfloat16 or float16, got {mapper_dtype!r}")
+    return dtype
+
+
+def solve_and_save(
+    stats_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    top_k: int | str | Sequence | None = 8,
+    ridge_lambda: float | str | Sequence = 0.01,
+    refit: bool = True,
+    low_rank: str | int | None = None,
+    mapper_dtype: str | torch.dtype = torch.float32,
+    push_to_hub: str | None = None,
+    overwrite: bool = False,
+    log=None,
+) -> list[tuple[Path, KVMapper]]:
+    """What `hf-kvtransfer solve` does: mappers from statistics a fit kept (`--stats-dir`), without the models.
+
+    Any k, lambda, rank or weight dtype is solved from `stats_dir/train` (and `stats_dir/heldout` when the fit
+    held sequences out: held-out R^2 per layer, `"auto"`, and the refit on all sequences, as `fit` does).
+    """
+    log = log or logger.info
+    stats_dir, output = Path(stats_dir), Path(output_dir)
+    if not (stats_dir / "train").exists():
+        raise FileNotFoundError(
+            f"{stats_dir} holds no statistics ({stats_dir / 'train'} is missing); write them with "
+            "`hf-kvtransfer fit ... --stats-dir DIR`"
+        )
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} already exists; pass --overwrite (overwrite=True) or choose another --output")
+    ks = parse_top_k(top_k)
+    parse_ridge_lambda(ridge_lambda)
+    kwargs = _rank_kwargs(low_rank)
+    dtype = _mapper_dtype(mapper_dtype)
+    train = KVStatistics.load(stats_dir / "train")
+    heldout = KVStatistics.load(stats_dir / "heldout") if (stats_dir / "heldout").exists() else None
+    mappers = solve_mappers(train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, refit=refit, dtype=dtype, **kwargs)
+    several = len(ks) > 1 and "auto" not in ks
+    return _write_mappers(mappers, output, several, overwrite, push_to_hub, log)
+
+
 def fit_and_save(
     source: str | os.PathLike,
     target: str | os.PathLike,
@@ -995,20 +1077,8 @@ def fit_and_save(
         raise FileExistsError(f"{output} already exists; pass --overwrite (overwrite=True) or choose another --output")
     ks = parse_top_k(top_k)
     parse_ridge_lambda(ridge_lambda)  # fail on a typo before loading any model
-    mapper_dtype = _parse_dtype(mapper_dtype)
-    if not isinstance(mapper_dtype, torch.dtype):
-        raise ValueError(f"mapper_dtype must be float32, bfloat16 or float16, got {mapper_dtype!r}")
-    rank_kwargs = {}
-    if low_rank is not None:
-        from .lowrank import parse_rank_spec
-
-        rank_kwargs = parse_rank_spec(str(low_rank))
-        if "dtype" in rank_kwargs or not rank_kwargs:
-            raise ValueError(
-                f"rank {low_rank!r}: give an integer rank, energy=F or budget=F (the weight dtype is --mapper-dtype)"
-            )
-        if mapper_type != "ridge":
-            raise ValueError("a reduced rank applies to ridge mappers; drop --rank or --mapper mlp")
+    mapper_dtype = _mapper_dtype(mapper_dtype)
+    rank_kwargs = _rank_kwargs(low_rank, mapper_type)
     several = len(ks) > 1 and "auto" not in ks
     if push_to_hub and several:
         raise ValueError(f"--push-to-hub publishes one mapper, but top_k asks for {len(ks)}; give one k (or 'auto')")
@@ -1093,22 +1163,8 @@ def fit_and_save(
                 mappers = solve_mappers(
                     train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, refit=refit, dtype=mapper_dtype, **rank_kwargs
                 )
-            tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-            import shutil
-
-            try:
-                for name, mapper in mappers.items():
-                    sub = tmp / name if several else tmp
-                    mapper.save_pretrained(sub, repo_id=push_to_hub)
-                    results.append((output / name if several else output, mapper))
-                output.parent.mkdir(parents=True, exist_ok=True)
-                _replace_directory(tmp, output, overwrite)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            results = _write_mappers(mappers, output, several, overwrite, push_to_hub, log)
             remove_checkpoints(checkpoint_dir)
-            if push_to_hub:
-                url = results[0][1].push_to_hub(push_to_hub)
-                log(f"pushed to {url}")
         if world > 1:
             import torch.distributed as dist
 

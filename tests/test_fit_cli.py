@@ -248,3 +248,31 @@ def test_reduced_rank_and_bf16_mapper_from_the_cli(pair, tmp_path, capsys):
     assert main(_args(pair, tmp_path / "bad", "--rank", "energy=0.99@bf16")) != 0
     assert "give an integer rank, energy=F or budget=F" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_solve_from_kept_statistics_without_models(pair, tmp_path, monkeypatch, capsys):
+    counter = _CountingCapture()
+    monkeypatch.setattr(fit_module, "capture_kv", counter)
+    stats_dir = tmp_path / "stats"
+    assert main(_args(pair, tmp_path / "fit", "--top-k", "2", "--heldout-fraction", "0.25", "--stats-dir", str(stats_dir))) == 0
+    forwards = counter.calls
+    # The same k from the kept statistics: the same mapper (held-out scoring and refit included), no forward.
+    assert main(["solve", "--stats-dir", str(stats_dir), "--top-k", "2", "--output", str(tmp_path / "solved")]) == 0
+    assert counter.calls == forwards
+    _assert_same_mapper(tmp_path / "fit", tmp_path / "solved", rtol=1e-6, atol=1e-7)
+    fit, solved = KVMapper.from_pretrained(tmp_path / "fit"), KVMapper.from_pretrained(tmp_path / "solved")
+    assert solved.config.heldout_r2_key == pytest.approx(fit.config.heldout_r2_key)
+    # Other k, a reduced rank and fp16 weights, from the same statistics.
+    out = tmp_path / "more"
+    assert main(["solve", "--stats-dir", str(stats_dir), "--top-k", "1,all", "--rank", "budget=0.5",
+                 "--mapper-dtype", "float16", "--output", str(out)]) == 0  # fmt: skip
+    assert counter.calls == forwards
+    for name, k in (("k1", 1), ("kall", 3)):
+        mapper = KVMapper.from_pretrained(out / name)
+        assert mapper.config.top_k == k and mapper.config.rank is not None
+        assert next(mapper.parameters()).dtype == torch.float16
+        assert mapper.num_parameters() <= 0.5 * 2 * 2 * (k * 32 * 8) + 2 * 2 * 8  # budget (+ biases)
+    assert "wrote" in capsys.readouterr().out
+    # Statistics that are not there: one line saying how to get them, nothing written.
+    assert main(["solve", "--stats-dir", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")]) != 0
+    assert "--stats-dir" in capsys.readouterr().err and not (tmp_path / "x").exists()
