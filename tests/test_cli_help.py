@@ -1,0 +1,27 @@
+"""Every subcommand's `--help` ends with an example that its own parser accepts."""
+
+import shlex
+
+import pytest
+
+from hf_kvtransfer import cli
+
+
+def _subcommands() -> dict:
+    parser = cli._parser()
+    action = next(a for a in parser._actions if a.dest == "command")
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("name", sorted(_subcommands()))
+def test_help_ends_with_a_parsable_example(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([name, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "example:" in text
+    example = text.split("example:", 1)[1].replace("\\\n", " ")
+    commands = [line.strip() for line in example.splitlines() if line.strip().startswith("hf-kvtransfer ")]
+    assert any(shlex.split(c, comments=True)[1] == name for c in commands), f"no `hf-kvtransfer {name} ...` example:\n{example}"
+    for command in commands:  # each example parses (arguments known, required ones present)
+        cli._parser().parse_args(shlex.split(command, comments=True)[1:])
