@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_kvtransfer import TransferredCache, collect_statistics, prefill, solve_mapper
-from hf_kvtransfer.bench import environment, parse_rank_spec
+from hf_kvtransfer import TransferredCache, collect_statistics, prefill
+from hf_kvtransfer.bench import build_mappers, environment, mapper_size
 from hf_kvtransfer.calibration import build_calibration
 from hf_kvtransfer.demo import find_family
 from hf_kvtransfer.evaluate import prefix_perplexity, split_documents, text_windows
@@ -67,22 +67,16 @@ def timed_ms(fn) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
-rows, mappers = [], []
-for spec in args.specs:
-    top_k, rest = args.top_k, spec
-    if spec.startswith("k") and ":" in spec:
-        k, rest = spec[1:].split(":", 1)
-        top_k = int(k)
-    mapper = solve_mapper(stats, top_k=top_k, **parse_rank_spec(rest))
+specs = list(dict.fromkeys(args.specs))  # one mapper per distinct spec, in the order given
+solved, _ = build_mappers(source, target, specs, top_k=args.top_k, statistics=stats)
+rows, mappers = [], list(solved.values())
+for spec, mapper in zip(specs, mappers):
     quality = prefix_perplexity(source, target, mapper, windows, 128, diagnostics=False, progress=False)
+    size = mapper_size(mapper)  # parameters, bytes, dtype, rank, top_k
     rows.append({
-        "spec": spec, "top_k": top_k, "parameters": mapper.num_parameters(),
-        "bytes": sum(p.numel() * p.element_size() for p in mapper.parameters()),
-        "dtype": str(next(mapper.parameters()).dtype).removeprefix("torch."),
-        "rank": mapper.config.rank,
+        "spec": spec, **{key: size[key] for key in ("top_k", "parameters", "bytes", "dtype", "rank")},
         "normalized_retention": quality["normalized_retention"], "normalized_retention_ci": quality["normalized_retention_ci"],
     })  # fmt: skip
-    mappers.append(mapper)
     print(f"{spec:>18}: {rows[-1]['parameters']:>9,} parameters, retention {100 * quality['normalized_retention']:.1f}%", flush=True)
 
 # Timing round-robin (every mapper once per round, the target's prefill every round too), so drifting machine
