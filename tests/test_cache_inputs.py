@@ -156,3 +156,25 @@ def test_decode_steps_after_conversion_compile_without_graph_breaks(pair):
             explained = torch._dynamo.explain(model.forward)(ids[:, :1], cache=cache, use_cache=True)
         breaks[name] = (explained.graph_count, explained.graph_break_count)
     assert breaks["transferred"] == breaks["own"] == (1, 0)
+
+
+@pytest.mark.parametrize("num_exact_layers", [1, 2])
+def test_exact_first_layers_are_the_targets_own(num_exact_layers):
+    # A deliberately useless mapper (zero weights): only the layers the target computes itself can match its own
+    # cache, and they must match it exactly, with left padding; the others stay mapped (here: zeros).
+    from hf_kvtransfer import KVMapper
+
+    from conftest import left_pad
+
+    model = tiny_model("llama3-scaling", num_hidden_layers=3, seed=22)
+    zero = KVMapper(exact_identity_mapper(model).config)
+    ids, mask = left_pad(random_ids(2, 16, seed=23), [16, 11])
+    own = prefill(model, ids, attention_mask=mask)
+    cache = TransferredCache(prefill(model, ids, attention_mask=mask), zero, attention_mask=mask, num_exact_layers=num_exact_layers)
+    with torch.no_grad():
+        model(ids[:, -1:], attention_mask=mask, cache=cache)
+    real = mask.bool()[:, :15]
+    for t, (a, b) in enumerate(zip(cache.layers, own.layers)):
+        got, ref = a.keys[:, :, :15], b.keys[:, :, :15]
+        error = (got - ref).abs().amax(dim=(1, 3))[real].max().item()
+        assert (error < 1e-5) if t < num_exact_layers else (error > 1e-2), (t, error)
