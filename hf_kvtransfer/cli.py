@@ -112,7 +112,7 @@ def _run_info(args) -> int:
     import json
 
     from .hub import resolve_mapper_dir
-    from .mapper import CONFIG_NAME, WEIGHTS_NAME
+    from .hub import CONFIG_NAME, WEIGHTS_NAME
 
     path = resolve_mapper_dir(args.mapper, revision=args.revision, token=args.token)
     config = json.loads((path / CONFIG_NAME).read_text())

@@ -236,7 +236,7 @@ def reduce_mapper_rank(
         small.save_pretrained("mappers/small-to-large-r")
         ```
     """
-    if mapper.config.mapper_type != "ridge" or mapper.config.rank is not None:
+    if mapper.config.mapper_type != "ridge":
         raise ValueError(
             f"reduce_mapper_rank needs a full-rank ridge mapper, got mapper_type={mapper.config.mapper_type!r}"
         )
