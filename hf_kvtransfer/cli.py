@@ -22,7 +22,8 @@ def _example(text: str) -> str:
     return "example:\n" + textwrap.indent(textwrap.dedent(text).strip(), "  ")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf-kvtransfer` parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="hf-kvtransfer",
         description="Reuse a source model's KV cache in a target model of the same family (no re-prefill).",
@@ -111,19 +112,19 @@ def _add_info(subparsers) -> None:
 def _run_info(args) -> int:
     import json
 
-    from .hub import resolve_mapper_dir
-    from .hub import CONFIG_NAME, WEIGHTS_NAME
+    from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, resolve_mapper_dir
 
     path = resolve_mapper_dir(args.mapper, revision=args.revision, token=args.token)
     config = json.loads((path / CONFIG_NAME).read_text())
     if args.json:
         print(json.dumps(config, indent=2, sort_keys=True))
         return 0
-    print(_format_info(config, (path / WEIGHTS_NAME).stat().st_size))
+    report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
+    print(_format_info(config, (path / WEIGHTS_NAME).stat().st_size, report))
     return 0
 
 
-def _format_info(config: dict, weights_bytes: int) -> str:
+def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -> str:
     def fp(which: str) -> str:
         f = config.get(f"{which}_fingerprint", {})
         name = config.get(f"{which}_model_id") or "?"
@@ -153,7 +154,7 @@ def _format_info(config: dict, weights_bytes: int) -> str:
                 f"{label + ':':<13}K mean {sum(rk) / len(rk):.4f} (min {min(rk):.4f}), "
                 f"V mean {sum(rv) / len(rv):.4f} (min {min(rv):.4f})"
             )
-    for name, value in sorted((config.get("eval_results") or {}).items()):
+    for name, value in sorted(((report or {}).get("eval_results") or {}).items()):
         lines.append(f"eval:        {name} = {value}")
     return "\n".join(lines)
 
@@ -334,7 +335,7 @@ def _add_config_options(parser: argparse.ArgumentParser, names=None) -> None:
         group.add_argument(flag, **kwargs)
 
 
-def _fit_config(args):
+def fit_config_from_args(args):
     """The `FitConfig` of the options given on the command line (dataclass defaults for the rest)."""
     from .fit_config import FIELD_NAMES, FitConfig
 
@@ -376,7 +377,7 @@ def _run_fit(args) -> int:
     from .workflow import fit_and_save
 
     results = fit_and_save(
-        args.source, args.target, args.output, _fit_config(args), dtype=args.dtype, device_map=args.device_map,
+        args.source, args.target, args.output, fit_config_from_args(args), dtype=args.dtype, device_map=args.device_map,
         source_revision=args.source_revision, target_revision=args.target_revision,
         trust_remote_code=args.trust_remote_code, push_to_hub=args.push_to_hub, overwrite=args.overwrite,
         log=lambda line: print(line, file=sys.stderr),
@@ -427,7 +428,7 @@ def _run_solve(args) -> int:
     from .workflow import solve_and_save
 
     results = solve_and_save(
-        args.stats_dir, args.output, _fit_config(args), push_to_hub=args.push_to_hub, overwrite=args.overwrite,
+        args.stats_dir, args.output, fit_config_from_args(args), push_to_hub=args.push_to_hub, overwrite=args.overwrite,
         log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
     _print_written(results)
@@ -514,7 +515,7 @@ _SUBCOMMANDS += [_add_bench]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     # The process's own command line (None when called from Python): what `bench` re-executes itself with.
     args.command_line = sys.argv[1:] if argv is None else None

@@ -100,9 +100,10 @@ def solve_mapper(
         mapper = solve_mapper(stats, top_k=4, energy=0.99, dtype=torch.bfloat16)
         ```
     """
-    (k,) = parse_top_k(top_k) if not isinstance(top_k, int) else [top_k]
-    if k == "auto":
-        raise ValueError("solve_mapper solves one k; use solve_mappers (or fit_mapper) for top_k='auto'")
+    ks = [top_k] if isinstance(top_k, int) and not isinstance(top_k, bool) else parse_top_k(top_k)
+    if len(ks) != 1 or ks[0] == "auto":
+        raise ValueError(f"solve_mapper solves one k, got top_k={top_k!r}; use solve_mappers (or fit_mapper) for several or 'auto'")
+    k = ks[0]
     selected = select_layers(scores if scores is not None else layer_scores(statistics, ridge_lambda), k)
     solutions = {kind: solve_layers(statistics, kind, dict(enumerate(selected)), ridge_lambda) for kind in KINDS}
     calibration = dict(statistics.metadata.get("calibration", {}))
@@ -307,7 +308,7 @@ def fit_mapper(
 
     Returns:
         A float32 `KVMapper` (or `config.mapper_dtype`) with per-layer fit and held-out R^2 in `mapper.config`
-        and the run report (model selection, MLP training, timings) in `mapper.report`; `{name: KVMapper}` when
+        and the run report (model selection, MLP training) in `mapper.report`; `{name: KVMapper}` when
         several `top_k` were given (names from `mapper_name`: `k1`, `kall`, ...).
 
     Example:
@@ -344,14 +345,12 @@ def fit_mapper(
         return fit_mlp(source, target, ids, mask, config, log=log, **mapper_kwargs)
     metadata = {"calibration": mapper_kwargs.pop("calibration")} if "calibration" in mapper_kwargs else None
     train, heldout = run_fit_pass(source, target, ids, mask, config, metadata=metadata, log=log)
-    pass_seconds = time.perf_counter() - started
+    logger.info("calibration pass: %.1f s", time.perf_counter() - started)
+    # (no timings in the report of a closed-form fit: the same data must give the same files)
     mappers = solve_mappers(
         train, heldout, top_k=config.top_k_values, ridge_lambda=list(config.ridge_lambda), refit=config.refit,
         dtype=config.torch_mapper_dtype, **config.rank_kwargs, **mapper_kwargs,
     )  # fmt: skip
-    timings = {"calibration_seconds": round(pass_seconds, 3), "fit_seconds": round(time.perf_counter() - started, 3)}
-    for mapper in mappers.values():
-        mapper.report = {**getattr(mapper, "report", {}), "timings": timings}
     return mappers if config.several else next(iter(mappers.values()))
 
 

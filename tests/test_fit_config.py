@@ -8,7 +8,7 @@ import torch
 
 from conftest import random_ids
 from hf_kvtransfer import FitConfig, fit_mapper
-from hf_kvtransfer.cli import _parser
+from hf_kvtransfer.cli import build_parser, fit_config_from_args
 from hf_kvtransfer.fit_config import heldout_count, parse_rank_spec, parse_ridge_lambda, parse_top_k, resolve_config
 
 
@@ -30,26 +30,22 @@ def test_one_default_everywhere():
     config = FitConfig()
     assert (config.top_k, config.ridge_lambda, config.heldout_fraction, config.stride) == ((8,), (0.01,), 0.1, 4)
     for command in (["fit", "--source", "s", "--target", "t", "--output", "o"], ["solve", "--stats-dir", "s", "--output", "o"]):
-        args = _parser().parse_args(command)
-        from hf_kvtransfer.cli import _fit_config
-
-        assert _fit_config(args).replace(stats_dir=None) == config, command
+        args = build_parser().parse_args(command)
+        assert fit_config_from_args(args).replace(stats_dir=None) == config, command
 
 
 def test_cli_options_are_generated_from_the_fields():
-    args = _parser().parse_args([
+    args = build_parser().parse_args([
         "fit", "--source", "s", "--target", "t", "--output", "o", "--top-k", "1,all", "--ridge-lambda", "0.1,auto",
         "--no-refit", "--rank", "energy=0.9", "--mapper-dtype", "bfloat16", "--heldout-fraction", "0.2",
         "--no-two-stage", "--probe-tokens", "99", "--mlp-plain", "--mlp-layers", "3", "--stride", "2",
     ])  # fmt: skip
-    from hf_kvtransfer.cli import _fit_config
-
-    config = _fit_config(args)
+    config = fit_config_from_args(args)
     assert config.top_k == (1, "all") and config.ridge_lambda == (0.1, "auto") and config.refit is False
     assert (config.rank, config.mapper_dtype, config.heldout_fraction, config.two_stage) == ("energy=0.9", "bfloat16", 0.2, False)
     assert (config.probe_tokens, config.mlp_residual, config.mlp_num_hidden_layers, config.stride) == (99, False, 3, 2)
     # every field a person sets on the command line has an option (and nothing else is listed by hand)
-    fit = next(a for a in _parser()._subparsers._group_actions[0].choices.items() if a[0] == "fit")[1]
+    fit = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "fit")[1]
     dests = {a.dest for a in fit._actions if not isinstance(a, argparse._HelpAction)}
     fields = {f.name for f in dataclasses.fields(FitConfig) if f.metadata.get("cli") != ""}
     assert fields <= dests
