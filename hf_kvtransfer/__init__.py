@@ -1,17 +1,18 @@
 """hf-kvtransfer: reuse one model's KV cache in another model of the same family instead of re-running prefill."""
 
-__version__ = "0.1.0"
-
+from .accumulate import collect_statistics
 from .cache import TransferredCache
 from .capture import capture_kv, prefill
-from .fit import collect_statistics, fit_mapper, solve_mapper
+from .fit import fit_mapper, fit_mlp_mapper, solve_mapper
+from .fit_config import FitConfig
 from .hub import MapperHubError
 from .lowrank import reduce_mapper_rank
 from .mapper import KVMapper, MapperConfig
-from .mlp import fit_mlp_mapper
 from .stats import KVLayout, KVStatistics
+from .version import __version__
 
 __all__ = [
+    "FitConfig",
     "KVLayout",
     "KVMapper",
     "KVStatistics",

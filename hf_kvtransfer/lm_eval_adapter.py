@@ -35,6 +35,8 @@ from huggingface_hub.utils import tqdm
 from .cache import TransferredCache
 from .capture import prefill
 from .mapper import KVMapper
+from .models import load_model
+from .multiple_choice import score_continuations
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class KVTransferLM(LM):
         **kwargs: Any,
     ):
         super().__init__()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         ignored = {k: v for k, v in kwargs.items() if k not in ("batch_size", "max_batch_size")}
         if ignored:
@@ -85,9 +87,7 @@ class KVTransferLM(LM):
             device = "cpu"
 
         def load(model):
-            if isinstance(model, str):
-                model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device)
-            return model.eval()
+            return load_model(model, dtype=torch_dtype, device=device) if isinstance(model, str) else model.eval()
 
         self.source, self.target = load(source), load(target)
         self.mapper = mapper if isinstance(mapper, KVMapper) else KVMapper.from_pretrained(mapper)
@@ -129,13 +129,8 @@ class KVTransferLM(LM):
             context_ids = [self._prefix_token]
         r = min(self.num_recompute_tokens, len(context_ids))
         cache = self._transferred(context_ids, r)
-        device = next(self.target.parameters()).device
-        feed = torch.tensor([context_ids[-r:] + continuation_ids], device=device)
-        logits = self.target(feed, cache=cache, use_cache=True).logits[0, r - 1 : -1].float()
-        logp = logits.log_softmax(-1)
-        target = torch.tensor(continuation_ids, device=device)
-        score = logp[torch.arange(len(continuation_ids), device=device), target].sum()
-        return float(score), bool((logits.argmax(-1) == target).all())
+        scores, greedy = score_continuations(self.target, context_ids[-r:], [continuation_ids], cache)
+        return float(scores[0]), bool(greedy[0])
 
     # -- lm_eval API --------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -8,7 +8,7 @@ from hf_kvtransfer import cli
 
 
 def _subcommands() -> dict:
-    parser = cli._parser()
+    parser = cli.build_parser()
     action = next(a for a in parser._actions if a.dest == "command")
     return dict(action.choices)
 
@@ -24,4 +24,4 @@ def test_help_ends_with_a_parsable_example(name, capsys):
     commands = [line.strip() for line in example.splitlines() if line.strip().startswith("hf-kvtransfer ")]
     assert any(shlex.split(c, comments=True)[1] == name for c in commands), f"no `hf-kvtransfer {name} ...` example:\n{example}"
     for command in commands:  # each example parses (arguments known, required ones present)
-        cli._parser().parse_args(shlex.split(command, comments=True)[1:])
+        cli.build_parser().parse_args(shlex.split(command, comments=True)[1:])
