@@ -1,6 +1,6 @@
 """Ridge sufficient statistics from the one calibration pass: full or two-stage, checkpointed, distributed.
 
-`StatisticsAccumulator` is the `calibrate.calibration_pass` consumer both fitters use; `run_fit_pass` runs the
+`StatisticsAccumulator` is the `calibration_pass.calibration_pass` consumer both fitters use; `run_fit_pass` runs the
 pass as a `FitConfig` describes it (held-out shard, device, two-stage decision, checkpoints, kept statistics),
 `accumulate_statistics` / `collect_statistics` are the lower-level entry points.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .calibrate import (
+from .calibration_pass import (
     CalibrationBatch,
     CalibrationConsumer,
     as_token_tensor,

@@ -1,4 +1,4 @@
-"""Fit a KVMapper: one calibration pass through both models (`calibrate.py`), then a closed-form solve (ridge,
+"""Fit a KVMapper: one calibration pass through both models (`calibration_pass.py`), then a closed-form solve (ridge,
 reduced rank) or MLP training (`mlp.py`), configured by one `FitConfig`.
 
 Example:
@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .accumulate import run_fit_pass
-from .calibrate import as_token_tensor
+from .calibration_pass import as_token_tensor
 from .calibration import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, build_calibration
 from .fit_config import (
     PAPER_TOP_K_CANDIDATES,
@@ -198,9 +198,10 @@ def solve_mappers(
     auto_k, auto_l = "auto" in ks, "auto" in lams
     ks, lams = [k for k in ks if k != "auto"], [v for v in lams if v != "auto"]
     num_source = statistics.source_layout.num_layers
-    for k in ks:
-        if k is not None and not 1 <= k <= num_source:
-            raise ValueError(f"top_k must be between 1 and the source's {num_source} layers (or 'all'), got {k}")
+    if any(k is not None and k >= num_source for k in ks):
+        # The default k (8) on a shallow source, or any k reaching its depth: every source layer.
+        logger.info("top_k %s >= the source's %d layers: using all of them", [k for k in ks if k], num_source)
+        ks = list(dict.fromkeys(None if k is not None and k >= num_source else k for k in ks))
     max_k = statistics.max_top_k if isinstance(statistics, BlockStatistics) else num_source
     for k in ks:
         if (num_source if k is None else k) > max_k:

@@ -50,6 +50,8 @@ __all__ = [
     "resolve_mapper_dir",
 ]
 
+from .version import __version__
+
 logger = logging.getLogger(__name__)
 
 # The files of a mapper directory (= a Hub repo).
@@ -704,8 +706,4 @@ def _eval_rows(results: Any) -> list[tuple[str, str]]:
 
 
 def _library_version() -> str:
-    try:
-        from . import __version__
-    except ImportError:
-        return "unknown"
     return __version__

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .accumulate import run_fit_pass
-from .calibrate import CalibrationBatch
+from .calibration_pass import CalibrationBatch
 from .fit_config import FitConfig, heldout_count
 from .layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
 from .mapper import KVMapper, MapperConfig

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .calibrate import check_pair, check_tokenizers, remove_checkpoints
+from .calibration_pass import check_pair, check_tokenizers, remove_checkpoints
 from .fit import calibration_sample, fit_mapper, solve_mappers
 from .fit_config import FitConfig, heldout_count, resolve_config
 from .mapper import KVMapper

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import hf_kvtransfer.calibrate as calibrate_module
+import hf_kvtransfer.calibration_pass as calibrate_module
 from fit_fixtures import make_tokenizer, save_pair, write_corpus
 from hf_kvtransfer import KVMapper, KVStatistics, collect_statistics, solve_mapper
 from hf_kvtransfer.accumulate import read_checkpoint
