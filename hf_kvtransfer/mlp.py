@@ -10,7 +10,7 @@ the pairs where the closed-form ridge map fails. Two changes make it safe to use
   `mapper.report["mlp"]["heldout"]`.
 
 Training needs the features themselves (not just sums, as ridge does): the one calibration pass
-(`calibrate.run_fit_pass`, which also accumulates the ridge statistics) hands every batch to a
+(`accumulate.run_fit_pass`, which also accumulates the ridge statistics) hands every batch to a
 `FeatureCollector` that keeps the stripped features of every `feature_stride`-th token on the host. The memory a
 fit needs is logged before it starts; the training log goes to `mapper.report["mlp"]`.
 """
