@@ -77,8 +77,8 @@ def last_logits(model, seqs: list[list[int]], batch_size: int = 16) -> torch.Ten
     return torch.cat(out)
 
 
-def context_gain(model, stream: list[int], prefix: int, cont: int, stride: int) -> dict:
-    starts = list(range(0, len(stream) - prefix - cont, stride))
+def context_gain(model, stream: list[int], prefix: int, cont: int, stride: int, max_windows: int | None) -> dict:
+    starts = list(range(0, len(stream) - prefix - cont, stride))[:max_windows]
     with_p = token_nll(model, [stream[s : s + prefix + cont] for s in starts])
     without = token_nll(model, [stream[s + prefix : s + prefix + cont] for s in starts])
     own = [w[prefix - 1 :].mean().item() for w in with_p]
@@ -153,6 +153,8 @@ def main(argv=None) -> None:
                    help="items for random-span repeats and passage recall (default: %(default)s)")
     p.add_argument("--extra-items", type=int, default=300,
                    help="items for text-span repeats and hand-off (default: %(default)s)")
+    p.add_argument("--windows", type=int, default=None,
+                   help="cap on context-gain windows (default: all, 659 on heldout.txt)")
     p.add_argument("--seed", type=int, default=0, help="item seed (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
     p.add_argument("--output", default=None, help="JSON output (default: <family>/context_results.json)")
@@ -188,7 +190,7 @@ def main(argv=None) -> None:
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         t = time.time()
         r = {
-            "context": context_gain(model, stream, prefix=256, cont=64, stride=128),
+            "context": context_gain(model, stream, prefix=256, cont=64, stride=128, max_windows=args.windows),
             "repeat_random": repeat_gain(model, rep_rand),
             "repeat_text": repeat_gain(model, rep_text),
             "recall": recall(model, rec, n_values),
