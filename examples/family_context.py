@@ -172,9 +172,9 @@ def main(argv=None) -> None:
     t0 = time.time()
     rep_rand = repeated_span_items(tok, stream, n, seed=args.seed, kind="random", prefix_len=256, continuation_len=64, span_len=24)
     rep_text = repeated_span_items(tok, stream, args.extra_items, seed=args.seed, kind="text", prefix_len=256,
-                                   continuation_len=64, span_len=24)
+                                   continuation_len=64, span_len=24) if args.extra_items else []
     rec = passage_recall_items(tok, n, seed=args.seed, distractor_texts=docs)
-    hand = handoff_items(tok, args.extra_items, seed=args.seed, distractor_texts=docs)
+    hand = handoff_items(tok, args.extra_items, seed=args.seed, distractor_texts=docs) if args.extra_items else []
     n_values = len(answer_values(tok))
     lens = [len(it.prompt_ids) for it in rec]
     print(f"items built in {time.time() - t0:.1f}s: held-out stream {len(stream):,} tokens; recall prompts "
@@ -192,10 +192,11 @@ def main(argv=None) -> None:
         r = {
             "context": context_gain(model, stream, prefix=256, cont=64, stride=128, max_windows=args.windows),
             "repeat_random": repeat_gain(model, rep_rand),
-            "repeat_text": repeat_gain(model, rep_text),
             "recall": recall(model, rec, n_values),
-            "handoff": handoff(model, hand),
         }
+        if args.extra_items:  # secondary measures; 0 skips them
+            r["repeat_text"] = repeat_gain(model, rep_text)
+            r["handoff"] = handoff(model, hand)
         r["wall_s"] = round(time.time() - t, 1)
         results["models"][name] = r
         print(f"{name}: done in {r['wall_s']:.0f}s")
@@ -221,7 +222,13 @@ def main(argv=None) -> None:
     print("| measure | " + " | ".join(names) + " |")
     print("|---|" + "---:|" * len(names))
     for label, f in rows:
-        print(f"| {label} | " + " | ".join(f(results["models"][m]) for m in names) + " |")
+        cells = []
+        for m in names:
+            try:
+                cells.append(f(results["models"][m]))
+            except KeyError:  # a skipped secondary measure
+                cells.append("-")
+        print(f"| {label} | " + " | ".join(cells) + " |")
     print(f"chance: recall {100 / n_values:.1f}% (1/{n_values} answers), one of the passage's values "
           f"{100 / rec[0].meta['n_facts']:.0f}%; items: random repeats / recall {n}, text repeats / hand-off "
           f"{args.extra_items}, context windows "
