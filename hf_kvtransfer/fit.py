@@ -274,6 +274,23 @@ def model_ids(source: PreTrainedModel, target: PreTrainedModel) -> dict[str, str
     return out
 
 
+def _warn_beyond_positions(source: PreTrainedModel, target: PreTrainedModel, seq_len: int) -> None:
+    """One warning when calibration sequences are longer than a model was built for (its RoPE positions beyond
+    `max_position_embeddings` are untrained, so the statistics describe caches the models never make in use)."""
+    limits = {}
+    for which, model in (("source", source), ("target", target)):
+        config = getattr(model.config, "get_text_config", lambda: model.config)()
+        limit = getattr(config, "max_position_embeddings", None)
+        if isinstance(limit, int) and seq_len > limit:
+            limits[which] = limit
+    if limits:
+        models = " and ".join(f"the {which}'s {limit}" for which, limit in limits.items())
+        logger.warning(
+            "seq_len %d is beyond max_position_embeddings (%s): positions past it are untrained; use --seq-len %d or less",
+            seq_len, models, min(limits.values()),
+        )
+
+
 def fit_mapper(
     source: PreTrainedModel,
     target: PreTrainedModel,
@@ -340,6 +357,7 @@ def fit_mapper(
     else:
         ids, mask = as_token_tensor(calibration_input_ids, attention_mask)
     heldout_count(ids.shape[0], config.heldout_fraction)  # a fraction that leaves nothing to fit on fails here
+    _warn_beyond_positions(source, target, ids.shape[1])
     if info:
         mapper_kwargs.setdefault("calibration", info)
     if config.mapper_type == "mlp":
