@@ -33,7 +33,7 @@ from .fit_config import (
     parse_top_k,
     resolve_config,
 )
-from .lowrank import lowrank_mapper
+from .lowrank import lowrank_mapper, reduced_rank_heldout_r2
 from .mapper import KVMapper, MapperConfig
 from .mlp import fit_mlp
 from .ridge import heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
@@ -230,7 +230,11 @@ def solve_mappers(
         extra = dict(config_kwargs)
         if heldout is not None and heldout.count >= 2:
             row = heldout_rows.get((k, lam))
-            if row is None:
+            low_rank = {key: config_kwargs[key] for key in ("rank", "energy", "size_budget") if config_kwargs.get(key) is not None}
+            if low_rank:  # the reduced maps' own score, not the full-rank one they were cut from
+                selected = select_layers(ranking(statistics, lam), k)
+                row = reduced_rank_heldout_r2(statistics, heldout, selected, lam, **low_rank)
+            elif row is None:
                 selections = dict(enumerate(select_layers(ranking(statistics, lam), k)))
                 row = {f"heldout_r2_{kind}": heldout_r2(statistics, heldout, kind, selections, lam) for kind in KINDS}
             extra.setdefault("heldout_r2_key", row["heldout_r2_key"])
