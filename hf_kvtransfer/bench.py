@@ -40,15 +40,13 @@ from .accumulate import collect_statistics
 from .fit import solve_mapper
 from .fit_config import parse_rank_spec
 from .mapper import KVMapper
-from .models import DTYPES, load_model
+from .models import DTYPES, check_device, load_model
 from .rope import head_dim_of, text_config
 from .stats import KVStatistics
-from .timing import median_ms, synchronize, time_call
+from .timing import DEFAULT_SEQ_LENS, QUICK_SEQ_LENS, median_ms, synchronize, time_call
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SEQ_LENS = (256, 512, 1024, 2048, 4096, 8192)
-QUICK_SEQ_LENS = (256, 1024, 4096, 8192)
 # Shapes of the trained family the repository ships (small and large), for timing without the checkpoints.
 FAMILY_SHAPES = {
     "small": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=384),
@@ -440,7 +438,7 @@ def run_from_args(args) -> dict[str, Any]:
     the arguments, run, return the report (the CLI writes it with `reporting.save_bench_report`)."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     seq_lens = args.seq_lens or (QUICK_SEQ_LENS if args.quick else DEFAULT_SEQ_LENS)
     repeats = args.repeats or (3 if args.quick else 5)

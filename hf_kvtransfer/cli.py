@@ -14,8 +14,24 @@ import textwrap
 
 from .version import __version__
 
-# Errors a user can act on: printed as one line plus a hint; the traceback only with --debug / HF_DEBUG=1.
-_KNOWN_ERRORS = (ValueError, FileNotFoundError, OSError, ImportError, TypeError, KeyError)
+_DEBUG_HINT = "rerun with --debug (or HF_DEBUG=1) for the full traceback"
+
+
+class CLIError(Exception):
+    """A failure the command line reports as `error: <message>` plus `hint: <hint>`, without a traceback."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """Errors a user can act on (bad input, a missing file or repo, the network, a missing optional package):
+    one line plus a hint. Anything else (TypeError, KeyError, ...) is a bug in this library and keeps its traceback."""
+    if isinstance(exc, ImportError):
+        return "pip install" in str(exc)  # ours say what to install; any other is a broken environment or a bug
+    # OSError covers the Hub's errors (MapperHubError and huggingface_hub's HTTP errors) and the file system's.
+    return isinstance(exc, (CLIError, ValueError, OSError))
 
 
 def _example(text: str) -> str:
@@ -119,9 +135,25 @@ def _run_info(args) -> int:
     if args.json:
         print(json.dumps(config, indent=2, sort_keys=True))
         return 0
+    _check_weights(path / WEIGHTS_NAME)  # describe only weights that load
     report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
     print(_format_info(config, (path / WEIGHTS_NAME).stat().st_size, report))
     return 0
+
+
+def _check_weights(weights_path) -> None:
+    """Open a safetensors file as `KVMapper.from_pretrained` would (header and every tensor), without torch:
+    a truncated or corrupt download is an error naming the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights_path), framework="numpy") as f:
+            for name in f.keys():
+                f.get_slice(name)
+    except Exception as exc:  # safetensors raises its own SafetensorError, OSError or ValueError
+        raise ValueError(
+            f"cannot read {weights_path}: {exc} (truncated or corrupt download? delete it and download again)"
+        ) from exc
 
 
 def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -> str:
@@ -217,12 +249,12 @@ def _run_eval(args) -> int:
 
     if args.plot:
         pyplot()  # a missing matplotlib fails before the run, not after it
-    source, target, tokenizer = _load_pair(args)
+    # Mappers (small) before models (large): a broken or mistyped one fails at once.
     mapper = KVMapper.from_pretrained(args.mapper)
+    reverse = KVMapper.from_pretrained(args.reverse_mapper) if args.reverse_mapper else None
+    source, target, tokenizer = _load_pair(args)
     mapper.check_compatible(source.config, target.config)
-    reverse = None
-    if args.reverse_mapper:
-        reverse = KVMapper.from_pretrained(args.reverse_mapper)
+    if reverse is not None:
         reverse.check_compatible(target.config, source.config)
     items = load_multiple_choice(args.mc, tokenizer, args.mc_limit) if args.mc else None
     results = evaluate(
@@ -281,9 +313,13 @@ def _run_demo(args) -> int:
 
     from .demo import format_demo, run_demo
 
+    from .mapper import KVMapper
+
     top_k = args.top_k if args.top_k == "all" else int(args.top_k)
+    # A given mapper loads before the models: a broken or mistyped one fails at once.
+    mapper = KVMapper.from_pretrained(args.mapper) if args.mapper else None
     result = run_demo(
-        args.source, args.target, args.mapper, family=args.family, prompt=args.prompt,
+        args.source, args.target, mapper, family=args.family, prompt=args.prompt,
         max_new_tokens=args.max_new_tokens, calibration=args.calibration, num_sequences=args.num_sequences,
         seq_len=args.seq_len, top_k=top_k, text=args.text, eval_windows=args.eval_windows, device=args.device,
     )
@@ -374,14 +410,28 @@ def _add_fit(subparsers) -> None:
 
 
 def _run_fit(args) -> int:
-    from .workflow import fit_and_save
+    from .workflow import fit_and_save, fit_checkpoint_dir
 
-    results = fit_and_save(
-        args.source, args.target, args.output, fit_config_from_args(args), dtype=args.dtype, device_map=args.device_map,
-        source_revision=args.source_revision, target_revision=args.target_revision,
-        trust_remote_code=args.trust_remote_code, push_to_hub=args.push_to_hub, overwrite=args.overwrite,
-        log=lambda line: print(line, file=sys.stderr),
-    )  # fmt: skip
+    config = fit_config_from_args(args)
+    try:
+        results = fit_and_save(
+            args.source, args.target, args.output, config, dtype=args.dtype, device_map=args.device_map,
+            source_revision=args.source_revision, target_revision=args.target_revision,
+            trust_remote_code=args.trust_remote_code, push_to_hub=args.push_to_hub, overwrite=args.overwrite,
+            log=lambda line: print(line, file=sys.stderr),
+        )  # fmt: skip
+    except KeyboardInterrupt as exc:
+        where = fit_checkpoint_dir(args.output, config)
+        saved = sorted(where.glob("checkpoint-*.safetensors")) if where is not None and where.is_dir() else []
+        done = str(exc).split(";")[0].removeprefix("interrupted ") if str(exc).startswith("interrupted after") else ""
+        if saved:
+            args.interrupted_message = (
+                f"interrupted{' ' + done if done else ''}; the statistics so far are checkpointed in {where}\n"
+                "hint: run the same command again to resume from there"
+            )
+        else:
+            args.interrupted_message = "interrupted before a checkpoint was written: running the command again starts over"
+        raise
     _print_written(results)
     return 0
 
@@ -442,7 +492,7 @@ _SUBCOMMANDS += [_add_solve]
 
 
 def _add_bench(subparsers) -> None:
-    from . import bench
+    from . import timing as bench  # the default lengths, without importing torch for `--help`
 
     p = _subparser(
         subparsers,
@@ -527,13 +577,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(getattr(args, "interrupted_message", None) or "interrupted", file=sys.stderr)
         return 130
-    except _KNOWN_ERRORS as exc:
-        if debug:
+    except Exception as exc:
+        if debug or not _is_user_error(exc):
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        print("hint: rerun with --debug (or HF_DEBUG=1) for the full traceback", file=sys.stderr)
+        message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the exception held
+        print(f"error: {message}", file=sys.stderr)
+        print(f"hint: {getattr(exc, 'hint', None) or _DEBUG_HINT}", file=sys.stderr)
         return 1
 
 

@@ -33,7 +33,7 @@ from .fit_config import (
     parse_top_k,
     resolve_config,
 )
-from .lowrank import lowrank_mapper
+from .lowrank import lowrank_mapper, reduced_rank_heldout_r2
 from .mapper import KVMapper, MapperConfig
 from .mlp import fit_mlp
 from .ridge import heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
@@ -230,7 +230,11 @@ def solve_mappers(
         extra = dict(config_kwargs)
         if heldout is not None and heldout.count >= 2:
             row = heldout_rows.get((k, lam))
-            if row is None:
+            low_rank = {key: config_kwargs[key] for key in ("rank", "energy", "size_budget") if config_kwargs.get(key) is not None}
+            if low_rank:  # the reduced maps' own score, not the full-rank one they were cut from
+                selected = select_layers(ranking(statistics, lam), k)
+                row = reduced_rank_heldout_r2(statistics, heldout, selected, lam, **low_rank)
+            elif row is None:
                 selections = dict(enumerate(select_layers(ranking(statistics, lam), k)))
                 row = {f"heldout_r2_{kind}": heldout_r2(statistics, heldout, kind, selections, lam) for kind in KINDS}
             extra.setdefault("heldout_r2_key", row["heldout_r2_key"])
@@ -272,6 +276,23 @@ def model_ids(source: PreTrainedModel, target: PreTrainedModel) -> dict[str, str
         if name:
             out[f"{which}_model_id"] = str(name)
     return out
+
+
+def _warn_beyond_positions(source: PreTrainedModel, target: PreTrainedModel, seq_len: int) -> None:
+    """One warning when calibration sequences are longer than a model was built for (its RoPE positions beyond
+    `max_position_embeddings` are untrained, so the statistics describe caches the models never make in use)."""
+    limits = {}
+    for which, model in (("source", source), ("target", target)):
+        config = getattr(model.config, "get_text_config", lambda: model.config)()
+        limit = getattr(config, "max_position_embeddings", None)
+        if isinstance(limit, int) and seq_len > limit:
+            limits[which] = limit
+    if limits:
+        models = " and ".join(f"the {which}'s {limit}" for which, limit in limits.items())
+        logger.warning(
+            "seq_len %d is beyond max_position_embeddings (%s): positions past it are untrained; use --seq-len %d or less",
+            seq_len, models, min(limits.values()),
+        )
 
 
 def fit_mapper(
@@ -340,6 +361,7 @@ def fit_mapper(
     else:
         ids, mask = as_token_tensor(calibration_input_ids, attention_mask)
     heldout_count(ids.shape[0], config.heldout_fraction)  # a fraction that leaves nothing to fit on fails here
+    _warn_beyond_positions(source, target, ids.shape[1])
     if info:
         mapper_kwargs.setdefault("calibration", info)
     if config.mapper_type == "mlp":

@@ -12,12 +12,13 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+# No torch at import: `hf-kvtransfer --help` builds its options from this module's fields (torch loads in ~5 s).
 from .calibration import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, DEFAULT_SPLIT, DEFAULT_TEXT_FIELD
-from .models import DTYPES
+
+if TYPE_CHECKING:
+    import torch
 
 # The paper's k sweep and a lambda grid around its 0.01 (lambda multiplies the *sum* Gram matrix).
 PAPER_TOP_K_CANDIDATES = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, None)
@@ -84,6 +85,8 @@ def parse_rank_spec(spec: str) -> dict[str, Any]:
     if dtype:
         if dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"mapper dtype in {spec}@{dtype} must be one of ['bf16', 'fp16', 'fp32']")
+        from .models import DTYPES
+
         return {**parse_rank_spec(spec), "dtype": DTYPES[dtype]}
     if spec == "full":
         return {}
@@ -243,7 +246,7 @@ class FitConfig:
             raise ValueError(f"mapper_type must be one of {MAPPER_KINDS}, got {self.mapper_type!r}")
         for name in ("mapper_dtype", "mlp_feature_dtype"):
             value = getattr(self, name)
-            if isinstance(value, torch.dtype):
+            if not isinstance(value, str) and type(value).__name__ == "dtype":  # a torch.dtype (no torch import here)
                 value = str(value).removeprefix("torch.")
                 set_(self, name, value)
             if value not in MAPPER_DTYPES:
@@ -307,6 +310,8 @@ class FitConfig:
 
     @property
     def torch_mapper_dtype(self) -> torch.dtype:
+        from .models import DTYPES
+
         return DTYPES[self.mapper_dtype]
 
     @property

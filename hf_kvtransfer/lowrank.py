@@ -25,7 +25,16 @@ import logging
 import torch
 
 from .mapper import KVMapper, MapperConfig
-from .ridge import feature_index, head_r2, layer_slice, residual_sum_squares
+from .ridge import (
+    _centered,
+    _heldout_head_r2,
+    _system,
+    feature_index,
+    head_r2,
+    layer_slice,
+    residual_sum_squares,
+    solve_layers,
+)
 from .stats import KINDS, KVStatistics
 
 logger = logging.getLogger(__name__)
@@ -180,6 +189,39 @@ def solve_reduced_rank(
     return factors, rank_list
 
 
+@torch.no_grad()
+def reduced_rank_heldout_r2(
+    train: KVStatistics,
+    heldout: KVStatistics,
+    selected_layers: list[list[int]],
+    ridge_lambda: float,
+    rank: int | list[list[int]] | None = None,
+    energy: float | None = None,
+    size_budget: float | int | None = None,
+) -> dict[str, list[float]]:
+    """Held-out head-averaged R^2 per target layer of the *reduced-rank* maps: full-rank ridge solved on `train`,
+    reduced there (ranks chosen as `solve_reduced_rank` does), `W = up @ down` and its bias scored on `heldout`
+    with the same formula as `ridge.heldout_r2`.
+
+    Returns:
+        `{"heldout_r2_key": [...], "heldout_r2_value": [...]}`, one value per target layer.
+    """
+    selections = dict(enumerate(selected_layers))
+    solutions = {kind: solve_layers(train, kind, selections, ridge_lambda) for kind in KINDS}
+    factors, _ = solve_reduced_rank(
+        train, selected_layers, solutions, ridge_lambda, rank=rank, energy=energy, size_budget=size_budget
+    )
+    num_heads = train.target_layout.num_kv_heads
+    out = {}
+    for kind in KINDS:
+        hc = _centered(heldout, kind)
+        out[f"heldout_r2_{kind}"] = [
+            _heldout_head_r2(_system(heldout, hc, kind, t, selected_layers[t]), heldout.count, (up @ down).T, bias, num_heads)
+            for t, (down, up, bias, _) in sorted(factors[kind].items())
+        ]
+    return out
+
+
 # A reduced-rank mapper's type (`layer_maps` registry); its maps store `down` then `up` factors.
 LOWRANK_MAPPER_TYPE = "lowrank"
 
@@ -266,5 +308,6 @@ __all__ = [
     "rank_for_energy",
     "reduce_mapper_rank",
     "reduced_rank",
+    "reduced_rank_heldout_r2",
     "solve_reduced_rank",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,15 +37,47 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """`torch.device(device)`, refusing a CUDA device this torch cannot use with a line that says what to do."""
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {str(device)!r}: use cpu, cuda or cuda:N ({exc})") from exc
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise ValueError(
+                f"CUDA is not available in this torch build (torch {torch.__version__}); use --device cpu or install "
+                "a CUDA build (https://pytorch.org/get-started/locally/)"
+            )
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"CUDA is not available (torch {torch.__version__} found no usable GPU: check the driver and "
+                "CUDA_VISIBLE_DEVICES); use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{device} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def model_device(model: nn.Module) -> torch.device:
     """The device of a model's first parameter (where its inputs go)."""
     return next(model.parameters()).device
+
+
+def _check_local(name, which: str) -> None:
+    """A missing local model directory is reported as such, never sent to the Hub as a (malformed) repo id."""
+    if isinstance(name, (str, os.PathLike)):
+        from .hub import is_missing_local_path, missing_local_path_message
+
+        if is_missing_local_path(name):
+            raise FileNotFoundError(missing_local_path_message(os.fspath(name), f"{which} model: local directory"))
 
 
 def load_tokenizer(name: str, which: str = "model", revision: str | None = None, trust_remote_code: bool = False):
     """`AutoTokenizer.from_pretrained`, with an error that names the model the tokenizer was for."""
     from transformers import AutoTokenizer
 
+    _check_local(name, which)
     try:
         return AutoTokenizer.from_pretrained(str(name), revision=revision, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises OSError/ValueError/EnvironmentError variants
@@ -69,6 +102,9 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
+    _check_local(name, which)
+    if device is not None and device_map is None:
+        check_device(device)  # before a download or a load that would be wasted
     kwargs: dict[str, Any] = {"revision": revision, "dtype": parse_dtype(dtype, allow_auto=True)}
     if trust_remote_code:
         kwargs["trust_remote_code"] = True
@@ -79,7 +115,7 @@ def load_model(
     except Exception as exc:
         raise OSError(f"could not load the {which} model from {str(name)!r}: {exc}") from exc
     if device is not None and device_map is None:
-        model = model.to(device)
+        model = model.to(check_device(device))
     return model.eval()
 
 
@@ -94,4 +130,4 @@ def load_pair(
     )
 
 
-__all__ = ["DTYPES", "dtype_name", "load_model", "load_pair", "load_tokenizer", "model_device", "parse_dtype"]
+__all__ = ["DTYPES", "check_device", "dtype_name", "load_model", "load_pair", "load_tokenizer", "model_device", "parse_dtype"]

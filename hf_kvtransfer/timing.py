@@ -5,13 +5,20 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads on first use: the CLI reads the default lengths below to build `--help`
+    import torch
+
+# The context lengths `bench` times by default and with --quick.
+DEFAULT_SEQ_LENS = (256, 512, 1024, 2048, 4096, 8192)
+QUICK_SEQ_LENS = (256, 1024, 4096, 8192)
 
 
 def synchronize(device: torch.device | str) -> None:
     """Wait for queued CUDA work on `device` (a no-op elsewhere)."""
+    import torch
+
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -43,4 +50,4 @@ def median_ms(times: Sequence[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
-__all__ = ["median_ms", "synchronize", "time_call"]
+__all__ = ["DEFAULT_SEQ_LENS", "QUICK_SEQ_LENS", "median_ms", "synchronize", "time_call"]

@@ -132,6 +132,17 @@ def solve_and_save(
     return write_mappers(mappers, output, config.several, overwrite, push_to_hub, log)
 
 
+def fit_checkpoint_dir(output_dir: str | os.PathLike, config: FitConfig) -> Path | None:
+    """Where `fit_and_save` checkpoints partial statistics: `config.checkpoint_dir`, else STATS_DIR/checkpoints,
+    else a hidden folder next to the output (ridge fits; None for an MLP fit without checkpoint_dir)."""
+    if config.checkpoint_dir is not None:
+        return Path(config.checkpoint_dir)
+    if config.mapper_type != "ridge":
+        return None
+    output = Path(output_dir)
+    return Path(config.stats_dir) / "checkpoints" if config.stats_dir else output.with_name(f".{output.name}.fit-checkpoint")
+
+
 def fit_and_save(
     source: str | os.PathLike,
     target: str | os.PathLike,
@@ -173,8 +184,7 @@ def fit_and_save(
     torch_dtype = parse_dtype(dtype, allow_auto=True)  # fail on a typo before loading any model
     own_checkpoints = config.checkpoint_dir is None and config.mapper_type == "ridge"
     if own_checkpoints:
-        where = Path(config.stats_dir) / "checkpoints" if config.stats_dir else output.with_name(f".{output.name}.fit-checkpoint")
-        config = config.replace(checkpoint_dir=str(where))
+        config = config.replace(checkpoint_dir=str(fit_checkpoint_dir(output, config)))
     rank, world, local_rank, created = init_distributed()
     try:
         if world > 1 and config.mapper_type == "mlp":
@@ -225,4 +235,4 @@ def fit_and_save(
             dist.destroy_process_group()
 
 
-__all__ = ["fit_and_save", "init_distributed", "solve_and_save", "write_mappers"]
+__all__ = ["fit_and_save", "fit_checkpoint_dir", "init_distributed", "solve_and_save", "write_mappers"]
