@@ -312,6 +312,8 @@ class TransferredCache(DynamicCache):
             mapped (their keys and values depend on little context: layer 0's only on each token and its position),
             at the cost of that share of a prefill (for layer 0: one layer's K/V projections). Needs the prompt ids
             (see `input_ids`) and happens when the target first runs on the cache (`convert_all` maps every layer).
+            Default 1: on the bundled family it raised prefix-perplexity retention by +2.6 pp (small -> large) and
+            +1.1 pp (large -> small), paired over 660 windows (`examples/exact_layers_ablation.py`).
         compile_rope: strip and apply RoPE through `torch.compile` (one fused kernel instead of four passes):
             6-11% faster transfers on the bundled pair at 4096 tokens on CPU, after a one-off compile of several
             seconds. Off by default.
@@ -334,7 +336,7 @@ class TransferredCache(DynamicCache):
         *,
         strict: bool = False,
         input_ids: torch.Tensor | None = None,
-        num_exact_layers: int = 0,
+        num_exact_layers: int = 1,
         compile_rope: bool = False,
         revision: str | None = None,
         token: str | bool | None = None,

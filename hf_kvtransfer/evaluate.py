@@ -134,6 +134,7 @@ def prefix_perplexity(
     num_bootstrap: int = 1000,
     seed: int = 0,
     progress: bool = True,
+    num_exact_layers: int = 1,
 ) -> dict[str, Any]:
     """Prefix-conditioned perplexity (the paper's WikiText-2 protocol) and the diagnostics on the same tokens.
 
@@ -150,6 +151,8 @@ def prefix_perplexity(
         input_ids: `[num_windows, 2 * prefix_len]` token ids (see `text_windows`).
         prefix_len: prefix length T (default: half the window).
         num_recompute_tokens: the last W prefix tokens are recomputed by the target instead of transferred.
+        num_exact_layers: the target's first layers computed by the target itself (`TransferredCache`'s default: 1);
+            0 measures the mapper alone.
         diagnostics: also compute logit KL / top-1 agreement against the target's own prefill and the
             per-layer cosine of the target's attention outputs (mapped vs. own KV).
         num_bootstrap: resamples over windows for the 95% confidence intervals.
@@ -183,7 +186,7 @@ def prefix_perplexity(
             own_attn = recorder.take() if recorder else None
 
             src_cache = prefill(source, ids[:, :t].to(src_device))
-            cache = TransferredCache(src_cache, mapper, num_recompute_tokens=r)
+            cache = TransferredCache(src_cache, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=REFEED_WARNING)
                 trans_logits = target(feed, cache=cache, use_cache=True).logits[:, r:-1].float()
@@ -220,6 +223,8 @@ def prefix_perplexity(
         "num_recompute_tokens": r,
         "nll": {name: float(v.mean()) for name, v in per_window.items()},
         "perplexity": {name: float(np.exp(v.mean())) for name, v in per_window.items()},
+        # per window, for paired comparisons of settings on the same windows
+        "nll_per_window": {name: v.tolist() for name, v in per_window.items()},
     }
     result.update(_perplexity_retention(per_window, num_bootstrap, seed))
     if diagnostics:

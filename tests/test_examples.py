@@ -112,3 +112,17 @@ def test_family_context(tmp_path):
     assert "| context gain (nats/token) |" in out
     res = json.loads((tmp_path / "ctx.json").read_text())["models"]["small"]
     assert res["recall"]["items"] == 8 and res["context"]["windows"] == 8
+
+
+def test_exact_layers_ablation(tmp_path):
+    out = tmp_path / "exact.json"
+    _run([sys.executable, str(EXAMPLES / "exact_layers_ablation.py"), "--windows", "8", "--exact", "0", "1",
+          "--num-sequences", "16", "--json", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    for pair in ("small->large", "large->small"):
+        rows = report["pairs"][pair]
+        # Same windows, same own and floor perplexities: only the transferred cache differs between settings.
+        assert rows["0"]["perplexity"]["target"] == rows["1"]["perplexity"]["target"]
+        assert rows["0"]["perplexity"]["transfer"] != rows["1"]["perplexity"]["transfer"]
+        low, high = rows["1"]["difference_vs_first"][1:]
+        assert low <= rows["1"]["difference_vs_first"][0] <= high
