@@ -70,10 +70,12 @@ def connector_config(role: str, store: str, **extra):
     )
 
 
-def start_engine(model: Path, kv_transfer_config=None, max_model_len: int = 2048):
+def start_engine(model: Path, kv_transfer_config=None, max_model_len: int = 2048, single_process: bool = False):
     from vllm import LLM
 
+    extra = {"distributed_executor_backend": "uni"} if single_process else {}
     return LLM(
+        **extra,
         model=str(model),
         dtype="float32",
         enforce_eager=True,
@@ -112,7 +114,10 @@ def close(llm) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    description, _, examples = __doc__.partition("examples:")
+    parser = argparse.ArgumentParser(
+        description=description, epilog="examples:" + examples, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--family", default=str(ROOT / "examples" / "family"), help="bundled family directory")
     parser.add_argument("--mapper", help="small -> large mapper directory (or Hub id); required without --identity")
     parser.add_argument("--identity", action="store_true", help="exactness check: large -> large, identity mapper")
@@ -121,11 +126,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens the target generates")
     parser.add_argument("--conversations", type=int, default=5, help="conversations timed (after one warm-up)")
     parser.add_argument("--store", help="KV store directory shared by the engines (default: a fresh temp dir)")
+    parser.add_argument(
+        "--single-process",
+        action="store_true",
+        help="run each engine (scheduler and worker) inside this process: starts in seconds instead of about a "
+        "minute here; a server runs them as subprocesses (the default)",
+    )
     parser.add_argument("--json", help="write the summary and every conversation's tokens here")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.single_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
 
     family = Path(args.family)
@@ -150,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"source engine: {source_model.name} (stores prompt KV in {store})", flush=True)
     started = time.perf_counter()
-    llm = start_engine(source_model, connector_config("kv_producer", store), max_model_len)
+    llm = start_engine(source_model, connector_config("kv_producer", store), max_model_len, args.single_process)
     print(f"  started in {time.perf_counter() - started:.0f} s", flush=True)
     turns = run(llm, prompts, args.turn_tokens)
     close(llm)
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     ):
         print(f"target engine: {target_model.name} {'with' if kv else 'without'} the connector", flush=True)
         started = time.perf_counter()
-        llm = start_engine(target_model, kv, max_model_len)
+        llm = start_engine(target_model, kv, max_model_len, args.single_process)
         print(f"  started in {time.perf_counter() - started:.0f} s", flush=True)
         results[name] = run(llm, conversations, args.new_tokens)
         close(llm)
