@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         import json
 
-        detail = {name: [{k: r[k] for k in ("tokens", "cached", "ttft")} for r in rows] for name, rows in results.items()}
+        keep = ("tokens", "cached", "ttft")
+        detail = {name: [{k: r[k] for k in keep} for r in rows] for name, rows in results.items()}
         Path(args.json).write_text(json.dumps({**summary, "conversation_tokens": conversations, **detail}, indent=2))
     print(f"prefill skipped: {skipped}/{total} tokens")
     if args.identity:

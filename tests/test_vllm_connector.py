@@ -126,6 +126,10 @@ def small_to_large(tmp_path_factory, prompts):
                      enable_prefix_caching=False)  # fmt: skip
     outs = {name: _generate(target, ids, logprobs=5) for name, ids in requests.items()}
     _close(target)
+    recompute = _connector("kv_consumer", store, mapper=str(mapper_dir), recompute_tokens=8)
+    target = _engine(str(FAMILY / "large"), recompute, enable_prefix_caching=False)
+    outs["recompute 8"] = _generate(target, requests["extended"])
+    _close(target)
     return {"store": store, "mapper": mapper, "requests": requests, "outs": outs, "prompts": prompts}
 
 
@@ -180,6 +184,7 @@ def test_only_exact_stored_prefixes_are_used(small_to_large):
     assert outs["same"].num_cached_tokens == PROMPT_LEN - 1  # vLLM computes the last token itself
     assert outs["shorter"].num_cached_tokens == 0
     assert outs["changed"].num_cached_tokens == 0
+    assert outs["recompute 8"].num_cached_tokens == PROMPT_LEN - 8
 
 
 def test_handoff_example_identity_is_exact(tmp_path):
