@@ -219,3 +219,65 @@ def test_helpers():
     assert _slots([7, 3], 126, 130, 128).tolist() == [7 * 128 + 126, 7 * 128 + 127, 3 * 128, 3 * 128 + 1]
     assert [_local_heads(8, 4, r, 2) for r in range(2)] == [slice(0, 4), slice(4, 8)]
     assert [_local_heads(2, 1, r, 4) for r in range(4)] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source_tp, target_tp", [(1, 2), (2, 1)])
+def test_tensor_parallel_identity_is_exact(tmp_path, source_tp, target_tp):
+    """Across tensor-parallel sizes (2 CPU ranks, one core each): a TP-2 source stores one shard per rank, a TP-2
+    target maps all source heads and keeps its rank's; greedy tokens equal the plain engine of the target's size.
+    Slow (engines as subprocesses, ~6 min): `-m "vllm and slow"`."""
+    _need_vllm()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1" if max(source_tp, target_tp) > 1 else "auto"}  # fmt: skip
+    script = tmp_path / "tp.py"
+    script.write_text(_TP_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(source_tp), str(target_tp)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=1500)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "store").glob("*/kv-rank*.safetensors"))
+    assert len(shards) == 2 * source_tp and all(f"-of-{source_tp}." in name for name in shards)
+    for with_connector, plain in zip(result["connector"], result["plain"]):
+        assert with_connector["tokens"] == plain["tokens"]
+        assert with_connector["cached"] == 300 and plain["cached"] == 0
+
+
+# Engines with tensor parallelism run as subprocesses, so they get a script with a __main__ guard.
+_TP_SCRIPT = '''
+import json, os, sys
+from pathlib import Path
+
+ROOT = Path(os.getcwd())
+sys.path.insert(0, str(ROOT / "examples"))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm_handoff import close, connector_config, identity_mapper, run
+
+
+def engine(kv, tp):
+    from vllm import LLM
+
+    return LLM(model=str(ROOT / "examples/family/large"), dtype="float32", enforce_eager=True, max_model_len=512,
+               seed=0, tensor_parallel_size=tp, distributed_executor_backend="mp", kv_transfer_config=kv)
+
+
+if __name__ == "__main__":
+    from transformers import AutoTokenizer
+
+    work, source_tp, target_tp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    store = str(work / "store")
+    mapper = str(identity_mapper(ROOT / "examples/family/large", work / "identity"))
+    text = (ROOT / "examples/family/heldout.txt").read_text()[:20000]
+    ids = AutoTokenizer.from_pretrained(ROOT / "examples/family/large")(text).input_ids
+    prompts = [ids[:300], ids[400:700]]
+    llm = engine(connector_config("kv_producer", store), source_tp)
+    turns = run(llm, prompts, 16)
+    close(llm)
+    conversations = [p + t["tokens"] for p, t in zip(prompts, turns)]
+    result = {}
+    for name, kv in (("connector", connector_config("kv_consumer", store, mapper=mapper)), ("plain", None)):
+        llm = engine(kv, target_tp)
+        result[name] = [{"tokens": r["tokens"], "cached": r["cached"]} for r in run(llm, conversations, 24)]
+        close(llm)
+    (work / "result.json").write_text(json.dumps(result))
+'''
