@@ -230,7 +230,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         self.store.mkdir(parents=True, exist_ok=True)
         self.min_tokens = int(extra.get("min_tokens", 1))
         # Stored tokens at the end of the match that the target recomputes itself (TransferredCache's
-        # num_recompute_tokens: a quality knob; in transformers, 8 lifted the bundled pair's retention from 82% to 91%).
+        # num_recompute_tokens): a quality knob; in transformers, 8 lifted the bundled pair from 82% to 91% retention.
         self.recompute_tokens = int(extra.get("recompute_tokens", 0))
         if self.recompute_tokens < 0 or self.min_tokens < 1:
             raise ValueError(
@@ -252,7 +252,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         # scheduler side
         self._index: dict[str, tuple[list[int], dict]] = {}  # key -> (token ids, entry info)
         self._lengths: set[int] = set()
-        self._pending_loads: dict[str, "Request"] = {}
+        self._pending_loads: dict[str, tuple["Request", int]] = {}  # req_id -> (request, external tokens)
         self._save_reqs: dict[str, tuple[list[int], list[int]]] = {}  # req_id -> (prompt ids, block ids)
         self._saved_keys: set[str] = set()
         self._source_fingerprint: dict | None = None
@@ -260,6 +260,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         self._mapper = None
         self._buffered: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._layouts: dict[str, _PagedLayout] = {}
+        self._failed_blocks: set[int] = set()
         self.last_load_seconds: float | None = None
         if role == KVConnectorRole.WORKER and self.loads_kv:
             self._load_mapper()
@@ -283,7 +284,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         return self._source_fingerprint
 
     def _load_mapper(self):
-        from .mapper import KVMapper
+        from . import KVMapper
 
         mapper = KVMapper.from_pretrained(self.mapper_id, revision=self.mapper_revision)
         target = mapper.target_layout
@@ -335,6 +336,10 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             key = prompt_key(token_ids[:length])
             entry = self._index.get(key)
             if entry is None or entry[0] != list(token_ids[:length]):
+                continue
+            if not (self._entry_dir(key) / TOKENS_NAME).is_file():  # deleted from the store since indexed
+                del self._index[key]
+                self._lengths = {len(ids) for ids, _ in self._index.values()}
                 continue
             shape = entry[1]["kv_shape"]
             if any(shape[k] != expected.get(k) for k in _SHAPE_KEYS):
@@ -442,7 +447,13 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         }
         for load in meta.loads:
             started = time.perf_counter()
-            self._map_into(load, layers)
+            try:
+                self._map_into(load, layers)
+            except Exception:  # a store entry gone or unreadable: vLLM recomputes or fails the request, per its policy
+                logger.exception("hf-kvtransfer: could not load store entry %s for request %s", load.key, load.req_id)
+                first, last = load.start // self.block_size, (load.end - 1) // self.block_size
+                self._failed_blocks.update(load.block_ids[first : last + 1])
+                continue
             self.last_load_seconds = time.perf_counter() - started
             logger.info(
                 "hf-kvtransfer: mapped %d source tokens into request %s (%.1f ms)",
@@ -482,7 +493,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
 
     @torch.no_grad()
     def _map_into(self, load: _Load, layers: dict[str, Any]) -> None:
-        from .cache import TransferredCache
+        from . import TransferredCache
 
         source = self._read_source(load.key, load.end)
         dtype = next(iter(layers.values())).kv_cache.dtype
@@ -502,6 +513,10 @@ class HFKVTransferConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,11 @@ def small_to_large(tmp_path_factory, prompts):
     recompute = _connector("kv_consumer", store, mapper=str(mapper_dir), recompute_tokens=8)
     target = _engine(str(FAMILY / "large"), recompute, enable_prefix_caching=False)
     outs["recompute 8"] = _generate(target, requests["extended"])
+    # An entry deleted from the store after the engine indexed it is not used (and the engine keeps serving).
+    from hf_kvtransfer.vllm_connector import prompt_key
+
+    shutil.rmtree(store / prompt_key(q))
+    outs["deleted"] = _generate(target, requests["same"])
     _close(target)
     return {"store": store, "mapper": mapper, "requests": requests, "outs": outs, "prompts": prompts}
 
@@ -185,6 +191,7 @@ def test_only_exact_stored_prefixes_are_used(small_to_large):
     assert outs["shorter"].num_cached_tokens == 0
     assert outs["changed"].num_cached_tokens == 0
     assert outs["recompute 8"].num_cached_tokens == PROMPT_LEN - 8
+    assert outs["deleted"].num_cached_tokens == 0
 
 
 def test_handoff_example_identity_is_exact(tmp_path):
