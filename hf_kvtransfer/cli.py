@@ -457,6 +457,50 @@ def _run_solve(args) -> int:
 _SUBCOMMANDS += [_add_solve]
 
 
+# -- plan (plan.py) ------------------------------------------------------------------------------------------
+
+
+def _add_plan(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "plan",
+        "sizes and costs of a mapper from the two configs alone (no weights): parameters and bytes, fit statistics "
+        "(full / two-stage, and which one fit picks here), FLOPs vs the target's prefill, transfer memory",
+        """
+        hf-kvtransfer plan --source Qwen/Qwen3-14B --target Qwen/Qwen3-32B --top-k 8 --seq-len 32768
+        hf-kvtransfer plan --source meta-llama/Llama-3.2-1B --target meta-llama/Llama-3.2-3B --rank 256 --json
+        """,
+    )
+    p.add_argument("--source", required=True, help="Hub id, local model folder or config.json (known families work offline)")
+    p.add_argument("--target", required=True, help="Hub id, local model folder or config.json")
+    p.add_argument("--top-k", type=int, default=8, help="source layers per target layer (default 8)")
+    p.add_argument("--rank", type=int, help="reduced rank of every map (default: full rank)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens transferred, for FLOPs and memory (default 4096)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences transferred at once (default 1)")
+    p.add_argument("--dtype", default="bfloat16", help="mapper weights and KV caches: bfloat16 (default), float16, float32")
+    p.add_argument("--available-memory", type=float, metavar="GIB", help="memory for the fit statistics (default: free RAM)")
+    p.add_argument("--offline", action="store_true", help="never ask the Hub: local paths and the shipped configs only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args) -> int:
+    import json
+
+    from .plan import format_plan, plan_transfer
+
+    plan = plan_transfer(
+        args.source, args.target, top_k=args.top_k, rank=args.rank, seq_len=args.seq_len, dtype=args.dtype,
+        batch_size=args.batch_size, use_hub=not args.offline,
+        available_memory=int(args.available_memory * 2**30) if args.available_memory else None,
+    )  # fmt: skip
+    print(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if args.json else format_plan(plan))
+    return 0
+
+
+_SUBCOMMANDS += [_add_plan]
+
+
 # -- bench (bench.py) ----------------------------------------------------------------------------------------
 
 
