@@ -112,14 +112,15 @@ def _run_info(args) -> int:
     import json
 
     from .hub import resolve_mapper_dir
-    from .mapper import CONFIG_NAME, WEIGHTS_NAME
+    from .checkpoint import checkpoint_info
+    from .mapper import CONFIG_NAME
 
     path = resolve_mapper_dir(args.mapper, revision=args.revision, token=args.token)
     config = json.loads((path / CONFIG_NAME).read_text())
     if args.json:
         print(json.dumps(config, indent=2, sort_keys=True))
         return 0
-    print(_format_info(config, (path / WEIGHTS_NAME).stat().st_size))
+    print(_format_info(config, checkpoint_info(path)["total_size"]))
     return 0
 
 

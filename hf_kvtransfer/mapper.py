@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedConfig
 
@@ -330,8 +329,14 @@ class KVMapper(nn.Module):
             warnings.warn(message, stacklevel=2)
 
     # -- persistence --------------------------------------------------------------------------------
-    def save_pretrained(self, save_directory: str | os.PathLike, repo_id: str | None = None) -> None:
-        """Write `config.json`, `model.safetensors` and a model card `README.md` to `save_directory`."""
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, repo_id: str | None = None, max_shard_size: int | str = "5GB"
+    ) -> None:
+        """Write `config.json`, `model.safetensors` and a model card `README.md` to `save_directory`.
+
+        Weights larger than `max_shard_size` ("5GB", "500MB", bytes) are written as `model-0000i-of-0000n.safetensors`
+        shards plus `model.safetensors.index.json`, as transformers does (`checkpoint.save_weights`).
+        """
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
         self.config.num_parameters = self.num_parameters()
@@ -339,11 +344,14 @@ class KVMapper(nn.Module):
         self.config.dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
         self.config.library_version = _library_version()
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "mapper_type": self.config.mapper_type})
+        from .checkpoint import checkpoint_info, save_weights
+
+        save_weights(state, path, max_shard_size, metadata={"mapper_type": self.config.mapper_type})
         (path / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n")
         from .hub import render_model_card
 
-        render_model_card(self.config.to_dict(), repo_id=repo_id).save(str(path / "README.md"))
+        card = render_model_card(self.config.to_dict(), repo_id=repo_id, checkpoint=checkpoint_info(path))
+        card.save(str(path / "README.md"))
 
     @classmethod
     def from_pretrained(
@@ -375,13 +383,17 @@ class KVMapper(nn.Module):
 
     @classmethod
     def _from_directory(cls, path: Path, device=None) -> "KVMapper":
-        config_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
-        for p in (config_path, weights_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"{path} is not a hf-kvtransfer mapper: {p.name} is missing")
+        from .checkpoint import has_weights, load_weights
+
+        config_path = path / CONFIG_NAME
+        for ok, name in ((config_path.is_file(), CONFIG_NAME), (has_weights(path), WEIGHTS_NAME)):
+            if not ok:
+                raise FileNotFoundError(f"{path} is not a hf-kvtransfer mapper: {name} is missing")
         config = MapperConfig.from_dict(json.loads(config_path.read_text()))
-        mapper = cls._build(config)
-        state = load_file(str(weights_path), device=str(device) if device is not None else "cpu")
+        with torch.device("meta"):  # shapes only: the loaded tensors become the parameters (no second copy)
+            mapper = cls._build(config)
+        expected = {k: v.shape for k, v in mapper.state_dict().items()}
+        state = load_weights(path, device=str(device) if device is not None else "cpu", expected=expected)
         mapper._load_strict(state, source=str(path))
         return mapper
 
@@ -410,7 +422,7 @@ class KVMapper(nn.Module):
         for k, v in state.items():
             if not torch.isfinite(v).all():
                 raise ValueError(f"weights in {source}: tensor {k} has non-finite values (corrupt checkpoint?)")
-        self.load_state_dict(state, strict=True)
+        self.load_state_dict(state, strict=True, assign=True)
         if state:
             self.to(next(iter(state.values())).dtype)
 
@@ -423,14 +435,15 @@ class KVMapper(nn.Module):
         commit_message: str | None = None,
         token: str | bool | None = None,
         create_pr: bool = False,
+        max_shard_size: int | str = "5GB",
     ) -> str:
-        """Upload config, weights and model card to `repo_id` in one commit; returns the commit URL."""
+        """Upload config, weights (all shards) and model card to `repo_id` in one commit; returns the commit URL."""
         import tempfile
 
         from .hub import push_mapper_dir
 
         with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp, repo_id=repo_id)
+            self.save_pretrained(tmp, repo_id=repo_id, max_shard_size=max_shard_size)
             return push_mapper_dir(
                 tmp,
                 repo_id,
