@@ -71,6 +71,7 @@ def _add_push(subparsers) -> None:
     p.add_argument("--commit-message", help="commit title (default: describes the mapper)")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing directly")
     p.add_argument("--token", help="Hub token with write access (default: `hf auth login` / HF_TOKEN)")
+    p.add_argument("--max-shard-size", default="5GB", help="weights above this go as shards + index (default 5GB)")
     p.set_defaults(func=_run_push)
 
 
@@ -86,6 +87,7 @@ def _run_push(args) -> int:
         commit_message=args.commit_message,
         token=args.token,
         create_pr=args.create_pr,
+        max_shard_size=args.max_shard_size,
     )
     print(url)
     return 0

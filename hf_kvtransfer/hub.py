@@ -1,8 +1,8 @@
 """Hub layer: find a mapper folder (local or on the Hub), publish one, and render its model card.
 
-Only three files ever travel: `config.json`, `model.safetensors` and `README.md` (no pickle, no code). Every
-huggingface_hub error is re-raised as a `MapperHubError` subclass whose one-line message names the repo and says
-what to do; the original error stays attached as `__cause__`.
+Only `config.json`, the safetensors weights (one file, or shards + index) and `README.md` travel (no pickle, no
+code). Every huggingface_hub error is re-raised as a `MapperHubError` subclass whose one-line message names the repo
+and says what to do; the original error stays attached as `__cause__`.
 """
 
 from __future__ import annotations

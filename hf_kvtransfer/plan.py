@@ -85,7 +85,7 @@ class TransferPlan:
     source_cache_bytes: int
     target_cache_bytes: int
     transfer_working_bytes: int
-    transfer_working_bytes_max: int
+    transfer_working_bytes_max: int  # if every target layer's selection buffer stays alive to the end
     transfer_peak_bytes: int
     # what `fit` does by default here
     available_memory_bytes: int
@@ -237,9 +237,11 @@ def plan_transfer(
     group = max(1, GROUP_OUT_FEATURES // tgt.layer_dim)
     rotary = 4 * 2 * tokens * max(src.head_dim, tgt.head_dim) * 4  # float32 cos/sin, strip and apply
     rows = 2 * group * tgt.layer_dim * tokens * feature_item  # mapped K and V of one group of target layers
-    working = 2 * top_k * src.layer_dim * tokens * feature_item + rows + rotary
-    # Worst case: every source layer stays stripped (other pending selections read it) while a group is mapped.
-    working_max = 2 * src.total_dim * tokens * feature_item + rows + rotary
+    selection = 2 * top_k * src.layer_dim * tokens * feature_item  # stripped K and V features of one selection
+    working = selection + rows + rotary
+    # Worst case: every target layer has its own selection and each selection's buffer stays alive while a later
+    # selection still reads one of its source layers (cache.py keeps views into it).
+    working_max = tgt.num_layers * selection + rows + rotary
 
     return TransferPlan(
         source=source_name,

@@ -154,3 +154,20 @@ def test_push_sharded_then_pull_through_the_hub(hub_server, tmp_path):
     pulled = resolve_mapper_dir(repo, token=token)
     assert not (pulled / INDEX_NAME).exists()
     _assert_same(other, KVMapper.from_pretrained(repo, token=token))
+
+
+def test_cli_push_sharded_and_info(hub_server, tmp_path, capsys, monkeypatch):
+    from hf_kvtransfer.cli import main
+
+    mapper = _mapper(seed=3)
+    mapper.save_pretrained(tmp_path / "m")  # one file locally; the push re-saves it sharded
+    repo = f"{hub_server.user}/cli-sharded-kv"
+    monkeypatch.setenv("HF_TOKEN", hub_server.write_token)
+    assert main(["push", str(tmp_path / "m"), repo, "--max-shard-size", "20KB"]) == 0
+    pulled = resolve_mapper_dir(repo)
+    assert len(weight_files(pulled)) == 3 and (pulled / INDEX_NAME).is_file()
+    _assert_same(mapper, KVMapper.from_pretrained(repo))
+    capsys.readouterr()
+    assert main(["info", repo]) == 0
+    on_disk = sum(f.stat().st_size for f in weight_files(pulled)) / 2**20
+    assert f"({on_disk:.1f} MiB on disk" in capsys.readouterr().out
