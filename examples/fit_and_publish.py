@@ -50,7 +50,7 @@ for top_k in (1, 2, source.config.num_hidden_layers):
         best = (mapper, result)
 
 mapper, result = best
-mapper.config.eval_results = {
+mapper.report["eval_results"] = {  # saved as fit_report.json; the model card shows it
     "heldout_prefix_perplexity": {k: round(v, 4) for k, v in result["perplexity"].items()},
     "normalized_retention": round(result["normalized_retention"], 4),
 }

@@ -158,21 +158,21 @@ def prefill_flops(config, seq_len: int, logits: bool = False) -> dict[str, int]:
 
 def mapping_flops(mapper: KVMapper, seq_len: int) -> int:
     """FLOPs of mapping `seq_len` tokens through every target layer (keys and values), batch 1, as
-    `TransferredCache` computes them: reduced-rank maps it takes densely (`cache.conversion_groups`) cost the
-    dense product (the one-off `up @ down` is not counted: it is kept on the mapper)."""
+    `TransferredCache` computes them (`cache.conversion_groups`): affine maps cost their dense or factored
+    multiply-adds as they are taken (a dense reduced-rank map includes forming `up @ down`); nonlinear
+    maps are counted as one multiply-add per parameter and token."""
     from .cache import conversion_groups
 
-    if mapper.config.mapper_type != "ridge":  # nonlinear maps: count their parameters once per token
-        return 2 * seq_len * mapper.num_parameters()
-    src, tgt = mapper.source_layout, mapper.target_layout
     total = 0
-    for group, dense in conversion_groups(mapper):
+    for group, dense in conversion_groups(mapper, seq_len):
         for t in group:
-            f_in = len(mapper.config.selected_layers[t]) * src.layer_dim
-            ranks = mapper.config.rank[t] if mapper.config.rank is not None and not dense else (None, None)
-            for r in ranks:
-                total += f_in * tgt.layer_dim if r is None else r * (f_in + tgt.layer_dim)
-    return 2 * seq_len * total
+            layer = mapper.layers[t]
+            parts = [layer.linear_parts(kind) for kind in ("key", "value")]
+            if any(p is None for p in parts):
+                total += seq_len * sum(p.numel() for p in layer.parameters())
+            else:
+                total += sum(p.macs(seq_len, dense) for p in parts)
+    return 2 * total
 
 
 def mapper_size(mapper: KVMapper) -> dict[str, Any]:
@@ -257,7 +257,7 @@ def run_benchmark(
         seq_lens: context lengths in tokens.
         repeats / warmup: timed and untimed calls per measurement; medians are reported.
         decode_steps: single-token steps timed per repeat for (d).
-        compile_rope: time the transfer with `TransferredCache.compile_rope` on (True), or both ways ("both":
+        compile_rope: time the transfer with `TransferredCache(..., compile_rope=True)` (True), or both ways ("both":
             extra entries named "<mapper> +compile").
 
     Returns:
@@ -269,7 +269,6 @@ def run_benchmark(
     variants = [(name, mapper, bool(compile_rope)) for name, mapper in mappers.items()]
     if compile_rope == "both":
         variants = [(name, m, False) for name, m in mappers.items()] + [(f"{n} +compile", m, True) for n, m in mappers.items()]
-    default_compile = TransferredCache.compile_rope
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
     vocab = text_config(target.config).vocab_size
@@ -299,8 +298,9 @@ def run_benchmark(
         row["prefill_gflop"] = flops["total"] / 1e9
         row["transfer"] = {}
         for name, mapper, compiled in variants:
-            TransferredCache.compile_rope = compiled
-            convert = lambda m=mapper: TransferredCache(source_cache, m, num_recompute_tokens=0).convert_all()  # noqa: E731
+            convert = lambda m=mapper, c=compiled: TransferredCache(  # noqa: E731
+                source_cache, m, num_recompute_tokens=0, compile_rope=c
+            ).convert_all()
             entry: dict[str, Any] = {"compile_rope": compiled}
             ms = _measure(entry, "ms", convert, device, repeats, warmup)
             entry.update({
@@ -313,14 +313,15 @@ def run_benchmark(
                 entry["peak_bytes"] = peak_memory(convert, device)
             row["transfer"][name] = entry
             step(f"transfer {name}", seq_len)
-        TransferredCache.compile_rope = compile_rope is True or default_compile
         if measure_memory:
             row["prefill_body_peak_bytes"] = peak_memory(lambda: prefill(target, ids), device)
         mapper = mappers[first]
         if measure_ttft:
             kwargs = dict(max_new_tokens=1, do_sample=False, pad_token_id=target.config.pad_token_id or 0)
             own = lambda: target.generate(ids, **kwargs)  # noqa: E731
-            transferred = lambda: target.generate(ids, cache=TransferredCache(source_cache, mapper), **kwargs)  # noqa: E731
+            transferred = lambda: target.generate(  # noqa: E731
+                ids, cache=TransferredCache(source_cache, mapper, compile_rope=compile_rope is True), **kwargs
+            )
             _measure(row, "ttft_own_ms", own, device, repeats, warmup)
             step("TTFT own", seq_len)
             _measure(row, "ttft_transfer_ms", transferred, device, repeats, warmup)
@@ -332,7 +333,6 @@ def run_benchmark(
         results.append(row)
         source_cache = None  # free it before the next length's prefill
     bar.close()
-    TransferredCache.compile_rope = default_compile
     return {
         "environment": environment(),
         "settings": {

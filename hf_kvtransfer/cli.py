@@ -115,7 +115,7 @@ def _run_info(args) -> int:
 
     from .hub import resolve_mapper_dir
     from .checkpoint import checkpoint_info
-    from .mapper import CONFIG_NAME
+    from .hub import CONFIG_NAME
 
     path = resolve_mapper_dir(args.mapper, revision=args.revision, token=args.token)
     config = json.loads((path / CONFIG_NAME).read_text())

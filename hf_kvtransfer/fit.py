@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from .capture import capture_kv
-from .mapper import KVMapper, MapperConfig, _mapper_from_solution, config_fingerprint
+from .mapper import KVMapper, MapperConfig, config_fingerprint
 from .ridge import heldout_r2, layer_scores, probe_single_source_r2, select_layers, solve_layers, sweep_heldout
 from .rope import check_supported, text_config
 from .stats import (
@@ -533,7 +534,16 @@ def solve_mapper(
         return lowrank_mapper_from_solution(
             statistics, config, solutions, rank=rank, energy=energy, size_budget=size_budget, dtype=dtype
         )
-    return _mapper_from_solution(config, solutions, dtype=dtype)
+    fit_r2 = {f"fit_r2_{kind}": [solutions[kind][t][2] for t in range(len(selected))] for kind in ("key", "value")}
+    mapper = KVMapper(replace(config, **fit_r2))
+    state = {
+        f"layers.{t}.{kind}.{name}": tensor
+        for kind in ("key", "value")
+        for t, (weight, bias, _) in solutions[kind].items()
+        for name, tensor in (("weight", weight), ("bias", bias))
+    }
+    mapper.load_state_dict(state)
+    return mapper.to(dtype)
 
 
 # The paper's k sweep and a lambda grid around its 0.01 (lambda multiplies the *sum* Gram matrix).
@@ -685,9 +695,9 @@ def solve_mappers(
                 row = {f"heldout_r2_{kind}": heldout_r2(statistics, heldout, kind, selections, lam) for kind in ("key", "value")}
             extra.setdefault("heldout_r2_key", row["heldout_r2_key"])
             extra.setdefault("heldout_r2_value", row["heldout_r2_value"])
-        if model_selection is not None:
-            extra.setdefault("model_selection", model_selection)
         mapper = solve_mapper(final, top_k=k, ridge_lambda=lam, dtype=dtype, scores=ranking(final, lam), **extra)
+        if model_selection is not None:
+            mapper.report["model_selection"] = model_selection
         if heldout is not None:
             mapper.config.calibration.update(
                 heldout_tokens=heldout.count, fit_tokens=statistics.count, refit_on_all=refit

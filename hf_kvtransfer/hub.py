@@ -55,9 +55,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# The files of a mapper directory (= a Hub repo).
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
+# The run report (model selection curves, training logs, timings, evaluation): read by the model card, never
+# needed to load or apply the mapper.
+REPORT_NAME = "fit_report.json"
 MAPPER_FILES = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME)
 LIBRARY_NAME = "hf-kvtransfer"
 CARD_TEMPLATE = "mapper_card.md"
@@ -178,7 +182,8 @@ def resolve_mapper_dir(
         # The rest from the commit the config came from (a push in between cannot pair it with other weights).
         pinned = snapshot.name if _COMMIT_HASH.match(snapshot.name) else revision
         # Weights: model.safetensors, or the shard index and every shard (checkpoint.WEIGHT_PATTERNS).
-        snapshot = Path(snapshot_download(revision=pinned, allow_patterns=[*WEIGHT_PATTERNS, CARD_NAME], **download))
+        patterns = [*WEIGHT_PATTERNS, CARD_NAME, REPORT_NAME]
+        snapshot = Path(snapshot_download(revision=pinned, allow_patterns=patterns, **download))
     _check_mapper_folder(snapshot, where, hint)
     return snapshot
 
@@ -288,14 +293,21 @@ def push_mapper_dir(
             f"cannot push to Hub repo '{repo_id}': offline mode is on (HF_HUB_OFFLINE=1); unset it to publish"
         )
     write_token = _write_token(token, repo_id)
-    card = folder / CARD_NAME
-    card_content: str | bytes = str(card) if card.is_file() else str(render_model_card(config, repo_id, checkpoint_info(folder))).encode()
+    card, report = folder / CARD_NAME, folder / REPORT_NAME
+    report_data = json.loads(report.read_text(encoding="utf-8")) if report.is_file() else None
+    card_content: str | bytes = (
+        str(card)
+        if card.is_file()
+        else str(render_model_card(config, repo_id, report=report_data, checkpoint=checkpoint_info(folder))).encode()
+    )
     weights = [f.name for f in weight_files(folder)] + ([INDEX_NAME] if (folder / INDEX_NAME).is_file() else [])
     operations = [
         CommitOperationAdd(path_in_repo=CONFIG_NAME, path_or_fileobj=str(folder / CONFIG_NAME)),
         *(CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in weights),
         CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_content),
     ]
+    if report.is_file():
+        operations.append(CommitOperationAdd(path_in_repo=REPORT_NAME, path_or_fileobj=str(report)))
     api = HfApi(token=write_token, library_name=LIBRARY_NAME, library_version=_library_version())
     with _hub_errors(repo_id, revision, token=write_token, pushing=True):
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -469,8 +481,10 @@ def _hub_errors(repo_id: str, revision: str | None, *, token=None, offline: bool
 # -- model card --------------------------------------------------------------------------------------------------
 
 
-def render_model_card(config: dict, repo_id: str | None = None, checkpoint: dict | None = None) -> ModelCard:
-    """Render a mapper's model card from `hub_cards/mapper_card.md` and its `config.json` contents.
+def render_model_card(
+    config: dict, repo_id: str | None = None, report: dict | None = None, checkpoint: dict | None = None
+) -> ModelCard:
+    """Render a mapper's model card from `hub_cards/mapper_card.md`, its `config.json` contents and its run report.
 
     Metadata: `library_name: hf-kvtransfer`, tags (`kv-cache`, `kv-cache-transfer`, the model families),
     `base_model` = [source, target] with `base_model_relation: adapter` (a mapper is used together with both
@@ -480,6 +494,7 @@ def render_model_card(config: dict, repo_id: str | None = None, checkpoint: dict
     Args:
         config: the mapper config as a dict (what `config.json` holds).
         repo_id: the Hub repo the card is for; used in the usage snippet.
+        report: the run report (`fit_report.json`: `eval_results`, `model_selection`, ...), when there is one.
         checkpoint: `checkpoint.checkpoint_info(folder)` of the saved weights (files, total size), when known.
 
     Returns:
@@ -522,7 +537,8 @@ def render_model_card(config: dict, repo_id: str | None = None, checkpoint: dict
         has_revisions=bool(config.get("source_revision") or config.get("target_revision")),
         has_heldout=bool(config.get("heldout_r2_key") or config.get("heldout_r2_value")),
         r2_summary=_r2_summary(config),
-        eval_rows=_eval_rows(config.get("eval_results")),
+        eval_rows=_eval_rows((report or {}).get("eval_results")),
+        selection=_selection_facts((report or {}).get("model_selection")),
         library_version=config.get("library_version"),
         paper_url=PAPER_URL,
     )
@@ -614,7 +630,7 @@ def _fit_facts(config: dict) -> list[tuple[str, str]]:
     facts = [("Mapper type", _cell(config.get("mapper_type", "ridge")))]
     if config.get("top_k") is not None:
         facts.append(("Source layers per target layer (k)", _number(config["top_k"])))
-    if config.get("ridge_lambda") is not None and config.get("mapper_type", "ridge") == "ridge":
+    if config.get("ridge_lambda") is not None and config.get("mapper_type", "ridge") in ("ridge", "lowrank"):
         facts.append(("Ridge lambda (on centered data)", _plain(config["ridge_lambda"])))
     for key, value in (config.get("mlp") or {}).items():
         facts.append((f"MLP {key.replace('_', ' ')}", _plain(value)))
@@ -682,6 +698,24 @@ def _r2_summary(config: dict) -> str | None:
         if values:
             parts.append(f"mean {label} = {sum(values) / len(values):.4f} (min {min(values):.4f})")
     return "; ".join(parts) or None
+
+
+def _selection_facts(selection: Any) -> list[tuple[str, str]]:
+    """How k / lambda were chosen (from the run report), as card lines."""
+    if not isinstance(selection, dict):
+        return []
+    facts = []
+    if selection.get("metric"):
+        facts.append(("Metric", _cell(selection["metric"])))
+    for key, label in (("top_k_candidates", "k candidates"), ("ridge_lambda_candidates", "Lambda candidates")):
+        if selection.get(key):
+            facts.append((label, ", ".join(_plain(v) for v in selection[key])))
+    for choice in selection.get("chosen") or []:
+        if isinstance(choice, dict):
+            facts.append(("Chosen", f"k = {_plain(choice.get('top_k'))}, lambda = {_plain(choice.get('ridge_lambda'))}"))
+    if selection.get("heldout_tokens") is not None:
+        facts.append(("Held-out tokens", _number(selection["heldout_tokens"])))
+    return facts
 
 
 def _eval_rows(results: Any) -> list[tuple[str, str]]:

@@ -189,25 +189,29 @@ def lowrank_mapper_from_solution(
     dtype: torch.dtype = torch.float32,
 ):
     """A reduced-rank `KVMapper` for `config` (its `rank` and fit R^2 are filled in) from full-rank solutions."""
+    from dataclasses import replace
+
     from .mapper import KVMapper
 
     factors, ranks = solve_reduced_rank(
         statistics, config.selected_layers, solutions, config.ridge_lambda, rank=rank, energy=energy,
         size_budget=size_budget,
     )
-    config.rank = ranks
+    config = replace(
+        config,
+        mapper_type="lowrank",
+        rank=ranks,
+        fit_r2_key=[factors["key"][t][3] for t in range(len(ranks))],
+        fit_r2_value=[factors["value"][t][3] for t in range(len(ranks))],
+    )
     mapper = KVMapper(config).double()  # factors land unrounded; one cast to `dtype` at the end
-    with torch.no_grad():
-        for t, layer_map in enumerate(mapper.layers):
-            for kind in KINDS:
-                down, up, bias, _ = factors[kind][t]
-                proj = getattr(layer_map, kind)
-                proj.down.weight.copy_(down)
-                proj.up.weight.copy_(up)
-                proj.up.bias.copy_(bias)
-    config.fit_r2_key = [factors["key"][t][3] for t in range(len(mapper.layers))]
-    config.fit_r2_value = [factors["value"][t][3] for t in range(len(mapper.layers))]
-    config.num_parameters = mapper.num_parameters()
+    state = {
+        f"layers.{t}.{kind}.{name}": tensor
+        for kind in KINDS
+        for t, (down, up, bias, _) in factors[kind].items()
+        for name, tensor in (("down.weight", down), ("up.weight", up), ("up.bias", bias))
+    }
+    mapper.load_state_dict(state)
     return mapper.to(dtype)
 
 
@@ -229,8 +233,8 @@ def reduce_mapper_rank(
     """
     import copy
 
-    if mapper.config.mapper_type != "ridge" or mapper.config.rank is not None:
-        raise ValueError("reduce_mapper_rank needs a full-rank ridge mapper (mapper_type='ridge', rank=None)")
+    if mapper.config.mapper_type != "ridge":
+        raise ValueError(f"reduce_mapper_rank needs a full-rank ridge mapper, got mapper_type={mapper.config.mapper_type!r}")
     if (statistics.source_layout, statistics.target_layout) != (mapper.source_layout, mapper.target_layout):
         raise ValueError(
             f"statistics are for {statistics.source_layout}->{statistics.target_layout}, the mapper for "

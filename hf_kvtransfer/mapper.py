@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -15,14 +15,15 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
-from .rope import build_rotary_embedding, check_supported, config_from_dict, head_dim_of, text_config
+from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, render_model_card, resolve_mapper_dir
+from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
+from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
 from .stats import KVLayout
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-MAPPER_TYPES = ("ridge", "mlp")
+# Fields older versions kept in config.json that now live in the run report.
+_REPORT_FIELDS = ("eval_results", "model_selection")
 
 # Config fields that fix tensor shapes: a mismatch there can never work.
 _SHAPE_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
@@ -61,19 +62,25 @@ def _library_version() -> str:
 
 @dataclass
 class MapperConfig:
-    """Everything that defines a mapper besides its weights; saved as `config.json`.
+    """What is needed to load and apply a mapper, plus its provenance; saved as `config.json`.
+
+    Run reports (model-selection curves, training logs, timings, evaluations) are not part of it: they live in
+    `KVMapper.report` (`fit_report.json`). Configs are values: library code never mutates one it was given
+    (`dataclasses.replace` makes a changed copy).
 
     Args:
         source_config / target_config: the two models' decoder configs as dicts (enough to rebuild their
             rotary modules without loading either model).
         selected_layers: for each target layer, the source layers its inputs come from (ascending).
+        mapper_type: the layer-map type (`layer_maps.LAYER_MAP_TYPES`: "ridge", "lowrank", "mlp").
         top_k, ridge_lambda: fit hyper-parameters.
         fit_r2_key / fit_r2_value: in-sample head-averaged R^2 per target layer.
+        heldout_r2_key / heldout_r2_value: the same on held-out calibration statistics, when there were some.
         calibration: how the calibration data was built (dataset, split, sequences, seq_len, stride, tokens).
-        model_selection: how `top_k` / `ridge_lambda` were chosen on held-out statistics (candidates, the
-            held-out R^2 curve, the choice), when they were.
-        rank: `[key_rank, value_rank]` per target layer for a reduced-rank ridge mapper (`lowrank.py`).
-        num_parameters / dtype: size and weight dtype as saved (written by `save_pretrained`, for the card).
+        rank: `[key_rank, value_rank]` per target layer of a "lowrank" mapper (`lowrank.py`).
+        mlp: architecture of an "mlp" mapper's maps (hidden_size, num_hidden_layers, residual, per_head,
+            activation).
+        num_parameters / dtype: size and weight dtype as saved (filled in by `save_pretrained`, for the card).
     """
 
     source_config: dict[str, Any]
@@ -93,21 +100,20 @@ class MapperConfig:
     heldout_r2_key: list[float] | None = None
     heldout_r2_value: list[float] | None = None
     calibration: dict[str, Any] = field(default_factory=dict)
-    model_selection: dict[str, Any] | None = None
     mlp: dict[str, Any] | None = None
     rank: list[list[int]] | None = None
     num_parameters: int | None = None
     dtype: str | None = None
-    eval_results: dict[str, Any] | None = None
     license: str = "apache-2.0"
     library_version: str = field(default_factory=_library_version)
 
     def __post_init__(self):
-        if self.mapper_type not in MAPPER_TYPES:
-            raise ValueError(f"mapper_type must be one of {MAPPER_TYPES}, got {self.mapper_type!r}")
+        if self.mapper_type not in LAYER_MAP_TYPES:
+            raise ValueError(f"mapper_type must be one of {sorted(LAYER_MAP_TYPES)}, got {self.mapper_type!r}")
         # JSON-normalise (int dict keys become str, tuples lists) so a loaded config equals the saved one.
         self.source_config = json.loads(json.dumps(self.source_config))
         self.target_config = json.loads(json.dumps(self.target_config))
+        self.calibration = json.loads(json.dumps(self.calibration))
         if not self.source_fingerprint:
             self.source_fingerprint = config_fingerprint(self.source_config)
         if not self.target_fingerprint:
@@ -131,18 +137,9 @@ class MapperConfig:
                 raise ValueError(f"{name} has {len(value)} entries, expected {num_target} (one per target layer)")
         if self.ridge_lambda < 0:
             raise ValueError(f"ridge_lambda must be >= 0, got {self.ridge_lambda}")
-        if self.rank is not None:
-            # Reduced-rank ridge (lowrank.py): [key_rank, value_rank] per target layer, each in [1, n_kv_t * d_t].
-            out_dim = self.target_fingerprint["num_key_value_heads"] * self.target_fingerprint["head_dim"]
-            if self.mapper_type != "ridge":
-                raise ValueError(f"rank applies to ridge mappers only, got mapper_type={self.mapper_type!r}")
-            if len(self.rank) != num_target or any(
-                len(r) != 2 or any(not 1 <= int(x) <= out_dim for x in r) for r in self.rank
-            ):
-                raise ValueError(
-                    f"rank must hold one [key_rank, value_rank] per target layer ({num_target}), each in "
-                    f"[1, {out_dim}]; got {self.rank}"
-                )
+        if self.rank is not None and self.mapper_type != "lowrank":
+            raise ValueError(f"rank applies to 'lowrank' mappers only, got mapper_type={self.mapper_type!r}")
+        layer_map_class(self.mapper_type).validate_config(self)
 
     @property
     def source_layout(self) -> KVLayout:
@@ -159,6 +156,12 @@ class MapperConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MapperConfig":
+        """A config from `config.json` contents. Keys of older versions are migrated; unknown keys warn."""
+        data = dict(data)
+        if data.get("mapper_type", "ridge") == "ridge" and data.get("rank") is not None:
+            data["mapper_type"] = "lowrank"  # before 0.2, reduced-rank mappers were "ridge" with a rank
+        for name in _REPORT_FIELDS:  # before 0.2 run reports lived in the config: KVMapper.report now
+            data.pop(name, None)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -170,37 +173,6 @@ class MapperConfig:
         data = {k: v for k, v in data.items() if k in known}
         data.setdefault("library_version", "unknown")
         return cls(**data)
-
-
-class _LinearLayerMap(nn.Module):
-    """Ridge map of one target layer: stripped source features -> stripped target keys and values."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__()
-        self.key = nn.Linear(in_features, out_features)
-        self.value = nn.Linear(in_features, out_features)
-
-
-class _LowRankLinear(nn.Module):
-    """A rank-r affine map stored as two factors: `up(down(x))`, costing `r * (F_in + F_out)` per token."""
-
-    def __init__(self, in_features: int, out_features: int, rank: int):
-        super().__init__()
-        self.down = nn.Linear(in_features, rank, bias=False)  # weight (r, F_in)
-        self.up = nn.Linear(rank, out_features)  # weight (F_out, r) + bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down, up, bias = (t.to(x.device) for t in (self.down.weight, self.up.weight, self.up.bias))
-        return nn.functional.linear(nn.functional.linear(x.to(down.dtype), down), up, bias)
-
-
-class _LowRankLayerMap(nn.Module):
-    """Reduced-rank ridge map of one target layer (see lowrank.py)."""
-
-    def __init__(self, in_features: int, out_features: int, key_rank: int, value_rank: int):
-        super().__init__()
-        self.key = _LowRankLinear(in_features, out_features, key_rank)
-        self.value = _LowRankLinear(in_features, out_features, value_rank)
 
 
 class KVMapper(nn.Module):
@@ -219,20 +191,12 @@ class KVMapper(nn.Module):
         ```
     """
 
-    def __init__(self, config: MapperConfig, layer_maps: nn.ModuleList | None = None):
+    def __init__(self, config: MapperConfig, layer_maps: nn.ModuleList | None = None, report: dict | None = None):
         super().__init__()
         self.config = config
-        src, tgt = config.source_layout, config.target_layout
-        if layer_maps is None and config.rank is not None:
-            layer_maps = nn.ModuleList(
-                _LowRankLayerMap(len(selected) * src.layer_dim, tgt.layer_dim, *config.rank[t])
-                for t, selected in enumerate(config.selected_layers)
-            )
-        if layer_maps is None:
-            layer_maps = nn.ModuleList(
-                _LinearLayerMap(len(selected) * src.layer_dim, tgt.layer_dim) for selected in config.selected_layers
-            )
-        self.layers = layer_maps
+        self.layers = layer_maps if layer_maps is not None else build_layer_maps(config)
+        # How the mapper was made (selection curves, training logs, timings, evaluations): `fit_report.json`.
+        self.report: dict[str, Any] = dict(report or {})
 
     # -- structure ----------------------------------------------------------------------------------
     @property
@@ -282,18 +246,16 @@ class KVMapper(nn.Module):
         Returns:
             Stripped target keys and values `[batch, n_kv_t, seq, d_t]` in the mapper's dtype.
         """
-        layer_map = self.layers[layer_idx]
         tgt = self.target_layout
-        out = []
-        for proj, x in ((layer_map.key, source_key_states), (layer_map.value, source_value_states)):
-            if isinstance(proj, nn.Linear):
-                weight, bias = proj.weight.to(x.device), proj.bias.to(x.device)  # no-op when already there
-                y = nn.functional.linear(x.to(weight.dtype), weight, bias)
-            else:  # other maps (MLP, low-rank) move and cast their own weights
-                y = proj(x)
-            # (B, T, H*D) -> (B, H, T, D)
-            out.append(y.view(*y.shape[:-1], tgt.num_kv_heads, tgt.head_dim).transpose(1, 2))
-        return out[0], out[1]
+        keys, values = self.layers[layer_idx](source_key_states, source_value_states)
+        # (B, T, H*D) -> (B, H, T, D)
+        return tuple(y.view(*y.shape[:-1], tgt.num_kv_heads, tgt.head_dim).transpose(1, 2) for y in (keys, values))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the mapper's weights (float32 for a mapper without parameters)."""
+        param = next(self.parameters(), None)
+        return param.dtype if param is not None and param.is_floating_point() else torch.float32
 
     # -- compatibility ------------------------------------------------------------------------------
     def check_compatible(
@@ -332,25 +294,31 @@ class KVMapper(nn.Module):
     def save_pretrained(
         self, save_directory: str | os.PathLike, repo_id: str | None = None, max_shard_size: int | str = "5GB"
     ) -> None:
-        """Write `config.json`, `model.safetensors` and a model card `README.md` to `save_directory`.
+        """Write `config.json`, `model.safetensors`, the run report `fit_report.json` (when there is one) and a
+        model card `README.md` to `save_directory`.
 
         Weights larger than `max_shard_size` ("5GB", "500MB", bytes) are written as `model-0000i-of-0000n.safetensors`
         shards plus `model.safetensors.index.json`, as transformers does (`checkpoint.save_weights`).
         """
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
-        self.config.num_parameters = self.num_parameters()
-        param = next(self.parameters(), None)
-        self.config.dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
-        self.config.library_version = _library_version()
+        # Size and dtype as saved go into the written copy; `self.config` stays as it was given.
+        config = replace(
+            self.config,
+            num_parameters=self.num_parameters(),
+            dtype=str(self.dtype).removeprefix("torch.") if next(self.parameters(), None) is not None else None,
+            library_version=_library_version(),
+        )
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         from .checkpoint import checkpoint_info, save_weights
 
-        save_weights(state, path, max_shard_size, metadata={"mapper_type": self.config.mapper_type})
-        (path / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n")
-        from .hub import render_model_card
-
-        card = render_model_card(self.config.to_dict(), repo_id=repo_id, checkpoint=checkpoint_info(path))
+        save_weights(state, path, max_shard_size, metadata={"mapper_type": config.mapper_type})
+        (path / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+        if self.report:
+            (path / REPORT_NAME).write_text(json.dumps(self.report, indent=2, sort_keys=True) + "\n")
+        elif (path / REPORT_NAME).exists():
+            (path / REPORT_NAME).unlink()  # a stale report of another mapper must not describe this one
+        card = render_model_card(config.to_dict(), repo_id=repo_id, report=self.report, checkpoint=checkpoint_info(path))
         card.save(str(path / "README.md"))
 
     @classmethod
@@ -369,8 +337,6 @@ class KVMapper(nn.Module):
 
         Loading is strict: a missing, extra or mis-shaped tensor raises with the names involved.
         """
-        from .hub import resolve_mapper_dir
-
         path = resolve_mapper_dir(
             pretrained_mapper_name_or_path,
             revision=revision,
@@ -389,21 +355,19 @@ class KVMapper(nn.Module):
         for ok, name in ((config_path.is_file(), CONFIG_NAME), (has_weights(path), WEIGHTS_NAME)):
             if not ok:
                 raise FileNotFoundError(f"{path} is not a hf-kvtransfer mapper: {name} is missing")
-        config = MapperConfig.from_dict(json.loads(config_path.read_text()))
-        with torch.device("meta"):  # shapes only: the loaded tensors become the parameters (no second copy)
-            mapper = cls._build(config)
+        raw = json.loads(config_path.read_text())
+        report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
+        for name in _REPORT_FIELDS:  # written into config.json before 0.2
+            if raw.get(name) is not None:
+                report.setdefault(name, raw[name])
+        config = MapperConfig.from_dict(raw)
+        with torch.device("meta"):  # shapes only: the loaded tensors become the parameters (load_state_dict(assign))
+            mapper = cls(config, report=report)
+        # Single file or shards, tensor by tensor; a truncated, missing or mismatched file is named in the error.
         expected = {k: v.shape for k, v in mapper.state_dict().items()}
         state = load_weights(path, device=str(device) if device is not None else "cpu", expected=expected)
         mapper._load_strict(state, source=str(path))
         return mapper
-
-    @classmethod
-    def _build(cls, config: MapperConfig) -> "KVMapper":
-        if config.mapper_type == "mlp":
-            from .mlp import build_mlp_layer_maps
-
-            return cls(config, build_mlp_layer_maps(config))
-        return cls(config)
 
     def _load_strict(self, state: dict[str, torch.Tensor], source: str) -> None:
         expected = {k: v.shape for k, v in self.state_dict().items()}
@@ -422,9 +386,8 @@ class KVMapper(nn.Module):
         for k, v in state.items():
             if not torch.isfinite(v).all():
                 raise ValueError(f"weights in {source}: tensor {k} has non-finite values (corrupt checkpoint?)")
+        # assign: the module takes the loaded tensors themselves (no second copy of a large mapper in memory).
         self.load_state_dict(state, strict=True, assign=True)
-        if state:
-            self.to(next(iter(state.values())).dtype)
 
     def push_to_hub(
         self,
@@ -439,8 +402,6 @@ class KVMapper(nn.Module):
     ) -> str:
         """Upload config, weights (all shards) and model card to `repo_id` in one commit; returns the commit URL."""
         import tempfile
-
-        from .hub import push_mapper_dir
 
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp, repo_id=repo_id, max_shard_size=max_shard_size)
@@ -462,22 +423,4 @@ class KVMapper(nn.Module):
         )
 
 
-def _mapper_from_solution(
-    config: MapperConfig, solutions: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]], dtype=torch.float32
-) -> KVMapper:
-    """A ridge `KVMapper` from `ridge.solve_layers` outputs for keys and values."""
-    mapper = KVMapper(config)
-    with torch.no_grad():
-        for t, layer_map in enumerate(mapper.layers):
-            for kind in ("key", "value"):
-                weight, bias, _ = solutions[kind][t]
-                proj = getattr(layer_map, kind)
-                proj.weight.copy_(weight.to(proj.weight.dtype))
-                proj.bias.copy_(bias.to(proj.bias.dtype))
-    config.fit_r2_key = [solutions["key"][t][2] for t in range(len(mapper.layers))]
-    config.fit_r2_value = [solutions["value"][t][2] for t in range(len(mapper.layers))]
-    config.num_parameters = mapper.num_parameters()
-    return mapper.to(dtype)
-
-
-__all__ = ["KVMapper", "MapperConfig", "config_fingerprint", "check_supported"]
+__all__ = ["KVMapper", "MapperConfig", "config_fingerprint"]

@@ -27,137 +27,12 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .capture import capture_kv
+from .layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
 from .mapper import KVMapper, MapperConfig
 from .ridge import _cholesky_solve, _feature_index, select_layers, single_source_r2, solve_layers
 from .stats import KINDS, KVLayout, flatten_layers, statistics_nbytes, token_selection
 
 logger = logging.getLogger(__name__)
-
-# Paper defaults (hidden size, depth, Adam); epochs / lr / batch size are not given there: these converge on the
-# tiny and small families here and early stopping makes too many epochs harmless.
-DEFAULT_MLP_CONFIG = {
-    "hidden_size": 1024,
-    "num_hidden_layers": 2,
-    "residual": True,
-    "per_head": False,
-    "activation": "relu",
-}
-
-
-class _GroupedLinear(nn.Module):
-    """`groups` independent affine maps applied to the same (or per-group) input: weight `[groups, in, out]`."""
-
-    def __init__(self, groups: int, in_features: int, out_features: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(groups, in_features, out_features))
-        self.bias = nn.Parameter(torch.zeros(groups, out_features))
-
-    def reset_parameters(self, generator: torch.Generator, zero: bool = False) -> None:
-        # nn.Linear's default init (uniform in +-1/sqrt(fan_in)), drawn from a private generator for determinism.
-        with torch.no_grad():
-            if zero:
-                self.weight.zero_()
-                self.bias.zero_()
-                return
-            bound = 1 / math.sqrt(self.weight.shape[1])
-            self.weight.copy_(torch.rand(self.weight.shape, generator=generator) * 2 * bound - bound)
-            self.bias.copy_(torch.rand(self.bias.shape, generator=generator) * 2 * bound - bound)
-
-
-class MLPKindMap(nn.Module):
-    """The map of one (target layer, K|V): `[..., in_features] -> [..., out_features]`.
-
-    `y = linear(x) + mlp(x)` when `residual` (the linear part holds the ridge solution), `y = mlp(x)` otherwise.
-    The MLP has `num_hidden_layers` ReLU layers of `hidden_size` units; with `groups > 1` (the paper's one MLP
-    per KV head) each group owns a separate MLP producing `out_features // groups` outputs.
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        hidden_size: int,
-        num_hidden_layers: int,
-        groups: int = 1,
-        residual: bool = True,
-    ):
-        super().__init__()
-        if num_hidden_layers < 1 or hidden_size < 1:
-            raise ValueError(
-                f"an MLP map needs num_hidden_layers >= 1 and hidden_size >= 1, "
-                f"got {num_hidden_layers} and {hidden_size}"
-            )
-        if out_features % groups:
-            raise ValueError(f"out_features {out_features} is not divisible into {groups} groups")
-        self.in_features, self.out_features, self.groups = in_features, out_features, groups
-        self.linear = nn.Linear(in_features, out_features) if residual else None
-        sizes = [in_features] + [hidden_size] * num_hidden_layers + [out_features // groups]
-        self.mlp = nn.ModuleList(_GroupedLinear(groups, a, b) for a, b in zip(sizes[:-1], sizes[1:]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first = self.mlp[0].weight
-        x = x.to(first.dtype)
-        lead = x.shape[:-1]
-        x = x.reshape(-1, x.shape[-1])  # (N, F_in)
-        h = x
-        last = len(self.mlp) - 1
-        for i, layer in enumerate(self.mlp):
-            weight, bias = layer.weight.to(x.device), layer.bias.to(x.device)  # no-op when already there
-            # (N, in) @ (G, in, out) broadcasts to (G, N, out); later layers are already per group.
-            h = torch.matmul(h, weight) + bias.unsqueeze(1)
-            if i < last:
-                h = torch.relu(h)
-        y = h.transpose(0, 1).reshape(x.shape[0], self.out_features)  # (G, N, d) -> (N, G*d), head-major
-        if self.linear is not None:
-            y = y + nn.functional.linear(x, self.linear.weight.to(x.device), self.linear.bias.to(x.device))
-        return y.reshape(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"groups={self.groups}, residual={self.linear is not None}"
-
-
-class _MLPLayerMap(nn.Module):
-    def __init__(self, key: MLPKindMap, value: MLPKindMap):
-        super().__init__()
-        self.key = key
-        self.value = value
-
-
-def _mlp_settings(config: MapperConfig) -> dict[str, Any]:
-    if not config.mlp:
-        raise ValueError(
-            "mapper_type is 'mlp' but config.json has no 'mlp' section (hidden_size, num_hidden_layers, ...)"
-        )
-    settings = {**DEFAULT_MLP_CONFIG, **config.mlp}
-    if settings["activation"] != "relu":
-        raise ValueError(
-            f"only the 'relu' MLP activation is implemented, config.json asks for {settings['activation']!r}"
-        )
-    return settings
-
-
-def build_mlp_layer_maps(config: MapperConfig) -> nn.ModuleList:
-    """Empty (zero) MLP layer maps shaped by `config` (selected layers, layouts and `config.mlp`); weights come
-    from a checkpoint or from `fit_mlp_mapper`."""
-    settings = _mlp_settings(config)
-    src, tgt = config.source_layout, config.target_layout
-    groups = tgt.num_kv_heads if settings["per_head"] else 1
-
-    def kind_map(in_features: int) -> MLPKindMap:
-        return MLPKindMap(
-            in_features,
-            tgt.layer_dim,
-            int(settings["hidden_size"]),
-            int(settings["num_hidden_layers"]),
-            groups=groups,
-            residual=bool(settings["residual"]),
-        )
-
-    return nn.ModuleList(
-        _MLPLayerMap(kind_map(len(sel) * src.layer_dim), kind_map(len(sel) * src.layer_dim))
-        for sel in config.selected_layers
-    )
-
 
 # -- training one map from features ----------------------------------------------------------------------
 
@@ -608,7 +483,7 @@ def fit_mlp_mapper(
         calibration=calibration,
         **config_kwargs,
     )
-    mapper = KVMapper(config, build_mlp_layer_maps(config))
+    mapper = KVMapper(config)
 
     # -- train each (target layer, K|V) map
     report: dict[str, dict[str, list]] = {kind: {} for kind in KINDS}
@@ -653,4 +528,4 @@ def fit_mlp_mapper(
     return mapper
 
 
-__all__ = ["MLPKindMap", "build_mlp_layer_maps", "fit_mlp_mapper", "mlp_fit_nbytes", "train_mlp_map"]
+__all__ = ["fit_mlp_mapper", "mlp_fit_nbytes", "train_mlp_map"]

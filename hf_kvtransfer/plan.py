@@ -124,6 +124,7 @@ def planning_mapper(source_config: PreTrainedConfig, target_config: PreTrainedCo
         selected_layers=[list(range(top_k)) for _ in range(tgt.num_layers)],
         top_k=top_k,
         rank=ranks,
+        mapper_type="ridge" if ranks is None else "lowrank",
     )
     with torch.device("meta"):
         return KVMapper(config)

@@ -9,6 +9,7 @@ that applied it in the first place.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -131,6 +132,43 @@ def apply_rope(key_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     k_rot, k_pass = key_states[..., :rotary_dim], key_states[..., rotary_dim:]
     rotated = k_rot * cos + rotate_half(k_rot) * sin
     return torch.cat((rotated, k_pass), dim=-1) if k_pass.shape[-1] else rotated
+
+
+def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out = x * cos + rotate_half(x) * sin` on the first `cos.shape[-1]` dims, the rest copied: the one RoPE kernel
+    of the transfer path, for stripping (with the folded tables `(cos, -sin) / (cos^2 + sin^2)`) and re-applying.
+
+    Four fused multiply-adds over half-width views, no temporaries; `cos`/`sin` broadcast against `x`, and `out` may be
+    a strided view (e.g. the cache layout seen through a permutation) of another dtype. Same math as `apply_rope`.
+    """
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    o1, o2 = out[..., :half], out[..., half:rotary_dim]
+    torch.mul(x1, cos[..., :half], out=o1)
+    o1.addcmul_(x2, sin[..., :half], value=-1)
+    torch.mul(x2, cos[..., half:], out=o2)
+    o2.addcmul_(x1, sin[..., half:])
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:].copy_(x[..., rotary_dim:])
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_rotate():
+    """`rotate_into` through `torch.compile` (one fused loop instead of four passes); the returned function takes
+    `(x, cos, sin, dtype)` and returns a new contiguous tensor of `dtype`."""
+
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rotary_dim = cos.shape[-1]
+        half = rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        parts = [x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]]
+        if rotary_dim < x.shape[-1]:
+            parts.append(x[..., rotary_dim:].to(parts[0].dtype))
+        return torch.cat(parts, dim=-1).to(dtype).contiguous()
+
+    return torch.compile(rotate, dynamic=True)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, device) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # OpenMP busy-waiting makes small ops cost milliseconds on a loaded 2-core machine (set before torch loads).
@@ -143,7 +144,7 @@ def exact_identity_mapper(model, mode: str = "per_layer"):
     config = MapperConfig(source_config=model.config.to_dict(), target_config=model.config.to_dict(), selected_layers=selected)
     width = config.target_layout.layer_dim
     if mode == "low_rank":
-        config.rank = [[width, width]] * num_layers
+        config = replace(config, mapper_type="lowrank", rank=[[width, width]] * num_layers)
     mapper = KVMapper(config)
     with torch.no_grad():
         for param in mapper.parameters():

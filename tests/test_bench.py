@@ -18,7 +18,9 @@ from hf_kvtransfer.rope import apply_rope, build_rotary_embedding, position_ids_
 
 def _random_mapper(source, target, selected_layers, seed=0, rank=None):
     torch.manual_seed(seed)
-    config = MapperConfig(source.config.to_dict(), target.config.to_dict(), selected_layers, rank=rank)
+    config = MapperConfig(
+        source.config.to_dict(), target.config.to_dict(), selected_layers, mapper_type="lowrank" if rank else "ridge", rank=rank
+    )
     return KVMapper(config)
 
 
@@ -68,7 +70,7 @@ def test_fast_conversion_matches_plain_reference(arch, selected, rank, monkeypat
         torch.testing.assert_close(layer.keys, k_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.values, v_ref, rtol=1e-5, atol=1e-5)
         assert layer.keys.is_contiguous() and layer.values.is_contiguous()  # what a plain prefill cache holds
-    assert got._stripped == {} and got._source == {}  # buffers, codes, tables and source layers all released
+    assert got.num_pending_layers == 0 and got.pending_nbytes == 0  # buffers, tables and source layers released
     # Editing the mapper in place after a conversion is seen by the next one (no stale stacked factors).
     if rank is not None:
         with torch.no_grad():
@@ -119,18 +121,20 @@ def test_flop_formulas_match_torch_flop_counter(monkeypatch):
 
     # Full rank; reduced rank taken factored (small ranks) and densely (ranks near full: cheaper as one product).
     monkeypatch.setattr(cache_module, "SMALL_MAP_ENTRIES", 0)  # tiny maps would always be taken densely
-    for selected, rank in (([[0, 2], [1, 2]], None), ([[0, 1, 2], [2]], [[3, 5], [1, 2]]), ([[0, 1], [0, 1]], [[16, 12], [9, 16]])):
-        config = MapperConfig(source.config.to_dict(), target.config.to_dict(), selected, rank=rank)
+    for selected, rank in (([[0, 2], [1, 2]], None), ([[0, 1, 2], [2]], [[3, 5], [1, 2]]), ([[0, 1], [0, 1]], [[32, 30], [31, 32]])):
+        config = MapperConfig(
+            source.config.to_dict(), target.config.to_dict(), selected, mapper_type="lowrank" if rank else "ridge", rank=rank
+        )
         mapper = KVMapper(config)
         cache = prefill(source, ids)
         TransferredCache(cache, mapper, num_recompute_tokens=0).convert_all()  # builds the stacked weights once
         with FlopCounterMode(display=False) as counter:
             TransferredCache(cache, mapper, num_recompute_tokens=0).convert_all()
         assert counter.get_total_flops() == mapping_flops(mapper, seq)
-    dense = [d for _, d in conversion_groups(mapper)]
+    dense = [d for _, d in conversion_groups(mapper, seq)]
     assert dense == [True]  # the last case: one group of both layers, taken densely
     monkeypatch.undo()
-    assert [d for _, d in conversion_groups(KVMapper(config))] == [True]  # small maps: always densely
+    assert [d for _, d in conversion_groups(KVMapper(config), seq)] == [True]  # small maps: always densely
 
 
 def test_parse_rank_spec():
@@ -180,15 +184,14 @@ def test_cli_bench_runs_and_writes_results(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_compiled_rope_matches_reference(monkeypatch):
-    monkeypatch.setattr(TransferredCache, "compile_rope", True)
+def test_compiled_rope_matches_reference():
     source = tiny_model("phi3-partial", num_hidden_layers=3, seed=3)
     target = tiny_model("phi3-partial", num_hidden_layers=3, seed=4)
     mapper = _random_mapper(source, target, [[0, 2], [1, 2], [0, 2]], rank=[[3, 5], [1, 2], [7, 4]])
     ids, mask = left_pad(random_ids(2, 14, seed=5), [14, 9])
     cache = prefill(source, ids, attention_mask=mask)
     expected = _reference_conversion(source, target, cache, mapper, mask, length=13)
-    got = TransferredCache(cache, mapper, attention_mask=mask).convert_all()
+    got = TransferredCache(cache, mapper, attention_mask=mask, compile_rope=True).convert_all()
     for (k_ref, v_ref), layer in zip(expected, got.layers):
         torch.testing.assert_close(layer.keys, k_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.values, v_ref, rtol=1e-5, atol=1e-5)

@@ -161,12 +161,15 @@ def test_cache_operations_after_conversion(qwen3_model, identity_mapper):
 
 def test_source_layers_released_and_deepcopy_shares_mapper(qwen3_model, mapper):
     ids = random_ids(1, 10, seed=14)
-    cache = TransferredCache(prefill(qwen3_model, ids), mapper)
+    source_cache = prefill(qwen3_model, ids)
+    cache = TransferredCache(source_cache, mapper)
     clone = copy.deepcopy(cache)
     assert clone.mapper is cache.mapper
+    source_bytes = sum(t.nbytes for layer in source_cache.layers for t in (layer.keys, layer.values))
+    assert 0 < cache.pending_nbytes <= source_bytes  # views of the caller's source tensors, no copies yet
     with torch.no_grad():
         qwen3_model(ids[:, 9:], cache=cache)
-    assert cache._source == {} and cache._stripped == {}
+    assert cache.num_pending_layers == 0 and cache.pending_nbytes == 0  # source layers and buffers released
     assert clone.num_pending_layers == 3  # the copy is independent
 
 
@@ -285,7 +288,7 @@ def test_group_members_land_on_their_own_layers_dtype(qwen3_model, grouped_ident
     cache = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0)
     shape = (1, 2, 0, grouped_identity_mapper.target_layout.head_dim)
     cache.update(torch.empty(shape), torch.empty(shape), 0)
-    assert ("mapped", 1) in cache._stripped and ("mapped", 2) in cache._stripped  # computed ahead
+    assert cache.num_pending_layers == 2  # layers 1 and 2 were computed ahead, not converted
     cache.update(torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16), 1)
     ref = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
     assert cache.layers[1].keys.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.float32

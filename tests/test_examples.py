@@ -63,8 +63,9 @@ def test_multi_turn():
 
 
 def test_fit_and_publish_saves_a_loadable_mapper(fitted_mapper):
-    config = json.loads((fitted_mapper / "config.json").read_text())
-    assert isinstance(config["eval_results"]["normalized_retention"], float)
+    report = json.loads((fitted_mapper / "fit_report.json").read_text())
+    assert isinstance(report["eval_results"]["normalized_retention"], float)
+    assert "normalized_retention" in (fitted_mapper / "README.md").read_text()
     assert (fitted_mapper / "README.md").is_file()
 
 

@@ -72,7 +72,6 @@ def mapper_config(num_source: int = 3, num_target: int = 4, **overrides) -> dict
                         "num_tokens": 128_000},  # fmt: skip
         "num_parameters": 12_345,
         "library_version": "0.1.0",
-        "eval_results": {"hellaswag_retention": 0.976},
     }
     config.update(overrides)
     return config
@@ -396,7 +395,12 @@ def test_local_directory_first(hub_server, tmp_path):
 def test_card_metadata_round_trips_and_validates(hub_server, tmp_path):
     repo_id = "kvorg/qwen3-14b-to-32b"
     config = mapper_config()
-    card = render_model_card(config, repo_id)
+    report = {
+        "eval_results": {"hellaswag_retention": 0.976},
+        "model_selection": {"metric": "held-out R^2", "top_k_candidates": [1, 2, 4],
+                            "chosen": [{"top_k": 2, "ridge_lambda": 0.01}], "heldout_tokens": 4096},
+    }  # fmt: skip
+    card = render_model_card(config, repo_id, report=report)
     card.save(str(tmp_path / "README.md"))
 
     data = ModelCard.load(tmp_path / "README.md").data.to_dict()
@@ -424,6 +428,7 @@ def test_card_metadata_round_trips_and_validates(hub_server, tmp_path):
         row = f"| {t} | {', '.join(map(str, sources))} | {r2k:.4f} | {r2v:.4f} | {hk:.4f} | {hv:.4f} |"
         assert row in text, row
     assert "| hellaswag_retention | 0.9760 |" in text
+    assert "**k candidates**: 1, 2, 4" in text and "**Chosen**: k = 2, lambda = 0.01" in text
     assert "**Ridge lambda (on centered data)**: 0.01" in text and "**Tokens used for the fit**: 128,000" in text
     assert "Directional" in text and "Same tokenizer" in text and "Pinned to model revisions" in text
 
@@ -431,7 +436,7 @@ def test_card_metadata_round_trips_and_validates(hub_server, tmp_path):
 def test_card_skips_missing_optional_fields(hub_server, tmp_path):
     config = mapper_config(source_model_id="/models/src", target_model_id=None, calibration={"dataset": "data.jsonl"},
                            mapper_type="mlp", mlp={"hidden_sizes": [1024, 1024], "lr": 0.001})  # fmt: skip
-    for key in ("source_revision", "target_revision", "heldout_r2_key", "heldout_r2_value", "eval_results",
+    for key in ("source_revision", "target_revision", "heldout_r2_key", "heldout_r2_value",
                 "num_parameters", "license", "library_version"):  # fmt: skip
         config.pop(key, None)
     config["target_fingerprint"]["model_type"] = "llama"

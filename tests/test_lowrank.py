@@ -191,5 +191,5 @@ def test_save_load_strict_bf16_and_transfer(pair_stats, tmp_path):
         KVMapper.from_pretrained(tmp_path / "m")
     cfg["rank"] = [[0, 5], [16, 1]]
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="rank must hold one"):
+    with pytest.raises(ValueError, match="mapper needs `rank`: one"):
         KVMapper.from_pretrained(tmp_path / "m")

@@ -51,7 +51,8 @@ def test_mapper_parameters_equal_a_real_mapper(top_k, rank):
     # Any selection (not the plan's): sizes depend only on k.
     selected = [sorted(torch.randperm(src.num_layers, generator=g)[:top_k].tolist()) for _ in range(tgt.num_layers)]
     ranks = None if rank is None else [[min(rank, tgt.layer_dim)] * 2 for _ in range(tgt.num_layers)]
-    config = MapperConfig(SOURCE.to_dict(), TARGET.to_dict(), selected, top_k=top_k, rank=ranks)
+    config = MapperConfig(SOURCE.to_dict(), TARGET.to_dict(), selected, top_k=top_k, rank=ranks,
+                          mapper_type="ridge" if rank is None else "lowrank")
     mapper = KVMapper(config)
     assert plan.mapper_parameters == mapper.num_parameters()
     assert plan.mapper_bytes == sum(p.numel() * p.element_size() for p in mapper.parameters())
