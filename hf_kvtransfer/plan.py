@@ -310,8 +310,8 @@ def format_plan(plan: TransferPlan) -> str:
         f"({plan.mapper_weight_parameters:,} weights + biases); {dtypes}",
         "",
         "fit statistics (float64):",
-        f"  full:      {_bytes(plan.statistics_bytes_full)} per set, x{plan.statistics_sets} (fit + held-out) = "
-        f"{_bytes(plan.statistics_bytes_full * plan.statistics_sets)}",
+        f"  full:      {_bytes(plan.statistics_bytes_full)} per set, x{plan.statistics_sets}"
+        f"{' (fit + held-out)' if plan.statistics_sets == 2 else ''} = {_bytes(plan.statistics_bytes_full * plan.statistics_sets)}",
         f"  two-stage: {_bytes(plan.statistics_bytes_two_stage)} per set (at most), x{plan.statistics_sets} + "
         f"probe {_bytes(plan.probe_bytes)}",
         f"  fit here:  {plan.fit_default_mode} ({_bytes(plan.fit_default_statistics_bytes)}; budget = half of "
