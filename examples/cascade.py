@@ -8,6 +8,7 @@ itself.
 """
 
 import argparse
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -17,7 +18,9 @@ from hf_kvtransfer.calibration import build_calibration
 from hf_kvtransfer.demo import find_family
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--family", help="bundled family directory (default: examples/family)")
+parser.add_argument(
+    "--family", default=Path(__file__).resolve().parent / "family", help="model family directory (default: the bundled one)"
+)
 parser.add_argument("--num-sequences", type=int, default=64, help="calibration sequences of 256 tokens")
 parser.add_argument("--new-tokens", type=int, default=24)
 args = parser.parse_args()

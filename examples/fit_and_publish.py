@@ -18,7 +18,9 @@ from hf_kvtransfer.demo import find_family
 from hf_kvtransfer.evaluate import prefix_perplexity, split_documents, text_windows
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--family", help="bundled family directory (default: examples/family)")
+parser.add_argument(
+    "--family", default=Path(__file__).resolve().parent / "family", help="model family directory (default: the bundled one)"
+)
 parser.add_argument("--output-dir", default="mappers/small-to-large")
 parser.add_argument("--repo-id", help="publish to this Hub repo (needs a write token); omitted: save locally only")
 parser.add_argument("--num-sequences", type=int, default=128)

@@ -9,6 +9,7 @@ paths for Hub ids and load a published mapper instead of fitting one:
 """
 
 import argparse
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -18,7 +19,9 @@ from hf_kvtransfer.calibration import build_calibration
 from hf_kvtransfer.demo import find_family
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--family", help="bundled family directory (default: examples/family)")
+parser.add_argument(
+    "--family", default=Path(__file__).resolve().parent / "family", help="model family directory (default: the bundled one)"
+)
 parser.add_argument("--num-sequences", type=int, default=64, help="calibration sequences of 256 tokens")
 parser.add_argument("--mapper", help="a fitted mapper (directory or Hub id); default: fit one now")
 args = parser.parse_args()

@@ -33,7 +33,9 @@ DEFAULT_SPECS = ["full", "full@bf16", "energy=0.995", "energy=0.99", "energy=0.9
                  "budget=0.25", "8", "k2:full", "k1:full"]  # fmt: skip
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--family", help="bundled family directory (default: examples/family)")
+parser.add_argument(
+    "--family", default=Path(__file__).resolve().parent / "family", help="model family directory (default: the bundled one)"
+)
 parser.add_argument("--direction", choices=["small-to-large", "large-to-small"], default="small-to-large")
 parser.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, help="mappers to compare (default: %(default)s)")
 parser.add_argument("--top-k", type=int, default=4, help="source layers per target layer (default 4)")

@@ -1,17 +1,61 @@
-"""hf-kvtransfer: reuse one model's KV cache in another model of the same family instead of re-running prefill."""
+"""hf-kvtransfer: reuse one model's KV cache in another model of the same family instead of re-running prefill.
 
-__version__ = "0.1.0"
+The public names load on first use (PEP 562), so `import hf_kvtransfer.cli` and `hf-kvtransfer --help` do not
+pay for importing torch and transformers (~5 s); `from hf_kvtransfer import KVMapper` works as usual.
+"""
 
-from .cache import TransferredCache
-from .capture import capture_kv, prefill
-from .fit import collect_statistics, fit_mapper, solve_mapper
-from .hub import MapperHubError
-from .lowrank import reduce_mapper_rank
-from .mapper import KVMapper, MapperConfig
-from .mlp import fit_mlp_mapper
-from .stats import KVLayout, KVStatistics
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .version import __version__
+
+# public name -> the module that defines it (also what type checkers and IDEs read, below)
+_EXPORTS = {
+    "collect_statistics": "accumulate",
+    "TransferredCache": "cache",
+    "capture_kv": "capture",
+    "prefill": "capture",
+    "fit_mapper": "fit",
+    "fit_mlp_mapper": "fit",
+    "solve_mapper": "fit",
+    "FitConfig": "fit_config",
+    "MapperHubError": "hub",
+    "reduce_mapper_rank": "lowrank",
+    "KVMapper": "mapper",
+    "MapperConfig": "mapper",
+    "KVLayout": "stats",
+    "KVStatistics": "stats",
+}
+
+if TYPE_CHECKING:
+    from .accumulate import collect_statistics
+    from .cache import TransferredCache
+    from .capture import capture_kv, prefill
+    from .fit import fit_mapper, fit_mlp_mapper, solve_mapper
+    from .fit_config import FitConfig
+    from .hub import MapperHubError
+    from .lowrank import reduce_mapper_rank
+    from .mapper import KVMapper, MapperConfig
+    from .stats import KVLayout, KVStatistics
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
+    "FitConfig",
     "KVLayout",
     "KVMapper",
     "KVStatistics",

@@ -14,19 +14,16 @@ before torch is imported) and records the setting, the thread count and the mach
 Example:
     ```bash
     python -m hf_kvtransfer.bench --quick --shapes family --output-dir bench_out
-    hf-kvtransfer bench --source examples/family/small --target examples/family/large --ranks full 16 8
+    hf-kvtransfer bench --source family/small --target family/large --ranks full 16 8
     ```
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import logging
 import os
 import platform
-import statistics as pystats
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,50 +33,28 @@ from typing import Any
 import torch
 from huggingface_hub.utils import tqdm
 
+from .cache import TransferredCache, conversion_groups
 from .capture import prefill
-from .cache import TransferredCache
-from .lowrank import parse_rank_spec
+from .evaluate import kv_r2
+from .accumulate import collect_statistics
+from .fit import solve_mapper
+from .fit_config import parse_rank_spec
 from .mapper import KVMapper
+from .models import DTYPES, check_device, load_model
 from .rope import head_dim_of, text_config
+from .stats import KVStatistics
+from .timing import DEFAULT_SEQ_LENS, QUICK_SEQ_LENS, median_ms, synchronize, time_call
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SEQ_LENS = (256, 512, 1024, 2048, 4096, 8192)
-QUICK_SEQ_LENS = (256, 1024, 4096, 8192)
-# Shapes of the bundled example family (examples/train_family.py), for timing without the checkpoints.
+# Shapes of the trained family the repository ships (small and large), for timing without the checkpoints.
 FAMILY_SHAPES = {
     "small": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=384),
     "large": dict(num_hidden_layers=8, hidden_size=192, num_attention_heads=6, intermediate_size=576),
 }
 
 
-# -- timing helpers -------------------------------------------------------------------------------------
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(
-    fn: Callable[[], Any], device: torch.device, repeats: int = 5, warmup: int = 1
-) -> tuple[list[float], list[float]]:
-    """Wall-clock and process CPU seconds per call of `fn`, after `warmup` untimed calls.
-
-    CUDA is synchronised only on CUDA. The CPU time (all threads of this process) is the steadier figure on a
-    shared machine, where wall time includes waiting for a core; on CUDA it is only the host's share.
-    """
-    for _ in range(warmup):
-        fn()
-    _synchronize(device)
-    wall, cpu = [], []
-    for _ in range(repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        fn()
-        _synchronize(device)
-        wall.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    return wall, cpu
-
-
+# -- measurement helpers -------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _quiet_native_stderr():
     sys.stderr.flush()
@@ -161,8 +136,6 @@ def mapping_flops(mapper: KVMapper, seq_len: int) -> int:
     `TransferredCache` computes them (`cache.conversion_groups`): affine maps cost their dense or factored
     multiply-adds as they are taken (a dense reduced-rank map includes forming `up @ down`); nonlinear
     maps are counted as one multiply-add per parameter and token."""
-    from .cache import conversion_groups
-
     total = 0
     for group, dense in conversion_groups(mapper, seq_len):
         for t in group:
@@ -220,14 +193,10 @@ def environment() -> dict[str, Any]:
 
 
 # -- the benchmark ------------------------------------------------------------------------------------
-def _median_ms(times: Sequence[float]) -> float:
-    return 1e3 * pystats.median(times)
-
-
 def _measure(row: dict, name: str, fn: Callable[[], Any], device, repeats: int, warmup: int) -> float:
     """Store the median wall ms as `row[name]` and median CPU ms as `row[name + '_cpu']`; return the wall ms."""
     wall, cpu = time_call(fn, device, repeats, warmup)
-    row[name], row[f"{name}_cpu"] = _median_ms(wall), _median_ms(cpu)
+    row[name], row[f"{name}_cpu"] = median_ms(wall), median_ms(cpu)
     return row[name]
 
 
@@ -360,115 +329,21 @@ def _decode_times(target, ids, source_cache, mapper, device, repeats, warmup, st
     for repeat in range(warmup + repeats):
         for name, cache in caches.items():  # interleaved, so drifting machine load hits both alike
             for i in range(steps):
-                _synchronize(device)
+                synchronize(device)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 target(input_ids=new[:, i : i + 1], cache=cache, use_cache=True)
-                _synchronize(device)
+                synchronize(device)
                 if repeat >= warmup:
                     times[name].append(time.perf_counter() - start)
                     cpu[name].append(time.process_time() - start_cpu)
             cache.crop(-steps)
-    own, transfer = _median_ms(times["own"]), _median_ms(times["transfer"])
-    own_cpu, transfer_cpu = _median_ms(cpu["own"]), _median_ms(cpu["transfer"])
+    own, transfer = median_ms(times["own"]), median_ms(times["transfer"])
+    own_cpu, transfer_cpu = median_ms(cpu["own"]), median_ms(cpu["transfer"])
     return {
         "decode_own_ms": own, "decode_transfer_ms": transfer, "decode_overhead_pct": 100 * (transfer / own - 1),
         "decode_own_ms_cpu": own_cpu, "decode_transfer_ms_cpu": transfer_cpu,
         "decode_overhead_pct_cpu": 100 * (transfer_cpu / max(own_cpu, 1e-9) - 1),
     }  # fmt: skip
-
-
-# -- reporting --------------------------------------------------------------------------------------------
-def _fmt_bytes(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.1f} MiB"
-
-
-def results_to_markdown(report: dict[str, Any]) -> str:
-    """A readable summary of `run_benchmark` output."""
-    env, settings = report["environment"], report["settings"]
-    machine = env.get("cuda_device") or env["cpu"]
-    lines = [
-        f"Machine: {machine}; torch {env['torch']}, transformers {env['transformers']}, "
-        f"{env['torch_num_threads']} threads, OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}; device {settings['device']}, "
-        f"{settings['dtype']}, batch 1, attention {settings['attn_implementation']}; medians of {settings['repeats']} "
-        f"after {settings['warmup']} warm-up; load average {env.get('load_average')}.",
-        "",
-        "| mapper | parameters | bytes | dtype | rank (key/value per layer) | fit R^2 K/V | held-out R^2 K/V | "
-        "held-out R^2 K/V, bf16 weights |",
-        "|---|---:|---:|---|---|---|---|---|",
-    ]
-
-    def pair(values) -> str:
-        return "-" if not values or values[0] is None else f"{values[0]:.4f} / {values[1]:.4f}"
-
-    for name, size in report["mappers"].items():
-        ranks = "full" if size["rank"] is None else ", ".join(f"{k}/{v}" for k, v in size["rank"])
-        lines.append(
-            f"| {name} | {size['parameters']:,} | {_fmt_bytes(size['bytes'])} | {size['dtype']} | {ranks} | "
-            f"{pair(size.get('fit_r2'))} | {pair(size.get('heldout_r2'))} | {pair(size.get('heldout_r2_bf16'))} |"
-        )
-    names = list(report["mappers"])
-    header = ["T", "prefill body ms", "full fwd ms"]
-    header += [f"transfer {n} ms (x faster wall, CPU time; FLOP ratio)" for n in names]
-    header += ["TTFT own / transfer ms", "decode own / transfer ms (overhead)", "peak prefill / transfer"]
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    for row in report["results"]:
-        cells = [str(row["seq_len"]), f"{row['prefill_body_ms']:.1f}", f"{row.get('prefill_full_ms', float('nan')):.1f}"]
-        for n in names:
-            t = row["transfer"][n]
-            cells.append(
-                f"{t['ms']:.2f} ({t['speedup_vs_body']:.1f}x, CPU {t['cpu_speedup_vs_body']:.1f}x; {t['flop_ratio']:.0f}x)"
-            )
-        cells.append(f"{row['ttft_own_ms']:.1f} / {row['ttft_transfer_ms']:.1f}" if "ttft_own_ms" in row else "-")
-        cells.append(
-            f"{row['decode_own_ms']:.2f} / {row['decode_transfer_ms']:.2f} ({row['decode_overhead_pct']:+.1f}%, "
-            f"CPU {row['decode_overhead_pct_cpu']:+.1f}%)"
-            if "decode_own_ms" in row else "-"
-        )  # fmt: skip
-        first = row["transfer"][names[0]]
-        cells.append(f"{_fmt_bytes(row.get('prefill_body_peak_bytes'))} / {_fmt_bytes(first.get('peak_bytes'))}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_results(report: dict[str, Any], path: str | os.PathLike) -> None:
-    """Time vs. sequence length (log-log): own prefill, full forward, each mapper's transfer."""
-    from .evaluate import _pyplot
-
-    plt = _pyplot()
-    rows = report["results"]
-    seq = [r["seq_len"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    ax.plot(seq, [r["prefill_body_ms"] for r in rows], "o-", label="target prefill (body)")
-    if all("prefill_full_ms" in r for r in rows):
-        ax.plot(seq, [r["prefill_full_ms"] for r in rows], "o--", label="target forward (full)")
-    for name in report["mappers"]:
-        ax.plot(seq, [r["transfer"][name]["ms"] for r in rows], "s-", label=f"transfer: {name}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("time (ms, median)")
-    env = report["environment"]
-    ax.set_title(f"{env.get('cuda_device') or env['cpu']}"[:60], fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def save_report(report: dict[str, Any], output_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write `bench.json`, `bench.md` and (with matplotlib) `bench.png`; returns the paths written."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
-    paths["json"].write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    paths["markdown"].write_text(results_to_markdown(report))
-    try:
-        plot_results(report, out / "bench.png")
-        paths["plot"] = out / "bench.png"
-    except ImportError as exc:
-        logger.warning("%s; skipping the plot", exc)
-    return paths
 
 
 # -- building what to time --------------------------------------------------------------------------------
@@ -511,8 +386,6 @@ def build_mappers(
     ridge_lambda: float = 0.01, progress: bool = True,
 ) -> tuple[dict[str, KVMapper], Any]:
     """Solve one mapper per rank spec from one set of statistics (collected here if not given)."""
-    from .fit import collect_statistics, solve_mapper
-
     if statistics is None:
         statistics = collect_statistics(source, target, calibration_ids, stride=4, progress=progress)
     mappers = {}
@@ -536,8 +409,6 @@ def mapper_quality(source, target, mappers: dict[str, KVMapper], heldout_ids: to
     """
     import copy
 
-    from .evaluate import kv_r2
-
     def mean(values):
         return sum(values) / len(values) if values else None
 
@@ -552,47 +423,6 @@ def mapper_quality(source, target, mappers: dict[str, KVMapper], heldout_ids: to
     return out
 
 
-# -- command line -----------------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--source", help="source model dir / Hub id (default: random models of the family's shapes)")
-    p.add_argument("--target", help="target model dir / Hub id")
-    p.add_argument("--shapes", choices=["family"], default=None,
-                   help="time random-weight models with the bundled family's shapes (no checkpoints needed)")
-    p.add_argument("--mapper", action="append", default=[], metavar="[NAME=]PATH",
-                   help="a saved mapper to time (repeatable); without one, mappers are solved here (see --ranks)")
-    p.add_argument("--statistics", help="saved KVStatistics to solve mappers from (else collected here)")
-    p.add_argument("--calibration-text", help="text file for the statistics (tokenized with --target's tokenizer); "
-                   "default: random tokens, fine for timing")
-    p.add_argument("--calibration-tokens", type=int, default=16384, help="tokens of calibration (default %(default)s)")
-    p.add_argument("--heldout-tokens", type=int, default=0,
-                   help="also report held-out K/V R^2 per mapper (and with bf16-rounded weights) on this many tokens "
-                   "of --heldout-text (default: random tokens); 0 skips (default)")
-    p.add_argument("--heldout-text", help="text file for --heldout-tokens (tokenized with --target's tokenizer)")
-    p.add_argument("--top-k", default="4", help="source layers per target layer for solved mappers (default 4)")
-    p.add_argument("--ranks", nargs="+", default=["full", "16", "8"],
-                   help="mappers to solve: full, an integer rank, energy=0.99, budget=0.25, each optionally with "
-                   "another top-k as kN:SPEC (k1:full) and a weight/compute dtype as SPEC@bf16 (full@bf16); the "
-                   "first one is also used for TTFT and decode (default: full 16 8)")
-    p.add_argument("--seq-lens", type=int, nargs="+", help=f"context lengths (default {' '.join(map(str, DEFAULT_SEQ_LENS))})")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5, quick 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")
-    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per repeat (default 8)")
-    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="model and mapper dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"seq lens {' '.join(map(str, QUICK_SEQ_LENS))}, 3 repeats, 4 decode steps, ranks full 8")
-    p.add_argument("--compile", choices=["off", "on", "both"], default="off",
-                   help="RoPE through torch.compile for the transfer (TransferredCache.compile_rope): off, on, or "
-                   "both (times each mapper both ways; default off)")
-    p.add_argument("--no-ttft", action="store_true", help="skip time-to-first-token through generate")
-    p.add_argument("--no-decode", action="store_true", help="skip the decode-step comparison")
-    p.add_argument("--output-dir", default="bench_results", help="where bench.json/.md/.png go (default %(default)s)")
-    p.add_argument("--no-reexec", action="store_true",
-                   help="do not re-execute with OMP_WAIT_POLICY=PASSIVE when it is unset (it is recorded either way)")
-
-
 def reexec_with_passive_omp(module: str, argv: Sequence[str]) -> None:
     """Re-run this program with `OMP_WAIT_POLICY=PASSIVE` unless the user set a policy: OpenMP reads it at load."""
     if "OMP_WAIT_POLICY" in os.environ:
@@ -603,29 +433,21 @@ def reexec_with_passive_omp(module: str, argv: Sequence[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
 
 
-def _load_model(name: str, device, dtype):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
-    except Exception as exc:
-        raise OSError(f"could not load model {name!r}: {exc}") from exc
-
-
-def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The `bench` command: build models and mappers from the arguments, run, save, return the report."""
+def run_from_args(args) -> dict[str, Any]:
+    """The `bench` command (`hf-kvtransfer bench`, whose parser defines `args`): build models and mappers from
+    the arguments, run, return the report (the CLI writes it with `reporting.save_bench_report`)."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    dtype = names[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     seq_lens = args.seq_lens or (QUICK_SEQ_LENS if args.quick else DEFAULT_SEQ_LENS)
     repeats = args.repeats or (3 if args.quick else 5)
     ranks = args.ranks if not (args.quick and args.ranks == ["full", "16", "8"]) else ["full", "8"]
     if (args.source is None) != (args.target is None):
         raise ValueError("give both --source and --target, or neither (random models with --shapes family)")
     if args.source:
-        source, target = _load_model(args.source, "cpu", torch.float32), _load_model(args.target, "cpu", torch.float32)
+        source = load_model(args.source, "source", dtype=torch.float32, device="cpu")
+        target = load_model(args.target, "target", dtype=torch.float32, device="cpu")
     else:
         source, target = family_shaped_models(max_position_embeddings=max(8192, max(seq_lens)))
     source, target = source.to(device), target.to(device)  # calibrate where the models run
@@ -637,8 +459,6 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     else:
         statistics = None
         if args.statistics:
-            from .stats import KVStatistics
-
             statistics = KVStatistics.load(args.statistics)
         ids = None
         if statistics is None:
@@ -667,26 +487,10 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if quality is not None:
         for name, entry in quality.items():
             report["mappers"][name].update(entry)
-    paths = save_report(report, args.output_dir)
-    logger.info("wrote %s", ", ".join(str(p) for p in paths.values()))
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hf_kvtransfer.bench", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if argv is None and not args.no_reexec:
-        reexec_with_passive_omp("hf_kvtransfer.bench", sys.argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = run_from_args(args)
-    sys.stdout.write(results_to_markdown(report))
-    sys.stdout.write(f"results in {args.output_dir}/bench.{{json,md,png}}\n")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m hf_kvtransfer.bench ...` is `hf-kvtransfer bench ...`: one parser, the CLI's.
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "hf_kvtransfer.cli", "bench", *sys.argv[1:]])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Cache, DynamicCache
+from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from .layer_maps import LinearParts
@@ -99,6 +100,107 @@ def conversion_groups(mapper: KVMapper, tokens: int) -> list[tuple[tuple[int, ..
     return groups
 
 
+# -- what the target is fed --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _CallerInputs:
+    """What the model calling the cache was given, read off the call stack (a cache only sees key/value states).
+
+    `forward_ids` are the token ids of the running model forward; `sequence` the ids of the nearest caller of that
+    forward that is not a forward (generate's decoding loop: the whole sequence so far), or the forward's own ids when
+    it was called directly; `mask_length` the length of the 2D attention mask given, if any.
+    """
+
+    model: PreTrainedModel | None = None
+    forward_ids: torch.Tensor | None = None
+    mask_length: int | None = None
+    sequence: torch.Tensor | None = None
+    direct: bool = True  # no enclosing generate-like call: the forward was called by the user
+
+    @classmethod
+    def from_stack(cls, max_frames: int = 64) -> "_CallerInputs":
+        found = cls()
+        frame = sys._getframe(2)
+        for _ in range(max_frames):
+            if frame is None:
+                break
+            local = frame.f_locals
+            owner, ids = local.get("self"), local.get("input_ids")
+            if isinstance(owner, PreTrainedModel) and isinstance(ids, torch.Tensor) and ids.ndim == 2:
+                if ids.is_floating_point():
+                    break
+                if found.forward_ids is None:
+                    if frame.f_code.co_name != "forward":
+                        return cls()  # asked from generate itself, before any forward: nothing fed yet
+                    mask = local.get("attention_mask")
+                    found.forward_ids = ids
+                    found.mask_length = mask.shape[-1] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+                elif frame.f_code.co_name != "forward":
+                    found.direct = False
+                    found.sequence = ids
+                    # generate drops an all-ones mask before the forward but remembers its length
+                    model_kwargs, config = local.get("model_kwargs"), local.get("generation_config")
+                    mask = model_kwargs.get("attention_mask") if isinstance(model_kwargs, dict) else None
+                    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+                        found.mask_length = mask.shape[-1]
+                    elif getattr(config, "_mask_length", -1) > 0:
+                        found.mask_length = config._mask_length
+                    break
+                found.model, found.sequence = owner, ids
+            frame = frame.f_back
+        return found
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """First column where `[batch, n]` id tensors differ (rows of `a` may be `b`'s repeated, as beams are)."""
+    if a.shape[0] != b.shape[0]:
+        if a.shape[0] % b.shape[0]:
+            return None  # another batch: reported when the layers are converted
+        a = a.reshape(b.shape[0], a.shape[0] // b.shape[0], -1)[:, 0]
+    differs = (a.to(b.device) != b).any(dim=0).nonzero()
+    return int(differs[0]) if differs.numel() else None
+
+
+class _StopForward(Exception):
+    """Raised by `_PrefixCache` to end a forward once the layers it needs have stored their keys and values."""
+
+
+class _PrefixCache(DynamicCache):
+    """Keeps what the first `num_layers` layers of a forward store, then stops the forward (its later layers and the
+    logits are never computed)."""
+
+    def __init__(self, num_layers: int):
+        super().__init__()
+        self.num_layers = num_layers
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == self.num_layers - 1:
+            raise _StopForward
+        return out
+
+
+@torch.no_grad()
+def _own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids, num_layers: int):
+    """The keys and values `model` itself computes for its first `num_layers` layers: `[(keys, values)]`, each
+    `[batch, kv_heads, seq, head_dim]`. Costs those layers' share of a prefill (for one layer: its K/V projections)."""
+    body = model.base_model if hasattr(model, "base_model") else model
+    device = model.get_input_embeddings().weight.device
+    cache = _PrefixCache(num_layers)
+    try:
+        body(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device) if attention_mask is not None else None,
+            position_ids=position_ids.to(device),
+            cache=cache,
+            use_cache=True,
+        )
+    except _StopForward:
+        pass
+    return [(layer.keys, layer.values) for layer in cache.layers[:num_layers]]
+
+
 # -- the state of a transfer that is not finished yet ------------------------------------------------------------
 
 
@@ -155,6 +257,7 @@ class _PendingTransfer:
     rope: _RopeTables
     length: int  # transferred tokens
     batch_size: int
+    attention_mask: torch.Tensor | None  # (B, T) of the transferred tokens, when the source prefill had one
     # Side-by-side features of a multi-layer selection, shared by the target layers that read it.
     features: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Finished target K/V of group members computed together with an earlier layer of their group.
@@ -167,6 +270,7 @@ class _PendingTransfer:
         for layer in self.sources.values():
             layer.map_tensors(fn)
         self.rope.map_positions(fn)
+        self.attention_mask = fn(self.attention_mask) if self.attention_mask is not None else None
         self.features.clear()
         self.ahead.clear()  # recomputed from the changed sources when asked for
         if self.sources:
@@ -202,6 +306,12 @@ class TransferredCache(DynamicCache):
         num_recompute_tokens: trailing prompt tokens left for the target to recompute (default 1).
         strict: when the source cache comes from `prefill`, its model's config is compared with the one the
             mapper was fit for; a difference beyond KV shapes warns, or raises with `strict=True`.
+        input_ids: `[batch, seq]` ids of the prompt the source cache holds. Recorded by `prefill` on its cache and
+            read from there when not given. With them, the cache refuses input that does not continue that prompt.
+        num_exact_layers: the target's first layers computed by the target itself from the prompt ids instead of
+            mapped (their keys and values depend on little context: layer 0's only on each token and its position),
+            at the cost of that share of a prefill (for layer 0: one layer's K/V projections). Needs the prompt ids
+            (see `input_ids`) and happens when the target first runs on the cache (`convert_all` maps every layer).
         compile_rope: strip and apply RoPE through `torch.compile` (one fused kernel instead of four passes):
             6-11% faster transfers on the bundled pair at 4096 tokens on CPU, after a one-off compile of several
             seconds. Off by default.
@@ -223,6 +333,8 @@ class TransferredCache(DynamicCache):
         num_recompute_tokens: int = 1,
         *,
         strict: bool = False,
+        input_ids: torch.Tensor | None = None,
+        num_exact_layers: int = 0,
         compile_rope: bool = False,
         revision: str | None = None,
         token: str | bool | None = None,
@@ -248,10 +360,22 @@ class TransferredCache(DynamicCache):
         device = next(iter(sources.values())).keys.device
         position_ids = position_ids_from_mask(attention_mask, batch_size, length, device)[:, :transferred]
         rope = _RopeTables(mapper.source_rotary(), mapper.target_rotary(), position_ids)
-        self._transfer: _PendingTransfer | None = _PendingTransfer(sources, rope, transferred, batch_size)
+        mask = attention_mask[:, :transferred] if attention_mask is not None else None
+        self._transfer: _PendingTransfer | None = _PendingTransfer(sources, rope, transferred, batch_size, mask)
         self._pending = set(range(len(self.layers)))
         self._transferred_tokens = transferred
-        self._warned_refeed = False
+        prompt_ids = input_ids if input_ids is not None else getattr(source_cache, "prompt_ids", None)
+        if prompt_ids is not None and tuple(prompt_ids.shape) != (batch_size, length):
+            raise ValueError(
+                f"input_ids has shape {list(prompt_ids.shape)} but the source cache holds {length} tokens x batch "
+                f"{batch_size}; pass the ids the source cache was built from"
+            )
+        # The ids of the prompt the source read (None when unknown): the target's input must continue them.
+        self.prompt_ids = prompt_ids
+        self._first_input_checked = False
+        if not 0 <= num_exact_layers <= len(self.layers):
+            raise ValueError(f"num_exact_layers must be in [0, {len(self.layers)}] (the target's layers), got {num_exact_layers}")
+        self.num_exact_layers = num_exact_layers
 
     def _read_source(self, source_cache: Cache | tuple) -> tuple[dict[int, _SourceLayer], int, int]:
         """The source layers the mapper reads, checked against the mapper's source layout."""
@@ -317,11 +441,23 @@ class TransferredCache(DynamicCache):
         return self._transfer.nbytes() if self._transfer is not None else 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self._pending and not self._first_input_checked:
+            self._check_first_input()
         if layer_idx in self._pending:
             return self._transfer.length
         return super().get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if query_length == 0:
+            raise ValueError(
+                f"the target was fed no token beyond the {self.get_seq_length()} this cache holds; pass input_ids that "
+                "continue them (the whole conversation so far plus the new tokens), or only the new tokens together "
+                "with an attention_mask covering the cached ones"
+            )
+        if self._pending and not self._first_input_checked:
+            self._check_first_input()
+        elif query_length > 1 and not self._pending:
+            self._check_continuation(query_length)  # a new turn (decode steps, one token each, skip this)
         # Masks and positions are built before any layer runs, so pending layers must already report
         # the sizes they will have once converted.
         if layer_idx not in self._pending:
@@ -334,6 +470,79 @@ class TransferredCache(DynamicCache):
             return kv_length, offset
         return length + query_length, 0
 
+    # -- what the target is fed: never a silent wrong answer ------------------------------------------
+    def _check_first_input(self) -> None:
+        """Check the first forward on the transferred tokens, before it builds positions and masks from them."""
+        caller = _CallerInputs.from_stack()
+        if caller.forward_ids is None:
+            return  # not inside a model forward (e.g. generate asking for the length first)
+        self._first_input_checked = True
+        if caller.model is not None:
+            # A model of another shape than the mapper's target (fewer layers, other heads) never gets output.
+            self.mapper.check_compatible(target_config=caller.model.config)
+        held, fed = self._transfer.length, caller.forward_ids
+        prompt = self.prompt_ids if self.prompt_ids is not None else (None if caller.direct else caller.sequence)
+        if held > 0 and prompt is not None and fed.shape[-1] >= held and _first_difference(fed[:, :held], prompt[:, :held]) is None:
+            # The forward re-feeds the transferred prompt from its start: transformers' assisted decoding and prompt
+            # lookup do on their first step, as does generate with num_recompute_tokens=0. Appending it would hold
+            # the prompt twice; the target computes it itself instead (exact, but nothing is saved).
+            warnings.warn(
+                f"the target is fed the {held} transferred prompt tokens again (assisted decoding and prompt lookup "
+                "re-feed the whole prompt on their first step; so does generate with num_recompute_tokens=0): it "
+                "recomputes them itself and the transferred cache is not used",
+                stacklevel=4,
+            )
+            self._pending.clear()
+            self._transfer = None
+            return
+        self._check_prompt(caller, held, fed.shape[-1])
+        if self.num_exact_layers and self.prompt_ids is not None and held > 0 and caller.model is not None:
+            self._compute_exact_layers(caller.model)
+
+    def _compute_exact_layers(self, model: PreTrainedModel) -> None:
+        """The target's own keys and values of its first `num_exact_layers` layers, in place of mapping them."""
+        transfer, exact = self._transfer, range(self.num_exact_layers)
+        own = _own_prefix(model, self.prompt_ids[:, : transfer.length], transfer.attention_mask, transfer.rope.position_ids, len(exact))
+        for t, kv in zip(exact, own):
+            transfer.ahead[t] = kv
+        for s, layer in list(transfer.sources.items()):
+            layer.readers.difference_update(exact)
+            if not layer.readers:
+                del transfer.sources[s]
+
+    def _check_continuation(self, query_length: int) -> None:
+        caller = _CallerInputs.from_stack()
+        if caller.forward_ids is not None and not caller.direct:
+            self._check_prompt(caller, self.get_seq_length(), query_length)
+
+    def _check_prompt(self, caller: _CallerInputs, held: int, fed_length: int) -> None:
+        """The input must continue the prompt this cache was built for: generate's sequence starts with it (or only
+        new tokens are passed, with a mask covering the cached ones); a direct forward feeds the tokens that follow."""
+        only_new = caller.sequence.shape[-1] == fed_length and caller.mask_length == held + fed_length
+        if only_new:
+            return
+        sequence = caller.sequence if not caller.direct else None
+        if sequence is not None and sequence.shape[-1] < held:
+            raise ValueError(
+                f"input_ids hold {sequence.shape[-1]} tokens but this cache already holds {held}; pass the whole "
+                "conversation so far (the cached tokens, then the new ones), or only the new tokens together with an "
+                "attention_mask covering the cached ones"
+            )
+        if self.prompt_ids is None:
+            return
+        if sequence is not None:
+            count = min(sequence.shape[-1], self.prompt_ids.shape[-1])
+            where = _first_difference(sequence[:, :count], self.prompt_ids[:, :count])
+        else:  # a direct forward: its tokens sit at positions held, held + 1, ...
+            count = max(min(fed_length, self.prompt_ids.shape[-1] - held), 0)
+            where = _first_difference(caller.forward_ids[:, :count], self.prompt_ids[:, held : held + count])
+            where = None if where is None else held + where
+        if where is not None:
+            raise ValueError(
+                f"the target's input_ids differ from the prompt this cache was built for (first at position {where}); "
+                "build a TransferredCache from the source's cache of this prompt (one cache per prompt)"
+            )
+
     # -- conversion ---------------------------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -344,20 +553,8 @@ class TransferredCache(DynamicCache):
                 f"{self.mapper.config.target_model_id}); load the mapper made for this target model"
             )
         if layer_idx in self._pending:
-            self._check_refeed(key_states)
             self._convert(layer_idx, key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def _check_refeed(self, key_states: torch.Tensor) -> None:
-        length = self._transfer.length
-        if self.num_recompute_tokens == 0 and not self._warned_refeed and key_states.shape[-2] == length > 1:
-            self._warned_refeed = True
-            warnings.warn(
-                f"the target is fed {length} tokens on top of a transferred cache of the same length. If these "
-                "are the prompt tokens again (generate re-feeds the whole prompt when the cache covers all of it), "
-                "the output is wrong: use num_recompute_tokens >= 1 (the default) or pass only the new tokens.",
-                stacklevel=3,
-            )
 
     def _feature_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
         # The wider of the source's and the mapper's dtype: a bf16 source is stripped at a float32 mapper's
@@ -528,7 +725,9 @@ class TransferredCache(DynamicCache):
         if all(t in transfer.ahead for t in readers):  # every other reader is mapped already
             transfer.features.pop(selected, None)
         for s in selected:
-            layer = transfer.sources[s]
+            layer = transfer.sources.get(s)
+            if layer is None:  # read only by layers the target computed itself (num_exact_layers)
+                continue
             layer.readers.discard(layer_idx)
             if not layer.readers:
                 # Every reader of this source layer is converted: free it (the caller's cache keeps its own).
@@ -566,7 +765,14 @@ class TransferredCache(DynamicCache):
         return self
 
     # -- cache operations that must also act on what is not converted yet -----------------------------
+    def _map_prompt(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.prompt_ids is not None:
+            self.prompt_ids = fn(self.prompt_ids)
+
     def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0:
+            keep = self.get_seq_length() + tokens_to_remove
+            self._map_prompt(lambda t: t[:, : max(keep, 0)])
         if self._transfer is not None and tokens_to_remove < 0:
             transfer = self._transfer
             transfer.length -= min(-tokens_to_remove, transfer.length)
@@ -586,16 +792,21 @@ class TransferredCache(DynamicCache):
                 repeats = batch_size // transfer.batch_size
                 transfer.map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
             transfer.map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        if self.prompt_ids is not None and beam_idx.numel() % self.prompt_ids.shape[0] == 0:
+            repeats = beam_idx.numel() // self.prompt_ids.shape[0]
+            self._map_prompt(lambda t: t.repeat_interleave(repeats, dim=0).index_select(0, beam_idx.to(t.device)))
         super().reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._transfer is not None:
             self._transfer.map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_prompt(lambda t: t.repeat_interleave(repeats, dim=0))
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._transfer is not None:
             self._transfer.map_tensors(lambda t: t[indices.to(t.device)])
+        self._map_prompt(lambda t: t[indices.to(t.device)])
         super().batch_select_indices(indices)
 
     def reset(self) -> None:

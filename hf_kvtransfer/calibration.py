@@ -9,15 +9,17 @@ reproduced and a resumed run can check it continues the same sample.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads inside the functions: fit_config (and `hf-kvtransfer --help`) import this module
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,46 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
         yield from (t for t in batch.column(0).to_pylist() if t)
 
 
+@contextlib.contextmanager
+def _quiet_retries():
+    """huggingface_hub logs every HTTP retry of `datasets` as a warning; the error that follows says it all."""
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub.utils._http", "datasets.utils.file_utils")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _check_hub_dataset(dataset: str) -> None:
+    """One request for the dataset's info: a mistyped id fails here at once, instead of after `datasets` has
+    retried for half a minute. Skipped in offline mode (the `datasets` cache may hold it)."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    if constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in constants.ENV_VARS_TRUE_VALUES:
+        return
+    try:
+        HfApi(endpoint=constants.ENDPOINT).dataset_info(dataset, timeout=30)
+    except GatedRepoError:
+        return  # it exists; `datasets` says what to do about access
+    except (RepositoryNotFoundError, HFValidationError) as exc:
+        raise FileNotFoundError(
+            f"dataset {dataset!r} is neither a local file or directory nor a dataset on the Hub ({constants.ENDPOINT}) "
+            "(a private one needs `hf auth login`); check the id, or pass a local .txt/.jsonl/.parquet file or "
+            "directory with --dataset"
+        ) from exc
+    except Exception as exc:  # network down, timeouts, server errors: one line, no retries
+        raise OSError(
+            f"could not reach the Hub ({constants.ENDPOINT}) to find dataset {dataset!r}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}; check your network, set HF_HUB_OFFLINE=1 to use the "
+            "datasets cache, or pass a local file with --dataset"
+        ) from exc
+
+
 def iter_documents(
     dataset: str | os.PathLike,
     dataset_config: str | None = None,
@@ -122,12 +164,14 @@ def iter_documents(
         return
     if str(dataset).endswith(LOCAL_SUFFIXES) or str(dataset).startswith((".", "/", "~")):
         raise FileNotFoundError(f"calibration file {dataset} does not exist")
+    _check_hub_dataset(str(dataset))
     try:
         import datasets
 
-        stream = datasets.load_dataset(str(dataset), dataset_config, split=split, streaming=True)
-        rows = iter(stream)
-        first = next(rows, None)
+        with _quiet_retries():
+            stream = datasets.load_dataset(str(dataset), dataset_config, split=split, streaming=True)
+            rows = iter(stream)
+            first = next(rows, None)
     except Exception as exc:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ...)
         raise OSError(
             f"could not stream dataset {dataset!r} (config {dataset_config!r}, split {split!r}): {exc}. "
@@ -179,12 +223,16 @@ def pack_documents(
                 break
     if chunk and len(rows) < num_sequences:
         flush(chunk)
+    import torch
+
     # Documents tokenized in the last chunk past the point where the sample filled up were not used.
     return torch.tensor(rows, dtype=torch.long).reshape(len(rows), seq_len), num_documents
 
 
 def sample_hash(input_ids: torch.Tensor) -> str:
     """SHA-256 of the exact token sample (shape + little-endian int64 ids)."""
+    import torch
+
     h = hashlib.sha256(f"{tuple(input_ids.shape)}".encode())
     h.update(input_ids.to(torch.int64).contiguous().numpy().astype("<i8").tobytes())
     return h.hexdigest()

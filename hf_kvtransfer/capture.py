@@ -29,7 +29,8 @@ def prefill(
         cache: an existing cache to extend (positions continue from its length). Optional.
 
     Returns:
-        The filled `DynamicCache` (keys are stored with RoPE applied, as transformers stores them).
+        The filled `DynamicCache` (keys are stored with RoPE applied, as transformers stores them). It also records
+        `source_model_config` and `prompt_ids` (all the ids it holds), which `TransferredCache` checks.
 
     Example:
         ```python
@@ -58,8 +59,16 @@ def prefill(
         cache=cache,
         use_cache=True,
     )
-    # Lets TransferredCache check that the mapper was fit for this source model (a config is small).
+    # Lets TransferredCache check that the mapper was fit for this source model (a config is small) and that the
+    # target is later given the same prompt.
     cache.source_model_config = model.config
+    previous = getattr(cache, "prompt_ids", None)
+    if past == 0:
+        cache.prompt_ids = input_ids
+    elif previous is not None and previous.shape == (batch_size, past):
+        cache.prompt_ids = torch.cat([previous.to(device), input_ids], dim=-1)
+    else:  # extended a cache whose earlier tokens are unknown here
+        cache.prompt_ids = None
     return cache
 
 

@@ -12,24 +12,41 @@ import os
 import sys
 import textwrap
 
-from . import __version__
+from .version import __version__
 
-# Errors a user can act on: printed as one line plus a hint; the traceback only with --debug / HF_DEBUG=1.
-_KNOWN_ERRORS = (ValueError, FileNotFoundError, OSError, ImportError, TypeError, KeyError)
+_DEBUG_HINT = "rerun with --debug (or HF_DEBUG=1) for the full traceback"
+
+
+class CLIError(Exception):
+    """A failure the command line reports as `error: <message>` plus `hint: <hint>`, without a traceback."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """Errors a user can act on (bad input, a missing file or repo, the network, a missing optional package):
+    one line plus a hint. Anything else (TypeError, KeyError, ...) is a bug in this library and keeps its traceback."""
+    if isinstance(exc, ImportError):
+        return "pip install" in str(exc)  # ours say what to install; any other is a broken environment or a bug
+    # OSError covers the Hub's errors (MapperHubError and huggingface_hub's HTTP errors) and the file system's.
+    return isinstance(exc, (CLIError, ValueError, OSError))
 
 
 def _example(text: str) -> str:
     return "example:\n" + textwrap.indent(textwrap.dedent(text).strip(), "  ")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf-kvtransfer` parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="hf-kvtransfer",
         description="Reuse a source model's KV cache in a target model of the same family (no re-prefill).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_example(
             """
-            hf-kvtransfer demo
+            hf-kvtransfer demo --family family
             hf-kvtransfer info ./mappers/small-to-large
             """
         ),
@@ -113,20 +130,37 @@ def _add_info(subparsers) -> None:
 def _run_info(args) -> int:
     import json
 
-    from .hub import resolve_mapper_dir
-    from .checkpoint import checkpoint_info
-    from .hub import CONFIG_NAME
+    from .checkpoint import checkpoint_info, weight_files
+    from .hub import CONFIG_NAME, REPORT_NAME, resolve_mapper_dir
 
     path = resolve_mapper_dir(args.mapper, revision=args.revision, token=args.token)
     config = json.loads((path / CONFIG_NAME).read_text())
     if args.json:
         print(json.dumps(config, indent=2, sort_keys=True))
         return 0
-    print(_format_info(config, checkpoint_info(path)["total_size"]))
+    for weights in weight_files(path):  # describe only weights that load (every shard)
+        _check_weights(weights)
+    report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
+    print(_format_info(config, checkpoint_info(path)["total_size"], report))
     return 0
 
 
-def _format_info(config: dict, weights_bytes: int) -> str:
+def _check_weights(weights_path) -> None:
+    """Open a safetensors file as `KVMapper.from_pretrained` would (header and every tensor), without torch:
+    a truncated or corrupt download is an error naming the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights_path), framework="numpy") as f:
+            for name in f.keys():
+                f.get_slice(name)
+    except Exception as exc:  # safetensors raises its own SafetensorError, OSError or ValueError
+        raise ValueError(
+            f"cannot read {weights_path}: {exc} (truncated or corrupt download? delete it and download again)"
+        ) from exc
+
+
+def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -> str:
     def fp(which: str) -> str:
         f = config.get(f"{which}_fingerprint", {})
         name = config.get(f"{which}_model_id") or "?"
@@ -156,7 +190,7 @@ def _format_info(config: dict, weights_bytes: int) -> str:
                 f"{label + ':':<13}K mean {sum(rk) / len(rk):.4f} (min {min(rk):.4f}), "
                 f"V mean {sum(rv) / len(rv):.4f} (min {min(rv):.4f})"
             )
-    for name, value in sorted((config.get("eval_results") or {}).items()):
+    for name, value in sorted(((report or {}).get("eval_results") or {}).items()):
         lines.append(f"eval:        {name} = {value}")
     return "\n".join(lines)
 
@@ -168,12 +202,9 @@ _SUBCOMMANDS += [_add_push, _add_info]
 
 
 def _load_pair(args):
-    import torch
+    from .models import load_pair
 
-    from .demo import load_models
-
-    dtype = getattr(torch, args.dtype)
-    return load_models(args.source, args.target, device=args.device, dtype=dtype)
+    return load_pair(args.source, args.target, device=args.device, dtype=args.dtype)
 
 
 def _add_eval(subparsers) -> None:
@@ -182,8 +213,8 @@ def _add_eval(subparsers) -> None:
         "eval",
         "measure what a mapper retains: prefix-conditioned perplexity, multiple choice, diagnostics, multi-turn drift",
         """
-        hf-kvtransfer eval --source examples/family/small --target examples/family/large \\
-            --mapper ./small-to-large --text examples/family/heldout.txt --json eval.json --plot eval.png
+        hf-kvtransfer eval --source family/small --target family/large \\
+            --mapper ./small-to-large --text family/heldout.txt --json eval.json --plot eval.png
         """,
     )
     p.add_argument("--source", required=True, help="source model id or path")
@@ -215,17 +246,19 @@ def _run_eval(args) -> int:
     import json
     from pathlib import Path
 
-    from .evaluate import _pyplot, evaluate, load_multiple_choice, plot_results, results_to_markdown
+    from .evaluate import evaluate
     from .mapper import KVMapper
+    from .multiple_choice import load_multiple_choice
+    from .reporting import evaluation_markdown, plot_evaluation, pyplot
 
     if args.plot:
-        _pyplot()  # a missing matplotlib fails before the run, not after it
-    source, target, tokenizer = _load_pair(args)
+        pyplot()  # a missing matplotlib fails before the run, not after it
+    # Mappers (small) before models (large): a broken or mistyped one fails at once.
     mapper = KVMapper.from_pretrained(args.mapper)
+    reverse = KVMapper.from_pretrained(args.reverse_mapper) if args.reverse_mapper else None
+    source, target, tokenizer = _load_pair(args)
     mapper.check_compatible(source.config, target.config)
-    reverse = None
-    if args.reverse_mapper:
-        reverse = KVMapper.from_pretrained(args.reverse_mapper)
+    if reverse is not None:
         reverse.check_compatible(target.config, source.config)
     items = load_multiple_choice(args.mc, tokenizer, args.mc_limit) if args.mc else None
     results = evaluate(
@@ -236,7 +269,7 @@ def _run_eval(args) -> int:
         batch_size=args.batch_size, seed=args.seed,
     )
     results["config"].update(source=args.source, target=args.target, mapper=args.mapper, text=args.text)
-    table = results_to_markdown(results)
+    table = evaluation_markdown(results)
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -244,7 +277,7 @@ def _run_eval(args) -> int:
     if args.markdown:
         Path(args.markdown).write_text(table, encoding="utf-8")
     if args.plot:
-        plot_results(results, args.plot)
+        plot_evaluation(results, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -256,7 +289,7 @@ def _add_demo(subparsers) -> None:
         "transfer a prompt's cache from a small model to a large one and compare with the large model's own run "
         "(offline on the bundled family when run without arguments)",
         """
-        hf-kvtransfer demo
+        hf-kvtransfer demo --family family
         hf-kvtransfer demo --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --mapper org/qwen3-0.6b-to-1.7b \\
             --text my_eval.txt
         """,
@@ -264,7 +297,7 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--source", help="source model id or path (default: the bundled family's small model)")
     p.add_argument("--target", help="target model id or path (default: the bundled family's large model)")
     p.add_argument("--mapper", help="fitted mapper id or path (default: fit one on --calibration now)")
-    p.add_argument("--family", help="directory of the bundled family (default: examples/family of the checkout)")
+    p.add_argument("--family", help="model family directory: small/, large/, calibration.txt, heldout.txt (default: $HF_KVTRANSFER_FAMILY; the repository ships one)")
     p.add_argument("--calibration", help="text file to fit the mapper on (default: the family's calibration.txt)")
     p.add_argument("--num-sequences", type=int, default=64, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (default 256)")
@@ -284,9 +317,13 @@ def _run_demo(args) -> int:
 
     from .demo import format_demo, run_demo
 
+    from .mapper import KVMapper
+
     top_k = args.top_k if args.top_k == "all" else int(args.top_k)
+    # A given mapper loads before the models: a broken or mistyped one fails at once.
+    mapper = KVMapper.from_pretrained(args.mapper) if args.mapper else None
     result = run_demo(
-        args.source, args.target, args.mapper, family=args.family, prompt=args.prompt,
+        args.source, args.target, mapper, family=args.family, prompt=args.prompt,
         max_new_tokens=args.max_new_tokens, calibration=args.calibration, num_sequences=args.num_sequences,
         seq_len=args.seq_len, top_k=top_k, text=args.text, eval_windows=args.eval_windows, device=args.device,
     )
@@ -299,7 +336,52 @@ def _run_demo(args) -> int:
 _SUBCOMMANDS += [_add_demo, _add_eval]
 
 
-# -- fit (fit.py, calibration.py) ------------------------------------------------------------------------
+# -- fit / solve (workflow.py), options generated from FitConfig ----------------------------------------------
+
+_GROUP_TITLES = {
+    "solve": "what is solved",
+    "data": "calibration data",
+    "fit": "the calibration pass",
+    "mlp": "MLP mapper (--mapper mlp; paper: 2 x 1024 ReLU units, Adam, MSE)",
+}
+_SOLVE_FIELDS = ("top_k", "ridge_lambda", "refit", "rank", "mapper_dtype")
+
+
+def _add_config_options(parser: argparse.ArgumentParser, names=None) -> None:
+    """One option per `FitConfig` field (its metadata: flag, help, group, choices); unset options keep the
+    dataclass default, so defaults live in one place."""
+    from .fit_config import fields_for_cli
+
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields_for_cli(names):
+        meta = f.metadata
+        group = groups.get(meta["group"])
+        if group is None:
+            group = groups[meta["group"]] = parser.add_argument_group(_GROUP_TITLES[meta["group"]])
+        flag = meta["cli"] or "--" + f.name.replace("_", "-")
+        kwargs = {"dest": f.name, "help": meta["help"], "default": argparse.SUPPRESS}
+        kind = str(f.type)
+        if meta.get("invert"):
+            kwargs["action"] = "store_false"
+        elif meta.get("boolean_optional"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind.startswith("bool"):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = int if kind.startswith("int") else float if kind.startswith("float") else str
+            for key in ("choices", "metavar"):
+                if key in meta:
+                    kwargs[key] = meta[key]
+        group.add_argument(flag, **kwargs)
+
+
+def fit_config_from_args(args):
+    """The `FitConfig` of the options given on the command line (dataclass defaults for the rest)."""
+    from .fit_config import FIELD_NAMES, FitConfig
+
+    return FitConfig(**{name: value for name, value in vars(args).items() if name in FIELD_NAMES})
+
+
 
 
 def _add_fit(subparsers) -> None:
@@ -310,8 +392,8 @@ def _add_fit(subparsers) -> None:
         "k=8, lambda=0.01); resumable, distributed under torchrun",
         """
         hf-kvtransfer fit --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --output mappers/0.6b-to-1.7b
-        hf-kvtransfer fit --source examples/family/small --target examples/family/large \\
-            --dataset examples/family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 1,2,all \\
+        hf-kvtransfer fit --source family/small --target family/large \\
+            --dataset family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 1,2,all \\
             --output mappers/family
         torchrun --nproc-per-node 8 -m hf_kvtransfer.cli fit --source Qwen/Qwen3-14B --target Qwen/Qwen3-32B \\
             --dtype bfloat16 --top-k auto --stats-dir stats/14b-32b --output mappers/14b-to-32b
@@ -320,84 +402,40 @@ def _add_fit(subparsers) -> None:
     p.add_argument("--source", required=True, help="source model id or local directory")
     p.add_argument("--target", required=True, help="target model id or local directory")
     p.add_argument("--output", required=True, help="mapper directory (one subdirectory per k when several)")
-    p.add_argument("--dataset", help="Hub dataset id (streamed) or local .txt/.jsonl/.parquet file or directory "
-                   "(default HuggingFaceFW/fineweb-edu, config sample-10BT)")  # fmt: skip
-    p.add_argument("--dataset-config", help="Hub dataset config (default sample-10BT for the default dataset)")
-    p.add_argument("--split", default="train", help="dataset split (default train)")
-    p.add_argument("--text-field", default="text", help="text column of .jsonl/.parquet/Hub rows (default text)")
-    p.add_argument("--num-sequences", type=int, default=500, help="calibration sequences (default 500)")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per packed sequence (default 1024)")
-    p.add_argument("--stride", type=int, default=4, help="use every n-th token (default 4)")
-    p.add_argument("--top-k", default="8", help="source layers per target layer: N, 'all', several ('1,2,all': one "
-                   "mapper each from one pass) or 'auto' (pick by held-out R^2, among listed values if any)")  # fmt: skip
-    p.add_argument("--ridge-lambda", default="0.01", help="ridge penalty (default 0.01) or 'auto' (held-out R^2)")
-    p.add_argument("--heldout-fraction", type=float, default=0.1,
-                   help="share of sequences held out for out-of-sample R^2 and 'auto' (default 0.1; 0 disables)")  # fmt: skip
-    p.add_argument("--no-refit", action="store_true", help="keep the fit-shard weights (default: refit on all sequences)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     p.add_argument("--dtype", default="auto", help="model dtype: auto, float32, bfloat16, float16 (default auto)")
     p.add_argument("--device-map", help="accelerate device map for both models, e.g. auto or cuda:0")
     p.add_argument("--source-revision", help="source model revision")
     p.add_argument("--target-revision", help="target model revision")
-    p.add_argument("--stats-dir", help="keep the statistics (train/, heldout/) and checkpoints here for later refits")
-    p.add_argument("--checkpoint-every", type=int, default=64, help="checkpoint every N sequences per rank (default 64)")
-    p.add_argument("--statistics-device", help="where the sums live (default: the target's GPU if they fit, else cpu)")
+    p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--push-to-hub", metavar="REPO", help="also upload the mapper to this Hub repo")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    p.add_argument("--two-stage", action=argparse.BooleanOptionalAction, default=None,
-                   help="bounded memory: probe layer selection on --probe-tokens tokens, then keep only the blocks "
-                   "of the top-k layers (default: automatic when the full statistics exceed the memory budget)")  # fmt: skip
-    p.add_argument("--probe-tokens", type=int, default=8192, help="tokens for the two-stage probe (default 8192)")
-    p.add_argument("--max-statistics-memory", type=float, metavar="GIB",
-                   help="budget for the statistics before switching to two-stage (default: half the free memory)")  # fmt: skip
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--rank", metavar="SPEC",
-                   help="reduced-rank ridge mapper from the same statistics: an integer rank per map, energy=F (per "
-                   "map, the smallest rank keeping this fraction of the fitted variance, e.g. 0.99) or budget=F "
-                   "(parameters, a count or a fraction of full rank); default full rank")  # fmt: skip
-    p.add_argument("--mapper-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weight dtype of the written mapper; bfloat16 halves the file and runs the transfer's GEMMs "
-                   "in bf16 (float32 accumulation); default float32")  # fmt: skip
-    p.add_argument("--mapper", choices=("ridge", "mlp"), default="ridge",
-                   help="ridge (closed form, default) or mlp: an MLP per target layer and K|V, by default a residual "
-                   "on top of ridge with early stopping on the held-out sequences")  # fmt: skip
-    mlp = p.add_argument_group("MLP mapper (--mapper mlp; paper: 2 x 1024 ReLU units, Adam, MSE)")
-    mlp.add_argument("--mlp-hidden-size", type=int, default=1024, help="hidden units per layer (default 1024)")
-    mlp.add_argument("--mlp-layers", type=int, default=2, help="hidden layers (default 2)")
-    mlp.add_argument("--mlp-epochs", type=int, default=20, help="maximum epochs (default 20)")
-    mlp.add_argument("--mlp-lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
-    mlp.add_argument("--mlp-batch-size", type=int, default=256, help="tokens per Adam step (default 256)")
-    mlp.add_argument("--mlp-patience", type=int, default=5,
-                     help="stop after this many epochs without held-out improvement (default 5)")  # fmt: skip
-    mlp.add_argument("--mlp-plain", action="store_true", help="the paper's plain MLP instead of a residual on ridge")
-    mlp.add_argument("--mlp-per-head", action="store_true", help="one MLP per target KV head (the paper's layout)")
-    mlp.add_argument("--mlp-feature-stride", type=int,
-                     help="token stride of the features the MLP trains on (default: --stride); raise it to save memory")  # fmt: skip
-    mlp.add_argument("--mlp-device", help="where the MLPs train (default: the source model's device)")
-    mlp.add_argument("--seed", type=int, default=0, help="seed of the MLP's held-out split, init and shuffling (default 0)")
+    _add_config_options(p)
     p.set_defaults(func=_run_fit)
 
 
 def _run_fit(args) -> int:
-    from .fit import fit_and_save
+    from .workflow import fit_and_save, fit_checkpoint_dir
 
-    results = fit_and_save(
-        args.source, args.target, args.output, dataset=args.dataset, dataset_config=args.dataset_config,
-        split=args.split, text_field=args.text_field, num_sequences=args.num_sequences, seq_len=args.seq_len,
-        stride=args.stride, top_k=args.top_k, ridge_lambda=args.ridge_lambda, batch_size=args.batch_size,
-        dtype=args.dtype, device_map=args.device_map, source_revision=args.source_revision,
-        target_revision=args.target_revision, heldout_fraction=args.heldout_fraction, refit=not args.no_refit,
-        stats_dir=args.stats_dir, checkpoint_every=args.checkpoint_every, statistics_device=args.statistics_device,
-        push_to_hub=args.push_to_hub, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
-        two_stage=args.two_stage, probe_tokens=args.probe_tokens, max_statistics_memory=args.max_statistics_memory,
-        low_rank=args.rank, mapper_dtype=args.mapper_dtype, log=lambda line: print(line, file=sys.stderr),
-        mapper_type=args.mapper,
-        mlp_kwargs=dict(
-            hidden_size=args.mlp_hidden_size, num_hidden_layers=args.mlp_layers, epochs=args.mlp_epochs,
-            lr=args.mlp_lr, batch_size=args.mlp_batch_size, patience=args.mlp_patience, residual=not args.mlp_plain,
-            per_head=args.mlp_per_head, feature_stride=args.mlp_feature_stride, device=args.mlp_device, seed=args.seed,
-        ),
-    )
+    config = fit_config_from_args(args)
+    try:
+        results = fit_and_save(
+            args.source, args.target, args.output, config, dtype=args.dtype, device_map=args.device_map,
+            source_revision=args.source_revision, target_revision=args.target_revision,
+            trust_remote_code=args.trust_remote_code, push_to_hub=args.push_to_hub, overwrite=args.overwrite,
+            log=lambda line: print(line, file=sys.stderr),
+        )  # fmt: skip
+    except KeyboardInterrupt as exc:
+        where = fit_checkpoint_dir(args.output, config)
+        saved = sorted(where.glob("checkpoint-*.safetensors")) if where is not None and where.is_dir() else []
+        done = str(exc).split(";")[0].removeprefix("interrupted ") if str(exc).startswith("interrupted after") else ""
+        if saved:
+            args.interrupted_message = (
+                f"interrupted{' ' + done if done else ''}; the statistics so far are checkpointed in {where}\n"
+                "hint: run the same command again to resume from there"
+            )
+        else:
+            args.interrupted_message = "interrupted before a checkpoint was written: running the command again starts over"
+        raise
     _print_written(results)
     return 0
 
@@ -425,8 +463,8 @@ def _add_solve(subparsers) -> None:
         "solve",
         "solve mappers from statistics a fit kept (--stats-dir): any k, lambda, rank or weight dtype, no models loaded",
         """
-        hf-kvtransfer fit --source examples/family/small --target examples/family/large \\
-            --dataset examples/family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 4 \\
+        hf-kvtransfer fit --source family/small --target family/large \\
+            --dataset family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 4 \\
             --stats-dir stats/family --output mappers/family-k4
         hf-kvtransfer solve --stats-dir stats/family --top-k 4 --rank energy=0.99 --mapper-dtype bfloat16 \\
             --output mappers/family-k4-small
@@ -434,23 +472,17 @@ def _add_solve(subparsers) -> None:
     )
     p.add_argument("--stats-dir", required=True, help="the --stats-dir of a fit (holds train/ and maybe heldout/)")
     p.add_argument("--output", required=True, help="mapper directory (one subdirectory per k when several)")
-    p.add_argument("--top-k", default="8", help="N, 'all', several ('1,2,all') or 'auto' (held-out R^2), as for fit")
-    p.add_argument("--ridge-lambda", default="0.01", help="ridge penalty (default 0.01) or 'auto'")
-    p.add_argument("--no-refit", action="store_true", help="solve on the fit shard only (default: fit + held-out)")
-    p.add_argument("--rank", metavar="SPEC", help="reduced rank: an integer, energy=F or budget=F (as for fit)")
-    p.add_argument("--mapper-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weight dtype of the written mapper (default float32)")  # fmt: skip
+    _add_config_options(p, _SOLVE_FIELDS)
     p.add_argument("--push-to-hub", metavar="REPO", help="also upload the mapper to this Hub repo")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.set_defaults(func=_run_solve)
 
 
 def _run_solve(args) -> int:
-    from .fit import solve_and_save
+    from .workflow import solve_and_save
 
     results = solve_and_save(
-        args.stats_dir, args.output, top_k=args.top_k, ridge_lambda=args.ridge_lambda, refit=not args.no_refit,
-        low_rank=args.rank, mapper_dtype=args.mapper_dtype, push_to_hub=args.push_to_hub, overwrite=args.overwrite,
+        args.stats_dir, args.output, fit_config_from_args(args), push_to_hub=args.push_to_hub, overwrite=args.overwrite,
         log=lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
     _print_written(results)
@@ -508,7 +540,7 @@ _SUBCOMMANDS += [_add_plan]
 
 
 def _add_bench(subparsers) -> None:
-    from .bench import add_arguments
+    from . import timing as bench  # the default lengths, without importing torch for `--help`
 
     p = _subparser(
         subparsers,
@@ -517,23 +549,62 @@ def _add_bench(subparsers) -> None:
         "memory, over sequence lengths; writes bench.json, bench.md and bench.png (runs with OMP_WAIT_POLICY=PASSIVE)",
         """
         hf-kvtransfer bench --shapes family --seq-lens 256 1024 4096 --ranks full 16 8 --output-dir bench_out
-        hf-kvtransfer bench --source examples/family/small --target examples/family/large \\
-            --calibration-text examples/family/calibration.txt --ranks full energy=0.99 budget=0.25
+        hf-kvtransfer bench --source family/small --target family/large \\
+            --calibration-text family/calibration.txt --ranks full energy=0.99 budget=0.25
         hf-kvtransfer bench --quick --device cuda      # < 3 minutes on one GPU
         """,
     )
-    add_arguments(p)
+    p.add_argument("--source", help="source model dir / Hub id (default: random models of the family's shapes)")
+    p.add_argument("--target", help="target model dir / Hub id")
+    p.add_argument("--shapes", choices=["family"], default=None,
+                   help="time random-weight models with the bundled family's shapes (no checkpoints needed)")
+    p.add_argument("--mapper", action="append", default=[], metavar="[NAME=]PATH",
+                   help="a saved mapper to time (repeatable); without one, mappers are solved here (see --ranks)")
+    p.add_argument("--statistics", help="saved KVStatistics to solve mappers from (else collected here)")
+    p.add_argument("--calibration-text", help="text file for the statistics (tokenized with --target's tokenizer); "
+                   "default: random tokens, fine for timing")
+    p.add_argument("--calibration-tokens", type=int, default=16384, help="tokens of calibration (default %(default)s)")
+    p.add_argument("--heldout-tokens", type=int, default=0,
+                   help="also report held-out K/V R^2 per mapper (and with bf16-rounded weights) on this many tokens "
+                   "of --heldout-text (default: random tokens); 0 skips (default)")
+    p.add_argument("--heldout-text", help="text file for --heldout-tokens (tokenized with --target's tokenizer)")
+    p.add_argument("--top-k", default="4", help="source layers per target layer for solved mappers (default 4)")
+    p.add_argument("--ranks", nargs="+", default=["full", "16", "8"],
+                   help="mappers to solve: full, an integer rank, energy=0.99, budget=0.25, each optionally with "
+                   "another top-k as kN:SPEC (k1:full) and a weight/compute dtype as SPEC@bf16 (full@bf16); the "
+                   "first one is also used for TTFT and decode (default: full 16 8)")
+    p.add_argument("--seq-lens", type=int, nargs="+", help=f"context lengths (default {' '.join(map(str, bench.DEFAULT_SEQ_LENS))})")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5, quick 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per repeat (default 8)")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model and mapper dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"seq lens {' '.join(map(str, bench.QUICK_SEQ_LENS))}, 3 repeats, 4 decode steps, ranks full 8")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                   help="RoPE through torch.compile for the transfer (TransferredCache.compile_rope): off, on, or "
+                   "both (times each mapper both ways; default off)")
+    p.add_argument("--no-ttft", action="store_true", help="skip time-to-first-token through generate")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode-step comparison")
+    p.add_argument("--output-dir", default="bench_results", help="where bench.json/.md/.png go (default %(default)s)")
+    p.add_argument("--no-reexec", action="store_true",
+                   help="do not re-execute with OMP_WAIT_POLICY=PASSIVE when it is unset (it is recorded either way)")
     p.set_defaults(func=_run_bench)
 
 
 def _run_bench(args) -> int:
-    from .bench import reexec_with_passive_omp, results_to_markdown, run_from_args
+    from .bench import reexec_with_passive_omp, run_from_args
+    from .reporting import bench_markdown, save_bench_report
 
-    if not args.no_reexec and "bench" in sys.argv[1:]:
+    if not args.no_reexec and args.command_line is not None:
         # OpenMP reads OMP_WAIT_POLICY when torch loads, i.e. before we get here: re-run with it set.
-        reexec_with_passive_omp("hf_kvtransfer.cli", sys.argv[1:])
+        reexec_with_passive_omp("hf_kvtransfer.cli", args.command_line)
     report = run_from_args(args)
-    print(results_to_markdown(report), end="")
+    paths = save_bench_report(report, args.output_dir)
+    logging.getLogger(__name__).info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    print(bench_markdown(report), end="")
     print(f"results in {args.output_dir}/bench.{{json,md,png}}")
     return 0
 
@@ -542,8 +613,10 @@ _SUBCOMMANDS += [_add_bench]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
+    # The process's own command line (None when called from Python): what `bench` re-executes itself with.
+    args.command_line = sys.argv[1:] if argv is None else None
     if args.command is None:
         parser.print_help()
         return 2
@@ -552,13 +625,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(getattr(args, "interrupted_message", None) or "interrupted", file=sys.stderr)
         return 130
-    except _KNOWN_ERRORS as exc:
-        if debug:
+    except Exception as exc:
+        if debug or not _is_user_error(exc):
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        print("hint: rerun with --debug (or HF_DEBUG=1) for the full traceback", file=sys.stderr)
+        message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the exception held
+        print(f"error: {message}", file=sys.stderr)
+        print(f"hint: {getattr(exc, 'hint', None) or _DEBUG_HINT}", file=sys.stderr)
         return 1
 
 

@@ -1,14 +1,13 @@
 """The README's first command: move a prompt's cache from a small model to a large one and show what changes.
 
-Offline by default, on the small trained Qwen3 family bundled in the repository (`examples/family/`); with
-Hub ids (or local paths) for `source` / `target` / `mapper`, the same run on real models.
+Offline with `family=` (a directory of small/large checkpoints and texts, like the trained Qwen3 family the
+repository ships); with Hub ids (or local paths) for `source` / `target` / `mapper`, the same run on real models.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,11 @@ import torch
 
 from .cache import TransferredCache
 from .capture import prefill
+from .evaluate import prefix_perplexity, split_documents, text_windows
 from .fit import fit_mapper
 from .mapper import KVMapper
+from .models import load_pair
+from .timing import median_ms, time_call
 
 logger = logging.getLogger(__name__)
 
@@ -27,62 +29,34 @@ DEFAULT_PROMPT_TOKENS = 192
 
 
 def find_family(path: str | os.PathLike | None = None) -> Path:
-    """Locate the bundled model family: `path`, `$HF_KVTRANSFER_FAMILY`, or `examples/family` of the checkout.
+    """Locate a model family directory (`small/` and `large/` checkpoints, `calibration.txt`, `heldout.txt`):
+    `path`, else `$HF_KVTRANSFER_FAMILY`.
 
     Raises:
-        FileNotFoundError: with how to get it (it ships in the git repository, not in the wheel).
+        FileNotFoundError: with how to point at one (the repository ships a trained family; the wheel does not).
     """
-    candidates = [Path(path)] if path else []
-    if not path and os.environ.get(FAMILY_ENV):
-        candidates.append(Path(os.environ[FAMILY_ENV]))
-    if not path:
-        candidates += [Path(__file__).resolve().parent.parent / "examples" / "family", Path.cwd() / "examples" / "family"]
-    for candidate in candidates:
-        if all((candidate / name / "model.safetensors").is_file() for name in ("small", "large")):
-            return candidate
-    tried = ", ".join(str(c) for c in candidates)
+    candidate = path or os.environ.get(FAMILY_ENV)
+    if candidate and all((Path(candidate) / name / "model.safetensors").is_file() for name in ("small", "large")):
+        return Path(candidate)
+    where = f"{candidate} has no small/ and large/ checkpoints" if candidate else "no family directory given"
     raise FileNotFoundError(
-        f"the bundled model family (small/ and large/ with model.safetensors) was not found (looked in: {tried}). "
-        "It ships in the git repository, not in the pip package: run from a clone of hf-kvtransfer, point "
-        f"${FAMILY_ENV} or --family at examples/family, rebuild it with `python examples/train_family.py "
-        "--output-dir examples/family`, or pass --source/--target model ids"
+        f"{where}: point --family (or ${FAMILY_ENV}) at a model family directory (small/ and large/ with "
+        "model.safetensors, calibration.txt, heldout.txt; the git repository ships one), or pass --source/--target "
+        "model ids"
     )
 
 
-def load_models(source: str, target: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """`(source, target, tokenizer)` with `AutoModelForCausalLM`; the tokenizer is the target's."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    models = []
-    for name in (source, target):
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-        models.append(model.to(device).eval())
-    return models[0], models[1], AutoTokenizer.from_pretrained(target)
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocations and kernel selection are not what a server pays per request
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
-@torch.no_grad()
 def time_transfer(source, target, mapper: KVMapper, input_ids: torch.Tensor, repeats: int = 3) -> dict[str, float]:
     """Median milliseconds of the mapping (strip + map + re-rope, all layers) vs the target's own prefill."""
     src_cache = prefill(source, input_ids.to(next(source.parameters()).device))
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
-    mapping = _median_ms(
+    # one warm-up call: first-call allocations and kernel selection are not what a server pays per request
+    mapping = median_ms(time_call(
         lambda: TransferredCache(src_cache, mapper, num_recompute_tokens=0).convert_all(device=device, dtype=dtype),
-        repeats,
-    )
-    own = _median_ms(lambda: prefill(target, input_ids.to(device)), repeats)
+        device, repeats,
+    )[0])  # fmt: skip
+    own = median_ms(time_call(lambda: prefill(target, input_ids.to(device)), device, repeats)[0])
     return {"num_tokens": int(input_ids.shape[-1]), "mapping_ms": mapping, "target_prefill_ms": own, "speedup": own / mapping}
 
 
@@ -114,9 +88,6 @@ def run_demo(
         A dict with `prompt`, `transfer_text`, `target_text`, `same_tokens`, `retention` (the quick
         prefix-perplexity run of `evaluate.prefix_perplexity`, or None without text), `timing`, `fit_seconds`.
     """
-    from .calibration import build_calibration
-    from .evaluate import prefix_perplexity, split_documents, text_windows
-
     if (source is None) != (target is None):
         raise ValueError("pass both --source and --target (or neither, for the bundled family)")
     if source is None:
@@ -124,7 +95,7 @@ def run_demo(
         source, target = str(root / "small"), str(root / "large")
         calibration = calibration or root / "calibration.txt"
         text = text or root / "heldout.txt"
-    src_model, tgt_model, tokenizer = load_models(source, target, device)
+    src_model, tgt_model, tokenizer = load_pair(source, target, device)
     result: dict[str, Any] = {"source": source, "target": target}
 
     start = time.perf_counter()
@@ -135,9 +106,11 @@ def run_demo(
     else:
         if calibration is None:
             raise ValueError("with --source/--target, pass --mapper (a fitted mapper) or --calibration FILE to fit one")
-        ids, info = build_calibration(tokenizer, calibration, num_sequences=num_sequences, seq_len=seq_len)
-        kv_mapper = fit_mapper(src_model, tgt_model, ids, top_k=top_k, progress=progress)
-        kv_mapper.config.calibration = {**info, **kv_mapper.config.calibration}
+        # all sequences fit the mapper (no held-out shard: the retention below is measured on other text)
+        kv_mapper = fit_mapper(
+            src_model, tgt_model, calibration, tokenizer=tokenizer, num_sequences=num_sequences, seq_len=seq_len,
+            top_k=top_k, heldout_fraction=0, progress=progress,
+        )  # fmt: skip
     kv_mapper.check_compatible(src_model.config, tgt_model.config)
     result["fit_seconds"] = time.perf_counter() - start
     result["mapper"] = {"top_k": kv_mapper.config.top_k, "ridge_lambda": kv_mapper.config.ridge_lambda,
@@ -184,7 +157,7 @@ def run_demo(
 
 
 def format_demo(result: dict[str, Any]) -> str:
-    """The demo's report as text (the CLI and `examples/demo.py` print it)."""
+    """The demo's report as text (the CLI prints it)."""
     def tail(text: str, n: int = 300) -> str:
         text = text.replace("\n", " / ")
         return text if len(text) <= n else "..." + text[-n:]

@@ -14,14 +14,9 @@ retention of perplexity is `(nll_floor - nll_transfer) / (nll_floor - nll_target
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
-import random
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,33 +29,20 @@ from transformers import DynamicCache, PreTrainedModel
 from .cache import TransferredCache
 from .capture import capture_kv, prefill
 from .mapper import KVMapper
+from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
+from .models import model_device
+from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "MultipleChoiceItem",
-    "build_continuation_task",
     "evaluate",
     "kv_r2",
-    "load_multiple_choice",
     "multi_turn_drift",
-    "multiple_choice",
-    "normalized_retention",
-    "plot_results",
     "prefix_perplexity",
-    "results_to_markdown",
     "split_documents",
     "text_windows",
 ]
-
-# TransferredCache warns when exactly as many tokens are fed as it transfers (the `generate` re-feed trap);
-# here the fed tokens are new on purpose (second half of a window, the next turn).
-_REFEED_WARNING = "the target is fed"
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
 
 def _attention_modules(model: PreTrainedModel) -> list[nn.Module]:
     body = getattr(model, "base_model", model)
@@ -96,27 +78,6 @@ class _AttentionRecorder:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-def normalized_retention(score: float, standalone: float, floor: float) -> float:
-    """`(score - floor) / (standalone - floor)`: 1 = as good as the target's own prefill, 0 = no better than
-    the floor. NaN when the context is worth nothing to the target (`standalone == floor`)."""
-    gain = standalone - floor
-    if gain == 0 or not math.isfinite(gain):
-        return float("nan")
-    return float((score - floor) / gain)
-
-
-def _bootstrap(stat: Callable[[np.ndarray], float], num_rows: int, num_bootstrap: int, seed: int) -> list[float]:
-    """95% percentile interval of `stat(row_indices)` over `num_bootstrap` resamples of the rows."""
-    if num_bootstrap <= 0 or num_rows < 2:
-        return [float("nan"), float("nan")]
-    rng = np.random.default_rng(seed)
-    values = np.array([stat(rng.integers(0, num_rows, num_rows)) for _ in range(num_bootstrap)])
-    values = values[np.isfinite(values)]
-    if values.size == 0:
-        return [float("nan"), float("nan")]
-    return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
 
 
 # -- text -> token windows -------------------------------------------------------------------------------
@@ -206,7 +167,7 @@ def prefix_perplexity(
     if not 0 <= num_recompute_tokens < prefix_len:
         raise ValueError(f"num_recompute_tokens must be in [0, {prefix_len}), got {num_recompute_tokens}")
     r, t = num_recompute_tokens, prefix_len
-    src_device, tgt_device = _device(source), _device(target)
+    src_device, tgt_device = model_device(source), model_device(target)
     nll = {"target": [], "transfer": [], "floor": []}
     kl_sum, agree_sum, num_tokens = 0.0, 0.0, 0
     cos_sum: torch.Tensor | None = None
@@ -224,7 +185,7 @@ def prefix_perplexity(
             src_cache = prefill(source, ids[:, :t].to(src_device))
             cache = TransferredCache(src_cache, mapper, num_recompute_tokens=r)
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_REFEED_WARNING)
+                warnings.filterwarnings("ignore", message=REFEED_WARNING)
                 trans_logits = target(feed, cache=cache, use_cache=True).logits[:, r:-1].float()
             trans_attn = recorder.take() if recorder else None
 
@@ -289,9 +250,9 @@ def _perplexity_retention(per_window: dict[str, np.ndarray], num_bootstrap: int,
     return {
         "context_gain_nats": float(floor.mean() - own.mean()),
         "retention": retention(every),
-        "retention_ci": _bootstrap(retention, len(own), num_bootstrap, seed),
+        "retention_ci": bootstrap_ci(retention, len(own), num_bootstrap, seed),
         "normalized_retention": normalized(every),
-        "normalized_retention_ci": _bootstrap(normalized, len(own), num_bootstrap, seed),
+        "normalized_retention_ci": bootstrap_ci(normalized, len(own), num_bootstrap, seed),
     }
 
 
@@ -320,8 +281,8 @@ def kv_r2(
     bar = tqdm(total=input_ids.shape[0], desc="K/V R^2", unit="window", disable=not progress)
     for start in range(0, input_ids.shape[0], batch_size):
         ids = input_ids[start : start + batch_size]
-        src_k, src_v = capture_kv(source, ids.to(_device(source)))
-        tgt_k, tgt_v = capture_kv(target, ids.to(_device(target)))
+        src_k, src_v = capture_kv(source, ids.to(model_device(source)))
+        tgt_k, tgt_v = capture_kv(target, ids.to(model_device(target)))
         count += ids.numel()
         for t, selected in enumerate(mapper.config.selected_layers):
             # (B, H, T, D) -> (B, T, H*D), layer-major like the fit
@@ -344,236 +305,6 @@ def kv_r2(
             sse = acc["sse"].reshape(tgt.num_kv_heads, -1).sum(-1)
             out[kind].append(float(torch.where(sst > 0, 1 - sse / sst.clamp_min(1e-30), torch.ones_like(sst)).mean()))
     return out
-
-
-# -- multiple choice -------------------------------------------------------------------------------------
-
-
-@dataclass
-class MultipleChoiceItem:
-    """One question: a context (goes into the cache) and choices (scored by the target).
-
-    Args:
-        context_ids: token ids of the context (at least one token).
-        choice_ids: token ids of each choice, as they continue the context.
-        label: index of the right choice.
-    """
-
-    context_ids: list[int]
-    choice_ids: list[list[int]]
-    label: int
-
-    def __post_init__(self):
-        if not self.context_ids:
-            raise ValueError("a multiple-choice item needs a non-empty context (the transferred part)")
-        if len(self.choice_ids) < 2 or not all(self.choice_ids):
-            raise ValueError(f"need >= 2 non-empty choices, got lengths {[len(c) for c in self.choice_ids]}")
-        if not 0 <= self.label < len(self.choice_ids):
-            raise ValueError(f"label {self.label} out of range for {len(self.choice_ids)} choices")
-
-
-def build_continuation_task(
-    token_docs: Sequence[Sequence[int]],
-    context_len: int = 128,
-    continuation_len: int = 16,
-    num_choices: int = 4,
-    num_items: int = 200,
-    gap: int = 0,
-    seed: int = 0,
-) -> list[MultipleChoiceItem]:
-    """A context-dependent multiple-choice task from plain held-out text.
-
-    Each item: `context_len` tokens of one document; the choices are the `continuation_len` tokens that follow
-    it (after skipping `gap` tokens) and continuations cut the same way from *other* documents. True and
-    distractor continuations are drawn from the same pool of windows, so without the context every choice is
-    equally likely to be picked: only a model that reads the context beats chance (1 / num_choices).
-
-    Documents shorter than one window are skipped; with a single long document, it is cut into 1024-token
-    pseudo-documents.
-    """
-    span = context_len + gap + continuation_len
-    if len(token_docs) == 1:
-        doc = token_docs[0]
-        token_docs = [doc[i : i + 1024] for i in range(0, len(doc), 1024)]
-    windows = [
-        (d, doc[i : i + context_len], doc[i + context_len + gap : i + span])
-        for d, doc in enumerate(token_docs)
-        for i in range(0, len(doc) - span + 1, span)
-    ]
-    docs_with_windows = len({w[0] for w in windows})
-    if docs_with_windows < num_choices:
-        raise ValueError(
-            f"the continuation task needs windows of {span} tokens from >= {num_choices} documents, found "
-            f"{docs_with_windows}; use more/longer text or smaller --context-len / --num-choices"
-        )
-    rng = random.Random(seed)
-    order = list(range(len(windows)))
-    rng.shuffle(order)
-    items = []
-    for idx in order[:num_items]:
-        doc, context, continuation = windows[idx]
-        distractors: list[list[int]] = []
-        while len(distractors) < num_choices - 1:
-            other = windows[rng.randrange(len(windows))]
-            if other[0] != doc and other[2] not in distractors:
-                distractors.append(list(other[2]))
-        label = rng.randrange(num_choices)
-        choices = distractors[:label] + [list(continuation)] + distractors[label:]
-        items.append(MultipleChoiceItem(list(context), choices, label))
-    return items
-
-
-def _mc_record(record: dict[str, Any], line_no: int) -> tuple[str, list[str], int]:
-    """(context, choices, label) from the common JSONL shapes: generic, HellaSwag, ARC, PIQA, WinoGrande."""
-    r = record
-    if "context" in r and "choices" in r:
-        context, choices, label = r["context"], r["choices"], r.get("label", r.get("answer"))
-    elif "ctx" in r and "endings" in r:  # HellaSwag
-        context, choices, label = r["ctx"], r["endings"], r["label"]
-    elif "question" in r and isinstance(r.get("choices"), dict):  # ARC
-        labels = list(r["choices"]["label"])
-        context, choices = f"Question: {r['question']}\nAnswer:", r["choices"]["text"]
-        label = labels.index(r["answerKey"]) if r["answerKey"] in labels else None
-    elif "goal" in r and "sol1" in r:  # PIQA
-        context, choices, label = f"Question: {r['goal']}\nAnswer:", [r["sol1"], r["sol2"]], r["label"]
-    elif "sentence" in r and "option1" in r:  # WinoGrande, scored as a continuation after the blank
-        head, _, tail = r["sentence"].partition("_")
-        context, choices = head.rstrip(), [f"{r['option1']}{tail}", f"{r['option2']}{tail}"]
-        label = int(r["answer"]) - 1
-    else:
-        raise ValueError(
-            f"line {line_no}: unknown multiple-choice record with keys {sorted(r)}; expected "
-            "{'context', 'choices', 'label'} or HellaSwag (ctx/endings/label), ARC (question/choices/answerKey), "
-            "PIQA (goal/sol1/sol2/label) or WinoGrande (sentence/option1/option2/answer)"
-        )
-    if isinstance(label, str) and label.strip().isdigit():
-        label = int(label)
-    if not isinstance(label, int):
-        raise ValueError(f"line {line_no}: label must be an integer index into the choices, got {label!r}")
-    return context, list(choices), label
-
-
-def load_multiple_choice(path: str | os.PathLike, tokenizer, limit: int | None = None) -> list[MultipleChoiceItem]:
-    """Read a multiple-choice JSONL file and tokenize it (choices continue the context after a space)."""
-    items = []
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            context, choices, label = _mc_record(json.loads(line), line_no)
-            ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
-            if not ctx and tokenizer.bos_token_id is not None:
-                ctx = [tokenizer.bos_token_id]
-            chs = [tokenizer(" " + c.lstrip(), add_special_tokens=False)["input_ids"] for c in choices]
-            items.append(MultipleChoiceItem(ctx, chs, label))
-            if limit is not None and len(items) >= limit:
-                break
-    if not items:
-        raise ValueError(f"{path} holds no multiple-choice records")
-    return items
-
-
-@torch.no_grad()
-def _choice_logprobs(
-    target: PreTrainedModel, feed_prefix: list[int], choices: list[list[int]], cache, pad_id: int
-) -> torch.Tensor:
-    """Sum of log-probs of each choice given the cache + `feed_prefix`; choices batched, right-padded.
-
-    Right padding needs no mask: a causal model's real tokens never attend to pads that come after them.
-    """
-    device = _device(target)
-    width = max(len(c) for c in choices)
-    feed = torch.full((len(choices), len(feed_prefix) + width), pad_id, dtype=torch.long, device=device)
-    for row, choice in enumerate(choices):
-        feed[row, : len(feed_prefix)] = torch.tensor(feed_prefix)
-        feed[row, len(feed_prefix) : len(feed_prefix) + len(choice)] = torch.tensor(choice)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_REFEED_WARNING)
-        logits = target(feed, cache=cache, use_cache=cache is not None).logits.float()
-    logp = logits[:, len(feed_prefix) - 1 : -1].log_softmax(-1)
-    out = torch.empty(len(choices), dtype=torch.float64)
-    for row, choice in enumerate(choices):
-        tok = torch.tensor(choice, device=device)
-        out[row] = logp[row, torch.arange(len(choice), device=device), tok].sum().double().cpu()
-    return out
-
-
-@torch.no_grad()
-def multiple_choice(
-    source: PreTrainedModel,
-    target: PreTrainedModel,
-    mapper: KVMapper,
-    items: Sequence[MultipleChoiceItem],
-    num_recompute_tokens: int = 1,
-    num_bootstrap: int = 1000,
-    seed: int = 0,
-    progress: bool = True,
-    desc: str = "multiple choice",
-) -> dict[str, Any]:
-    """Log-likelihood multiple choice with the context in the cache and the choices scored by the target.
-
-    Per item the target is fed the last `num_recompute_tokens` context tokens (at least 1: it must predict
-    the first choice token) and then each choice, on top of a cache of the rest of the context:
-
-    - `target`: its own prefill,
-    - `transfer`: the source's prefill through `mapper`,
-    - `no_context`: no cache (the same fed tokens only), a check that the task needs the context.
-
-    `acc` picks the highest total log-likelihood, `acc_norm` the highest per-token mean. The floor is chance.
-
-    Returns:
-        `{"acc": {...}, "acc_norm": {...}, "chance", "retention", "normalized_retention" (+ `_ci`, on acc)}`.
-    """
-    if num_recompute_tokens < 1:
-        raise ValueError("multiple choice needs num_recompute_tokens >= 1 (the target predicts the first choice token)")
-    pad_id = 0
-    modes = ("target", "transfer", "no_context")
-    correct = {m: [] for m in modes}
-    correct_norm = {m: [] for m in modes}
-    bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
-    for item in items:
-        r = min(num_recompute_tokens, len(item.context_ids))
-        ctx = torch.tensor([item.context_ids])
-        n = len(item.choice_ids)
-        lengths = torch.tensor([len(c) for c in item.choice_ids], dtype=torch.float64)
-        head = item.context_ids[-r:]
-        caches: dict[str, Any] = {"no_context": None}
-        own = prefill(target, ctx[:, :-r].to(_device(target))) if len(item.context_ids) > r else DynamicCache()
-        own.batch_repeat_interleave(n)
-        caches["target"] = own
-        src = prefill(source, ctx.to(_device(source)))
-        caches["transfer"] = TransferredCache(src, mapper, num_recompute_tokens=r)
-        for mode in modes:
-            scores = _choice_logprobs(target, head, item.choice_ids, caches[mode], pad_id)
-            correct[mode].append(int(scores.argmax()) == item.label)
-            correct_norm[mode].append(int((scores / lengths).argmax()) == item.label)
-        bar.update(1)
-    bar.close()
-    chance = float(np.mean([1 / len(item.choice_ids) for item in items]))
-    acc = {m: np.array(v, dtype=np.float64) for m, v in correct.items()}
-    result: dict[str, Any] = {
-        "num_items": len(items),
-        "num_recompute_tokens": num_recompute_tokens,
-        "chance": chance,
-        "acc": {m: float(v.mean()) for m, v in acc.items()},
-        "acc_norm": {m: float(np.mean(v)) for m, v in correct_norm.items()},
-    }
-
-    def retention(idx):
-        own = acc["target"][idx].mean()
-        return float(acc["transfer"][idx].mean() / own) if own > 0 else float("nan")
-
-    def normalized(idx):
-        return normalized_retention(acc["transfer"][idx].mean(), acc["target"][idx].mean(), chance)
-
-    every = np.arange(len(items))
-    result.update(
-        retention=retention(every),
-        retention_ci=_bootstrap(retention, len(items), num_bootstrap, seed),
-        normalized_retention=normalized(every),
-        normalized_retention_ci=_bootstrap(normalized, len(items), num_bootstrap, seed),
-    )
-    return result
 
 
 # -- multi-turn handoff ----------------------------------------------------------------------------------
@@ -618,7 +349,7 @@ def multi_turn_drift(
         # Standalone: each model over the whole conversation; causal, so its slice for turn i is what it
         # would compute with its own prefill of turns 0..i-1.
         standalone = {
-            role: model(ids.to(_device(model)), use_cache=False).logits.float().cpu()
+            role: model(ids.to(model_device(model)), use_cache=False).logits.float().cpu()
             for role, model in models.items()
             if role in roles
         }
@@ -627,9 +358,9 @@ def multi_turn_drift(
             model = models[role]
             if prev is not None and prev != role:
                 cache = TransferredCache(cache, mappers[(prev, role)], num_recompute_tokens=0)
-            chunk = ids[:, i * turn_len : (i + 1) * turn_len].to(_device(model))
+            chunk = ids[:, i * turn_len : (i + 1) * turn_len].to(model_device(model))
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_REFEED_WARNING)
+                warnings.filterwarnings("ignore", message=REFEED_WARNING)
                 logits = model(chunk, cache=cache, use_cache=True).logits.float().cpu()
             ref = standalone[role][:, i * turn_len : (i + 1) * turn_len]
             logp, ref_logp = logits.log_softmax(-1), ref.log_softmax(-1)
@@ -701,12 +432,12 @@ def evaluate(
 
     Returns:
         A JSON-serializable dict: `prefix_perplexity`, `kv_r2`, `continuation`, `multiple_choice`,
-        `multi_turn` (when run) and a `config` block. See `results_to_markdown` / `plot_results`.
+        `multi_turn` (when run) and a `config` block; `reporting.evaluation_markdown` / `plot_evaluation` render it.
 
     Example:
         ```python
         results = evaluate(small, large, mapper, tokenizer, open("heldout.txt").read())
-        print(results_to_markdown(results))
+        print(evaluation_markdown(results))
         ```
     """
     docs = _tokenize_documents(tokenizer, split_documents(text, getattr(tokenizer, "eos_token", None)))
@@ -744,127 +475,3 @@ def evaluate(
             source, target, mapper, reverse_mapper, conversations, num_turns, batch_size=batch_size, progress=progress
         )
     return results
-
-
-# -- reporting -------------------------------------------------------------------------------------------
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
-
-
-def _ci(ci: Sequence[float] | None) -> str:
-    if not ci or not all(math.isfinite(c) for c in ci):
-        return ""
-    return f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-
-
-def results_to_markdown(results: dict[str, Any]) -> str:
-    """A readable summary of `evaluate` results: one table of scores, then diagnostics and drift."""
-    cfg = results.get("config", {})
-    title = f"**{cfg.get('source')} -> {cfg.get('target')}**"
-    lines = [f"{title} (top_k={cfg.get('top_k')}, lambda={cfg.get('ridge_lambda')})", ""]
-    lines += [
-        "| metric | target (own prefill) | transfer | floor | retention | floor-normalized retention [95% CI] |",
-        "|---|---|---|---|---|---|",
-    ]
-    ppl = results.get("prefix_perplexity")
-    if ppl:
-        p = ppl["perplexity"]
-        lines.append(
-            f"| prefix-conditioned perplexity (T={ppl['prefix_len']}, {ppl['num_windows']} windows) "
-            f"| {p['target']:.3f} | {p['transfer']:.3f} | {p['floor']:.3f} (no prefix) | {_pct(ppl['retention'])} "
-            f"| {_pct(ppl['normalized_retention'])}{_ci(ppl['normalized_retention_ci'])} |"
-        )
-    for key, name in (("continuation", "continuation task"), ("multiple_choice", "multiple choice")):
-        mc = results.get(key)
-        if mc:
-            a = mc["acc"]
-            lines.append(
-                f"| {name} acc ({mc['num_items']} items) | {_pct(a['target'])} | {_pct(a['transfer'])} "
-                f"| {_pct(mc['chance'])} (chance; no context: {_pct(a['no_context'])}) | {_pct(mc['retention'])} "
-                f"| {_pct(mc['normalized_retention'])}{_ci(mc['normalized_retention_ci'])} |"
-            )
-    if ppl and "logit_kl" in ppl:
-        lines += [
-            "",
-            f"Against the target's own prefill: logit KL {ppl['logit_kl']:.4f} nats/token, top-1 agreement "
-            f"{_pct(ppl['top1_agreement'])}; context worth {ppl['context_gain_nats']:.4f} nats/token to the target.",
-            "",
-            "| target layer | attention-output cosine | K R^2 | V R^2 |",
-            "|---|---|---|---|",
-        ]
-        r2 = results.get("kv_r2", {})
-        for t, cos in enumerate(ppl["attention_cosine"]):
-            k = r2.get("key", [float("nan")] * (t + 1))[t]
-            v = r2.get("value", [float("nan")] * (t + 1))[t]
-            lines.append(f"| {t} | {cos:.4f} | {k:.3f} | {v:.3f} |")
-    turns = results.get("multi_turn")
-    if turns:
-        lines += [
-            "",
-            f"Multi-turn handoff ({turns['num_conversations']} conversations, {turns['turn_len']} tokens per turn):",
-            "",
-            "| turn | model | logit KL vs standalone | top-1 agreement | nll | nll standalone |",
-            "|---|---|---|---|---|---|",
-        ]
-        for t in turns["turns"]:
-            lines.append(
-                f"| {t['turn']} | {t['model']} | {t['logit_kl']:.4f} | {_pct(t['top1_agreement'])} | {t['nll']:.4f} "
-                f"| {t['nll_standalone']:.4f} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def _pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (plots are written, never shown)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install 'hf-kvtransfer[plot]' (or pip install matplotlib)") from exc
-    return plt
-
-
-def plot_results(results: dict[str, Any], path: str | os.PathLike) -> None:
-    """Save a PNG: per-layer attention-output cosine and K/V R^2, and drift per turn (if measured)."""
-    plt = _pyplot()
-    ppl, r2, turns = results.get("prefix_perplexity", {}), results.get("kv_r2"), results.get("multi_turn")
-    panels = int(bool(ppl.get("attention_cosine") or r2)) + int(bool(turns))
-    if panels == 0:
-        raise ValueError("nothing to plot: the results hold neither per-layer diagnostics nor multi-turn drift")
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
-    ax_iter = iter(axes[0])
-    if ppl.get("attention_cosine") or r2:
-        ax = next(ax_iter)
-        if ppl.get("attention_cosine"):
-            ax.plot(ppl["attention_cosine"], marker="o", label="attention-output cosine")
-        if r2:
-            ax.plot(r2["key"], marker="s", label="K R^2 (stripped)")
-            ax.plot(r2["value"], marker="^", label="V R^2")
-        ax.set_xlabel("target layer")
-        ax.set_ylim(min(0.0, ax.get_ylim()[0]), 1.02)
-        ax.set_title("per-layer fidelity on evaluation tokens")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    if turns:
-        ax = next(ax_iter)
-        xs = [t["turn"] for t in turns["turns"]]
-        ax.plot(xs, [t["logit_kl"] for t in turns["turns"]], marker="o", color="C3", label="logit KL vs standalone")
-        for t in turns["turns"]:
-            ax.annotate(t["model"], (t["turn"], t["logit_kl"]), textcoords="offset points", xytext=(0, 6), ha="center")
-        ax.set_xlabel("turn")
-        ax.set_ylabel("KL (nats/token)")
-        ax2 = ax.twinx()
-        ax2.plot(xs, [t["top1_agreement"] for t in turns["turns"]], marker="s", color="C2", label="top-1 agreement")
-        ax2.set_ylabel("top-1 agreement")
-        ax.set_title("multi-turn handoff drift")
-        ax.legend(loc="upper left")
-        ax2.legend(loc="lower right")
-    cfg = results.get("config", {})
-    fig.suptitle(f"{cfg.get('source')} -> {cfg.get('target')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

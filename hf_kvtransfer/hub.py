@@ -53,6 +53,8 @@ __all__ = [
     "resolve_mapper_dir",
 ]
 
+from .version import __version__
+
 logger = logging.getLogger(__name__)
 
 # The files of a mapper directory (= a Hub repo).
@@ -158,9 +160,7 @@ def resolve_mapper_dir(
             f"{name} is a file: pass the directory that holds {CONFIG_NAME} and {WEIGHTS_NAME}, or a Hub repo id"
         )
     if _looks_like_path(name):
-        raise MapperNotFoundError(
-            f"local directory {name} does not exist (and it is not a Hub repo id): check the path"
-        )
+        raise MapperNotFoundError(missing_local_path_message(name))
 
     repo_id = name
     offline = local_files_only or _offline_mode()
@@ -229,12 +229,37 @@ def _repo_files_hint(repo_id: str, commit: str, cache_dir) -> str:
 
 
 def _looks_like_path(name: str) -> bool:
+    """Whether a name that is not an existing path is still meant as one (never sent to the Hub): it is
+    explicit (./x, ../x, /x, ~/x), has a `.`/`..` segment or more than one `/`, or its parent folder exists
+    here (`mappers/typo` next to a `mappers/` folder is a typo, not a Hub repo)."""
+    parts = name.replace("\\", "/").split("/")
     return (
         os.path.isabs(name)
         or name.startswith(("./", "../", "~", ".\\", "..\\"))
+        or any(p in (".", "..") for p in parts)
         or name.count("/") > 1
         or "\\" in name
+        or (len(parts) == 2 and Path(parts[0]).is_dir())
     )
+
+
+def missing_local_path_message(name: str, what: str = "local directory") -> str:
+    """"local directory X does not exist" and, when its parent exists, what that parent holds."""
+    parent = Path(name).expanduser().parent
+    message = f"{what} {name} does not exist"
+    if str(parent) not in ("", ".") and parent.is_dir():
+        entries = sorted(p.name for p in parent.iterdir() if not p.name.startswith("."))
+        shown = ", ".join(entries[:8]) + (", ..." if len(entries) > 8 else "")
+        message += f" ({parent} holds: {shown or 'nothing'})"
+    if not _HUB_ID.match(name):
+        return message + " and it is not a valid Hub repo id either (org/name); check the path"
+    return message + "; check the path (a Hub repo id looks like org/name)"
+
+
+def is_missing_local_path(name: str | os.PathLike) -> bool:
+    """A name meant as a local path (see `_looks_like_path`) where nothing exists: report it, never ask the Hub."""
+    name = os.fspath(name)
+    return not Path(name).expanduser().exists() and (_looks_like_path(name) or not _HUB_ID.match(name))
 
 
 def _offline_mode() -> bool:
@@ -731,8 +756,4 @@ def _eval_rows(results: Any) -> list[tuple[str, str]]:
 
 
 def _library_version() -> str:
-    try:
-        from . import __version__
-    except ImportError:
-        return "unknown"
     return __version__

@@ -18,13 +18,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .mapper import MapperConfig
+from .stats import KVLayout
+
+
+class MapperConfig(Protocol):
+    """What a layer map reads of `mapper.MapperConfig` (a protocol, so this module does not import `mapper`)."""
+
+    selected_layers: list[list[int]]
+    rank: list[list[int]] | None
+    mlp: dict[str, Any] | None
+
+    @property
+    def source_layout(self) -> KVLayout: ...
+
+    @property
+    def target_layout(self) -> KVLayout: ...
 
 KINDS = ("key", "value")
 

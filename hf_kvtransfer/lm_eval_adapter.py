@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ from huggingface_hub.utils import tqdm
 from .cache import TransferredCache
 from .capture import prefill
 from .mapper import KVMapper
+from .metrics import REFEED_WARNING
+from .models import load_model
+from .multiple_choice import score_continuations
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +57,14 @@ class KVTransferLM(LM):
         tokenizer: tokenizer id / path or object (default: the target's).
         num_recompute_tokens: trailing context tokens the target recomputes (>= 1: it must predict the first
             continuation token).
-        rolling_chunk: for `loglikelihood_rolling` (perplexity tasks), each chunk of this many tokens is
-            scored by the target on top of the transferred cache of everything before it.
+        rolling_chunk: for `loglikelihood_rolling` (perplexity tasks): lm_eval's stock `hf` windows (the start
+            token, then windows of `max_length`), each scored in chunks of this many tokens by the target on top of
+            the transferred cache of everything before the chunk in its window, start token included. On a mapper
+            that reproduces the cache exactly this equals `--model hf` on the target.
+        max_length: window length for `loglikelihood_rolling` (default: the target's, as the `hf` model reads it).
+        prefix_token_id: the token an empty context / a document starts with (default: as the `hf` model, BOS,
+            else EOS).
+        batch_size: contexts prefilled and scored together (left-padded; `auto` is read as 1).
         device, dtype: where and how to load the models.
     """
 
@@ -70,12 +80,15 @@ class KVTransferLM(LM):
         device: str = "cpu",
         dtype: str = "float32",
         add_bos_token: bool = False,
+        max_length: int | None = None,
+        prefix_token_id: int | None = None,
+        batch_size: int | str = 1,
         **kwargs: Any,
     ):
         super().__init__()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        ignored = {k: v for k, v in kwargs.items() if k not in ("batch_size", "max_batch_size")}
+        ignored = {k: v for k, v in kwargs.items() if k not in ("max_batch_size",)}
         if ignored:
             logger.warning("hf-kvtransfer ignores model_args %s", sorted(ignored))
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -85,9 +98,7 @@ class KVTransferLM(LM):
             device = "cpu"
 
         def load(model):
-            if isinstance(model, str):
-                model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device)
-            return model.eval()
+            return load_model(model, dtype=torch_dtype, device=device) if isinstance(model, str) else model.eval()
 
         self.source, self.target = load(source), load(target)
         self.mapper = mapper if isinstance(mapper, KVMapper) else KVMapper.from_pretrained(mapper)
@@ -103,16 +114,34 @@ class KVTransferLM(LM):
         self.rolling_chunk = int(rolling_chunk)
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = _as_bool(add_bos_token)
+        self.custom_prefix_token_id = int(prefix_token_id) if prefix_token_id is not None else None
+        self._max_length = int(max_length) if max_length else None
+        # lm_eval passes batch_size as given on its command line ("8", "auto", "auto:4")
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 1
+        if str(batch_size).startswith("auto"):
+            logger.warning("hf-kvtransfer does not size batches automatically: batch_size=%s runs with 1", batch_size)
 
     # -- helpers ------------------------------------------------------------------------------------
     @property
-    def _prefix_token(self) -> int:
-        # What an empty context is replaced by (lm_eval's convention: the end-of-text token).
-        for token in (self.tokenizer.bos_token_id if self.add_bos_token else None, self.tokenizer.eos_token_id,
-                      self.tokenizer.bos_token_id):
+    def prefix_token_id(self) -> int:
+        # What an empty context is replaced by and a rolling document starts with: the stock `hf` model's rule.
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        for token in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id):
             if token is not None:
                 return token
-        raise ValueError("the tokenizer has neither an EOS nor a BOS token to start an empty context with")
+        raise ValueError("the tokenizer has neither a BOS nor an EOS token to start an empty context with")
+
+    _prefix_token = prefix_token_id
+
+    @property
+    def max_length(self) -> int:
+        """Rolling-window length: `max_length=`, else what lm_eval's `hf` model reads from the target."""
+        if self._max_length:
+            return self._max_length
+        from lm_eval.models.utils import resolve_max_length
+
+        return resolve_max_length(self.target.config, self.tokenizer, default=2048)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -129,18 +158,63 @@ class KVTransferLM(LM):
             context_ids = [self._prefix_token]
         r = min(self.num_recompute_tokens, len(context_ids))
         cache = self._transferred(context_ids, r)
-        device = next(self.target.parameters()).device
-        feed = torch.tensor([context_ids[-r:] + continuation_ids], device=device)
-        logits = self.target(feed, cache=cache, use_cache=True).logits[0, r - 1 : -1].float()
-        logp = logits.log_softmax(-1)
-        target = torch.tensor(continuation_ids, device=device)
-        score = logp[torch.arange(len(continuation_ids), device=device), target].sum()
-        return float(score), bool((logits.argmax(-1) == target).all())
+        scores, greedy = score_continuations(self.target, context_ids[-r:], [continuation_ids], cache)
+        return float(scores[0]), bool(greedy[0])
+
+    @torch.no_grad()
+    def _score_batch(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """`_score` for several (context, continuation) pairs at once: contexts left-padded into one source
+        prefill and one transferred cache, the target fed each row's recomputed tokens + continuation."""
+        if len(pairs) == 1:
+            return [self._score(*pairs[0])]
+        pairs = [(c or [self._prefix_token], cont) for c, cont in pairs]
+        device = next(self.source.parameters()).device
+        length = max(len(c) for c, _ in pairs)
+        width = max(len(cont) for _, cont in pairs)
+        r = min(self.num_recompute_tokens, min(len(c) for c, _ in pairs))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.prefix_token_id
+        ids = torch.full((len(pairs), length), pad, dtype=torch.long)
+        mask = torch.zeros((len(pairs), length), dtype=torch.long)
+        feed = torch.full((len(pairs), r + width), pad, dtype=torch.long)
+        for row, (context, cont) in enumerate(pairs):
+            ids[row, length - len(context) :] = torch.tensor(context)
+            mask[row, length - len(context) :] = 1
+            feed[row, :r] = torch.tensor(context[-r:])
+            feed[row, r : r + len(cont)] = torch.tensor(cont)  # right pads: real tokens never attend to them
+        ids, mask, feed = ids.to(device), mask.to(device), feed.to(device)
+        cache = TransferredCache(prefill(self.source, ids, mask), self.mapper, attention_mask=mask, num_recompute_tokens=r)
+        # the feed's first r tokens are the context's last r (real for every row: contexts are left-padded)
+        full_mask = torch.cat([mask, torch.ones_like(feed[:, r:])], dim=1)
+        positions = (full_mask.cumsum(-1) - 1)[:, length - r :]
+        target_device = next(self.target.parameters()).device
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=REFEED_WARNING)
+            logits = self.target(
+                feed.to(target_device),
+                attention_mask=full_mask.to(target_device), position_ids=positions.to(target_device), cache=cache,
+                use_cache=True,
+            ).logits.float()
+        logp = logits[:, r - 1 : -1].log_softmax(-1)
+        out = []
+        for row, (_, cont) in enumerate(pairs):
+            tok = torch.tensor(cont, device=logp.device)
+            score = float(logp[row, torch.arange(len(cont), device=logp.device), tok].double().sum())
+            out.append((score, bool((logp[row, : len(cont)].argmax(-1) == tok).all())))
+        return out
+
+    def _batched(self, pairs: list[tuple[list[int], list[int]]], desc: str, disable_tqdm: bool) -> list[tuple[float, bool]]:
+        out = []
+        bar = tqdm(total=len(pairs), desc=desc, disable=disable_tqdm)
+        for start in range(0, len(pairs), self.batch_size):
+            out.extend(self._score_batch(pairs[start : start + self.batch_size]))
+            bar.update(min(self.batch_size, len(pairs) - start))
+        bar.close()
+        return out
 
     # -- lm_eval API --------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        out = []
-        for request in tqdm(requests, desc="hf-kvtransfer loglikelihood", disable=disable_tqdm):
+        pairs = []
+        for request in requests:
             context, continuation = request.args[:2]
             # Keep the whitespace that joins context and continuation on the continuation side, as lm_eval does.
             stripped = len(context) - len(context.rstrip())
@@ -149,22 +223,27 @@ class KVTransferLM(LM):
             cont_ids = self._encode(continuation)
             if not cont_ids:
                 raise ValueError(f"empty continuation for context {context[-60:]!r}")
-            out.append(self._score(self._encode(context), cont_ids))
-        return out
+            pairs.append((self._encode(context), cont_ids))
+        return self._batched(pairs, "hf-kvtransfer loglikelihood", disable_tqdm)
 
     @torch.no_grad()
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        out = []
-        for request in tqdm(requests, desc="hf-kvtransfer rolling", disable=disable_tqdm):
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        pieces, owners = [], []
+        for index, request in enumerate(requests):
             ids = self._encode(request.args[0])
-            total, start = 0.0, 0
-            while start < len(ids):
-                end = min(start + self.rolling_chunk, len(ids))
-                # Chunk after chunk: the target scores ids[start:end] on top of the transferred cache of all before.
-                total += self._score(ids[:start], ids[start:end])[0]
-                start = end
-            out.append(total)
-        return out
+            # The stock `hf` model's windows: the start token, then windows of max_length tokens.
+            windows = get_rolling_token_windows(ids, self.prefix_token_id, self.max_length, context_len=1)
+            for context, continuation in map(make_disjoint_window, windows):
+                # Chunk after chunk: the target scores each on the transferred cache of all before it in the window.
+                for start in range(0, len(continuation), self.rolling_chunk):
+                    pieces.append((context + continuation[:start], continuation[start : start + self.rolling_chunk]))
+                    owners.append(index)
+        totals = [0.0] * len(requests)
+        for index, (score, _) in zip(owners, self._batched(pieces, "hf-kvtransfer rolling", disable_tqdm)):
+            totals[index] += score
+        return totals
 
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

@@ -19,12 +19,22 @@ layer's total variance (an R^2 unit).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any
 
 import torch
 
-from .ridge import _feature_index, _head_r2, _layer_slice, _residual_sum_squares
+from .mapper import KVMapper, MapperConfig
+from .ridge import (
+    _centered,
+    _heldout_head_r2,
+    _system,
+    feature_index,
+    head_r2,
+    layer_slice,
+    residual_sum_squares,
+    solve_layers,
+)
 from .stats import KINDS, KVStatistics
 
 logger = logging.getLogger(__name__)
@@ -134,7 +144,7 @@ def solve_reduced_rank(
     for kind in KINDS:
         c = centered[kind] = statistics.centered(kind)
         for t, selected in enumerate(selected_layers):
-            idx = _feature_index(selected, src.layer_dim).to(c["gram"].device)
+            idx = feature_index(selected, src.layer_dim).to(c["gram"].device)
             gram = c["gram"].index_select(0, idx).index_select(1, idx)
             decompositions[t, kind] = (idx, gram, *reduced_rank(solutions[kind][t][0], gram, ridge_lambda))
 
@@ -154,7 +164,7 @@ def solve_reduced_rank(
         budget = int(size_budget * full) if size_budget <= 1 else int(size_budget)
         gains = {}
         for (t, kind), d in decompositions.items():
-            total = float(centered[kind]["var_y"][_layer_slice(t, tgt.layer_dim)].sum())
+            total = float(centered[kind]["var_y"][layer_slice(t, tgt.layer_dim)].sum())
             gains[t, kind] = d[2] / max(total, 1e-30)
         ranks = allocate_ranks(gains, costs, budget)
 
@@ -164,11 +174,11 @@ def solve_reduced_rank(
         weight = solutions[kind][t][0].double()
         up = vectors[:, :r]  # (F_out, r)
         down = up.T @ weight  # (r, F_in)
-        tl = _layer_slice(t, tgt.layer_dim)
+        tl = layer_slice(t, tgt.layer_dim)
         bias = c["mean_y"][tl].double() - up @ (down @ c["mean_x"].index_select(0, idx).double())
         cross, var_y = c["cross"][:, tl].index_select(0, idx).double(), c["var_y"][tl].double()
-        sse = _residual_sum_squares(gram.double(), cross, var_y, (up @ down).T)
-        factors[kind][t] = (down, up, bias, float(_head_r2(sse, var_y, tgt.num_kv_heads).mean()))
+        sse = residual_sum_squares(gram.double(), cross, var_y, (up @ down).T)
+        factors[kind][t] = (down, up, bias, float(head_r2(sse, var_y, tgt.num_kv_heads).mean()))
     rank_list = [[ranks[t, kind] for kind in KINDS] for t in range(num_target)]
     full_params = sum(len(s) * src.layer_dim * tgt.layer_dim for s in selected_layers) * 2
     low_params = sum(r * (len(selected_layers[t]) * src.layer_dim + tgt.layer_dim) for t in range(num_target) for r in rank_list[t])
@@ -179,50 +189,87 @@ def solve_reduced_rank(
     return factors, rank_list
 
 
-def lowrank_mapper_from_solution(
+@torch.no_grad()
+def reduced_rank_heldout_r2(
+    train: KVStatistics,
+    heldout: KVStatistics,
+    selected_layers: list[list[int]],
+    ridge_lambda: float,
+    rank: int | list[list[int]] | None = None,
+    energy: float | None = None,
+    size_budget: float | int | None = None,
+) -> dict[str, list[float]]:
+    """Held-out head-averaged R^2 per target layer of the *reduced-rank* maps: full-rank ridge solved on `train`,
+    reduced there (ranks chosen as `solve_reduced_rank` does), `W = up @ down` and its bias scored on `heldout`
+    with the same formula as `ridge.heldout_r2`.
+
+    Returns:
+        `{"heldout_r2_key": [...], "heldout_r2_value": [...]}`, one value per target layer.
+    """
+    selections = dict(enumerate(selected_layers))
+    solutions = {kind: solve_layers(train, kind, selections, ridge_lambda) for kind in KINDS}
+    factors, _ = solve_reduced_rank(
+        train, selected_layers, solutions, ridge_lambda, rank=rank, energy=energy, size_budget=size_budget
+    )
+    num_heads = train.target_layout.num_kv_heads
+    out = {}
+    for kind in KINDS:
+        hc = _centered(heldout, kind)
+        out[f"heldout_r2_{kind}"] = [
+            _heldout_head_r2(_system(heldout, hc, kind, t, selected_layers[t]), heldout.count, (up @ down).T, bias, num_heads)
+            for t, (down, up, bias, _) in sorted(factors[kind].items())
+        ]
+    return out
+
+
+# A reduced-rank mapper's type (`layer_maps` registry); its maps store `down` then `up` factors.
+LOWRANK_MAPPER_TYPE = "lowrank"
+
+
+def lowrank_mapper(
     statistics: KVStatistics,
-    config,
+    config: MapperConfig,
     solutions: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]],
     rank: int | list[list[int]] | None = None,
     energy: float | None = None,
     size_budget: float | int | None = None,
     dtype: torch.dtype = torch.float32,
-):
-    """A reduced-rank `KVMapper` for `config` (its `rank` and fit R^2 are filled in) from full-rank solutions."""
-    from dataclasses import replace
-
-    from .mapper import KVMapper
-
+) -> KVMapper:
+    """A reduced-rank `KVMapper` from full-rank solutions: a copy of `config` (never changed) with
+    `mapper_type="lowrank"`, the chosen `rank` and the reduced maps' fit R^2, and the factors as its weights."""
     factors, ranks = solve_reduced_rank(
         statistics, config.selected_layers, solutions, config.ridge_lambda, rank=rank, energy=energy,
         size_budget=size_budget,
-    )
-    config = replace(
+    )  # fmt: skip
+    num_target = len(config.selected_layers)
+    config = dataclasses.replace(
         config,
-        mapper_type="lowrank",
+        mapper_type=LOWRANK_MAPPER_TYPE,
         rank=ranks,
-        fit_r2_key=[factors["key"][t][3] for t in range(len(ranks))],
-        fit_r2_value=[factors["value"][t][3] for t in range(len(ranks))],
+        fit_r2_key=[factors["key"][t][3] for t in range(num_target)],
+        fit_r2_value=[factors["value"][t][3] for t in range(num_target)],
     )
-    mapper = KVMapper(config).double()  # factors land unrounded; one cast to `dtype` at the end
-    state = {
-        f"layers.{t}.{kind}.{name}": tensor
-        for kind in KINDS
-        for t, (down, up, bias, _) in factors[kind].items()
-        for name, tensor in (("down.weight", down), ("up.weight", up), ("up.bias", bias))
-    }
+    state = {}
+    for t in range(num_target):
+        for kind in KINDS:
+            down, up, bias, _ = factors[kind][t]
+            # float64 factors land unrounded; one cast to `dtype` at the end
+            state.update({
+                f"layers.{t}.{kind}.down.weight": down, f"layers.{t}.{kind}.up.weight": up, f"layers.{t}.{kind}.up.bias": bias,
+            })  # fmt: skip
+    mapper = KVMapper(config).double()
     mapper.load_state_dict(state)
     return mapper.to(dtype)
 
 
 def reduce_mapper_rank(
-    mapper,
+    mapper: KVMapper,
     statistics: KVStatistics,
     rank: int | list[list[int]] | None = None,
     energy: float | None = None,
     size_budget: float | int | None = None,
     dtype: torch.dtype | None = None,
-):
+) -> KVMapper:
     """Reduced-rank copy of a full-rank ridge `KVMapper`, using the statistics it was solved from.
 
     Example:
@@ -231,58 +278,36 @@ def reduce_mapper_rank(
         small.save_pretrained("mappers/small-to-large-r")
         ```
     """
-    import copy
-
     if mapper.config.mapper_type != "ridge":
-        raise ValueError(f"reduce_mapper_rank needs a full-rank ridge mapper, got mapper_type={mapper.config.mapper_type!r}")
+        raise ValueError(
+            f"reduce_mapper_rank needs a full-rank ridge mapper, got mapper_type={mapper.config.mapper_type!r}"
+        )
     if (statistics.source_layout, statistics.target_layout) != (mapper.source_layout, mapper.target_layout):
         raise ValueError(
             f"statistics are for {statistics.source_layout}->{statistics.target_layout}, the mapper for "
             f"{mapper.source_layout}->{mapper.target_layout}; pass the statistics the mapper was solved from"
         )
+    state = mapper.state_dict()
     solutions = {
         kind: {
-            t: (getattr(layer, kind).weight.detach().double().cpu(), getattr(layer, kind).bias.detach().double().cpu(), 0.0)
-            for t, layer in enumerate(mapper.layers)
+            t: (state[f"layers.{t}.{kind}.weight"].double().cpu(), state[f"layers.{t}.{kind}.bias"].double().cpu(), 0.0)
+            for t in range(len(mapper.config.selected_layers))
         }
         for kind in KINDS
     }
-    config = copy.deepcopy(mapper.config)
     dtype = dtype or next(mapper.parameters()).dtype
-    return lowrank_mapper_from_solution(statistics, config, solutions, rank, energy, size_budget, dtype=dtype)
-
-
-
-_SPEC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_rank_spec(spec: str) -> dict[str, Any]:
-    """'full' | '16' | 'energy=0.99' | 'budget=0.25', optionally '@bf16' / '@fp16' / '@fp32' (the mapper's weight
-    and compute dtype, whatever the models' dtype) -> `solve_mapper` keyword arguments (`hf-kvtransfer fit --rank`,
-    `bench --ranks`)."""
-    spec, _, dtype = str(spec).strip().partition("@")
-    if dtype:
-        if dtype not in _SPEC_DTYPES:
-            raise ValueError(f"mapper dtype in {spec}@{dtype} must be one of {sorted(_SPEC_DTYPES)}")
-        return {**parse_rank_spec(spec), "dtype": _SPEC_DTYPES[dtype]}
-    if spec == "full":
-        return {}
-    if spec.isdigit():
-        return {"rank": int(spec)}
-    key, _, value = spec.partition("=")
-    if key in ("energy", "budget") and value:
-        return {"energy" if key == "energy" else "size_budget": float(value)}
-    raise ValueError(
-        f"rank spec must be 'full', an integer rank, 'energy=F' or 'budget=F' (optionally @bf16/@fp16/@fp32); got {spec!r}"
-    )
+    reduced = lowrank_mapper(statistics, mapper.config, solutions, rank, energy, size_budget, dtype=dtype)
+    reduced.report = dict(getattr(mapper, "report", {}) or {})
+    return reduced
 
 
 __all__ = [
+    "LOWRANK_MAPPER_TYPE",
     "allocate_ranks",
-    "parse_rank_spec",
-    "lowrank_mapper_from_solution",
+    "lowrank_mapper",
     "rank_for_energy",
     "reduce_mapper_rank",
     "reduced_rank",
+    "reduced_rank_heldout_r2",
     "solve_reduced_rank",
 ]

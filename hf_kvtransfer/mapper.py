@@ -19,6 +19,7 @@ from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, render
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
 from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
 from .stats import KVLayout
+from .version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,6 @@ def _model_name(config: PreTrainedConfig | dict) -> str | None:
 
 
 def _library_version() -> str:
-    from . import __version__
-
     return __version__
 
 

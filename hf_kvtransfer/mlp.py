@@ -6,19 +6,21 @@ the pairs where the closed-form ridge map fails. Two changes make it safe to use
 - residual: `y = ridge(x) + mlp(x)` with the MLP's last layer zero-initialised, so training starts exactly at
   the ridge solution;
 - early stopping on held-out calibration sequences, with the untrained (= ridge) state as a candidate, so the
-  held-out error is never worse than ridge's. Both errors are recorded per layer in `config.mlp["heldout"]`.
+  held-out error is never worse than ridge's. Both errors are recorded per layer in
+  `mapper.report["mlp"]["heldout"]`.
 
-Training needs the features themselves (not just sums, as ridge does), so they are captured once at a token
-stride (`feature_stride`) and kept on the host; the memory a fit needs is logged before it starts and stored in
-`config.mlp["memory_bytes"]`.
+Training needs the features themselves (not just sums, as ridge does): the one calibration pass
+(`accumulate.run_fit_pass`, which also accumulates the ridge statistics) hands every batch to a
+`FeatureCollector` that keeps the stripped features of every `feature_stride`-th token on the host. The memory a
+fit needs is logged before it starts; the training log goes to `mapper.report["mlp"]`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,10 +28,13 @@ from huggingface_hub.utils import tqdm
 from torch import nn
 from transformers import PreTrainedModel
 
-from .capture import capture_kv
+from .accumulate import run_fit_pass
+from .calibration_pass import CalibrationBatch
+from .fit_config import FitConfig, heldout_count
 from .layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
 from .mapper import KVMapper, MapperConfig
-from .ridge import _cholesky_solve, _feature_index, select_layers, single_source_r2, solve_layers
+from .models import DTYPES, model_device
+from .ridge import cholesky_solve, feature_index, layer_scores, select_layers, solve_layers
 from .stats import KINDS, KVLayout, flatten_layers, statistics_nbytes, token_selection
 
 logger = logging.getLogger(__name__)
@@ -42,7 +47,7 @@ def _ridge_from_features(x: torch.Tensor, y: torch.Tensor, ridge_lambda: float) 
     x, y = x.double(), y.double()
     mean_x, mean_y = x.mean(0), y.mean(0)
     xc = x - mean_x
-    weight = _cholesky_solve(xc.T @ xc, xc.T @ (y - mean_y), ridge_lambda)  # (F_in, F_out)
+    weight = cholesky_solve(xc.T @ xc, xc.T @ (y - mean_y), ridge_lambda)  # (F_in, F_out)
     return weight.T.contiguous(), mean_y - mean_x @ weight
 
 
@@ -273,132 +278,83 @@ def mlp_fit_nbytes(
     }
 
 
-def _split_rows(num_rows: int, heldout_fraction: float, seed: int) -> set[int]:
-    if not 0 <= heldout_fraction < 1:
-        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    num_heldout = 0 if heldout_fraction == 0 else max(1, round(heldout_fraction * num_rows))
-    if num_rows - num_heldout < 1:
-        raise ValueError(
-            f"{num_rows} calibration sequence(s) cannot be split into training and held-out sequences "
-            f"(heldout_fraction={heldout_fraction}); pass more sequences"
-        )
-    # Whole sequences are held out: tokens of one sequence are too alike to test generalisation.
-    return set(torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))[:num_heldout].tolist())
+class FeatureCollector:
+    """A `calibration_pass` consumer keeping the stripped features of every `feature_stride`-th real token of each
+    sequence, per shard and kind: `features[part]["key.x"]` is a list of `[tokens, L_s * F_s]` chunks (host)."""
+
+    name = "mlp-features"
+    checkpointable = False
+
+    def __init__(self, feature_stride: int, dtype: torch.dtype = torch.float32):
+        self.feature_stride, self.dtype = feature_stride, dtype
+        self.features: dict[str, dict[str, list[torch.Tensor]]] = {
+            part: {f"{kind}.{side}": [] for kind in KINDS for side in ("x", "y")} for part in ("train", "heldout")
+        }
+
+    def update(self, batch: CalibrationBatch) -> None:
+        sk = batch.source_keys
+        index = token_selection(len(batch.rows), sk[0].shape[2], self.feature_stride, batch.attention_mask, sk[0].device)
+        for kind in KINDS:
+            xs, ys = batch.states(kind)
+            part = self.features[batch.part]
+            part[f"{kind}.x"].append(flatten_layers(xs, index).to("cpu", self.dtype))
+            part[f"{kind}.y"].append(flatten_layers(ys, index.to(ys[0].device)).to("cpu", self.dtype))
+
+    def gather(self, part: str, name: str, columns: torch.Tensor | slice) -> torch.Tensor | None:
+        """The `columns` of one feature matrix (`"key.x"`, ...) of a shard, all tokens, as float32."""
+        chunks = self.features[part][name]
+        if not chunks:
+            return None
+        if isinstance(columns, slice):
+            return torch.cat([c[:, columns] for c in chunks]).float()
+        return torch.cat([c.index_select(1, columns) for c in chunks]).float()
 
 
-def _gather(chunks: list[torch.Tensor], columns: torch.Tensor | slice) -> torch.Tensor:
-    if isinstance(columns, slice):
-        return torch.cat([c[:, columns] for c in chunks]) if chunks else torch.empty(0)
-    return torch.cat([c.index_select(1, columns) for c in chunks]) if chunks else torch.empty(0)
+def _count_tokens(num_rows: int, seq_len: int, stride: int, mask: torch.Tensor | None) -> int:
+    return int(token_selection(num_rows, seq_len, stride, mask, "cpu").numel()) if num_rows else 0
 
 
-def fit_mlp_mapper(
+def fit_mlp(
     source: PreTrainedModel,
     target: PreTrainedModel,
-    calibration_input_ids: torch.Tensor | Iterable,
-    top_k: int | str | None = 4,
-    ridge_lambda: float = 0.01,
-    residual: bool = True,
-    hidden_size: int = 1024,
-    num_hidden_layers: int = 2,
-    per_head: bool = False,
-    epochs: int = 20,
-    lr: float = 1e-3,
-    batch_size: int = 256,
-    patience: int | None = 5,
-    heldout_fraction: float = 0.1,
-    seed: int = 0,
-    stride: int = 4,
-    feature_stride: int | None = None,
-    feature_dtype: torch.dtype = torch.float32,
-    calibration_batch_size: int = 8,
-    attention_mask: torch.Tensor | None = None,
-    device: torch.device | str | None = None,
-    progress: bool = True,
-    **config_kwargs: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    config: FitConfig,
+    log=None,
+    **mapper_kwargs: Any,
 ) -> KVMapper:
-    """Fit an MLP `KVMapper` from `source`'s KV cache to `target`'s (the paper's nonlinear variant).
+    """Fit an MLP `KVMapper` (`config.mapper_type == "mlp"`; use it through `fit_mapper` / `fit_mlp_mapper`).
 
-    One pass over the calibration data through both models accumulates the ridge statistics (training
-    sequences, every `stride`-th token) and keeps the stripped features of every `feature_stride`-th token.
-    Source layers are selected and the ridge maps solved as in `fit_mapper`; then, per target layer and K|V,
-    an MLP is trained with Adam on the MSE — by default as a residual on the ridge map, stopped early on the
-    held-out sequences, so its held-out error is never worse than ridge's.
-
-    Args:
-        source, target: causal LMs of one family sharing a tokenizer.
-        calibration_input_ids: `[num_sequences, seq_len]` ids (or an iterable of batches, see `fit_mapper`).
-        top_k, ridge_lambda: layer selection and the ridge base, as in `fit_mapper`.
-        residual: learn `y = ridge(x) + mlp(x)` (default) rather than the paper's plain `y = mlp(x)`.
-        hidden_size, num_hidden_layers: MLP shape (paper: 2 x 1024 ReLU).
-        per_head: one MLP per target KV head (the paper) instead of one per target layer and K|V.
-        epochs, lr, batch_size, patience: Adam training of each map; `batch_size` is in tokens.
-        heldout_fraction: share of the calibration *sequences* held out for early stopping and the reported
-            held-out errors (they do not enter the ridge statistics either).
-        seed: makes the split, initialisation and shuffling deterministic.
-        stride: token stride of the ridge statistics (paper: 4).
-        feature_stride: token stride of the features the MLP trains on (default: `stride`); raise it to bound
-            memory, which is logged before the pass starts.
-        feature_dtype: dtype the captured features are kept in on the host (`torch.bfloat16` halves memory).
-        calibration_batch_size: sequences per forward pass of the models.
-        device: where the MLPs train (default: the source model's device).
-        config_kwargs: extra `MapperConfig` fields (model ids, calibration description, ...).
+    The one calibration pass accumulates the ridge statistics (fit shard: layer selection and the residual
+    base) and, through a `FeatureCollector`, keeps the features of every `config.mlp_feature_stride`-th token
+    (default: `config.stride`) of every sequence. Then, per target layer and K|V, an MLP is trained with Adam on
+    the MSE — by default as a residual on the ridge map, stopped early on the held-out sequences (the last
+    `heldout_fraction` of them), so its held-out error is never worse than ridge's.
 
     Returns:
-        A float32 `KVMapper` with `config.mapper_type == "mlp"`; `config.mlp` holds the hyper-parameters, the
-        per-layer held-out MSE and R^2 of ridge and of the MLP (`heldout`), timings and `memory_bytes`;
+        A float32 `KVMapper` with `config.mapper_type == "mlp"` and `config.mlp` its architecture;
         `config.fit_r2_*` are the MLP's R^2 on its training tokens, `config.heldout_r2_*` on the held-out ones
         (which also chose the stopping epoch, so they are slightly optimistic: evaluate on other text).
-
-    Example:
-        ```python
-        mapper = fit_mlp_mapper(source, target, calibration_ids, top_k=4, epochs=10)
-        print(mapper.config.mlp["heldout"]["value"]["ridge_r2"], mapper.config.heldout_r2_value)
-        mapper.save_pretrained("mappers/small-to-large-mlp")
-        ```
+        `mapper.report["mlp"]` holds the training settings, the per-layer held-out MSE and R^2 of ridge and of
+        the MLP (`heldout`), token counts, `heldout_sequences`, `memory_bytes` and timings.
     """
-    from .fit import _batches, _model_device, check_pair, new_statistics
-
-    check_pair(source, target)
-    if stride < 1:
-        raise ValueError(f"stride must be >= 1, got {stride}")
-    feature_stride = stride if feature_stride is None else feature_stride
-    if feature_stride < 1:
-        raise ValueError(f"feature_stride must be >= 1, got {feature_stride}")
-    if isinstance(top_k, str) and top_k.isdigit():  # CLI strings
-        top_k = int(top_k)
-    if isinstance(ridge_lambda, str):
-        try:
-            ridge_lambda = float(ridge_lambda)
-        except ValueError:
-            pass  # reported below
-    if not (top_k is None or top_k == "all" or isinstance(top_k, int)) or isinstance(ridge_lambda, (str, list, tuple)):
-        raise ValueError(
-            f"the MLP mapper is fit for one top_k (an int or 'all') and one ridge_lambda, got top_k={top_k!r}, "
-            f"ridge_lambda={ridge_lambda!r}; pick them with a ridge fit first (fit_mapper(top_k='auto', ...))"
-        )
-    if top_k == "all":
-        top_k = None
-    device = torch.device(device) if device is not None else _model_device(source)
     started = time.perf_counter()
-
-    # Token ids are small: materialise the batches to split whole sequences and size the features up front.
-    batches = list(_batches(calibration_input_ids, attention_mask, calibration_batch_size))
-    num_rows = sum(ids.shape[0] for ids, _ in batches)
-    heldout_rows = _split_rows(num_rows, heldout_fraction, seed)
-    stats = new_statistics(source, target)
-    src_layout, tgt_layout = stats.source_layout, stats.target_layout
-    num_tokens = {"train": 0, "heldout": 0}
-    row = 0
-    for ids, mask in batches:
-        held = torch.tensor([row + i in heldout_rows for i in range(ids.shape[0])])
-        row += ids.shape[0]
-        for part, rows in (("train", ~held), ("heldout", held)):
-            part_mask = mask[rows] if mask is not None else None
-            num_tokens[part] += token_selection(int(rows.sum()), ids.shape[1], feature_stride, part_mask, "cpu").numel()
+    device = torch.device(config.mlp_device) if config.mlp_device else model_device(source)
+    feature_stride = config.mlp_feature_stride or config.stride
+    feature_dtype = DTYPES[config.mlp_feature_dtype]
+    (top_k,), (ridge_lambda,) = config.top_k_values, config.ridge_lambda
+    num_rows, seq_len = input_ids.shape
+    num_heldout = heldout_count(num_rows, config.heldout_fraction)
+    num_train = num_rows - num_heldout
+    mask = attention_mask
+    num_tokens = {
+        "train": _count_tokens(num_train, seq_len, feature_stride, mask[:num_train] if mask is not None else None),
+        "heldout": _count_tokens(num_heldout, seq_len, feature_stride, mask[num_train:] if mask is not None else None),
+    }
+    src_layout, tgt_layout = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
     memory = mlp_fit_nbytes(
-        src_layout, tgt_layout, num_tokens["train"], num_tokens["heldout"], top_k, hidden_size,
-        num_hidden_layers, per_head, batch_size, feature_dtype,
+        src_layout, tgt_layout, num_tokens["train"], num_tokens["heldout"], top_k, config.mlp_hidden_size,
+        config.mlp_num_hidden_layers, config.mlp_per_head, config.mlp_batch_size, feature_dtype,
     )  # fmt: skip
     logger.info(
         "MLP fit needs ~%.1f MiB: features %.1f MiB (%d train + %d held-out tokens, stride %d, %s), statistics "
@@ -407,125 +363,102 @@ def fit_mlp_mapper(
         feature_stride, feature_dtype, memory["statistics"] / 2**20, memory["training"] / 2**20, device,
         memory["mapper"] / 2**20,
     )  # fmt: skip
+    import torch.distributed as dist
 
-    # -- one pass: ridge statistics on training sequences, features of every sequence
-    features: dict[str, dict[str, list[torch.Tensor]]] = {
-        part: {f"{kind}.{side}": [] for kind in KINDS for side in ("x", "y")} for part in ("train", "heldout")
-    }
-    bar = tqdm(total=num_rows, desc="calibration", unit="seq", disable=not progress)
-    row = 0
-    with torch.no_grad():
-        for ids, mask in batches:
-            held = torch.tensor([row + i in heldout_rows for i in range(ids.shape[0])])
-            row += ids.shape[0]
-            src_k, src_v = capture_kv(source, ids, mask)
-            tgt_k, tgt_v = capture_kv(target, ids, mask)
-            states = {"key": (src_k, tgt_k), "value": (src_v, tgt_v)}
-            for part, rows in (("train", ~held), ("heldout", held)):
-                if not rows.any():
-                    continue
-                part_mask = mask[rows] if mask is not None else None
-                select = {kind: ([s[rows.to(s.device)] for s in xs], [s[rows.to(s.device)] for s in ys])
-                          for kind, (xs, ys) in states.items()}  # fmt: skip
-                if part == "train":
-                    (xk, yk), (xv, yv) = select["key"], select["value"]
-                    stats.update(xk, xv, yk, yv, attention_mask=part_mask, stride=stride)
-                index = token_selection(int(rows.sum()), ids.shape[1], feature_stride, part_mask, src_k[0].device)
-                for kind, (xs, ys) in select.items():
-                    features[part][f"{kind}.x"].append(flatten_layers(xs, index).to("cpu", feature_dtype))
-                    features[part][f"{kind}.y"].append(
-                        flatten_layers(ys, index.to(ys[0].device)).to("cpu", feature_dtype)
-                    )
-            bar.update(ids.shape[0])
-    bar.close()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("the MLP mapper trains in one process: run it without torchrun")
+
+    # -- the one pass: ridge statistics (both shards) and the features of every sequence
+    collector = FeatureCollector(feature_stride, feature_dtype)
+    calibration = dict(mapper_kwargs.pop("calibration", None) or {})
+    train, heldout = run_fit_pass(
+        source, target, input_ids, attention_mask, config, consumers=[collector],
+        metadata={"calibration": calibration} if calibration else None, log=log,
+    )  # fmt: skip
     capture_seconds = time.perf_counter() - started
 
-    # -- ridge: layer selection and the residual base, from the training statistics
-    scores = single_source_r2(stats, ridge_lambda)["mean"]
-    selected = select_layers(scores, top_k)
-    selections = dict(enumerate(selected))
-    solutions = {kind: solve_layers(stats, kind, selections, ridge_lambda) for kind in KINDS}
+    # -- ridge: layer selection and the residual base, from the fit shard's statistics
+    selected = select_layers(layer_scores(train, ridge_lambda), top_k)
+    solutions = {kind: solve_layers(train, kind, dict(enumerate(selected)), ridge_lambda) for kind in KINDS}
 
-    settings = {
-        **DEFAULT_MLP_CONFIG,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_hidden_layers,
-        "residual": residual,
-        "per_head": per_head,
-        "epochs": epochs,
-        "lr": lr,
-        "batch_size": batch_size,
-        "patience": patience,
-        "heldout_fraction": heldout_fraction,
-        "seed": seed,
-        "feature_stride": feature_stride,
-        "train_tokens": num_tokens["train"],
-        "heldout_tokens": num_tokens["heldout"],
-        "heldout_sequences": sorted(heldout_rows),
-        "memory_bytes": memory,
-    }
-    for which, model in (("source", source), ("target", target)):
-        name = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
-        if name:
-            config_kwargs.setdefault(f"{which}_model_id", name)
-    calibration = dict(config_kwargs.pop("calibration", None) or {})
     calibration.setdefault("num_sequences", num_rows)
-    # num_tokens: the ridge base's training tokens; the MLP's are in config.mlp (train_tokens / heldout_tokens).
-    calibration.update(stride=stride, num_tokens=stats.count, num_heldout_sequences=len(heldout_rows))
-    config = MapperConfig(
-        source_config=stats.source_config,
-        target_config=stats.target_config,
+    # num_tokens: the ridge base's training tokens; the MLP's are in mapper.report["mlp"] (train_tokens, ...).
+    calibration.update(stride=config.stride, num_tokens=train.count, num_heldout_sequences=num_heldout)
+    architecture = {
+        **DEFAULT_MLP_CONFIG,
+        "hidden_size": config.mlp_hidden_size,
+        "num_hidden_layers": config.mlp_num_hidden_layers,
+        "residual": config.mlp_residual,
+        "per_head": config.mlp_per_head,
+    }
+    mapper_config = MapperConfig(
+        source_config=train.source_config,
+        target_config=train.target_config,
         selected_layers=selected,
         mapper_type="mlp",
         top_k=top_k if top_k is not None else src_layout.num_layers,
         ridge_lambda=ridge_lambda,
-        mlp=settings,
+        mlp=architecture,
         calibration=calibration,
-        **config_kwargs,
+        **mapper_kwargs,
     )
-    mapper = KVMapper(config)
 
     # -- train each (target layer, K|V) map
     report: dict[str, dict[str, list]] = {kind: {} for kind in KINDS}
-    bar = tqdm(total=tgt_layout.num_layers * 2 * epochs, desc="mlp", unit="epoch", disable=not progress)
+    state: dict[str, torch.Tensor] = {}
+    epochs = config.mlp_epochs
+    bar = tqdm(total=tgt_layout.num_layers * 2 * epochs, desc="mlp", unit="epoch", disable=not config.progress)
     for t, sel in enumerate(selected):
-        columns = _feature_index(sel, src_layout.layer_dim)
+        columns = feature_index(sel, src_layout.layer_dim)
         target_columns = slice(t * tgt_layout.layer_dim, (t + 1) * tgt_layout.layer_dim)
         for kind in KINDS:
             weight, bias, _ = solutions[kind][t]
-            x_train = _gather(features["train"][f"{kind}.x"], columns)
-            y_train = _gather(features["train"][f"{kind}.y"], target_columns)
-            x_held = _gather(features["heldout"][f"{kind}.x"], columns) if heldout_rows else None
-            y_held = _gather(features["heldout"][f"{kind}.y"], target_columns) if heldout_rows else None
             module, layer_report = train_mlp_map(
-                x_train.float(), y_train.float(),
-                x_held.float() if x_held is not None else None,
-                y_held.float() if y_held is not None else None,
-                num_kv_heads=tgt_layout.num_kv_heads, ridge_weight=weight, ridge_bias=bias, residual=residual,
-                hidden_size=hidden_size, num_hidden_layers=num_hidden_layers, per_head=per_head, epochs=epochs,
-                lr=lr, batch_size=batch_size, patience=patience, seed=seed + 2 * t + (kind == "value"),
-                device=device, progress_bar=bar, description=f"layer {t} {kind}",
+                collector.gather("train", f"{kind}.x", columns), collector.gather("train", f"{kind}.y", target_columns),
+                collector.gather("heldout", f"{kind}.x", columns),
+                collector.gather("heldout", f"{kind}.y", target_columns),
+                num_kv_heads=tgt_layout.num_kv_heads, ridge_weight=weight, ridge_bias=bias,
+                residual=config.mlp_residual, hidden_size=config.mlp_hidden_size,
+                num_hidden_layers=config.mlp_num_hidden_layers, per_head=config.mlp_per_head, epochs=epochs,
+                lr=config.mlp_lr, batch_size=config.mlp_batch_size, patience=config.mlp_patience,
+                seed=config.seed + 2 * t + (kind == "value"), device=device, progress_bar=bar,
+                description=f"layer {t} {kind}",
             )  # fmt: skip
-            getattr(mapper.layers[t], kind).load_state_dict(module.state_dict())
+            state.update({f"layers.{t}.{kind}.{name}": v for name, v in module.state_dict().items()})
             for name, value in layer_report.items():
                 report[kind].setdefault(name, []).append(value)
-            del x_train, y_train, x_held, y_held
     bar.close()
+    del collector
 
-    settings["heldout"] = report
-    settings["capture_seconds"] = round(capture_seconds, 3)
-    settings["fit_seconds"] = round(time.perf_counter() - started, 3)
-    config.fit_r2_key, config.fit_r2_value = report["key"]["train_r2"], report["value"]["train_r2"]
-    if heldout_rows:
-        config.heldout_r2_key, config.heldout_r2_value = report["key"]["mlp_r2"], report["value"]["mlp_r2"]
+    fit_seconds = round(time.perf_counter() - started, 3)
+    r2 = {"fit_r2_key": report["key"]["train_r2"], "fit_r2_value": report["value"]["train_r2"]}
+    if num_heldout:
+        r2.update(heldout_r2_key=report["key"]["mlp_r2"], heldout_r2_value=report["value"]["mlp_r2"])
         logger.info(
             "MLP mapper: held-out R^2 key %.4f (ridge %.4f), value %.4f (ridge %.4f), mean over target layers; "
             "%.1f s",
-            *(sum(report[k][m]) / len(report[k][m]) for k in KINDS for m in ("mlp_r2", "ridge_r2")),
-            settings["fit_seconds"],
-        )
-    config.num_parameters = mapper.num_parameters()
-    return mapper
+            *(sum(report[k][m]) / len(report[k][m]) for k in KINDS for m in ("mlp_r2", "ridge_r2")), fit_seconds,
+        )  # fmt: skip
+    mapper = KVMapper(dataclasses.replace(mapper_config, **r2))
+    mapper.load_state_dict(state)
+    mapper.report = {
+        "mlp": {
+            "epochs": epochs,
+            "lr": config.mlp_lr,
+            "batch_size": config.mlp_batch_size,
+            "patience": config.mlp_patience,
+            "heldout_fraction": config.heldout_fraction,
+            "seed": config.seed,
+            "feature_stride": feature_stride,
+            "train_tokens": num_tokens["train"],
+            "heldout_tokens": num_tokens["heldout"],
+            "heldout_sequences": list(range(num_train, num_rows)),
+            "memory_bytes": memory,
+            "heldout": report,
+        },
+        "timings": {"calibration_seconds": round(capture_seconds, 3), "fit_seconds": fit_seconds},
+    }
+    return mapper.float()
 
 
-__all__ = ["fit_mlp_mapper", "mlp_fit_nbytes", "train_mlp_map"]
+__all__ = ["FeatureCollector", "fit_mlp", "mlp_fit_nbytes", "train_mlp_map"]

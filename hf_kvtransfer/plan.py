@@ -3,7 +3,7 @@
 Every number comes from the code that does the work, not from a second copy of its formula: statistics sizes from
 `stats.statistics_nbytes` / `stats.block_statistics_nbytes` (what `fit` allocates), mapper parameters from a
 `KVMapper` built on the meta device (no memory), FLOPs from `bench.prefill_flops` / `bench.mapping_flops` (what
-`hf-kvtransfer bench` reports), and the fit's full vs two-stage choice by the rule `fit_and_save` applies.
+`hf-kvtransfer bench` reports), and the fit's full vs two-stage choice by the rule `accumulate.py` applies.
 
 Example:
     ```python
@@ -16,13 +16,14 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 from transformers import PreTrainedConfig
 
 from .configs import load_model_config
+from .fit_config import FitConfig, heldout_count
 from .rope import text_config
 from .stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 
@@ -30,10 +31,11 @@ __all__ = ["TransferPlan", "plan_transfer", "format_plan"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-# fit_and_save defaults (the paper's calibration: 500 x 1024 tokens, 10% held out; two-stage probe size).
-FIT_NUM_SEQUENCES = 500
-FIT_HELDOUT_FRACTION = 0.1
-FIT_PROBE_TOKENS = 8192
+# `hf-kvtransfer fit` defaults (FitConfig: the paper's 500 x 1024 tokens, 10% held out; two-stage probe size).
+_FIT_DEFAULTS = {f.name: f.default for f in fields(FitConfig)}
+FIT_NUM_SEQUENCES = _FIT_DEFAULTS["num_sequences"]
+FIT_HELDOUT_FRACTION = _FIT_DEFAULTS["heldout_fraction"]
+FIT_PROBE_TOKENS = _FIT_DEFAULTS["probe_tokens"]
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:
@@ -180,8 +182,8 @@ def plan_transfer(
         'full'
         ```
     """
+    from .accumulate import available_memory as _available_memory
     from .bench import mapper_size, mapping_flops, prefill_flops
-    from .fit import _available_memory, heldout_count
 
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
@@ -213,7 +215,7 @@ def plan_transfer(
     probe = 2 * probe_tokens * width * 4 + 2 * probe_tokens * width * 8
 
     available = int(available_memory) if available_memory is not None else _available_memory(torch.device("cpu"))
-    budget = available // 2  # fit_and_save: half the free memory where the statistics live
+    budget = available // 2  # accumulate.py: half the free memory where the statistics live
     two_stage = stats_full * sets > budget
     mode = "two-stage" if two_stage else "full"
     fit_bytes = (stats_two_stage * sets + probe) if two_stage else stats_full * sets

@@ -12,8 +12,24 @@ import torch
 
 from .stats import KINDS, BlockStatistics, KVStatistics
 
+__all__ = [
+    "cholesky_solve",
+    "feature_index",
+    "head_r2",
+    "heldout_r2",
+    "layer_scores",
+    "layer_slice",
+    "probe_single_source_r2",
+    "residual_sum_squares",
+    "select_layers",
+    "single_source_r2",
+    "solve_layer",
+    "solve_layers",
+    "sweep_heldout",
+]
 
-def _cholesky_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
+
+def cholesky_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
     """Solve `(gram + lambda I) W = rhs` in float64, adding jitter only if the factorisation fails."""
     gram = gram.double()
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
@@ -28,16 +44,16 @@ def _cholesky_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge_lambda: float) 
     raise ValueError("ridge system is not positive definite even with jitter; use a larger ridge_lambda")
 
 
-def _layer_slice(layer_idx: int, layer_dim: int) -> slice:
+def layer_slice(layer_idx: int, layer_dim: int) -> slice:
     return slice(layer_idx * layer_dim, (layer_idx + 1) * layer_dim)
 
 
-def _residual_sum_squares(gram_c, cross_c, var_y, weight):
+def residual_sum_squares(gram_c, cross_c, var_y, weight):
     """Per-output SSE of a linear fit on centered data: Syy - 2 diag(W^T C) + diag(W^T G W)."""
     return var_y - 2 * (weight * cross_c).sum(0) + (weight * (gram_c @ weight)).sum(0)
 
 
-def _head_r2(sse: torch.Tensor, var_y: torch.Tensor, num_heads: int) -> torch.Tensor:
+def head_r2(sse: torch.Tensor, var_y: torch.Tensor, num_heads: int) -> torch.Tensor:
     """R^2 per head (`[..., heads]`) from per-dim SSE and variance `[..., heads * head_dim]`."""
     sse = sse.reshape(*sse.shape[:-1], num_heads, -1).sum(-1)
     sst = var_y.reshape(*var_y.shape[:-1], num_heads, -1).sum(-1)
@@ -50,9 +66,9 @@ def _single_source_scores(blocks, num_source: int, num_target: int, num_heads: i
     scores = torch.empty(num_source, num_target, dtype=torch.float64)
     for s in range(num_source):
         gram_ss, cross_s, var_y = (t.double() for t in blocks(s))
-        weight = _cholesky_solve(gram_ss, cross_s, ridge_lambda)  # (F_s, L_t * F_t)
-        sse = _residual_sum_squares(gram_ss, cross_s, var_y, weight)
-        r2 = _head_r2(sse.reshape(num_target, -1), var_y.reshape(num_target, -1), num_heads)
+        weight = cholesky_solve(gram_ss, cross_s, ridge_lambda)  # (F_s, L_t * F_t)
+        sse = residual_sum_squares(gram_ss, cross_s, var_y, weight)
+        r2 = head_r2(sse.reshape(num_target, -1), var_y.reshape(num_target, -1), num_heads)
         scores[s] = r2.mean(-1).cpu()
     return scores
 
@@ -71,7 +87,7 @@ def single_source_r2(stats: KVStatistics, ridge_lambda: float = 0.01) -> dict[st
         c = stats.centered(kind)
 
         def blocks(s, c=c):
-            sl = _layer_slice(s, src.layer_dim)
+            sl = layer_slice(s, src.layer_dim)
             return c["gram"][sl, sl], c["cross"][sl], c["var_y"]
 
         out[kind] = _single_source_scores(blocks, src.num_layers, tgt.num_layers, tgt.num_kv_heads, ridge_lambda)
@@ -94,7 +110,7 @@ def probe_single_source_r2(
         var_y = (yc * yc).sum(0)
 
         def blocks(s, xc=xc, yc=yc, var_y=var_y):
-            xs = xc[:, _layer_slice(s, source_layout.layer_dim)]
+            xs = xc[:, layer_slice(s, source_layout.layer_dim)]
             return xs.T @ xs, xs.T @ yc, var_y
 
         out[kind] = _single_source_scores(
@@ -105,9 +121,10 @@ def probe_single_source_r2(
 
 
 def layer_scores(stats: KVStatistics, ridge_lambda: float = 0.01) -> torch.Tensor:
-    """The `[L_s, L_t]` ranking scores: in-sample single-source R^2, or the two-stage probe's for block statistics."""
+    """The `[L_s, L_t]` ranking scores at `ridge_lambda`: in-sample single-source R^2, or the two-stage probe's
+    (made at the same lambda) for block statistics."""
     if isinstance(stats, BlockStatistics):
-        return stats.scores
+        return stats.scores_at(ridge_lambda)
     return single_source_r2(stats, ridge_lambda)["mean"]
 
 
@@ -126,7 +143,7 @@ def select_layers(scores: torch.Tensor, top_k: int | None) -> list[list[int]]:
     return [sorted(order[:, t].tolist()) for t in range(scores.shape[1])]
 
 
-def _feature_index(selected: list[int], layer_dim: int) -> torch.Tensor:
+def feature_index(selected: list[int], layer_dim: int) -> torch.Tensor:
     return torch.cat([torch.arange(s * layer_dim, (s + 1) * layer_dim) for s in selected])
 
 
@@ -153,7 +170,7 @@ def _solve_batch(grams: torch.Tensor, rhs: torch.Tensor, ridge_lambda: float) ->
     factor, info = torch.linalg.cholesky_ex(grams + ridge_lambda * eye)
     out = torch.cholesky_solve(rhs, factor)
     for b in (info != 0).nonzero().flatten().tolist():
-        out[b] = _cholesky_solve(grams[b], rhs[b], ridge_lambda)
+        out[b] = cholesky_solve(grams[b], rhs[b], ridge_lambda)
     return out
 
 
@@ -166,8 +183,8 @@ def _system(stats: KVStatistics, c, kind: str, target_layer: int, selected: list
     if isinstance(stats, BlockStatistics):
         return stats.system(kind, target_layer, selected)
     src, tgt = stats.source_layout, stats.target_layout
-    idx = _feature_index(selected, src.layer_dim).to(c["gram"].device)
-    tl = _layer_slice(target_layer, tgt.layer_dim)
+    idx = feature_index(selected, src.layer_dim).to(c["gram"].device)
+    tl = layer_slice(target_layer, tgt.layer_dim)
     gram = c["gram"].index_select(0, idx).index_select(1, idx).double()
     cross = c["cross"][:, tl].index_select(0, idx).double()
     return gram, cross, c["var_y"][tl].double(), c["mean_x"].index_select(0, idx).double(), c["mean_y"][tl].double()
@@ -202,8 +219,8 @@ def solve_layers(
                 _, _, var_y, mean_x, mean_y = systems[b]
                 weight = weights[b]
                 bias = mean_y - mean_x @ weight
-                sse = _residual_sum_squares(grams[b], crosses[b], var_y, weight)
-                r2 = float(_head_r2(sse, var_y, tgt.num_kv_heads).mean())
+                sse = residual_sum_squares(grams[b], crosses[b], var_y, weight)
+                r2 = float(head_r2(sse, var_y, tgt.num_kv_heads).mean())
                 out[t] = (weight.T.contiguous(), bias, r2)
     return dict(sorted(out.items()))
 
@@ -214,8 +231,8 @@ def _heldout_head_r2(system, count: int, weight: torch.Tensor, bias: torch.Tenso
     weight, bias = weight.to(gram.device), bias.to(gram.device)
     # Error around the held-out means plus the offset between held-out means and the prediction of them.
     offset = mean_y - mean_x @ weight - bias
-    sse = _residual_sum_squares(gram, cross, var_y, weight) + count * offset**2
-    return float(_head_r2(sse, var_y, num_heads).mean())
+    sse = residual_sum_squares(gram, cross, var_y, weight) + count * offset**2
+    return float(head_r2(sse, var_y, num_heads).mean())
 
 
 @torch.no_grad()

@@ -341,8 +341,12 @@ class BlockStatistics(KVStatistics):
     the selections' size can be solved (top-k is nested in the probe ranking `scores`).
 
     Args:
-        selections: per target layer, the source layers to keep blocks for (the probe's top-k_max).
-        scores: the probe's `[L_s, L_t]` single-source R^2 used to rank layers at solve time.
+        selections: per target layer, the source layers to keep blocks for (the union of the probe's
+            top-`max_top_k` under each probed lambda).
+        scores: the probe's `[L_s, L_t]` single-source R^2 used to rank layers at solve time, per ridge lambda
+            (`{lambda: scores}`; a bare tensor is the ranking at lambda 0.01). A solve at a lambda the probe did
+            not rank with is refused (the ranking depends on lambda).
+        max_top_k: the largest k every lambda's selection is complete for (default: the smallest selection).
     """
 
     def __init__(
@@ -356,6 +360,7 @@ class BlockStatistics(KVStatistics):
         metadata: dict[str, Any] | None = None,
         dtype: torch.dtype = torch.float64,
         device: torch.device | str = "cpu",
+        max_top_k: int | None = None,
     ):
         if len(selections) != target_layout.num_layers:
             raise ValueError(f"need one selection per target layer ({target_layout.num_layers}), got {len(selections)}")
@@ -364,7 +369,10 @@ class BlockStatistics(KVStatistics):
         self.metadata = dict(metadata or {})
         self.count = 0
         self.selections = [sorted(int(s) for s in sel) for sel in selections]
-        self.scores = torch.as_tensor(scores, dtype=torch.float64).cpu()
+        if not isinstance(scores, dict):
+            scores = {0.01: scores}
+        self.scores = {float(lam): torch.as_tensor(v, dtype=torch.float64).cpu() for lam, v in scores.items()}
+        self._max_top_k = max_top_k
         self.gram_pairs = sorted({(a, b) for sel in self.selections for a in sel for b in sel if a <= b})
         self.cross_pairs = sorted({(s, t) for t, sel in enumerate(self.selections) for s in sel})
         fs, ft = source_layout.layer_dim, target_layout.layer_dim
@@ -388,7 +396,17 @@ class BlockStatistics(KVStatistics):
 
     @property
     def max_top_k(self) -> int:
-        return min(len(sel) for sel in self.selections)
+        return self._max_top_k if self._max_top_k is not None else min(len(sel) for sel in self.selections)
+
+    def scores_at(self, ridge_lambda: float) -> torch.Tensor:
+        """The probe's `[L_s, L_t]` ranking scores at `ridge_lambda` (refused for a lambda it was not run with)."""
+        for lam, scores in self.scores.items():
+            if abs(lam - float(ridge_lambda)) <= 1e-12 * max(1.0, abs(lam)):
+                return scores
+        raise ValueError(
+            f"the two-stage probe ranked layers at ridge_lambda {sorted(self.scores)}, not at {ridge_lambda}: the "
+            "ranking depends on lambda; solve with one of those, or refit listing every lambda you want"
+        )
 
     def _check_mergeable(self, other: "KVStatistics") -> None:
         super()._check_mergeable(other)
@@ -453,14 +471,21 @@ class BlockStatistics(KVStatistics):
         return gram, cross, sq_y - sum_y * mean_y, mean_x, mean_y
 
     def _meta(self) -> dict[str, Any]:
-        return {**super()._meta(), "selections": self.selections, "scores": self.scores.tolist()}
+        return {
+            **super()._meta(),
+            "selections": self.selections,
+            "scores": {repr(lam): v.tolist() for lam, v in self.scores.items()},
+            "max_top_k": self.max_top_k,
+        }
 
     @classmethod
     def _from_state(cls, tensors, meta, where: str) -> "BlockStatistics":
+        scores = meta["scores"]  # {lambda: [L_s, L_t]}; a bare list (older files) was ranked at lambda 0.01
+        scores = {float(k): torch.tensor(v) for k, v in scores.items()} if isinstance(scores, dict) else torch.tensor(scores)
         stats = cls(
-            KVLayout(**meta["source_layout"]), KVLayout(**meta["target_layout"]), meta["selections"],
-            torch.tensor(meta["scores"]), meta.get("source_config"), meta.get("target_config"), meta.get("metadata"),
-            dtype=tensors["key.sum_x"].dtype, device="meta",
+            KVLayout(**meta["source_layout"]), KVLayout(**meta["target_layout"]), meta["selections"], scores,
+            meta.get("source_config"), meta.get("target_config"), meta.get("metadata"),
+            dtype=tensors["key.sum_x"].dtype, device="meta", max_top_k=meta.get("max_top_k"),
         )  # fmt: skip
         expected = {name: tuple(t.shape) for name, t in stats.tensors.items()}
         if expected != {name: tuple(t.shape) for name, t in tensors.items()}:

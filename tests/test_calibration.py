@@ -73,9 +73,13 @@ def test_unreadable_datasets_give_clear_errors(tmp_path, tokenizer, monkeypatch)
 
     import datasets
 
+    import hf_kvtransfer.calibration as calibration
+
     def offline(*args, **kwargs):
         raise ConnectionError("no network")
 
+    # datasets' own failure (the one-request existence check before it is tested in test_cli_errors.py)
+    monkeypatch.setattr(calibration, "_check_hub_dataset", lambda dataset: None)
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(OSError, match="could not stream dataset 'org/corpus'.*local .txt"):
         build_calibration(tokenizer, "org/corpus", num_sequences=1, seq_len=4)
@@ -91,8 +95,10 @@ def test_hub_dataset_is_streamed_with_config_and_split(tokenizer, monkeypatch):
         return iter([{"text": "w1 w2 w3 w4"}, {"text": "w5 w6 w7"}])
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    checked = []
+    monkeypatch.setattr("hf_kvtransfer.calibration._check_hub_dataset", checked.append)  # no network in tests
     ids, info = build_calibration(tokenizer, "org/corpus", "cfg", "validation", num_sequences=2, seq_len=4)
-    assert calls == [("org/corpus", "cfg", "validation", True)]
+    assert calls == [("org/corpus", "cfg", "validation", True)] and checked == ["org/corpus"]
     assert ids.tolist() == [[5, 6, 7, 8], [2, 9, 10, 11]]  # EOS (2) between the documents
     assert (info["dataset"], info["config"], info["split"]) == ("org/corpus", "cfg", "validation")
 

@@ -1,6 +1,7 @@
 """Evaluation suite: each score is checked against an independent computation (a plain full-sequence forward)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,20 +9,11 @@ import torch.nn.functional as F
 
 from conftest import random_ids
 from hf_kvtransfer import KVMapper
-from hf_kvtransfer.evaluate import (
-    MultipleChoiceItem,
-    build_continuation_task,
-    kv_r2,
-    load_multiple_choice,
-    multi_turn_drift,
-    multiple_choice,
-    normalized_retention,
-    plot_results,
-    prefix_perplexity,
-    results_to_markdown,
-    split_documents,
-    text_windows,
-)
+from hf_kvtransfer.evaluate import kv_r2, multi_turn_drift, prefix_perplexity, split_documents, text_windows
+from hf_kvtransfer.metrics import normalized_retention
+from hf_kvtransfer.multiple_choice import MultipleChoiceItem, build_continuation_task, load_multiple_choice, multiple_choice
+from hf_kvtransfer.reporting import evaluation_markdown as results_to_markdown
+from hf_kvtransfer.reporting import plot_evaluation as plot_results
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +278,7 @@ def test_bundled_family_retention():
     from hf_kvtransfer.demo import find_family
 
     try:
-        family = find_family()
+        family = find_family(Path(__file__).resolve().parent.parent / "examples" / "family")
     except FileNotFoundError:
         pytest.skip("bundled family not in examples/family (python examples/train_family.py --output-dir examples/family)")
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -104,3 +104,11 @@ def test_rank_tradeoff(tmp_path):
     assert full["parameters"] == layers * 2 * (f_in * f_out + f_out) and full["bytes"] == 4 * full["parameters"]
     assert low["parameters"] == layers * 2 * ((f_in + f_out) * 8 + f_out) and low["bytes"] == 2 * low["parameters"]
     assert all(r["transfer_ms"] > 0 for r in report["rows"]) and (tmp_path / "tradeoff.png").stat().st_size > 1000
+
+
+def test_family_context(tmp_path):
+    out = _run([sys.executable, str(EXAMPLES / "family_context.py"), "--family", str(FAMILY), "--models", "small",
+                "--items", "8", "--extra-items", "4", "--windows", "8", "--output", str(tmp_path / "ctx.json")])
+    assert "| context gain (nats/token) |" in out
+    res = json.loads((tmp_path / "ctx.json").read_text())["models"]["small"]
+    assert res["recall"]["items"] == 8 and res["context"]["windows"] == 8

@@ -14,8 +14,10 @@ from hf_kvtransfer import (
     prefill,
     solve_mapper,
 )
+from hf_kvtransfer.accumulate import accumulate_statistics
+from hf_kvtransfer.fit import solve_mappers
 from hf_kvtransfer.ridge import select_layers, single_source_r2, solve_layer
-from hf_kvtransfer.stats import flatten_layers, token_selection
+from hf_kvtransfer.stats import BlockStatistics, flatten_layers, token_selection
 
 
 def test_linear_pair_selection_r2_and_generation(linear_models):
@@ -188,9 +190,6 @@ def test_heldout_r2_matches_numpy(mismatched_pair, kind):
 
 
 def test_two_stage_blocks_equal_full_statistics(mismatched_pair, tmp_path):
-    from hf_kvtransfer.fit import accumulate_statistics, solve_mappers
-    from hf_kvtransfer.stats import BlockStatistics
-
     source, target = mismatched_pair
     ids = random_ids(8, 40, seed=12)
     kw = dict(stride=2, batch_size=3, num_heldout=2, progress=False)
@@ -198,7 +197,7 @@ def test_two_stage_blocks_equal_full_statistics(mismatched_pair, tmp_path):
     # a probe larger than the fit shard ranks on exactly the full statistics' tokens
     blocks, blocks_held = accumulate_statistics(source, target, ids, two_stage=True, probe_tokens=10**6, max_top_k=2, **kw)
     assert isinstance(blocks, BlockStatistics) and blocks.count == full.count and blocks_held.count == full_held.count
-    torch.testing.assert_close(blocks.scores, single_source_r2(full)["mean"], rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(blocks.scores_at(0.01), single_source_r2(full)["mean"], rtol=1e-8, atol=1e-10)
     assert blocks.selections == select_layers(single_source_r2(full)["mean"], 2)
     assert blocks.nbytes() < full.nbytes()
     for k in (1, 2):
@@ -217,9 +216,56 @@ def test_two_stage_blocks_equal_full_statistics(mismatched_pair, tmp_path):
         assert torch.equal(loaded.tensors[name], tensor)
 
 
-def test_two_stage_small_probe_finds_the_true_layers(linear_models):
-    from hf_kvtransfer.fit import accumulate_statistics, solve_mappers
+@pytest.fixture(scope="module")
+def lambda_sensitive_pair():
+    # On this pair (and these tokens) the single-source ranking at lambda 100 differs from the one at 0.01, so a
+    # two-stage fit that ranks at the wrong lambda selects other layers than the full statistics.
+    source = tiny_model("qwen3", num_hidden_layers=3, seed=3)
+    target = tiny_model("qwen3", num_hidden_layers=2, seed=2, num_key_value_heads=1, head_dim=8, num_attention_heads=2)
+    return source, target, random_ids(8, 40, seed=12)
 
+
+def test_two_stage_selects_as_the_full_statistics_at_every_lambda(lambda_sensitive_pair):
+    source, target, ids = lambda_sensitive_pair
+    kw = dict(stride=2, batch_size=3, num_heldout=2, progress=False)
+    full, full_held = accumulate_statistics(source, target, ids, **kw)
+    by_lambda = {lam: single_source_r2(full, lam)["mean"] for lam in (0.01, 100.0)}
+    assert select_layers(by_lambda[0.01], 1) != select_layers(by_lambda[100.0], 1), "the test needs a lambda-sensitive ranking"
+    # the probe covers every fit token: its rankings must be those of the full statistics, at each lambda
+    blocks, blocks_held = accumulate_statistics(
+        source, target, ids, two_stage=True, probe_tokens=10**6, max_top_k=2, ridge_lambdas=(0.01, 100.0), **kw
+    )
+    for lam, scores in by_lambda.items():
+        torch.testing.assert_close(blocks.scores_at(lam), scores, rtol=1e-8, atol=1e-10)
+        for k in (1, 2):
+            # refit=False: both rank on the fit shard (a refit ranks the full statistics on fit + held-out tokens)
+            (a,) = solve_mappers(full, full_held, top_k=k, ridge_lambda=lam, refit=False).values()
+            (b,) = solve_mappers(blocks, blocks_held, top_k=k, ridge_lambda=lam, refit=False).values()
+            assert a.config.selected_layers == b.config.selected_layers == select_layers(scores, k), (lam, k)
+            np.testing.assert_allclose(a.config.heldout_r2_value, b.config.heldout_r2_value, rtol=1e-7, atol=1e-9)
+            for name, tensor in a.state_dict().items():
+                torch.testing.assert_close(b.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
+    # a lambda the probe did not rank with is refused rather than ranked at another lambda
+    with pytest.raises(ValueError, match="ranked layers at ridge_lambda"):
+        solve_mappers(blocks, blocks_held, top_k=1, ridge_lambda=1.0)
+
+
+def test_fit_mapper_two_stage_equals_full_at_the_fit_lambda(lambda_sensitive_pair):
+    source, target, ids = lambda_sensitive_pair
+    # 2 of 8 sequences held out and no refit: layers are ranked on the 6 fit sequences, where lambda matters
+    kw = dict(top_k=1, stride=2, batch_size=3, heldout_fraction=0.25, refit=False, progress=False)
+    selected = {}
+    for lam in (0.01, 100.0):
+        full = fit_mapper(source, target, ids, ridge_lambda=lam, two_stage=False, **kw)
+        two_stage = fit_mapper(source, target, ids, ridge_lambda=lam, two_stage=True, probe_tokens=10**6, **kw)
+        assert two_stage.config.selected_layers == full.config.selected_layers, lam
+        for name, tensor in full.state_dict().items():
+            torch.testing.assert_close(two_stage.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
+        selected[lam] = full.config.selected_layers
+    assert selected[0.01] != selected[100.0]
+
+
+def test_two_stage_small_probe_finds_the_true_layers(linear_models):
     source, target, true_source_of = linear_models
     blocks, _ = accumulate_statistics(
         source, target, random_ids(12, 64, seed=9), batch_size=4, two_stage=True, probe_tokens=64, max_top_k=1,
@@ -234,8 +280,6 @@ def test_two_stage_small_probe_finds_the_true_layers(linear_models):
 
 
 def test_float32_products_with_chan_merge_stay_close_to_float64(mismatched_pair):
-    from hf_kvtransfer.fit import accumulate_statistics
-
     source, target = mismatched_pair
     # an offset much larger than the spread: raw float32 sums of squares would lose the centered signal
     ids = random_ids(6, 40, seed=13)

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import hf_kvtransfer.fit as fit_module
+import hf_kvtransfer.calibration_pass as calibrate_module
 from fit_fixtures import make_tokenizer, save_pair, write_corpus
 from hf_kvtransfer import KVMapper, KVStatistics, collect_statistics, solve_mapper
+from hf_kvtransfer.accumulate import read_checkpoint
 from hf_kvtransfer.calibration import build_calibration, sample_hash
 from hf_kvtransfer.cli import main
 
@@ -42,12 +43,13 @@ def _leftovers(output: Path) -> list[str]:
 
 
 class _CountingCapture:
-    """Stands in for `capture_kv` in fit.py: counts model forwards, optionally sends SIGINT on call `interrupt_at`."""
+    """Stands in for `capture_kv` in the calibration pass: counts model forwards, optionally sends SIGINT on call
+    `interrupt_at`."""
 
     def __init__(self, interrupt_at: int | None = None):
         self.calls = 0
         self.interrupt_at = interrupt_at
-        self._real = fit_module.capture_kv
+        self._real = calibrate_module.capture_kv
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -94,7 +96,7 @@ def test_cli_subprocess_fit_matches_in_memory_fit(pair, tmp_path):
 
 def test_several_top_k_from_one_pass(pair, tmp_path, monkeypatch):
     counter = _CountingCapture()
-    monkeypatch.setattr(fit_module, "capture_kv", counter)
+    monkeypatch.setattr(calibrate_module, "capture_kv", counter)
     out = tmp_path / "mappers"
     assert main(_args(pair, out, "--top-k", "1,2,all", "--heldout-fraction", "0.25")) == 0
     # 18 fit + 6 held-out sequences in batches of 4: 5 + 2 batches, two models each, and nothing more
@@ -112,15 +114,17 @@ def test_resume_after_sigint_equals_uninterrupted_run(pair, tmp_path, monkeypatc
     assert main(_args(pair, full, *common, "--stats-dir", str(tmp_path / "stats-full"))) == 0
 
     out, stats_dir = tmp_path / "resumed", tmp_path / "stats"
-    monkeypatch.setattr(fit_module, "capture_kv", _CountingCapture(interrupt_at=5))  # inside the 3rd batch
+    monkeypatch.setattr(calibrate_module, "capture_kv", _CountingCapture(interrupt_at=5))  # inside the 3rd batch
     assert main(_args(pair, out, *common, "--stats-dir", str(stats_dir))) == 130
     assert not out.exists()
     checkpoint = stats_dir / "checkpoints" / "checkpoint-rank0-of-1.safetensors"
-    train, heldout, done = fit_module._load_checkpoint(checkpoint, fit_module._json_roundtrip(_run_key(checkpoint)), "cpu")
+    state = read_checkpoint(checkpoint)
+    train, heldout, done = state["train"], state["heldout"], state["done"]
     assert done == 3 * BATCH and train.count == done * SEQ_LEN // 4 and heldout.count == 0
+    assert state["run"]["stride"] == 4 and state["run"]["num_heldout"] == 6
 
     counter = _CountingCapture()
-    monkeypatch.setattr(fit_module, "capture_kv", counter)
+    monkeypatch.setattr(calibrate_module, "capture_kv", counter)
     assert main(_args(pair, out, *common, "--stats-dir", str(stats_dir))) == 0
     assert counter.calls == 2 * 4  # the 2 fit batches left and the 2 held-out batches
     assert not (stats_dir / "checkpoints").exists()
@@ -132,18 +136,9 @@ def test_resume_after_sigint_equals_uninterrupted_run(pair, tmp_path, monkeypatc
             torch.testing.assert_close(a.tensors[name], b.tensors[name], rtol=0, atol=0)
 
 
-def _run_key(checkpoint: Path) -> dict:
-    import json
-
-    from safetensors import safe_open
-
-    with safe_open(str(checkpoint), framework="pt") as f:
-        return json.loads(f.metadata()["checkpoint"])["run"]
-
-
 def test_changed_options_refuse_a_foreign_checkpoint(pair, tmp_path, monkeypatch, capsys):
     stats_dir = tmp_path / "stats"
-    monkeypatch.setattr(fit_module, "capture_kv", _CountingCapture(interrupt_at=1))
+    monkeypatch.setattr(calibrate_module, "capture_kv", _CountingCapture(interrupt_at=1))
     assert main(_args(pair, tmp_path / "a", "--top-k", "1", "--stats-dir", str(stats_dir))) == 130
     monkeypatch.undo()
     assert main(_args(pair, tmp_path / "a", "--top-k", "1", "--stats-dir", str(stats_dir), "--stride", "2")) == 1
@@ -194,8 +189,8 @@ def test_existing_output_needs_overwrite(pair, tmp_path, capsys):
 def test_auto_picks_the_best_held_out_candidate(pair, tmp_path):
     out = tmp_path / "auto"
     assert main(_args(pair, out, "--top-k", "auto", "--ridge-lambda", "0.01,100,auto", "--heldout-fraction", "0.25")) == 0
-    config = KVMapper.from_pretrained(out).config
-    selection = config.model_selection
+    mapper = KVMapper.from_pretrained(out)
+    config, selection = mapper.config, mapper.report["model_selection"]
     curve = selection["curve"]
     assert {(r["top_k"], r["ridge_lambda"]) for r in curve} == {(k, lam) for k in (1, 2, "all") for lam in (0.01, 100.0)}
     best = max(curve, key=lambda r: r["heldout_r2"])
@@ -252,7 +247,7 @@ def test_reduced_rank_and_bf16_mapper_from_the_cli(pair, tmp_path, capsys):
 
 def test_solve_from_kept_statistics_without_models(pair, tmp_path, monkeypatch, capsys):
     counter = _CountingCapture()
-    monkeypatch.setattr(fit_module, "capture_kv", counter)
+    monkeypatch.setattr(calibrate_module, "capture_kv", counter)
     stats_dir = tmp_path / "stats"
     assert main(_args(pair, tmp_path / "fit", "--top-k", "2", "--heldout-fraction", "0.25", "--stats-dir", str(stats_dir))) == 0
     forwards = counter.calls

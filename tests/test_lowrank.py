@@ -193,3 +193,43 @@ def test_save_load_strict_bf16_and_transfer(pair_stats, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mapper needs `rank`: one"):
         KVMapper.from_pretrained(tmp_path / "m")
+
+
+def _heldout_r2_direct(xs, yt, weight, bias, num_heads):
+    """Head-averaged R^2 of `xs @ W^T + b` on materialised held-out features (around the held-out mean)."""
+    err = ((yt - xs @ weight.T - bias) ** 2).reshape(len(yt), num_heads, -1).sum((0, 2))
+    tot = ((yt - yt.mean(0)) ** 2).reshape(len(yt), num_heads, -1).sum((0, 2))
+    return float((1 - err / tot).mean())
+
+
+@pytest.mark.parametrize("spec", [{"rank": 2}, {"energy": 0.9}])
+def test_reduced_rank_mapper_reports_its_own_heldout_r2(pair_stats, spec):
+    from hf_kvtransfer.fit import solve_mappers
+
+    source, target, stats, _ = pair_stats
+    ids = random_ids(4, 40, seed=11)  # other sequences than the fit's
+    heldout = collect_statistics(source, target, ids, stride=1, progress=False)
+    sk, sv = capture_kv(source, ids)
+    tk, tv = capture_kv(target, ids)
+    index = token_selection(ids.shape[0], ids.shape[1], 1, None, ids.device)
+    feats = {
+        "key": (flatten_layers(sk, index).double().numpy(), flatten_layers(tk, index).double().numpy()),
+        "value": (flatten_layers(sv, index).double().numpy(), flatten_layers(tv, index).double().numpy()),
+    }
+    # refit=False: the weights are the fit-shard solution whose held-out score is recorded, so applying them to
+    # the held-out features is an independent computation of the same number.
+    common = dict(top_k=2, ridge_lambda=LAM, refit=False, dtype=torch.float64)
+    low = next(iter(solve_mappers(stats, heldout, **common, **spec).values()))
+    full = next(iter(solve_mappers(stats, heldout, **common).values()))
+    assert low.config.rank is not None and full.config.rank is None
+    num_heads = target.config.num_key_value_heads
+    for kind in ("key", "value"):
+        for mapper in (low, full):
+            stored = getattr(mapper.config, f"heldout_r2_{kind}")
+            for t, selected in enumerate(mapper.config.selected_layers):
+                xs, yt = _layer_data(feats, kind, selected, t)
+                direct = _heldout_r2_direct(xs, yt, *_dense(getattr(mapper.layers[t], kind)), num_heads)
+                assert stored[t] == pytest.approx(direct, rel=1e-6, abs=1e-9), (kind, t, mapper.config.rank)
+        # ... and it is not the full-rank number any more
+        low_r2, full_r2 = getattr(low.config, f"heldout_r2_{kind}"), getattr(full.config, f"heldout_r2_{kind}")
+        assert max(abs(a - b) for a, b in zip(low_r2, full_r2)) > 1e-3

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import linear_pair, random_ids
-from hf_kvtransfer import KVMapper, TransferredCache, capture_kv, fit_mapper, prefill
-from hf_kvtransfer.mlp import MLPKindMap, fit_mlp_mapper, mlp_fit_nbytes, train_mlp_map
+from hf_kvtransfer import KVMapper, TransferredCache, capture_kv, fit_mapper, fit_mlp_mapper, prefill
+from hf_kvtransfer.mlp import MLPKindMap, mlp_fit_nbytes, train_mlp_map
 from hub_fixtures import hub_server  # noqa: F401
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,7 +25,7 @@ def _one_thread():
 
 
 # Small and fast, but big enough to learn a ReLU of a linear map of 16-dim heads.
-FAST = dict(hidden_size=64, epochs=40, lr=3e-3, batch_size=128, stride=1, heldout_fraction=0.25, progress=False)
+FAST = dict(hidden_size=64, epochs=40, lr=3e-3, mlp_batch_size=128, stride=1, heldout_fraction=0.25, progress=False)
 
 
 # -- features only: a synthetic nonlinear relation -----------------------------------------------------------
@@ -148,7 +148,7 @@ def test_mlp_mapper_recovers_nonlinear_model_pair(nonlinear_pair):
     # Linear layers stay exact.
     assert min(r2_mlp["key"] + r2_mlp["value"][:-1]) > 0.999
     # The recorded held-out report agrees: ridge and MLP per layer, MLP never worse.
-    report = mlp.config.mlp["heldout"]
+    report = mlp.report["mlp"]["heldout"]
     for kind in ("key", "value"):
         assert all(m <= r * (1 + 1e-9) for m, r in zip(report[kind]["mlp_mse"], report[kind]["ridge_mse"]))
     assert report["value"]["ridge_r2"][-1] < 0.85 < 0.95 < report["value"]["mlp_r2"][-1]
@@ -185,7 +185,7 @@ def test_residual_mlp_stays_at_ridge_on_linear_pair(linear_models):
         for kind in ("key", "value"):
             assert r2_mlp[kind][t] > 0.999
             assert 1 - r2_mlp[kind][t] <= (1 - r2_ridge[kind][t]) * 1.5 + 1e-6, (t, kind, r2_mlp, r2_ridge)
-    report = mlp.config.mlp["heldout"]
+    report = mlp.report["mlp"]["heldout"]
     for kind in ("key", "value"):
         assert all(m <= r * (1 + 1e-9) for m, r in zip(report[kind]["mlp_mse"], report[kind]["ridge_mse"]))
 
@@ -195,8 +195,8 @@ def test_untrained_residual_mapper_is_ridge_on_the_training_sequences(linear_mod
     ids = random_ids(10, 32, seed=4)
     mlp = fit_mlp_mapper(source, target, ids, top_k=2, stride=2, hidden_size=8, epochs=0, heldout_fraction=0.3,
                          progress=False)  # fmt: skip
-    held = mlp.config.mlp["heldout_sequences"]
-    assert len(held) == 3
+    held = mlp.report["mlp"]["heldout_sequences"]
+    assert held == [7, 8, 9]  # the last 30% of the sequences, as for every fit
     # The ridge fit through the ordinary path on the training sequences only.
     ridge = fit_mapper(source, target, ids[[i for i in range(10) if i not in held]], top_k=2, stride=2, progress=False)
     assert mlp.config.selected_layers == ridge.config.selected_layers
@@ -214,8 +214,8 @@ def test_fit_mapper_dispatches_and_reports_memory(linear_models):
         source, target, ids, top_k=2, stride=2, mapper_type="mlp", hidden_size=8, epochs=1, mlp_batch_size=64,
         feature_stride=4, heldout_fraction=0.2, progress=False,
     )  # fmt: skip
-    settings = mapper.config.mlp
-    assert mapper.config.mapper_type == "mlp" and settings["batch_size"] == 64 and settings["hidden_size"] == 8
+    settings = mapper.report["mlp"]
+    assert mapper.config.mapper_type == "mlp" and settings["batch_size"] == 64 and mapper.config.mlp["hidden_size"] == 8
     # 2 of 10 sequences held out; every 4th of 32 tokens kept as features.
     assert (settings["train_tokens"], settings["heldout_tokens"]) == (8 * 8, 2 * 8)
     assert mapper.config.calibration["num_tokens"] == 8 * 16  # ridge statistics: training sequences, stride 2

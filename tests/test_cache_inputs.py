@@ -1,0 +1,180 @@
+"""What a TransferredCache accepts: decoding modes that re-feed the prompt, and input that does not continue it.
+
+The reference is always the target's own output (the exact pair: a mapper from a model to itself that reproduces
+its own cache), so every accepted mode must give the same tokens, and every refused one must fail before output.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import exact_identity_mapper, random_ids, tiny_model
+from hf_kvtransfer import TransferredCache, prefill
+
+GREEDY = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model = tiny_model("qwen3", num_hidden_layers=3, seed=7)
+    return model, exact_identity_mapper(model)
+
+
+def _cache(model, mapper, ids, **kwargs):
+    return TransferredCache(prefill(model, ids), mapper, **kwargs)
+
+
+def test_assisted_decoding_with_the_source_as_assistant_is_exact(pair):
+    model, mapper = pair
+    assistant = tiny_model("qwen3", num_hidden_layers=2, seed=8)  # a different (worse) drafter
+    ids = random_ids(1, 20, seed=1)
+    ref = model.generate(ids, **GREEDY)
+    with pytest.warns(UserWarning, match="re-feed the whole prompt"):
+        out = model.generate(ids, cache=_cache(model, mapper, ids), assistant_model=assistant, **GREEDY)
+    assert torch.equal(out, ref)
+
+
+def test_prompt_lookup_is_exact(pair):
+    model, mapper = pair
+    ids = torch.cat([random_ids(1, 10, seed=2)] * 2, dim=1)  # repeats, so prompt lookup finds candidates
+    ref = model.generate(ids, **GREEDY)
+    with pytest.warns(UserWarning, match="re-feed the whole prompt"):
+        out = model.generate(ids, cache=_cache(model, mapper, ids), prompt_lookup_num_tokens=3, **GREEDY)
+    assert torch.equal(out, ref)
+
+
+def test_num_recompute_tokens_zero_under_generate_is_exact(pair):
+    model, mapper = pair
+    ids = random_ids(1, 16, seed=3)
+    with pytest.warns(UserWarning, match="re-feed the whole prompt"):
+        out = model.generate(ids, cache=_cache(model, mapper, ids, num_recompute_tokens=0), **GREEDY)
+    assert torch.equal(out, model.generate(ids, **GREEDY))
+
+
+def test_normal_generate_neither_warns_nor_differs(pair):
+    model, mapper = pair
+    ids = random_ids(2, 16, seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model.generate(ids, cache=_cache(model, mapper, ids), **GREEDY)
+    assert torch.equal(out, model.generate(ids, **GREEDY))
+
+
+def test_another_prompt_of_the_same_length_is_refused(pair):
+    model, mapper = pair
+    a, b = random_ids(1, 16, seed=5), random_ids(1, 16, seed=6)
+    with pytest.raises(ValueError, match="differ from the prompt this cache was built for"):
+        model.generate(b, cache=_cache(model, mapper, a), **GREEDY)
+
+
+def test_input_shorter_than_the_cached_prompt_is_refused(pair):
+    model, mapper = pair
+    ids = random_ids(1, 20, seed=7)
+    with pytest.raises(ValueError, match="input_ids hold 8 tokens but this cache already holds 19"):
+        model.generate(ids[:, :8], cache=_cache(model, mapper, ids), **GREEDY)
+
+
+def test_reusing_a_cache_for_the_next_prompt_is_refused(pair):
+    # What a pipeline over a list of prompts does with one cache object.
+    model, mapper = pair
+    first, second = random_ids(1, 12, seed=8), random_ids(1, 40, seed=9)
+    cache = _cache(model, mapper, first)
+    model.generate(first, cache=cache, **GREEDY)
+    with pytest.raises(ValueError, match="differ from the prompt"):
+        model.generate(second, cache=cache, **GREEDY)
+
+
+def test_multi_turn_continuation_still_works(pair):
+    model, mapper = pair
+    ids = random_ids(1, 14, seed=10)
+    cache = _cache(model, mapper, ids)
+    turn1 = model.generate(ids, cache=cache, **GREEDY)
+    turn2_ids = torch.cat([turn1, random_ids(1, 5, seed=11)], dim=1)
+    out = model.generate(turn2_ids, cache=cache, **GREEDY)
+    own = model.generate(turn2_ids, **GREEDY)
+    assert torch.equal(out, own)
+
+
+def test_a_second_generate_with_the_same_ids_says_what_to_pass(pair):
+    model, mapper = pair
+    ids = random_ids(1, 14, seed=12)
+    cache = _cache(model, mapper, ids)
+    model.generate(ids, cache=cache, **GREEDY)
+    with pytest.raises(ValueError, match="cache already holds|no token beyond"):
+        model.generate(ids, cache=cache, **GREEDY)
+
+
+def test_only_new_tokens_with_a_mask_covering_the_cache_are_exact(pair):
+    model, mapper = pair
+    prompt, new = random_ids(1, 15, seed=13), random_ids(1, 4, seed=14)
+    full = torch.cat([prompt, new], dim=1)
+    src = prefill(model, prompt)
+    cache = TransferredCache(src, mapper, num_recompute_tokens=0)
+    out = model.generate(new, attention_mask=torch.ones_like(full), cache=cache, **GREEDY)
+    assert torch.equal(out[:, -12:], model.generate(full, **GREEDY)[:, -12:])
+
+
+def test_only_new_tokens_without_a_mask_say_what_to_pass(pair):
+    model, mapper = pair
+    prompt = random_ids(1, 15, seed=15)
+    cache = _cache(model, mapper, prompt)
+    with pytest.raises(ValueError, match="whole conversation so far"):
+        model.generate(random_ids(1, 4, seed=16), cache=cache, **GREEDY)
+
+
+def test_a_model_with_fewer_layers_is_refused_before_output():
+    source = tiny_model("qwen3", num_hidden_layers=3, seed=17)
+    mapper = exact_identity_mapper(source)
+    smaller = tiny_model("qwen3", num_hidden_layers=2, seed=18)
+    ids = random_ids(1, 12, seed=19)
+    with pytest.raises(ValueError, match="num_hidden_layers: mapper has 3, model has 2"):
+        smaller.generate(ids, cache=_cache(source, mapper, ids), **GREEDY)
+
+
+def test_direct_forward_of_the_recomputed_token_is_exact_and_of_another_is_refused(pair):
+    model, mapper = pair
+    ids = random_ids(1, 18, seed=20)
+    own = model(ids).logits[:, -1]
+    with torch.no_grad():
+        got = model(ids[:, -1:], cache=_cache(model, mapper, ids)).logits[:, -1]
+    torch.testing.assert_close(got, own, rtol=1e-4, atol=1e-4)
+    other = (ids[:, -1:] + 1) % model.config.vocab_size
+    with pytest.raises(ValueError, match="first at position 17"):
+        model(other, cache=_cache(model, mapper, ids))
+
+
+def test_decode_steps_after_conversion_compile_without_graph_breaks(pair):
+    # A transferred cache must be as compile-friendly as the target's own once converted (the decode path).
+    model, mapper = pair
+    ids = random_ids(1, 20, seed=21)
+    breaks = {}
+    for name, cache in (("own", prefill(model, ids[:, :19])), ("transferred", _cache(model, mapper, ids))):
+        with torch.no_grad():
+            model(ids[:, 19:], cache=cache)  # the transferred cache converts here, eagerly
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(model.forward)(ids[:, :1], cache=cache, use_cache=True)
+        breaks[name] = (explained.graph_count, explained.graph_break_count)
+    assert breaks["transferred"] == breaks["own"] == (1, 0)
+
+
+@pytest.mark.parametrize("num_exact_layers", [1, 2])
+def test_exact_first_layers_are_the_targets_own(num_exact_layers):
+    # A deliberately useless mapper (zero weights): only the layers the target computes itself can match its own
+    # cache, and they must match it exactly, with left padding; the others stay mapped (here: zeros).
+    from hf_kvtransfer import KVMapper
+
+    from conftest import left_pad
+
+    model = tiny_model("llama3-scaling", num_hidden_layers=3, seed=22)
+    zero = KVMapper(exact_identity_mapper(model).config)
+    ids, mask = left_pad(random_ids(2, 16, seed=23), [16, 11])
+    own = prefill(model, ids, attention_mask=mask)
+    cache = TransferredCache(prefill(model, ids, attention_mask=mask), zero, attention_mask=mask, num_exact_layers=num_exact_layers)
+    with torch.no_grad():
+        model(ids[:, -1:], attention_mask=mask, cache=cache)
+    real = mask.bool()[:, :15]
+    for t, (a, b) in enumerate(zip(cache.layers, own.layers)):
+        got, ref = a.keys[:, :, :15], b.keys[:, :, :15]
+        error = (got - ref).abs().amax(dim=(1, 3))[real].max().item()
+        assert (error < 1e-5) if t < num_exact_layers else (error > 1e-2), (t, error)

@@ -1,0 +1,217 @@
+"""`hf-kvtransfer` misuse: every known failure is one line (plus a hint) and a non-zero exit; bugs keep their traceback.
+
+Each case is one a user ran into (issue 13). The shared check: exit code != 0, stderr is `error: ...` on ONE line,
+optionally followed by a `hint: ...` line, it names the file / id / number at fault, and holds no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_kvtransfer.calibration_pass as calibration_pass
+from conftest import exact_identity_mapper, tiny_model
+from fit_fixtures import save_pair, write_corpus
+from hf_kvtransfer import cli
+from hf_kvtransfer.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def assert_one_line(code: int, err: str, *names: str) -> str:
+    """The error contract: non-zero exit, `error:` line + optional `hint:` line, naming `names`, no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0, err
+    assert "Traceback" not in err, err
+    assert lines and lines[0].startswith("error: "), err
+    assert len(lines) == 1 or (len(lines) == 2 and lines[1].startswith("hint: ")), err
+    for name in names:
+        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def mappers(tmp_path_factory):
+    """A saved mapper and a copy whose model.safetensors lost its second half (an interrupted download)."""
+    root = tmp_path_factory.mktemp("mappers")
+    mapper = exact_identity_mapper(tiny_model("qwen3", num_hidden_layers=2))
+    mapper.save_pretrained(root / "good")
+    shutil.copytree(root / "good", root / "broken")
+    weights = root / "broken" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    return root / "good", root / "broken"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    source, target = save_pair(root)
+    return source, target, write_corpus(root / "corpus.txt", num_paragraphs=60)
+
+
+# -- a. a truncated model.safetensors ----------------------------------------------------------------------
+
+
+def test_info_validates_the_weights_it_describes(mappers, capsys):
+    good, broken = mappers
+    assert main(["info", str(good)]) == 0 and "MiB on disk" in capsys.readouterr().out
+    code = main(["info", str(broken)])
+    out, err = capsys.readouterr()
+    assert_one_line(code, err, str(broken / "model.safetensors"), "truncated")
+    assert "MiB on disk" not in out  # no summary of a mapper that does not load
+
+
+@pytest.mark.parametrize("command", ["eval", "demo", "push"])
+def test_truncated_mapper_is_one_line_in_every_command(command, mappers, pair, tmp_path, capsys, unreachable_hub):
+    _, broken = mappers
+    source, target, corpus = pair
+    argv = {
+        "eval": ["eval", "--source", str(source), "--target", str(target), "--mapper", str(broken), "--text", str(corpus)],
+        "demo": ["demo", "--source", str(source), "--target", str(target), "--mapper", str(broken), "--text", str(corpus)],
+        "push": ["push", str(broken), "someone/some-mapper"],
+    }[command]
+    code = main(argv)
+    assert_one_line(code, capsys.readouterr().err, str(broken / "model.safetensors"), "truncated")
+
+
+def test_subprocess_one_line_and_traceback_only_with_hf_debug(mappers):
+    _, broken = mappers
+    command = [sys.executable, "-m", "hf_kvtransfer.cli", "info", str(broken)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DEBUG": ""}
+    plain = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert plain.returncode == 1 and plain.stdout == ""
+    assert_one_line(plain.returncode, plain.stderr, str(broken / "model.safetensors"))
+    debug = subprocess.run(command, capture_output=True, text=True, env={**env, "HF_DEBUG": "1"}, cwd=REPO, timeout=120)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "model.safetensors" in debug.stderr
+
+
+# -- b. --device cuda on a torch without CUDA ------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA")
+def test_bench_on_cuda_without_cuda_is_one_line(capsys):
+    code = main(["bench", "--device", "cuda", "--shapes", "family", "--quick", "--no-reexec"])
+    line = assert_one_line(code, capsys.readouterr().err, "CUDA is not available", torch.__version__, "--device cpu")
+    assert ("in this torch build" in line) == (torch.version.cuda is None)
+
+
+# -- c. local paths are never sent to the Hub ------------------------------------------------------------
+
+
+def test_mistyped_local_mapper_folder_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, capsys, hub_server):
+    (tmp_path / "mappers" / "small-to-large").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    code = main(["info", "mappers/does-not-exist"])
+    line = assert_one_line(code, capsys.readouterr().err, "local directory mappers/does-not-exist does not exist")
+    assert "small-to-large" in line  # what is there instead
+    assert hub_server.requests == []  # never asked
+
+
+@pytest.mark.parametrize("name", ["./nope", "../nope", "nope/./x", "~/no-such-model-dir", "not a hub id"])
+def test_missing_local_model_directory_is_one_line(name, pair, tmp_path, capsys, hub_server):
+    _, target, corpus = pair
+    code = main(["fit", "--source", name, "--target", str(target), "--dataset", str(corpus), "--output", str(tmp_path / "o")])
+    assert_one_line(code, capsys.readouterr().err, f"local directory {name} does not exist", "source")
+    assert hub_server.requests == [] and not (tmp_path / "o").exists()
+
+
+# -- d. a mistyped dataset id -----------------------------------------------------------------------------
+
+
+def test_mistyped_dataset_fails_once_with_one_request(pair, tmp_path, capsys, hub_server):
+    source, target, _ = pair
+    start = time.perf_counter()
+    code = main(["fit", "--source", str(source), "--target", str(target), "--output", str(tmp_path / "o"),
+                 "--dataset", "someone/fineweb-eud", "--num-sequences", "4", "--seq-len", "16"])  # fmt: skip
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert_one_line(code, err, "'someone/fineweb-eud'", "is neither a local file or directory nor a dataset on the Hub")
+    assert "Retry" not in err and "retry" not in err
+    # One question to the Hub about it (no retries), and none about the models (local) or anything else.
+    assert [path for _, path, _ in hub_server.requests] == ["/api/datasets/someone/fineweb-eud"]
+    assert elapsed < 60, elapsed  # was 29 s of retries on a fast machine; this is a loose guard, the request count is the check
+
+
+# -- e. Ctrl-C during fit ---------------------------------------------------------------------------------
+
+
+def test_ctrl_c_during_fit_says_where_the_checkpoint_is(pair, tmp_path, monkeypatch, capsys):
+    real, calls = calibration_pass.capture_kv, []
+
+    def capture_then_interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # inside the second batch: one batch done, then the graceful stop writes a checkpoint
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibration_pass, "capture_kv", capture_then_interrupt)
+    source, target, corpus = pair
+    stats = tmp_path / "stats"
+    argv = ["fit", "--source", str(source), "--target", str(target), "--output", str(tmp_path / "o"), "--dataset",
+            str(corpus), "--num-sequences", "8", "--seq-len", "16", "--batch-size", "2", "--top-k", "1",
+            "--heldout-fraction", "0", "--stats-dir", str(stats)]  # fmt: skip
+    assert main(argv) == 130
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    where = stats / "checkpoints"
+    assert any(line.startswith("interrupted") and str(where) in line for line in lines), lines
+    assert any(line.startswith("hint: ") and "same command" in line and "resume" in line for line in lines), lines
+    assert "Traceback" not in "\n".join(lines)
+    assert list(where.glob("checkpoint-*.safetensors")), "the message names a checkpoint that is not there"
+    # ... and the same command does resume: only the batches left are run.
+    calls.clear()
+    monkeypatch.setattr(calibration_pass, "capture_kv", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    assert main(argv) == 0
+    assert len(calls) == 2 * 2  # 2 of 4 batches were done before the interrupt; 2 models each for the rest
+
+
+# -- f. --seq-len beyond max_position_embeddings ---------------------------------------------------------------
+
+
+def test_seq_len_beyond_max_positions_warns_once(pair, tmp_path, caplog):
+    source, target, corpus = pair
+    limit = tiny_model("qwen3", num_hidden_layers=1).config.max_position_embeddings  # what save_pair's models have
+    seq_len = limit + 8
+    with caplog.at_level("WARNING"):
+        assert main(["fit", "--source", str(source), "--target", str(target), "--output", str(tmp_path / "o"),
+                     "--dataset", str(corpus), "--num-sequences", "1", "--seq-len", str(seq_len), "--top-k", "1",
+                     "--heldout-fraction", "0"]) == 0  # fmt: skip
+    warned = [r.getMessage() for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert str(seq_len) in warned[0] and str(limit) in warned[0]
+
+
+# -- g. library bugs keep their traceback ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "exc, user_error",
+    [
+        (TypeError("bug"), False),
+        (KeyError("bug"), False),
+        (AttributeError("bug"), False),
+        (ImportError("cannot import name 'x' from 'y'"), False),
+        (ImportError("plots need matplotlib: pip install matplotlib"), True),
+        (ValueError("bad value 3"), True),
+        (FileNotFoundError("no such file x"), True),
+    ],
+)
+def test_only_user_errors_are_one_line(exc, user_error, mappers, monkeypatch, capsys):
+    def failing(args):
+        raise exc
+
+    monkeypatch.setattr(cli, "_run_info", failing)
+    monkeypatch.delenv("HF_DEBUG", raising=False)
+    if user_error:
+        assert_one_line(main(["info", str(mappers[0])]), capsys.readouterr().err, str(exc).strip("'"))
+    else:
+        with pytest.raises(type(exc)):
+            main(["info", str(mappers[0])])
