@@ -88,6 +88,7 @@ def _add_push(subparsers) -> None:
     p.add_argument("--commit-message", help="commit title (default: describes the mapper)")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing directly")
     p.add_argument("--token", help="Hub token with write access (default: `hf auth login` / HF_TOKEN)")
+    p.add_argument("--max-shard-size", default="5GB", help="weights above this go as shards + index (default 5GB)")
     p.set_defaults(func=_run_push)
 
 
@@ -103,6 +104,7 @@ def _run_push(args) -> int:
         commit_message=args.commit_message,
         token=args.token,
         create_pr=args.create_pr,
+        max_shard_size=args.max_shard_size,
     )
     print(url)
     return 0
@@ -128,16 +130,18 @@ def _add_info(subparsers) -> None:
 def _run_info(args) -> int:
     import json
 
-    from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, resolve_mapper_dir
+    from .checkpoint import checkpoint_info, weight_files
+    from .hub import CONFIG_NAME, REPORT_NAME, resolve_mapper_dir
 
     path = resolve_mapper_dir(args.mapper, revision=args.revision, token=args.token)
     config = json.loads((path / CONFIG_NAME).read_text())
     if args.json:
         print(json.dumps(config, indent=2, sort_keys=True))
         return 0
-    _check_weights(path / WEIGHTS_NAME)  # describe only weights that load
+    for weights in weight_files(path):  # describe only weights that load (every shard)
+        _check_weights(weights)
     report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
-    print(_format_info(config, (path / WEIGHTS_NAME).stat().st_size, report))
+    print(_format_info(config, checkpoint_info(path)["total_size"], report))
     return 0
 
 
@@ -486,6 +490,50 @@ def _run_solve(args) -> int:
 
 
 _SUBCOMMANDS += [_add_solve]
+
+
+# -- plan (plan.py) ------------------------------------------------------------------------------------------
+
+
+def _add_plan(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "plan",
+        "sizes and costs of a mapper from the two configs alone (no weights): parameters and bytes, fit statistics "
+        "(full / two-stage, and which one fit picks here), FLOPs vs the target's prefill, transfer memory",
+        """
+        hf-kvtransfer plan --source Qwen/Qwen3-14B --target Qwen/Qwen3-32B --top-k 8 --seq-len 32768
+        hf-kvtransfer plan --source meta-llama/Llama-3.2-1B --target meta-llama/Llama-3.2-3B --rank 256 --json
+        """,
+    )
+    p.add_argument("--source", required=True, help="Hub id, local model folder or config.json (known families work offline)")
+    p.add_argument("--target", required=True, help="Hub id, local model folder or config.json")
+    p.add_argument("--top-k", type=int, default=8, help="source layers per target layer (default 8)")
+    p.add_argument("--rank", type=int, help="reduced rank of every map (default: full rank)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens transferred, for FLOPs and memory (default 4096)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences transferred at once (default 1)")
+    p.add_argument("--dtype", default="bfloat16", help="mapper weights and KV caches: bfloat16 (default), float16, float32")
+    p.add_argument("--available-memory", type=float, metavar="GIB", help="memory for the fit statistics (default: free RAM)")
+    p.add_argument("--offline", action="store_true", help="never ask the Hub: local paths and the shipped configs only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args) -> int:
+    import json
+
+    from .plan import format_plan, plan_transfer
+
+    plan = plan_transfer(
+        args.source, args.target, top_k=args.top_k, rank=args.rank, seq_len=args.seq_len, dtype=args.dtype,
+        batch_size=args.batch_size, use_hub=not args.offline,
+        available_memory=int(args.available_memory * 2**30) if args.available_memory else None,
+    )  # fmt: skip
+    print(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if args.json else format_plan(plan))
+    return 0
+
+
+_SUBCOMMANDS += [_add_plan]
 
 
 # -- bench (bench.py) ----------------------------------------------------------------------------------------

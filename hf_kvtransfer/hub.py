@@ -1,12 +1,13 @@
 """Hub layer: find a mapper folder (local or on the Hub), publish one, and render its model card.
 
-Only three files ever travel: `config.json`, `model.safetensors` and `README.md` (no pickle, no code). Every
-huggingface_hub error is re-raised as a `MapperHubError` subclass whose one-line message names the repo and says
-what to do; the original error stays attached as `__cause__`.
+Only `config.json`, the safetensors weights (one file, or shards + index) and `README.md` travel (no pickle, no
+code). Every huggingface_hub error is re-raised as a `MapperHubError` subclass whose one-line message names the repo
+and says what to do; the original error stays attached as `__cause__`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import json
 import logging
@@ -19,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, constants, get_token, snapshot_download
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, ModelCardData, constants, get_token, snapshot_download
 from huggingface_hub.errors import (
     BadRequestError,
     EntryNotFoundError,
@@ -31,6 +32,8 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+
+from .checkpoint import INDEX_NAME, WEIGHT_PATTERNS, checkpoint_info, has_weights, weight_files
 
 try:  # huggingface_hub >= 2.0; older versions raise its parent class
     from huggingface_hub.errors import IncompleteSnapshotError
@@ -178,7 +181,9 @@ def resolve_mapper_dir(
         _check_mapper_config(snapshot / CONFIG_NAME, where, hint)
         # The rest from the commit the config came from (a push in between cannot pair it with other weights).
         pinned = snapshot.name if _COMMIT_HASH.match(snapshot.name) else revision
-        snapshot = Path(snapshot_download(revision=pinned, allow_patterns=[WEIGHTS_NAME, CARD_NAME, REPORT_NAME], **download))
+        # Weights: model.safetensors, or the shard index and every shard (checkpoint.WEIGHT_PATTERNS).
+        patterns = [*WEIGHT_PATTERNS, CARD_NAME, REPORT_NAME]
+        snapshot = Path(snapshot_download(revision=pinned, allow_patterns=patterns, **download))
     _check_mapper_folder(snapshot, where, hint)
     return snapshot
 
@@ -186,7 +191,7 @@ def resolve_mapper_dir(
 def _check_mapper_folder(path: Path, where: str, hint: Callable[[], str] = str) -> None:
     """Raise NotAMapperError unless `path` holds a mapper config.json and model.safetensors."""
     _check_mapper_config(path / CONFIG_NAME, where, hint)
-    if not (path / WEIGHTS_NAME).is_file():
+    if not has_weights(path):
         raise NotAMapperError(f"{where} has no {WEIGHTS_NAME}{hint()}: it is not a complete hf-kvtransfer mapper")
 
 
@@ -316,11 +321,14 @@ def push_mapper_dir(
     card, report = folder / CARD_NAME, folder / REPORT_NAME
     report_data = json.loads(report.read_text(encoding="utf-8")) if report.is_file() else None
     card_content: str | bytes = (
-        str(card) if card.is_file() else str(render_model_card(config, repo_id, report=report_data)).encode()
+        str(card)
+        if card.is_file()
+        else str(render_model_card(config, repo_id, report=report_data, checkpoint=checkpoint_info(folder))).encode()
     )
+    weights = [f.name for f in weight_files(folder)] + ([INDEX_NAME] if (folder / INDEX_NAME).is_file() else [])
     operations = [
         CommitOperationAdd(path_in_repo=CONFIG_NAME, path_or_fileobj=str(folder / CONFIG_NAME)),
-        CommitOperationAdd(path_in_repo=WEIGHTS_NAME, path_or_fileobj=str(folder / WEIGHTS_NAME)),
+        *(CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in weights),
         CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_content),
     ]
     if report.is_file():
@@ -330,6 +338,9 @@ def push_mapper_dir(
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision is not None and revision != constants.DEFAULT_REVISION and not revision.startswith("refs/"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
+        # Weight files of an earlier push in the other layout (single file vs shards) go in the same commit.
+        stale = [f for f in api.list_repo_files(repo_id, revision=revision) if _is_weight_file(f) and f not in weights]
+        operations += [CommitOperationDelete(path_in_repo=f) for f in stale]
         info = api.create_commit(
             repo_id,
             operations=operations,
@@ -339,6 +350,10 @@ def push_mapper_dir(
         )
     logger.info("pushed mapper to %s (%s)", repo_id, info.pr_url or info.commit_url)
     return info
+
+
+def _is_weight_file(name: str) -> bool:
+    return name in (WEIGHTS_NAME, INDEX_NAME) or any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS)
 
 
 def _write_token(token: str | bool | None, repo_id: str) -> str:
@@ -491,7 +506,9 @@ def _hub_errors(repo_id: str, revision: str | None, *, token=None, offline: bool
 # -- model card --------------------------------------------------------------------------------------------------
 
 
-def render_model_card(config: dict, repo_id: str | None = None, report: dict | None = None) -> ModelCard:
+def render_model_card(
+    config: dict, repo_id: str | None = None, report: dict | None = None, checkpoint: dict | None = None
+) -> ModelCard:
     """Render a mapper's model card from `hub_cards/mapper_card.md`, its `config.json` contents and its run report.
 
     Metadata: `library_name: hf-kvtransfer`, tags (`kv-cache`, `kv-cache-transfer`, the model families),
@@ -503,6 +520,7 @@ def render_model_card(config: dict, repo_id: str | None = None, report: dict | N
         config: the mapper config as a dict (what `config.json` holds).
         repo_id: the Hub repo the card is for; used in the usage snippet.
         report: the run report (`fit_report.json`: `eval_results`, `model_selection`, ...), when there is one.
+        checkpoint: `checkpoint.checkpoint_info(folder)` of the saved weights (files, total size), when known.
 
     Returns:
         `huggingface_hub.ModelCard`; `.save("README.md")` writes it.
@@ -537,7 +555,7 @@ def render_model_card(config: dict, repo_id: str | None = None, report: dict | N
         mapper_type=config.get("mapper_type", "ridge"),
         source=_model_facts(source_id, config.get("source_revision"), source_fp, "SOURCE_MODEL_ID"),
         target=_model_facts(target_id, config.get("target_revision"), target_fp, "TARGET_MODEL_ID"),
-        fit=_fit_facts(config),
+        fit=_fit_facts(config) + _checkpoint_facts(checkpoint),
         calibration=_calibration_facts(calibration),
         layers=_layer_rows(config),
         top_k=config.get("top_k"),
@@ -650,6 +668,15 @@ def _fit_facts(config: dict) -> list[tuple[str, str]]:
     if itemsize and config.get("num_parameters") is not None:
         facts.append(("Weights", f"{config['dtype']}, {config['num_parameters'] * itemsize / 2**20:.2f} MiB"))
     return facts
+
+
+def _checkpoint_facts(checkpoint: dict | None) -> list[tuple[str, str]]:
+    if not checkpoint or not checkpoint.get("files"):
+        return []
+    files = checkpoint["files"]
+    shards = checkpoint.get("num_shards") or 0
+    layout = f"{shards} safetensors shards + index" if shards else ", ".join(files)
+    return [("Checkpoint", f"{checkpoint['total_size'] / 2**20:,.2f} MiB ({checkpoint['total_size']:,} bytes) in {layout}")]
 
 
 def _calibration_facts(calibration: dict) -> list[tuple[str, str]]:

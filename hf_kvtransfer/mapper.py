@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedConfig
 
@@ -291,9 +290,15 @@ class KVMapper(nn.Module):
             warnings.warn(message, stacklevel=2)
 
     # -- persistence --------------------------------------------------------------------------------
-    def save_pretrained(self, save_directory: str | os.PathLike, repo_id: str | None = None) -> None:
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, repo_id: str | None = None, max_shard_size: int | str = "5GB"
+    ) -> None:
         """Write `config.json`, `model.safetensors`, the run report `fit_report.json` (when there is one) and a
-        model card `README.md` to `save_directory`."""
+        model card `README.md` to `save_directory`.
+
+        Weights larger than `max_shard_size` ("5GB", "500MB", bytes) are written as `model-0000i-of-0000n.safetensors`
+        shards plus `model.safetensors.index.json`, as transformers does (`checkpoint.save_weights`).
+        """
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
         # Size and dtype as saved go into the written copy; `self.config` stays as it was given.
@@ -304,13 +309,16 @@ class KVMapper(nn.Module):
             library_version=_library_version(),
         )
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "mapper_type": config.mapper_type})
+        from .checkpoint import checkpoint_info, save_weights
+
+        save_weights(state, path, max_shard_size, metadata={"mapper_type": config.mapper_type})
         (path / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
         if self.report:
             (path / REPORT_NAME).write_text(json.dumps(self.report, indent=2, sort_keys=True) + "\n")
         elif (path / REPORT_NAME).exists():
             (path / REPORT_NAME).unlink()  # a stale report of another mapper must not describe this one
-        render_model_card(config.to_dict(), repo_id=repo_id, report=self.report).save(str(path / "README.md"))
+        card = render_model_card(config.to_dict(), repo_id=repo_id, report=self.report, checkpoint=checkpoint_info(path))
+        card.save(str(path / "README.md"))
 
     @classmethod
     def from_pretrained(
@@ -340,10 +348,12 @@ class KVMapper(nn.Module):
 
     @classmethod
     def _from_directory(cls, path: Path, device=None) -> "KVMapper":
-        config_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
-        for p in (config_path, weights_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"{path} is not a hf-kvtransfer mapper: {p.name} is missing")
+        from .checkpoint import has_weights, load_weights
+
+        config_path = path / CONFIG_NAME
+        for ok, name in ((config_path.is_file(), CONFIG_NAME), (has_weights(path), WEIGHTS_NAME)):
+            if not ok:
+                raise FileNotFoundError(f"{path} is not a hf-kvtransfer mapper: {name} is missing")
         raw = json.loads(config_path.read_text())
         report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
         for name in _REPORT_FIELDS:  # written into config.json before 0.2
@@ -352,12 +362,9 @@ class KVMapper(nn.Module):
         config = MapperConfig.from_dict(raw)
         with torch.device("meta"):  # shapes only: the loaded tensors become the parameters (load_state_dict(assign))
             mapper = cls(config, report=report)
-        try:
-            state = load_file(str(weights_path), device=str(device) if device is not None else "cpu")
-        except Exception as exc:  # safetensors raises its own error type without naming the file
-            raise ValueError(
-                f"cannot read {weights_path}: {exc} (truncated or corrupt download? delete it and download again)"
-            ) from exc
+        # Single file or shards, tensor by tensor; a truncated, missing or mismatched file is named in the error.
+        expected = {k: v.shape for k, v in mapper.state_dict().items()}
+        state = load_weights(path, device=str(device) if device is not None else "cpu", expected=expected)
         mapper._load_strict(state, source=str(path))
         return mapper
 
@@ -390,12 +397,13 @@ class KVMapper(nn.Module):
         commit_message: str | None = None,
         token: str | bool | None = None,
         create_pr: bool = False,
+        max_shard_size: int | str = "5GB",
     ) -> str:
-        """Upload config, weights and model card to `repo_id` in one commit; returns the commit URL."""
+        """Upload config, weights (all shards) and model card to `repo_id` in one commit; returns the commit URL."""
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp, repo_id=repo_id)
+            self.save_pretrained(tmp, repo_id=repo_id, max_shard_size=max_shard_size)
             return push_mapper_dir(
                 tmp,
                 repo_id,

@@ -1,0 +1,109 @@
+"""plan_transfer against independent computations: the paper's size formula, real mappers, real statistics and
+a real transfer's cache tensors."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from conftest import random_ids, tiny_model
+from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
+from hf_kvtransfer.cli import main
+from hf_kvtransfer.plan import plan_transfer
+from hf_kvtransfer.stats import BlockStatistics, KVLayout, KVStatistics
+
+
+def _tiny_config(layers, kv_heads, head_dim, heads=4, hidden=64):
+    return Qwen3Config(
+        num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads,
+        hidden_size=hidden, intermediate_size=128, vocab_size=96, max_position_embeddings=256,
+    )  # fmt: skip
+
+
+SOURCE, TARGET = _tiny_config(3, 2, 16), _tiny_config(5, 4, 8, heads=8)
+
+
+def _paper_parameters(layers_t, kv_t, d_t, k, kv_s, d_s):
+    return 2 * layers_t * kv_t * (k * kv_s * d_s) * d_t
+
+
+def test_mapper_size_is_the_paper_formula_for_a_real_pair():
+    plan = plan_transfer("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", top_k=8, use_hub=False, available_memory=2**40)
+    expected = _paper_parameters(64, 8, 128, 8, 8, 128)
+    assert plan.mapper_weight_parameters == expected == 1_073_741_824
+    assert plan.mapper_parameters == expected + 2 * 64 * 8 * 128  # one bias per output, K and V
+    assert plan.mapper_bytes == plan.mapper_parameters * 2  # bf16
+    assert plan.mapper_bytes_by_dtype["float32"] == plan.mapper_parameters * 4
+    # FLOPs of a full-rank map: one multiply-add per weight per token.
+    assert plan.mapping_flops == 2 * plan.seq_len * expected
+    assert plan.flop_ratio == pytest.approx(plan.prefill_flops / plan.mapping_flops)
+    # The Llama pair has different head_dim on the two sides.
+    plan = plan_transfer("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-3B", top_k=4, use_hub=False)
+    assert plan.mapper_weight_parameters == _paper_parameters(28, 8, 128, 4, 8, 64)
+
+
+@pytest.mark.parametrize("top_k,rank", [(1, None), (2, None), (3, None), (2, 5), (3, 100)])
+def test_mapper_parameters_equal_a_real_mapper(top_k, rank):
+    plan = plan_transfer(SOURCE, TARGET, top_k=top_k, rank=rank, dtype="float32", available_memory=2**40)
+    src, tgt = KVLayout.from_config(SOURCE), KVLayout.from_config(TARGET)
+    g = torch.Generator().manual_seed(top_k)
+    # Any selection (not the plan's): sizes depend only on k.
+    selected = [sorted(torch.randperm(src.num_layers, generator=g)[:top_k].tolist()) for _ in range(tgt.num_layers)]
+    ranks = None if rank is None else [[min(rank, tgt.layer_dim)] * 2 for _ in range(tgt.num_layers)]
+    config = MapperConfig(SOURCE.to_dict(), TARGET.to_dict(), selected, top_k=top_k, rank=ranks,
+                          mapper_type="ridge" if rank is None else "lowrank")
+    mapper = KVMapper(config)
+    assert plan.mapper_parameters == mapper.num_parameters()
+    assert plan.mapper_bytes == sum(p.numel() * p.element_size() for p in mapper.parameters())
+    if rank is None:
+        assert plan.mapper_weight_parameters == _paper_parameters(5, 4, 8, top_k, 2, 16)
+    else:
+        assert plan.full_rank_parameters == plan_transfer(SOURCE, TARGET, top_k=top_k).mapper_parameters
+
+
+def test_statistics_bytes_equal_allocated_statistics():
+    src, tgt = KVLayout.from_config(SOURCE), KVLayout.from_config(TARGET)
+    plan = plan_transfer(SOURCE, TARGET, top_k=1, available_memory=2**40)
+    full = KVStatistics(src, tgt)
+    assert plan.statistics_bytes_full == sum(t.numel() * t.element_size() for t in full.tensors.values())
+    # Two-stage: the bound is what disjoint selections allocate (the worst case), and no selection exceeds it.
+    disjoint = BlockStatistics(src, tgt, [[t % 3] for t in range(5)], torch.zeros(3, 5))
+    overlapping = BlockStatistics(src, tgt, [[0]] * 5, torch.zeros(3, 5))
+    actual = [sum(t.numel() * t.element_size() for t in s.tensors.values()) for s in (disjoint, overlapping)]
+    assert plan.statistics_bytes_two_stage >= max(actual)
+    k2 = plan_transfer(SOURCE, TARGET, top_k=2, available_memory=2**40)
+    worst = BlockStatistics(src, tgt, [[0, 1], [0, 2], [1, 2], [0, 1], [0, 2]], torch.zeros(3, 5))
+    # 3 Gram diagonals + 3 off-diagonal pairs = all 6 pairs of 3 layers; 10 cross blocks.
+    assert k2.statistics_bytes_two_stage == sum(t.numel() * t.element_size() for t in worst.tensors.values())
+
+
+def test_fit_mode_follows_the_memory_budget():
+    plan = plan_transfer(SOURCE, TARGET, top_k=1, available_memory=2**40)
+    assert plan.fit_default_mode == "full" and plan.statistics_sets == 2
+    assert plan.fit_default_statistics_bytes == 2 * plan.statistics_bytes_full
+    tight = plan_transfer(SOURCE, TARGET, top_k=1, available_memory=2 * plan.statistics_bytes_full)  # budget: half
+    assert tight.fit_default_mode == "two-stage"
+    assert plan_transfer(SOURCE, TARGET, heldout_fraction=0, top_k=1).statistics_sets == 1
+
+
+def test_transfer_cache_bytes_equal_a_real_transfer():
+    source, target = tiny_model("qwen3", num_hidden_layers=3), tiny_model("qwen3", num_hidden_layers=4, seed=1)
+    selected = [[0, 2]] * 4
+    mapper = KVMapper(MapperConfig(source.config.to_dict(), target.config.to_dict(), selected, top_k=2))
+    ids = random_ids(2, 33)
+    cache = TransferredCache(prefill(source, ids), mapper).convert_all()  # 32 tokens transferred, 1 recomputed
+    plan = plan_transfer(source.config, target.config, top_k=2, seq_len=32, batch_size=2, dtype="float32")
+    assert plan.target_cache_bytes == sum(
+        t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+    )
+
+
+def test_cli_json(capsys):
+    assert main(["plan", "--source", "Qwen/Qwen3-0.6B", "--target", "Qwen/Qwen3-1.7B", "--offline", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("mapper_parameters", "mapper_bytes", "statistics_bytes_full", "statistics_bytes_two_stage", "flop_ratio"):
+        assert key in out
+    assert out["mapper_weight_parameters"] == _paper_parameters(28, 8, 128, 8, 8, 128)
+    assert main(["plan", "--source", "Qwen/Qwen3-0.6B", "--target", "Qwen/Qwen3-1.7B", "--offline", "--top-k", "99"]) == 1
+    assert "top_k must be in [1, 28]" in capsys.readouterr().err
