@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
-from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, render_model_card, resolve_mapper_dir
+from .card import render_model_card
+from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolve_mapper_dir
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
 from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
 from .stats import KVLayout
