@@ -202,7 +202,7 @@ def pack_documents(
 
     def flush(texts: list[str]) -> None:
         nonlocal buffer, num_documents
-        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
             if len(rows) >= num_sequences:
                 break
             num_documents += 1

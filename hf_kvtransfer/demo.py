@@ -142,7 +142,7 @@ def run_demo(
     result["same_tokens"] = {"prefix": same, "total": int((transfer == own).sum()), "of": len(own)}
 
     result["retention"] = None
-    token_docs = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
+    token_docs = [tokenizer(d, add_special_tokens=False, verbose=False)["input_ids"] for d in docs]
     if token_docs and eval_windows > 0:
         windows = text_windows(token_docs, 256, eval_windows)
         result["retention"] = prefix_perplexity(

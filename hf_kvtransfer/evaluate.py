@@ -97,7 +97,7 @@ def split_documents(text: str, separator: str | None = "<|endoftext|>") -> list[
 
 
 def _tokenize_documents(tokenizer, documents: Sequence[str]) -> list[list[int]]:
-    return [tokenizer(doc, add_special_tokens=False)["input_ids"] for doc in documents]
+    return [tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"] for doc in documents]
 
 
 def text_windows(token_docs: Sequence[Sequence[int]], window: int, max_windows: int | None = None) -> torch.Tensor:

@@ -110,3 +110,24 @@ def test_running_out_of_data_warns_and_keeps_what_there_is(tmp_path, tokenizer, 
     assert 0 < ids.shape[0] < 1000 and info["num_sequences"] == ids.shape[0]
     assert "ran out" in caplog.text
     assert list(iter_documents(tmp_path / "c.txt"))[0].startswith("w")
+
+
+def test_documents_longer_than_the_model_are_packed_without_the_tokenizer_warning(tmp_path, tokenizer, caplog):
+    # Documents are cut into sequences after tokenizing, so transformers' "longer than the specified maximum
+    # sequence length" warning would be spurious (issue 12: the demo printed it on every run).
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    short = make_tokenizer()  # fresh: the tokenizer warns once per instance
+    short.model_max_length = 16
+    path = write_corpus(tmp_path / "c.txt", num_paragraphs=30)  # 20-60 words each: all longer than 16 tokens
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            ids, _ = build_calibration(short, path, num_sequences=7, seq_len=50)
+    finally:
+        hf_logging.disable_propagation()
+    paragraphs = path.read_text().strip().split("\n\n")
+    assert torch.equal(ids, _expected_ids(paragraphs, tokenizer, 7, 50))
+    assert not [r for r in caplog.records if "Token indices sequence length" in r.getMessage()]
