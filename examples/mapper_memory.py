@@ -164,7 +164,7 @@ def main(argv=None) -> int:
 
     print(f"mapper: {rows[0]['mapper_bytes'] / MiB:.1f} MiB float32; transfer of {args.seq_len} tokens, batch 1; "
           f"sharded checkpoint: {num_shards} shards of <= {args.shard_size}")
-    print(f"| phase | RSS before | peak | after | must allocate | extra at peak | kept on the mapper |")
+    print("| phase | RSS before | peak | after | must allocate | extra at peak | kept on the mapper |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     shown = []
     for row in rows:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from conftest import exact_identity_mapper, tiny_model
 from fit_fixtures import WORDS, make_tokenizer

@@ -2,7 +2,6 @@
 
 import copy
 import json
-import warnings
 from dataclasses import replace
 
 import pytest
