@@ -8,7 +8,11 @@ For every model directory under ``--family`` (``small``, ``large`` and, if prese
   first occurrence in the prefix vs. with it replaced (``hf_kvtransfer.tasks.repeated_span_items``);
 - passage recall: answer-token accuracy (= greedy exact match: answers are one token) with vs. without
   the passage, against chance (1 / number of possible answers) and against "some value of the passage";
-- hand-off: accuracy on question 2 after passage + question 1 + answer 1 (the model's own prefill).
+- hand-off: accuracy on question 1, and on question 2 after passage + question 1 + the model's own answer 1
+  (its own prefill).
+
+The content measures are ``hf_kvtransfer.content_eval``'s, run on one model (no source, no mapper): with a
+source and a mapper the same functions add the transfer (``hf-kvtransfer eval --tasks repeat,recall,handoff``).
 
 All items are built from held-out documents and the "eval" fact pool with fixed seeds.
 Results go to ``<family>/context_results.json`` and a table is printed.
@@ -32,23 +36,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch
 import torch.nn.functional as F
 
+from hf_kvtransfer.content_eval import handoff, passage_recall, repeated_span_retention
+from hf_kvtransfer.metrics import mean_and_ci
 from hf_kvtransfer.tasks import answer_values, handoff_items, passage_recall_items, repeated_span_items
 
 EOS = "<|endoftext|>"
+N_BOOT = 2000  # bootstrap resamples over items
 
 
-def bootstrap_ci(values: list[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Mean and percentile 95% CI over items."""
-    x = torch.tensor(values, dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(values), (n_boot, len(values)), generator=g)
-    means = x[idx].mean(1)
-    return x.mean().item(), means.quantile(0.025).item(), means.quantile(0.975).item()
+def stat(summary: dict, n: int) -> dict:
+    """A library `{"mean", "ci"}` summary as this script's JSON reports it."""
+    return {"mean": round(summary["mean"], 4), "ci95": [round(c, 4) for c in summary["ci"]], "n": n}
 
 
-def stat(values: list[float]) -> dict:
-    m, lo, hi = bootstrap_ci(values)
-    return {"mean": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)], "n": len(values)}
+def summarise(values: list[float]) -> dict:
+    return stat(mean_and_ci(values, num_bootstrap=N_BOOT), len(values))
 
 
 @torch.no_grad()
@@ -65,18 +67,6 @@ def token_nll(model, seqs: list[list[int]], batch_size: int = 16) -> list[torch.
     return out
 
 
-@torch.no_grad()
-def last_logits(model, seqs: list[list[int]], batch_size: int = 16) -> torch.Tensor:
-    out = []
-    for i in range(0, len(seqs), batch_size):
-        chunk = seqs[i : i + batch_size]
-        L = max(map(len, chunk))
-        ids = torch.tensor([s + [0] * (L - len(s)) for s in chunk])
-        logits = model(input_ids=ids, use_cache=False).logits.float()
-        out.append(torch.stack([logits[b, len(s) - 1] for b, s in enumerate(chunk)]))
-    return torch.cat(out)
-
-
 def context_gain(model, stream: list[int], prefix: int, cont: int, stride: int, max_windows: int | None) -> dict:
     starts = list(range(0, len(stream) - prefix - cont, stride))[:max_windows]
     with_p = token_nll(model, [stream[s : s + prefix + cont] for s in starts])
@@ -87,55 +77,38 @@ def context_gain(model, stream: list[int], prefix: int, cont: int, stride: int, 
     none = [w.mean().item() for w in without]
     return {
         "windows": len(starts), "prefix": prefix, "continuation": cont, "stride": stride,
-        "own_prefix_nll": stat(own),
-        "no_prefix_nll": stat(none),
-        "context_gain_nats": stat([n - o for n, o in zip(none, own_paired)]),
+        "own_prefix_nll": summarise(own),
+        "no_prefix_nll": summarise(none),
+        "context_gain_nats": summarise([n - o for n, o in zip(none, own_paired)]),
     }
 
 
+# The content measures are the library's (hf_kvtransfer.content_eval), run without a source and mapper: own
+# context vs. no context for one model.
 def repeat_gain(model, items) -> dict:
-    P = len(items[0].prefix_ids)
-    own = token_nll(model, [it.prefix_ids + it.continuation_ids for it in items])
-    ctl = token_nll(model, [it.control_prefix_ids + it.continuation_ids for it in items])
-    o, c = [], []
-    for it, a, b in zip(items, own, ctl):
-        m = torch.tensor(it.repeat_mask)
-        o.append(a[P - 1 :][m].mean().item())
-        c.append(b[P - 1 :][m].mean().item())
-    return {"items": len(items), "with_first_nll": stat(o), "without_first_nll": stat(c),
-            "gain_nats": stat([y - x for x, y in zip(o, c)])}
+    r = repeated_span_retention(None, model, None, items, batch_size=16, num_bootstrap=N_BOOT, progress=False)
+    n = r["num_items"]
+    return {"items": n, "with_first_nll": stat(r["nll"]["own"], n), "without_first_nll": stat(r["nll"]["no_context"], n),
+            "gain_nats": stat(r["context_gain"], n)}
 
 
 def recall(model, items, n_values: int) -> dict:
-    lg = last_logits(model, [it.prompt_ids for it in items])
-    lg0 = last_logits(model, [it.no_passage_prompt_ids for it in items])
-    pred, pred0 = lg.argmax(-1).tolist(), lg0.argmax(-1).tolist()
-    hit = [float(p == it.answer_ids[0]) for p, it in zip(pred, items)]
-    hit0 = [float(p == it.answer_ids[0]) for p, it in zip(pred0, items)]
-    anyv = [float(p in [v[0] for v in it.passage_values]) for p, it in zip(pred, items)]
-    return {"items": len(items), "accuracy_with_passage": stat(hit), "accuracy_no_passage": stat(hit0),
-            "predicts_some_passage_value": stat(anyv), "chance": round(1 / n_values, 4),
-            "one_of_passage_values_chance": round(1 / items[0].meta["n_facts"], 4),
-            "answer_nll_with_passage": stat(F.cross_entropy(lg, torch.tensor([it.answer_ids[0] for it in items]),
-                                                            reduction="none").tolist()),
-            "answer_nll_no_passage": stat(F.cross_entropy(lg0, torch.tensor([it.answer_ids[0] for it in items]),
-                                                          reduction="none").tolist())}
+    r = passage_recall(None, model, None, items, num_bootstrap=N_BOOT, progress=False)
+    n = r["num_items"]
+    return {"items": n, "accuracy_with_passage": stat(r["accuracy"]["own"], n),
+            "accuracy_no_passage": stat(r["accuracy"]["no_context"], n),
+            "predicts_some_passage_value": stat(r["passage_value_rate"]["own"], n), "chance": round(1 / n_values, 4),
+            "one_of_passage_values_chance": round(r["passage_value_chance"], 4),
+            "answer_nll_with_passage": stat(r["answer_nll"]["own"], n),
+            "answer_nll_no_passage": stat(r["answer_nll"]["no_context"], n)}
 
 
-@torch.no_grad()
-def handoff(model, items, batch_size: int = 16) -> dict:
-    # one forward of the whole dialogue: answer 1 is predicted at the end of the prompt, answer 2 at the end
-    p1, p2 = [], []
-    for i in range(0, len(items), batch_size):
-        chunk = [it.prompt_ids + it.answer1_ids + it.followup_ids for it in items[i : i + batch_size]]
-        L = max(map(len, chunk))
-        logits = model(input_ids=torch.tensor([s + [0] * (L - len(s)) for s in chunk]), use_cache=False).logits
-        for b, it in enumerate(items[i : i + batch_size]):
-            p1.append(logits[b, len(it.prompt_ids) - 1].argmax().item())
-            p2.append(logits[b, len(chunk[b]) - 1].argmax().item())
-    a1 = [float(p == it.answer1_ids[0]) for p, it in zip(p1, items)]
-    a2 = [float(p == it.answer2_ids[0]) for p, it in zip(p2, items)]
-    return {"items": len(items), "accuracy_q1": stat(a1), "accuracy_q2": stat(a2)}
+def handoff_accuracy(model, items) -> dict:
+    # The model answers question 1 itself; question 2 follows its own answer (as in a real conversation).
+    r = handoff(None, model, None, items, num_bootstrap=N_BOOT, progress=False)
+    n = r["num_items"]
+    return {"items": n, "accuracy_q1": stat(r["q1_accuracy"], n), "accuracy_q2": stat(r["accuracy"]["own"], n),
+            "accuracy_q2_no_context": stat(r["accuracy"]["no_context"], n)}
 
 
 def fmt(s: dict, pct: bool = False) -> str:
@@ -196,7 +169,7 @@ def main(argv=None) -> None:
         }
         if args.extra_items:  # secondary measures; 0 skips them
             r["repeat_text"] = repeat_gain(model, rep_text)
-            r["handoff"] = handoff(model, hand)
+            r["handoff"] = handoff_accuracy(model, hand)
         r["wall_s"] = round(time.time() - t, 1)
         results["models"][name] = r
         print(f"{name}: done in {r['wall_s']:.0f}s")

@@ -211,22 +211,35 @@ def _add_eval(subparsers) -> None:
     p = _subparser(
         subparsers,
         "eval",
-        "measure what a mapper retains: prefix-conditioned perplexity, multiple choice, diagnostics, multi-turn drift",
+        "measure what a mapper retains: prefix-conditioned perplexity, content tasks (repeated spans, passage "
+        "recall, hand-off, greedy agreement; own / transfer / no context with 95% CIs), multiple choice, diagnostics, "
+        "multi-turn drift",
         """
         hf-kvtransfer eval --source family/small --target family/large \\
             --mapper ./small-to-large --text family/heldout.txt --json eval.json --plot eval.png
+        hf-kvtransfer eval --source family/small --target family/large --mapper ./small-to-large \\
+            --text family/heldout.txt --tasks recall,handoff --items 300
         """,
     )
     p.add_argument("--source", required=True, help="source model id or path")
     p.add_argument("--target", required=True, help="target model id or path (its tokenizer is used)")
     p.add_argument("--mapper", required=True, help="source -> target mapper (Hub id or local directory)")
     p.add_argument("--text", required=True, help="evaluation text file (documents split at lines holding only EOS)")
+    p.add_argument("--tasks", help="comma-separated, from: perplexity, continuation, repeat (repeated spans), recall "
+                   "(passage recall), handoff, agreement (greedy generations), multiple-choice (needs --mc), multi-turn "
+                   "(needs --reverse-mapper); default: every one that applies")
+    p.add_argument("--items", type=int, default=600,
+                   help="items per content task: repeat, recall, handoff, agreement prompts (default 600)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="agreement: tokens generated per prompt (default 16)")
     p.add_argument("--reverse-mapper", help="target -> source mapper: adds the multi-turn handoff")
     p.add_argument("--mc", help="multiple-choice JSONL (generic / HellaSwag / ARC / PIQA / WinoGrande fields)")
     p.add_argument("--mc-limit", type=int, help="score only the first N multiple-choice items")
-    p.add_argument("--prefix-len", type=int, default=128, help="prefix length T (windows of 2T tokens; default 128)")
+    p.add_argument("--prefix-len", type=int, default=128,
+                   help="prefix length T (perplexity windows of 2T tokens, repeated-span prefixes, agreement prompts; "
+                   "default 128)")
     p.add_argument("--max-windows", type=int, default=256, help="perplexity windows, evenly spaced (default 256)")
-    p.add_argument("--recompute", type=int, default=0, help="prefix tokens the target recomputes (default 0)")
+    p.add_argument("--recompute", type=int, default=0,
+                   help="context tokens the target recomputes (default 0; recall and agreement: at least 1)")
     p.add_argument("--no-continuation", action="store_true", help="skip the continuation task built from --text")
     p.add_argument("--num-items", type=int, default=200, help="continuation-task items (default 200)")
     p.add_argument("--context-len", type=int, default=128, help="continuation-task context tokens (default 128)")
@@ -238,7 +251,7 @@ def _add_eval(subparsers) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", help="write the results as JSON here")
     p.add_argument("--markdown", help="write the markdown tables here (they are printed either way)")
-    p.add_argument("--plot", help="write a PNG of per-layer cosine / R^2 and per-turn drift (needs matplotlib)")
+    p.add_argument("--plot", help="write a PNG of per-layer cosine / R^2, content tasks and per-turn drift (needs matplotlib)")
     p.set_defaults(func=_run_eval)
 
 
@@ -246,13 +259,20 @@ def _run_eval(args) -> int:
     import json
     from pathlib import Path
 
-    from .evaluate import evaluate
+    from .evaluate import evaluate, resolve_tasks
     from .mapper import KVMapper
     from .multiple_choice import load_multiple_choice
     from .reporting import evaluation_markdown, plot_evaluation, pyplot
 
     if args.plot:
         pyplot()  # a missing matplotlib fails before the run, not after it
+    if args.items < 1:
+        raise CLIError(f"--items must be >= 1, got {args.items}", "the content tasks default to 600 items")
+    try:  # a mistyped task fails before anything loads
+        resolve_tasks(args.tasks, multiple_choice=bool(args.mc), multi_turn=bool(args.reverse_mapper),
+                      continuation=not args.no_continuation)
+    except ValueError as exc:
+        raise CLIError(str(exc), "e.g. --tasks perplexity,recall,handoff; `hf-kvtransfer eval --help` describes each") from exc
     # Mappers (small) before models (large): a broken or mistyped one fails at once.
     mapper = KVMapper.from_pretrained(args.mapper)
     reverse = KVMapper.from_pretrained(args.reverse_mapper) if args.reverse_mapper else None
@@ -262,8 +282,9 @@ def _run_eval(args) -> int:
         reverse.check_compatible(target.config, source.config)
     items = load_multiple_choice(args.mc, tokenizer, args.mc_limit) if args.mc else None
     results = evaluate(
-        source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"),
-        prefix_len=args.prefix_len, max_windows=args.max_windows, num_recompute_tokens=args.recompute,
+        source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"), tasks=args.tasks,
+        num_content_items=args.items, max_new_tokens=args.max_new_tokens, prefix_len=args.prefix_len,
+        max_windows=args.max_windows, num_recompute_tokens=args.recompute,
         continuation=not args.no_continuation, context_len=args.context_len, num_items=args.num_items,
         multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,
         batch_size=args.batch_size, seed=args.seed,

@@ -28,18 +28,22 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .cache import TransferredCache
 from .capture import capture_kv, prefill
+from .content_eval import greedy_agreement, handoff, passage_recall, repeated_span_retention
 from .mapper import KVMapper
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 from .models import model_device
 from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
+from .tasks import handoff_items, passage_recall_items, repeated_span_items
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "EVAL_TASKS",
     "evaluate",
     "kv_r2",
     "multi_turn_drift",
     "prefix_perplexity",
+    "resolve_tasks",
     "split_documents",
     "text_windows",
 ]
@@ -397,6 +401,66 @@ def multi_turn_drift(
 
 # -- everything at once ----------------------------------------------------------------------------------
 
+# The tasks `evaluate` runs, by name (`--tasks` of `hf-kvtransfer eval`). multiple-choice and multi-turn need their
+# inputs (a task file, a reverse mapper); the rest are built from the evaluation text.
+EVAL_TASKS = ("perplexity", "continuation", "repeat", "recall", "handoff", "agreement", "multiple-choice", "multi-turn")
+
+
+def resolve_tasks(
+    tasks: Sequence[str] | str | None,
+    *,
+    multiple_choice: bool = False,
+    multi_turn: bool = False,
+    continuation: bool = True,
+) -> list[str]:
+    """The tasks `evaluate` runs: `tasks` checked (names of `EVAL_TASKS`, a list or a comma-separated string), or
+    by default every task that applies (multiple-choice with a task file, multi-turn with a reverse mapper, the
+    continuation task unless `continuation=False`).
+
+    Raises:
+        ValueError: an unknown name, or multiple-choice / multi-turn asked for without their input.
+    """
+    if tasks is None:
+        return [
+            t for t in EVAL_TASKS
+            if (t != "multiple-choice" or multiple_choice) and (t != "multi-turn" or multi_turn)
+            and (t != "continuation" or continuation)
+        ]  # fmt: skip
+    names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
+    names = [t for t in names if t]
+    unknown = [t for t in names if t not in EVAL_TASKS]
+    if unknown or not names:
+        raise ValueError(f"unknown task(s) {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(EVAL_TASKS)}")
+    if "multiple-choice" in names and not multiple_choice:
+        raise ValueError("the multiple-choice task needs a task file (--mc FILE / multiple_choice_items)")
+    if "multi-turn" in names and not multi_turn:
+        raise ValueError("the multi-turn task needs a target -> source mapper (--reverse-mapper / reverse_mapper)")
+    return [t for t in EVAL_TASKS if t in names]  # one order, whatever order they were asked in
+
+
+def _content_items(tokenizer, documents: list[str], token_docs: list[list[int]], tasks: list[str], num_items: int,
+                   prefix_len: int, seed: int) -> dict[str, Any]:
+    """The items of the content tasks asked for, all built before any model runs: a text or tokenizer they cannot
+    be built from fails at once."""
+    items: dict[str, Any] = {}
+    if "repeat" in tasks:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stream = [t for doc in token_docs for t in list(doc) + ([eos] if eos is not None else [])]
+        items["repeat"] = repeated_span_items(tokenizer, stream, num_items, seed=seed, prefix_len=prefix_len)
+    try:
+        if "recall" in tasks:
+            items["recall"] = passage_recall_items(tokenizer, num_items, seed=seed, distractor_texts=documents)
+        if "handoff" in tasks:
+            items["handoff"] = handoff_items(tokenizer, num_items, seed=seed, distractor_texts=documents)
+    except ValueError as exc:
+        raise ValueError(
+            f"the recall and handoff items cannot be built with this tokenizer: {exc}; leave those tasks out "
+            "with --tasks (e.g. --tasks perplexity,continuation,repeat,agreement)"
+        ) from exc
+    if "agreement" in tasks:
+        items["agreement"] = text_windows(token_docs, prefix_len, num_items)
+    return items
+
 
 def evaluate(
     source: PreTrainedModel,
@@ -405,6 +469,7 @@ def evaluate(
     tokenizer,
     text: str,
     *,
+    tasks: Sequence[str] | str | None = None,
     prefix_len: int = 128,
     max_windows: int | None = 256,
     num_recompute_tokens: int = 0,
@@ -413,6 +478,8 @@ def evaluate(
     continuation_len: int = 16,
     num_choices: int = 4,
     num_items: int = 200,
+    num_content_items: int = 600,
+    max_new_tokens: int = 16,
     multiple_choice_items: Sequence[MultipleChoiceItem] | None = None,
     reverse_mapper: KVMapper | None = None,
     num_turns: int = 4,
@@ -429,23 +496,42 @@ def evaluate(
         tokenizer: the family's tokenizer (source and target share it).
         text: evaluation text, documents separated by lines holding only the tokenizer's EOS token (the
             bundled family's `heldout.txt`); otherwise one document.
-        prefix_len: T of the prefix-conditioned perplexity (windows of 2T tokens).
+        tasks: names from `EVAL_TASKS` (a list or "recall,handoff"); default: every task that applies
+            (`resolve_tasks`).
+        prefix_len: T of the prefix-conditioned perplexity (windows of 2T tokens), also the prefix of the
+            repeated-span items and the prompt length of the greedy-agreement prompts.
         max_windows: cap on perplexity windows (evenly spaced).
-        continuation: build and score the continuation task from `text`.
+        num_recompute_tokens: context tokens the target recomputes (recall and agreement: at least 1, the target
+            must be fed the prompt's last token).
+        continuation: build and score the continuation task from `text` (when `tasks` is None).
+        num_items: continuation-task items.
+        num_content_items: items of each content task (repeat, recall, handoff, agreement prompts); the
+            recall and hand-off distractors are cut from the documents of `text`.
+        max_new_tokens: tokens generated per prompt by the greedy-agreement task.
         multiple_choice_items: a task to score too (e.g. `load_multiple_choice("hellaswag.jsonl", tok)`).
         reverse_mapper: a target -> source mapper; enables the multi-turn handoff.
 
     Returns:
-        A JSON-serializable dict: `prefix_perplexity`, `kv_r2`, `continuation`, `multiple_choice`,
-        `multi_turn` (when run) and a `config` block; `reporting.evaluation_markdown` / `plot_evaluation` render it.
+        A JSON-serializable dict: `prefix_perplexity`, `kv_r2`, `continuation`, `multiple_choice`, `multi_turn`,
+        `repeated_span`, `passage_recall`, `handoff`, `greedy_agreement` (those run) and a `config` block;
+        `reporting.evaluation_markdown` / `plot_evaluation` render it.
 
     Example:
         ```python
-        results = evaluate(small, large, mapper, tokenizer, open("heldout.txt").read())
+        results = evaluate(small, large, mapper, tokenizer, open("heldout.txt").read(), tasks="perplexity,recall")
         print(evaluation_markdown(results))
         ```
     """
-    docs = _tokenize_documents(tokenizer, split_documents(text, getattr(tokenizer, "eos_token", None)))
+    selected = resolve_tasks(
+        tasks, multiple_choice=bool(multiple_choice_items), multi_turn=reverse_mapper is not None, continuation=continuation
+    )
+    if tasks is not None:
+        ignored = [name for name, given in (("multiple-choice", multiple_choice_items), ("multi-turn", reverse_mapper))
+                   if given and name not in selected]  # fmt: skip
+        if ignored:
+            logger.warning("inputs of %s given but not in tasks: not run", ", ".join(ignored))
+    documents = split_documents(text, getattr(tokenizer, "eos_token", None))
+    docs = _tokenize_documents(tokenizer, documents)
     results: dict[str, Any] = {
         "config": {
             "source": mapper.config.source_model_id,
@@ -455,26 +541,44 @@ def evaluate(
             "num_documents": len(docs),
             "num_tokens": sum(len(d) for d in docs),
             "seed": seed,
+            "tasks": selected,
         }
     }
-    windows = text_windows(docs, 2 * prefix_len, max_windows)
-    results["prefix_perplexity"] = prefix_perplexity(
-        source, target, mapper, windows, prefix_len, num_recompute_tokens, batch_size,
-        num_bootstrap=num_bootstrap, seed=seed, progress=progress,
-    )
-    results["kv_r2"] = kv_r2(source, target, mapper, windows[:, :prefix_len], batch_size, progress=progress)
-    if continuation:
+    content = _content_items(tokenizer, documents, docs, selected, num_content_items, prefix_len, seed)
+    common = dict(num_bootstrap=num_bootstrap, seed=seed, progress=progress)
+    if "perplexity" in selected:
+        windows = text_windows(docs, 2 * prefix_len, max_windows)
+        results["prefix_perplexity"] = prefix_perplexity(
+            source, target, mapper, windows, prefix_len, num_recompute_tokens, batch_size, **common
+        )
+        results["kv_r2"] = kv_r2(source, target, mapper, windows[:, :prefix_len], batch_size, progress=progress)
+    if "continuation" in selected:
         items = build_continuation_task(docs, context_len, continuation_len, num_choices, num_items, seed=seed)
-        results["continuation"] = multiple_choice(
-            source, target, mapper, items, num_bootstrap=num_bootstrap, seed=seed, progress=progress,
-            desc="continuation task",
-        )
+        results["continuation"] = multiple_choice(source, target, mapper, items, desc="continuation task", **common)
         results["continuation"].update(context_len=context_len, continuation_len=continuation_len)
-    if multiple_choice_items:
-        results["multiple_choice"] = multiple_choice(
-            source, target, mapper, multiple_choice_items, num_bootstrap=num_bootstrap, seed=seed, progress=progress
+    if "repeat" in selected:
+        results["repeated_span"] = repeated_span_retention(
+            source, target, mapper, content["repeat"], num_recompute_tokens=num_recompute_tokens, batch_size=batch_size,
+            **common,
+        )  # fmt: skip
+    # Recall and agreement predict from the prompt's last position, which the target must be fed itself.
+    fed = max(1, num_recompute_tokens)
+    if "recall" in selected:
+        results["passage_recall"] = passage_recall(
+            source, target, mapper, content["recall"], num_recompute_tokens=fed, **common
         )
-    if reverse_mapper is not None:
+    if "handoff" in selected:
+        results["handoff"] = handoff(
+            source, target, mapper, content["handoff"], num_recompute_tokens=num_recompute_tokens, **common
+        )
+    if "agreement" in selected:
+        results["greedy_agreement"] = greedy_agreement(
+            source, target, mapper, content["agreement"], max_new_tokens, num_recompute_tokens=fed,
+            batch_size=batch_size, **common,
+        )  # fmt: skip
+    if "multiple-choice" in selected:
+        results["multiple_choice"] = multiple_choice(source, target, mapper, multiple_choice_items, **common)
+    if "multi-turn" in selected:
         conversations = text_windows(docs, num_turns * turn_len, max_conversations)
         results["multi_turn"] = multi_turn_drift(
             source, target, mapper, reverse_mapper, conversations, num_turns, batch_size=batch_size, progress=progress

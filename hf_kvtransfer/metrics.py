@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # TransferredCache warns when exactly as many tokens are fed as it transfers (the `generate` re-feed trap);
 # evaluations feed new tokens on purpose (second half of a window, the next turn, the choices).
@@ -33,4 +37,76 @@ def bootstrap_ci(stat: Callable[[np.ndarray], float], num_rows: int, num_bootstr
     return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
 
 
-__all__ = ["REFEED_WARNING", "bootstrap_ci", "normalized_retention"]
+def mean_and_ci(values: Sequence[float] | np.ndarray, num_bootstrap: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """`{"mean", "ci"}` of per-item values; `ci` is the 95% percentile bootstrap interval of the mean over items."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        raise ValueError("no per-item values to summarise: the evaluation needs at least one item")
+    return {
+        "mean": float(values.mean()),
+        "ci": bootstrap_ci(lambda idx: float(values[idx].mean()), len(values), num_bootstrap, seed),
+    }
+
+
+def retention_over_items(
+    own: Sequence[float] | np.ndarray,
+    transfer: Sequence[float] | np.ndarray | None,
+    no_context: Sequence[float] | np.ndarray,
+    *,
+    higher_is_better: bool = True,
+    num_bootstrap: int = 1000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Floor-normalized retention of per-item scores, with a bootstrap interval paired over items.
+
+    `retention = (mean(transfer) - mean(no_context)) / (mean(own) - mean(no_context))` (for losses, where lower is
+    better: `(no_context - transfer) / (no_context - own)`): 1 = the transfer is worth as much as the target's own
+    prefill, 0 = no better than no context at all. Each bootstrap resample draws items, keeping an item's three
+    scores together, so the interval reflects the paired design.
+
+    Args:
+        own, transfer, no_context: one score per item each (same items, same order); `transfer` may be None
+            (only the target was measured).
+        higher_is_better: False for losses (NLL).
+
+    Returns:
+        `retention` (None when undefined), `retention_ci` ([low, high] or None), `retention_undefined` (None, or
+        why there is no retention: no transfer, or the context is worth nothing to the target here),
+        `context_gain` (`{"mean", "ci"}` of own over no context, in the direction "better"), and
+        `transfer_minus_own` (`{"mean", "ci"}`, raw units) when `transfer` is given.
+    """
+    sign = 1.0 if higher_is_better else -1.0
+    own, no_context = np.asarray(own, dtype=np.float64), np.asarray(no_context, dtype=np.float64)
+    arrays = [own, no_context] + ([np.asarray(transfer, dtype=np.float64)] if transfer is not None else [])
+    if len({a.shape for a in arrays}) != 1 or own.ndim != 1 or own.size == 0:
+        raise ValueError(f"own, transfer and no_context need one score per item each, got shapes {[a.shape for a in arrays]}")
+    gain = sign * (own.mean() - no_context.mean())
+    out: dict[str, Any] = {
+        "retention": None,
+        "retention_ci": None,
+        "retention_undefined": None,
+        "context_gain": mean_and_ci(sign * (own - no_context), num_bootstrap, seed),
+    }
+    if transfer is None:
+        out["retention_undefined"] = "no transfer measured (no source and mapper given)"
+        return out
+    transfer = arrays[2]
+    out["transfer_minus_own"] = mean_and_ci(transfer - own, num_bootstrap, seed)
+    if not gain > 0:
+        # A ratio over a gain of ~0 is noise (or infinite): say so instead of reporting it.
+        out["retention_undefined"] = (
+            f"the context is worth nothing to the target on these items (own {own.mean():.4g} vs no context "
+            f"{no_context.mean():.4g}): retention is undefined"
+        )
+        logger.warning("%s; use items the target can solve from its context, or a model that reads it", out["retention_undefined"])
+        return out
+
+    def stat(idx: np.ndarray) -> float:
+        return normalized_retention(sign * transfer[idx].mean(), sign * own[idx].mean(), sign * no_context[idx].mean())
+
+    out["retention"] = stat(np.arange(own.size))
+    out["retention_ci"] = bootstrap_ci(stat, own.size, num_bootstrap, seed)
+    return out
+
+
+__all__ = ["REFEED_WARNING", "bootstrap_ci", "mean_and_ci", "normalized_retention", "retention_over_items"]

@@ -47,14 +47,11 @@ def evaluation_markdown(results: dict[str, Any]) -> str:
     cfg = results.get("config", {})
     title = f"**{cfg.get('source')} -> {cfg.get('target')}**"
     lines = [f"{title} (top_k={cfg.get('top_k')}, lambda={cfg.get('ridge_lambda')})", ""]
-    lines += [
-        "| metric | target (own prefill) | transfer | floor | retention | floor-normalized retention [95% CI] |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows: list[str] = []
     ppl = results.get("prefix_perplexity")
     if ppl:
         p = ppl["perplexity"]
-        lines.append(
+        rows.append(
             f"| prefix-conditioned perplexity (T={ppl['prefix_len']}, {ppl['num_windows']} windows) "
             f"| {p['target']:.3f} | {p['transfer']:.3f} | {p['floor']:.3f} (no prefix) | {_pct(ppl['retention'])} "
             f"| {_pct(ppl['normalized_retention'])}{_ci(ppl['normalized_retention_ci'])} |"
@@ -63,11 +60,19 @@ def evaluation_markdown(results: dict[str, Any]) -> str:
         mc = results.get(key)
         if mc:
             a = mc["acc"]
-            lines.append(
+            rows.append(
                 f"| {name} acc ({mc['num_items']} items) | {_pct(a['target'])} | {_pct(a['transfer'])} "
                 f"| {_pct(mc['chance'])} (chance; no context: {_pct(a['no_context'])}) | {_pct(mc['retention'])} "
                 f"| {_pct(mc['normalized_retention'])}{_ci(mc['normalized_retention_ci'])} |"
             )
+    if rows:
+        lines += [
+            "| metric | target (own prefill) | transfer | floor | retention | floor-normalized retention [95% CI] |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    content = _content_markdown(results)
+    lines += content[1:] if content and lines[-1] == "" else content  # one blank line between sections
     if ppl and "logit_kl" in ppl:
         lines += [
             "",
@@ -99,13 +104,113 @@ def evaluation_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Content tasks (content_eval.py): results key, label, per-setting score, whether it is an accuracy.
+_CONTENT_ROWS = (
+    ("repeated_span", "repeated span NLL (nats/token; lower is better)", "nll", False),
+    ("passage_recall", "passage recall accuracy", "accuracy", True),
+    ("handoff", "hand-off question 2 accuracy", "accuracy", True),
+)
+
+
+def _mean_ci(stat: dict[str, Any] | None, percent: bool) -> str:
+    if not stat:
+        return "-"
+    if percent:
+        return _pct(stat["mean"]) + _ci(stat.get("ci"))
+    ci = stat.get("ci") or []
+    bounds = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if len(ci) == 2 and all(math.isfinite(c) for c in ci) else ""
+    return f"{stat['mean']:.3f}{bounds}"
+
+
+def _content_markdown(results: dict[str, Any]) -> list[str]:
+    """The content tasks: own / transfer / no context with 95% CIs, retention, and greedy agreement."""
+    rows, notes = [], []
+    for key, label, score, percent in _CONTENT_ROWS:
+        res = results.get(key)
+        if not res:
+            continue
+        cells = [_mean_ci(res[score].get(s), percent) for s in ("own", "transfer", "no_context")]
+        if res.get("retention") is not None:
+            # The gain beside the ratio: a retention over a small gain is a ratio of small numbers.
+            gain = res["context_gain"]
+            retention = _pct(res["retention"]) + _ci(res.get("retention_ci"))
+            retention += f"; context gain {_mean_ci(gain, percent)}"
+            if math.isfinite(gain["ci"][0]) and gain["ci"][0] <= 0:
+                retention += ", not significant"
+        else:
+            retention = "undefined"
+            notes.append(f"{label}: {res.get('retention_undefined')}.")
+        if key == "handoff":
+            label += f" (source answered question 1: {_mean_ci(res['q1_accuracy'], True)})"
+        rows.append(f"| {label} | {res['num_items']} | " + " | ".join(cells) + f" | {retention} |")
+    agreement = results.get("greedy_agreement")
+    if agreement:
+        rows.append(
+            f"| greedy generations equal to own prefill's: first token / all {agreement['max_new_tokens']} tokens "
+            f"| {agreement['num_prompts']} | - | {_mean_ci(agreement['first_token_agreement'], True)} / "
+            f"{_mean_ci(agreement['all_tokens_agreement'], True)} | - | - |"
+        )
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Content tasks (bootstrap 95% CIs over items; no context = first occurrence replaced / passage left out / "
+        "question 2 alone):",
+        "",
+        "| task | items | own prefill | transfer | no context | floor-normalized retention [95% CI]; context gain |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+    return lines + ([""] + notes if notes else [])
+
+
+def _plot_content(ax, results: dict[str, Any]) -> None:
+    """Bars own / transfer / no context per content task, with 95% CI whiskers, on one 0..1 scale: accuracies,
+    and for repeated spans exp(-NLL), the geometric-mean probability of a repeated token."""
+    tasks = []  # (label, {setting: (value, low, high)})
+    span = results.get("repeated_span")
+    if span:
+        to_p = {s: (math.exp(-v["mean"]), *(math.exp(-c) for c in reversed(v["ci"]))) for s, v in span["nll"].items()}
+        tasks.append(("repeated span\nexp(-NLL)", to_p))
+    for key, label in (("passage_recall", "passage recall"), ("handoff", "hand-off Q2")):
+        if results.get(key):
+            tasks.append((label, {s: (v["mean"], *v["ci"]) for s, v in results[key]["accuracy"].items()}))
+    agreement = results.get("greedy_agreement")
+    if agreement:  # transfer vs own prefill: only the transfer has a bar
+        for key, label in (("first_token_agreement", "first token"), ("all_tokens_agreement", f"all {agreement['max_new_tokens']} tokens")):
+            stat = agreement[key]
+            tasks.append((f"greedy agreement\n{label}", {"transfer": (stat["mean"], *stat["ci"])}))
+    width = 0.27
+    for j, (setting, label) in enumerate((("own", "own prefill"), ("transfer", "transfer"), ("no_context", "no context"))):
+        xs, heights, errors = [], [], [[], []]
+        for i, (_, values) in enumerate(tasks):
+            if setting not in values:
+                continue
+            mean, low, high = values[setting]
+            xs.append(i + (j - 1) * width)
+            heights.append(mean)
+            finite = math.isfinite(low) and math.isfinite(high)
+            errors[0].append(max(mean - low, 0) if finite else 0)
+            errors[1].append(max(high - mean, 0) if finite else 0)
+        if xs:
+            ax.bar(xs, heights, width, yerr=errors, capsize=3, label=label, color=f"C{j}")
+    ax.set_xticks(range(len(tasks)))
+    ax.set_xticklabels([label for label, _ in tasks], fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_title("content tasks (95% CI)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
 def plot_evaluation(results: dict[str, Any], path: str | os.PathLike) -> None:
-    """Save a PNG: per-layer attention-output cosine and K/V R^2, and drift per turn (if measured)."""
+    """Save a PNG: per-layer attention-output cosine and K/V R^2, the content tasks (own / transfer / no context
+    with CI whiskers) and drift per turn (those measured)."""
     plt = pyplot()
     ppl, r2, turns = results.get("prefix_perplexity", {}), results.get("kv_r2"), results.get("multi_turn")
-    panels = int(bool(ppl.get("attention_cosine") or r2)) + int(bool(turns))
+    content = any(results.get(key) for key in ("repeated_span", "passage_recall", "handoff", "greedy_agreement"))
+    panels = int(bool(ppl.get("attention_cosine") or r2)) + int(content) + int(bool(turns))
     if panels == 0:
-        raise ValueError("nothing to plot: the results hold neither per-layer diagnostics nor multi-turn drift")
+        raise ValueError("nothing to plot: the results hold no per-layer diagnostics, content tasks or multi-turn drift")
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     ax_iter = iter(axes[0])
     if ppl.get("attention_cosine") or r2:
@@ -120,6 +225,8 @@ def plot_evaluation(results: dict[str, Any], path: str | os.PathLike) -> None:
         ax.set_title("per-layer fidelity on evaluation tokens")
         ax.legend()
         ax.grid(alpha=0.3)
+    if content:
+        _plot_content(next(ax_iter), results)
     if turns:
         ax = next(ax_iter)
         xs = [t["turn"] for t in turns["turns"]]

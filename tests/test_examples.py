@@ -81,10 +81,14 @@ def test_eval_command(tmp_path, fitted_mapper):
     out = _run([
         sys.executable, "-m", "hf_kvtransfer.cli", "eval", "--source", str(FAMILY / "small"),
         "--target", str(FAMILY / "large"), "--mapper", str(fitted_mapper), "--text", str(FAMILY / "heldout.txt"),
-        "--max-windows", "8", "--num-items", "8", "--turns", "2", "--json", str(tmp_path / "e.json"), "--plot", str(tmp_path / "e.png"),
+        "--max-windows", "8", "--num-items", "8", "--items", "8", "--turns", "2", "--json", str(tmp_path / "e.json"),
+        "--plot", str(tmp_path / "e.png"),
     ])
-    assert "prefix-conditioned perplexity" in out and "continuation task" in out
+    assert "prefix-conditioned perplexity" in out and "continuation task" in out and "passage recall accuracy" in out
     results = json.loads((tmp_path / "e.json").read_text())
+    for key in ("repeated_span", "passage_recall", "handoff"):
+        assert results[key]["num_items"] == 8, key
+    assert results["greedy_agreement"]["num_prompts"] == 8
     num_layers = json.loads((FAMILY / "large" / "config.json").read_text())["num_hidden_layers"]
     assert len(results["kv_r2"]["key"]) == len(results["prefix_perplexity"]["attention_cosine"]) == num_layers
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"

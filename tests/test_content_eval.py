@@ -1,0 +1,223 @@
+"""Content evaluations (content_eval.py): each score against an independent computation, a plain forward of the
+target over the whole sequence; with the model mapped onto itself by an exact identity map, transfer == own."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import VOCAB, exact_identity_mapper, random_ids, tiny_model
+from fit_fixtures import SPECIALS, make_tokenizer
+from hf_kvtransfer import KVMapper, TransferredCache, prefill
+from hf_kvtransfer.cli import main
+from hf_kvtransfer.content_eval import greedy_agreement, handoff, passage_recall, repeated_span_retention
+from hf_kvtransfer.metrics import mean_and_ci, retention_over_items
+from hf_kvtransfer.tasks import HandoffItem, PassageRecallItem, repeated_span_items
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3", num_hidden_layers=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def identity(model):
+    return exact_identity_mapper(model)
+
+
+@pytest.fixture(scope="module")
+def broken(identity):
+    # Same shapes, scrambled weights: a transfer that loses the context (so the transfer checks can fail).
+    mapper = KVMapper(identity.config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in mapper.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return mapper
+
+
+@torch.no_grad()
+def _logp(model, ids):
+    """Next-token log-probs `[len(ids), V]` of one plain forward (no cache)."""
+    return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def _answer(model, context, answer):
+    """(NLL of `answer` after `context`, whether greedy decoding writes it), from one plain forward."""
+    logp = _logp(model, context + answer[:-1])[len(context) - 1 :]
+    nll = -sum(float(logp[j, a]) for j, a in enumerate(answer))
+    return nll, all(int(logp[j].argmax()) == a for j, a in enumerate(answer))
+
+
+# -- score arithmetic ------------------------------------------------------------------------------------
+
+
+def test_retention_over_items_matches_numpy():
+    rng = np.random.default_rng(1)
+    own, transfer, none = rng.random(40) + 0.5, rng.random(40) + 0.3, rng.random(40)
+    res = retention_over_items(own, transfer, none, num_bootstrap=300, seed=7)
+    assert res["retention"] == pytest.approx((transfer.mean() - none.mean()) / (own.mean() - none.mean()))
+    # Paired: each resample keeps an item's three scores together (same draws as an independent loop).
+    draws = np.random.default_rng(7)
+    ratios = []
+    for _ in range(300):
+        idx = draws.integers(0, 40, 40)
+        ratios.append((transfer[idx].mean() - none[idx].mean()) / (own[idx].mean() - none[idx].mean()))
+    assert res["retention_ci"] == pytest.approx([np.percentile(ratios, 2.5), np.percentile(ratios, 97.5)])
+    assert res["context_gain"]["mean"] == pytest.approx(own.mean() - none.mean())
+    assert res["transfer_minus_own"]["mean"] == pytest.approx(transfer.mean() - own.mean())
+    # Losses: lower is better, (none - transfer) / (none - own).
+    res = retention_over_items(1 - own, 1 - transfer, 2 - none, higher_is_better=False, num_bootstrap=0)
+    expected = ((2 - none).mean() - (1 - transfer).mean()) / ((2 - none).mean() - (1 - own).mean())
+    assert res["retention"] == pytest.approx(expected) and res["retention_undefined"] is None
+    # No gain from the context: no ratio, a reason instead.
+    flat = retention_over_items([1.0, 0.0], [0.0, 0.0], [0.0, 1.0], num_bootstrap=10)
+    assert flat["retention"] is None and flat["retention_ci"] is None and "undefined" in flat["retention_undefined"]
+    alone = retention_over_items([1.0, 1.0], None, [0.0, 1.0])
+    assert alone["retention"] is None and "no transfer" in alone["retention_undefined"]
+    summary = mean_and_ci([0.25, 0.25, 0.25], num_bootstrap=50)
+    assert summary == {"mean": 0.25, "ci": [0.25, 0.25]}
+
+
+# -- the four evaluations --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recompute", [0, 2])
+def test_repeated_spans_match_plain_forward(model, identity, recompute):
+    stream = random_ids(1, 400, seed=4)[0].tolist()
+    items = repeated_span_items(VOCAB, stream, 5, seed=1, prefix_len=24, continuation_len=12, span_len=6,
+                                repeat_offset=2, special_ids=range(len(SPECIALS)))  # fmt: skip
+    res = repeated_span_retention(model, model, identity, items, num_recompute_tokens=recompute, batch_size=2,
+                                  num_bootstrap=50, progress=False)  # fmt: skip
+    for name, prefix in (("own", "prefix_ids"), ("no_context", "control_prefix_ids")):
+        expected = []
+        for it in items:
+            logp = _logp(model, getattr(it, prefix) + it.continuation_ids)
+            t = len(it.prefix_ids)
+            scored = [-float(logp[t + j - 1, c]) for j, c in enumerate(it.continuation_ids) if it.repeat_mask[j]]
+            expected.append(np.mean(scored))
+        assert res["nll_per_item"][name] == pytest.approx(expected, abs=1e-4)
+    assert res["nll_per_item"]["transfer"] == pytest.approx(res["nll_per_item"]["own"], abs=1e-4)
+    assert res["num_items"] == 5 and res["scored_tokens_per_item"] == 5
+    json.dumps(res)
+
+
+def _recall_items(model, count=6):
+    g = torch.Generator().manual_seed(5)
+    items = []
+    for i in range(count):
+        prompt = torch.randint(3, VOCAB, (int(torch.randint(6, 16, (1,), generator=g)),), generator=g).tolist()
+        alone = torch.randint(3, VOCAB, (5,), generator=g).tolist()
+        best = int(_logp(model, prompt)[-1].argmax())
+        # Half the answers are what the target predicts (right), half not; one has two tokens.
+        answer = [best] if i % 2 == 0 else [3 + (best - 2) % (VOCAB - 3)]
+        if i == 4:
+            answer = [best, int(_logp(model, prompt + [best])[-1].argmax())]
+        values = [answer, [int(torch.randint(3, VOCAB, (1,), generator=g))], [best]]
+        items.append(PassageRecallItem(prompt_ids=prompt, answer_ids=answer, no_passage_prompt_ids=alone, passage_values=values))
+    return items
+
+
+@pytest.mark.parametrize("recompute", [1, 3])
+def test_passage_recall_matches_plain_forward(model, identity, broken, recompute):
+    items = _recall_items(model)
+    res = passage_recall(model, model, identity, items, num_recompute_tokens=recompute, num_bootstrap=50, progress=False)
+    for name, prompt in (("own", "prompt_ids"), ("no_context", "no_passage_prompt_ids")):
+        scored = [_answer(model, getattr(it, prompt), it.answer_ids) for it in items]
+        assert res["answer_nll_per_item"][name] == pytest.approx([nll for nll, _ in scored], abs=1e-4)
+        assert res["correct_per_item"][name] == [float(ok) for _, ok in scored]
+        values = [any(_answer(model, getattr(it, prompt), v)[1] for v in it.passage_values) for it in items]
+        assert res["passage_value_rate"][name]["mean"] == pytest.approx(np.mean(values))
+    assert res["correct_per_item"]["own"] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]  # by construction of the items
+    assert res["correct_per_item"]["transfer"] == res["correct_per_item"]["own"]
+    assert res["answer_nll_per_item"]["transfer"] == pytest.approx(res["answer_nll_per_item"]["own"], abs=1e-4)
+    lost = passage_recall(model, model, broken, items, num_recompute_tokens=recompute, num_bootstrap=0, progress=False)
+    assert max(abs(a - b) for a, b in zip(lost["answer_nll_per_item"]["transfer"], res["answer_nll_per_item"]["own"])) > 1e-2
+    assert lost["answer_nll_per_item"]["own"] == res["answer_nll_per_item"]["own"]
+    alone = passage_recall(None, model, None, items, num_recompute_tokens=recompute, num_bootstrap=0, progress=False)
+    assert "transfer" not in alone["accuracy"] and alone["correct_per_item"]["own"] == res["correct_per_item"]["own"]
+
+
+@pytest.mark.parametrize("recompute", [0, 2])
+def test_handoff_matches_plain_forward(model, identity, broken, recompute):
+    g = torch.Generator().manual_seed(6)
+    items = []
+    for i in range(4):
+        prompt = torch.randint(3, VOCAB, (10 + i,), generator=g).tolist()
+        said = int(_logp(model, prompt)[-1].argmax())  # what the answerer (source == target) writes
+        followup = torch.randint(3, VOCAB, (4,), generator=g).tolist()
+        best2 = int(_logp(model, prompt + [said] + followup)[-1].argmax())
+        items.append(HandoffItem(prompt_ids=prompt, answer1_ids=[said if i < 3 else (said % 90) + 4],
+                                 followup_ids=followup, answer2_ids=[best2 if i % 2 == 0 else (best2 % 90) + 4]))  # fmt: skip
+    res = handoff(model, model, identity, items, num_recompute_tokens=recompute, num_bootstrap=50, progress=False)
+    assert res["q1_correct_per_item"] == [1.0, 1.0, 1.0, 0.0]
+    own = [_answer(model, it.prompt_ids + [int(_logp(model, it.prompt_ids)[-1].argmax())] + it.followup_ids, it.answer2_ids)
+           for it in items]  # fmt: skip
+    none = [_answer(model, it.followup_ids, it.answer2_ids) for it in items]
+    for name, expected in (("own", own), ("no_context", none)):
+        assert res["answer_nll_per_item"][name] == pytest.approx([nll for nll, _ in expected], abs=1e-4)
+        assert res["correct_per_item"][name] == [float(ok) for _, ok in expected]
+    assert res["correct_per_item"]["own"] == [1.0, 0.0, 1.0, 0.0]
+    assert res["answer_nll_per_item"]["transfer"] == pytest.approx(res["answer_nll_per_item"]["own"], abs=1e-4)
+    lost = handoff(model, model, broken, items, num_recompute_tokens=recompute, num_bootstrap=0, progress=False)
+    assert max(abs(a - b) for a, b in zip(lost["answer_nll_per_item"]["transfer"], res["answer_nll_per_item"]["own"])) > 1e-2
+
+
+@torch.no_grad()
+def test_greedy_agreement(model, identity, broken):
+    ids = random_ids(6, 12, seed=9)
+    same = greedy_agreement(model, model, identity, ids, max_new_tokens=4, batch_size=4, num_bootstrap=20, progress=False)
+    assert same["all_tokens_agreement"]["mean"] == 1.0 and same["agreeing_tokens_per_item"] == [4.0] * 6
+    lost = greedy_agreement(model, model, broken, ids, max_new_tokens=4, batch_size=4, num_bootstrap=20, progress=False)
+    # First tokens, computed without generate: own = plain forward; transfer = the last prompt token on the cache.
+    own_first = model(ids).logits[:, -1].argmax(-1)
+    cache = TransferredCache(prefill(model, ids), broken, num_recompute_tokens=1)
+    transfer_first = model(ids[:, -1:], cache=cache).logits[:, -1].argmax(-1)
+    assert lost["first_token_agreement_per_item"] == (own_first == transfer_first).double().tolist()
+    assert lost["all_tokens_agreement"]["mean"] < 1.0
+
+
+def test_transfer_needs_source_and_mapper(model, identity):
+    with pytest.raises(ValueError, match="both source and mapper"):
+        passage_recall(None, model, identity, _recall_items(model, 1), progress=False)
+    with pytest.raises(ValueError, match="num_recompute_tokens >= 1"):
+        passage_recall(model, model, identity, _recall_items(model, 1), num_recompute_tokens=0, progress=False)
+
+
+# -- through `hf-kvtransfer eval` ------------------------------------------------------------------------
+
+
+def _number_tokenizer():
+    """A word-level tokenizer of the tiny vocabulary whose numbers 10..59 are single tokens (recall answers)."""
+    words = ["A", "Q", ":", "``", "?", ".", "the", "of", "is", "What", "value"] + [str(n) for n in range(10, 60)]
+    words += [f"w{i}" for i in range(VOCAB - len(SPECIALS) - len(words))]
+    return make_tokenizer(words)
+
+
+def test_eval_cli_recall(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    model = tiny_model("qwen3", num_hidden_layers=2, seed=4)
+    model.save_pretrained(tmp_path / "model")
+    _number_tokenizer().save_pretrained(tmp_path / "model")
+    exact_identity_mapper(model).save_pretrained(tmp_path / "mapper")
+    words = [f"w{i}" for i in range(30)] + ["the", "of", "is", "value", "."]
+    rng = np.random.default_rng(0)
+    (tmp_path / "text.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(40)) + "\n")
+    out = tmp_path / "eval.json"
+    args = ["eval", "--source", str(tmp_path / "model"), "--target", str(tmp_path / "model"), "--mapper",
+            str(tmp_path / "mapper"), "--text", str(tmp_path / "text.txt"), "--tasks", "recall", "--items", "4",
+            "--json", str(out), "--plot", str(tmp_path / "eval.png")]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| passage recall accuracy | 4 |" in printed
+    results = json.loads(out.read_text())
+    assert results["config"]["tasks"] == ["recall"] and "prefix_perplexity" not in results
+    recall = results["passage_recall"]
+    assert recall["num_items"] == 4 and recall["correct_per_item"]["transfer"] == recall["correct_per_item"]["own"]
+    assert (tmp_path / "eval.png").read_bytes()[:4] == b"\x89PNG"
+    # A mistyped task is one line before anything loads (the model paths here do not even exist).
+    assert main(["eval", "--source", "nowhere", "--target", "nowhere", "--mapper", "nowhere", "--text", "x",
+                 "--tasks", "recall,recal"]) == 1  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: unknown task(s) 'recal'") and err[1].startswith("hint:")
