@@ -30,7 +30,11 @@ difference to the baseline bootstrapped on the same windows (paired).
 Self-tests (the run exits with status 1 when one fails; `--skip-library-check` skips the ones that need the library
 runs): the harness's baseline selection, weights and held-out R^2 equal `fit_mapper`'s (weights to rtol 1e-5); the
 baseline row's per-window NLLs (own, transfer, floor) equal `prefix_perplexity(..., num_exact_layers=1)`'s within
-1e-4; the attention scorer reproduces the target's own attention output from its own stripped K/V re-roped.
+1e-4 and its KL to the own prefill equals that run's `logit_kl` within 1e-5; the attention scorer reproduces the
+target's own attention output from its own stripped K/V re-roped.
+
+Besides retention, each row reports KL(own prefill || transfer) of the next-token distributions and the raw NLL, both
+paired against the baseline: they compare variants even where the context is worth little to the target.
 
 Example (the bundled family, both directions; ~1.5 min each on one core with 64 windows):
 
@@ -560,11 +564,13 @@ def windows_from(token_docs, prefix_len: int, max_windows: int, step: int | None
 def score_windows(source, target, fits: list[Fit], windows: torch.Tensor, prefix_len: int, embedding: TokenEmbedding,
                   src: Layout, tgt: Layout, num_exact_layers: int, batch_size: int, progress: bool) -> dict:  # fmt: skip
     """Per-window NLL of the second half of each window: own prefill, no prefix (floor), and each fit's transfer
-    cache built by hand; plus per-layer K/V R^2 of each fit on the prefix tokens."""
+    cache built by hand; per-window KL(own || transfer) of the next-token distributions; per-layer K/V R^2 of each
+    fit on the prefix tokens."""
     body = getattr(target, "base_model", target)
     rotary = body.rotary_emb
     t_len = prefix_len
     nll = {"target": [], "floor": [], **{f.variant.name: [] for f in fits}}
+    kl = {f.variant.name: [] for f in fits}
     r2_acc = {f.variant.name: {kind: torch.zeros(tgt.num_layers, tgt.layer_dim, dtype=torch.float64) for kind in KINDS} for f in fits}
     sy = {kind: torch.zeros(tgt.num_layers, tgt.layer_dim, dtype=torch.float64) for kind in KINDS}
     syy = {kind: torch.zeros(tgt.num_layers, tgt.layer_dim, dtype=torch.float64) for kind in KINDS}
@@ -580,7 +586,9 @@ def score_windows(source, target, fits: list[Fit], windows: torch.Tensor, prefix
         feed, labels = ids[:, t_len:], ids[:, t_len + 1 :]
         own_cache = prefill(target, ids[:, :t_len])
         own = [(layer.keys.clone(), layer.values.clone()) for layer in own_cache.layers]
-        nll["target"].append(token_nll(target(feed, cache=own_cache, use_cache=True).logits[:, :-1], labels))
+        own_logits = target(feed, cache=own_cache, use_cache=True).logits[:, :-1].float()
+        nll["target"].append(token_nll(own_logits, labels))
+        own_logp = own_logits.log_softmax(-1)
         nll["floor"].append(token_nll(target(feed, use_cache=False).logits[:, :-1], labels))
 
         batch = ids.shape[0]
@@ -612,10 +620,17 @@ def score_windows(source, target, fits: list[Fit], windows: torch.Tensor, prefix
                     keys = apply_rope(mapped["key"], cos, sin).to(own[t][0].dtype)
                     values = mapped["value"].to(own[t][1].dtype)
                 cache.update(keys.contiguous(), values.contiguous(), t)
-            nll[name].append(token_nll(target(feed, cache=cache, use_cache=True).logits[:, :-1], labels))
+            logits = target(feed, cache=cache, use_cache=True).logits[:, :-1].float()
+            nll[name].append(token_nll(logits, labels))
+            # KL(own || transfer) per token, averaged per window: how far the transfer moves the target's predictions
+            kl[name].append((own_logp.exp() * (own_logp - logits.log_softmax(-1))).sum(-1).mean(-1).double().cpu())
         bar.update(batch)
     bar.close()
-    out = {"nll_per_window": {name: torch.cat(v).numpy() for name, v in nll.items()}, "eval_r2": {}}
+    out = {
+        "nll_per_window": {name: torch.cat(v).numpy() for name, v in nll.items()},
+        "kl_per_window": {name: torch.cat(v).numpy() for name, v in kl.items()},
+        "eval_r2": {},
+    }
     for fit in fits:
         name = fit.variant.name
         out["eval_r2"][name] = {}
@@ -702,7 +717,7 @@ def library_check(args, source, target, calib_ids, windows, fitter: Fitter, base
     r2_err = max(abs(a - b) for kind in KINDS for a, b in zip(lib_r2[kind], base.heldout_r2[kind]))
     started = time.perf_counter()
     lib = prefix_perplexity(
-        source, target, mapper, windows, args.prefix_len, batch_size=args.batch_size, diagnostics=False,
+        source, target, mapper, windows, args.prefix_len, batch_size=args.batch_size, diagnostics=True,
         num_bootstrap=args.num_bootstrap, seed=args.seed, progress=progress, num_exact_layers=args.num_exact_layers,
     )  # fmt: skip
     eval_seconds = time.perf_counter() - started
@@ -711,6 +726,7 @@ def library_check(args, source, target, calib_ids, windows, fitter: Fitter, base
         name: float(np.abs(np.asarray(lib["nll_per_window"][name]) - nll["baseline" if name == "transfer" else name]).max())
         for name in ("target", "transfer", "floor")
     }
+    kl_err = abs(lib["logit_kl"] - float(scored["kl_per_window"]["baseline"].mean()))
     checks = {
         "selected_layers_equal": [list(s) for s in mapper.config.selected_layers] == base.selected,
         "ridge_lambda_equal": math.isclose(float(mapper.config.ridge_lambda), base.ridge_lambda),
@@ -721,13 +737,15 @@ def library_check(args, source, target, calib_ids, windows, fitter: Fitter, base
         "heldout_r2_close": r2_err < 1e-6,
         "nll_max_abs_error": nll_err,
         "nll_within_1e-4": all(v <= 1e-4 for v in nll_err.values()),
+        "kl_abs_error": kl_err,
+        "kl_within_1e-5": kl_err <= 1e-5,
         "library_normalized_retention": lib["normalized_retention"],
         "library_normalized_retention_ci": lib["normalized_retention_ci"],
         "library_fit_seconds": fit_seconds,
         "library_eval_seconds": eval_seconds,
     }
     checks["passed"] = all(checks[k] for k in ("selected_layers_equal", "ridge_lambda_equal", "weights_close_rtol_1e-5",
-                                                "heldout_r2_close", "nll_within_1e-4"))  # fmt: skip
+                                                "heldout_r2_close", "nll_within_1e-4", "kl_within_1e-5"))  # fmt: skip
     return checks
 
 
@@ -745,8 +763,9 @@ def markdown(report: dict) -> str:
         f"floor {report['perplexity']['floor']:.3f}",
         "",
         "| variant | lambda | params | fit s | held-out R^2 K | held-out R^2 V | attn cos | ppl | retention % [95% CI] "
-        "| diff vs baseline pp [95% CI, paired] | NLL - baseline, mnats [95% CI] | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|",
+        "| diff vs baseline pp [95% CI, paired] | NLL - baseline, mnats [95% CI] | KL to own, mnats "
+        "| KL - baseline, mnats [95% CI] | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|---|",
     ]
     defined = report["context_gain_nats"] > 0
     if not defined:
@@ -758,7 +777,7 @@ def markdown(report: dict) -> str:
         r = row["normalized_retention"]
         ci = row["normalized_retention_ci"]
         if name == "baseline":
-            diff = dnll = "-"
+            diff = dnll = dkl = "-"
         else:
             d, lo, hi = row["diff_vs_baseline"], *row["diff_vs_baseline_ci"]
             verdict = "inside the noise" if lo <= 0 <= hi else ("better" if lo > 0 else "worse")
@@ -766,18 +785,25 @@ def markdown(report: dict) -> str:
             d, lo, hi = row["nll_minus_baseline"], *row["nll_minus_baseline_ci"]
             verdict = "inside the noise" if lo <= 0 <= hi else ("lower" if hi < 0 else "higher")
             dnll = f"{1000 * d:+.2f} [{1000 * lo:+.2f}, {1000 * hi:+.2f}] {verdict}"
+            d, lo, hi = row["kl_minus_baseline"], *row["kl_minus_baseline_ci"]
+            verdict = "inside the noise" if lo <= 0 <= hi else ("lower" if hi < 0 else "higher")
+            dkl = f"{1000 * d:+.2f} [{1000 * lo:+.2f}, {1000 * hi:+.2f}] {verdict}"
         cos = row["attention_cosine_mean"]
         lines.append(
             f"| {name} | {row['ridge_lambda']:g} | {row['params']:,} | {row['fit_seconds']:.2f} "
             f"| {row['heldout_r2_key_mean']:.4f} | {row['heldout_r2_value_mean']:.4f} "
             f"| {'-' if cos is None else f'{cos:.4f}'} | {row['perplexity']:.3f} "
-            f"| {pct(r)} [{pct(ci[0])}, {pct(ci[1])}] | {diff} | {dnll} | {'; '.join(row['notes'])} |"
+            f"| {pct(r)} [{pct(ci[0])}, {pct(ci[1])}] | {diff} | {dnll} | {1000 * row['kl_to_own']:.2f} | {dkl} "
+            f"| {'; '.join(row['notes'])} |"
         )
     lines.append("")
     lines.append(f"R^2 and attention cosine (attn cos): means over target layers {first}.. (layers < {first} are computed "
                  "exactly), maps fit on the calibration fit shard, scored on its held-out shard. fit s: selection + "
                  "solves from the sums (the single-source R^2 ranking is computed once, by the first variant that "
-                 "needs it). Retention: floor-normalized, (floor - transfer) / (floor - own) of the mean NLL.")  # fmt: skip
+                 "needs it). Retention: floor-normalized, (floor - transfer) / (floor - own) of the mean NLL. KL to own: "
+                 "KL(own-prefill || transfer) of the next-token distributions on the scored tokens (0 = the target "
+                 "predicts exactly as with its own prefill). Differences: paired bootstrap over the same windows; "
+                 "'inside the noise' = the 95% CI contains 0.")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -836,7 +862,7 @@ def run(args: argparse.Namespace) -> dict:
     scored = score_windows(source, target, fits, windows, args.prefix_len, embedding, src, tgt, args.num_exact_layers,
                            args.batch_size, progress)  # fmt: skip
     eval_seconds = time.perf_counter() - started
-    nll = scored["nll_per_window"]
+    nll, kls = scored["nll_per_window"], scored["kl_per_window"]
     n = windows.shape[0]
     report = {
         "config": {**{k_: (str(v) if isinstance(v, Path) else v) for k_, v in vars(args).items()}, "top_k": k,
@@ -871,7 +897,9 @@ def run(args: argparse.Namespace) -> dict:
             "perplexity": float(np.exp(nll[name].mean())),
             "normalized_retention": retention(nll, name, np.arange(n)),
             "normalized_retention_ci": bootstrap_ci(lambda i, name=name: retention(nll, name, i), n, args.num_bootstrap, args.seed),
+            "kl_to_own": float(kls[name].mean()),
             "nll_per_window": nll[name].tolist(),
+            "kl_per_window": kls[name].tolist(),
             "notes": fit.notes,
         }  # fmt: skip
         if fit.selection_scores:
@@ -885,6 +913,9 @@ def run(args: argparse.Namespace) -> dict:
             delta = nll[name] - nll["baseline"]
             row["nll_minus_baseline"] = float(delta.mean())
             row["nll_minus_baseline_ci"] = bootstrap_ci(lambda i, d=delta: float(d[i].mean()), n, args.num_bootstrap, args.seed)
+            delta = kls[name] - kls["baseline"]
+            row["kl_minus_baseline"] = float(delta.mean())
+            row["kl_minus_baseline_ci"] = bootstrap_ci(lambda i, d=delta: float(d[i].mean()), n, args.num_bootstrap, args.seed)
             row["same_layers_as_baseline"] = fit.selected == fits[0].selected
             if fit.variant.selection != "r2" and not fit.notes:
                 changed = sum(a != b for a, b in list(zip(fit.selected, fits[0].selected))[first:])
@@ -907,7 +938,7 @@ def main(argv=None) -> int:
     failed = [name for name in ("attention_probe_ok", "passed") if name in checks and not checks[name]]
     print("\nself-tests: " + ", ".join(
         f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in checks.items()
-        if k.endswith(("_ok", "_equal", "error", "passed", "rtol_1e-5", "within_1e-4", "close"))
+        if k.endswith(("_ok", "_equal", "error", "passed", "rtol_1e-5", "within_1e-4", "within_1e-5", "close"))
     ))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")

@@ -46,7 +46,7 @@ def test_harness_baseline_is_the_library_mapper(ablation, pair, tmp_path, capsys
     checks = report["checks"]
     assert checks["passed"] and checks["weights_close_rtol_1e-5"] and checks["selected_layers_equal"]
     assert checks["weights_max_rel_error"] < 1e-5 and checks["heldout_r2_max_abs_error"] < 1e-6
-    assert all(err <= 1e-4 for err in checks["nll_max_abs_error"].values())
+    assert all(err <= 1e-4 for err in checks["nll_max_abs_error"].values()) and checks["kl_within_1e-5"]
     assert checks["attention_probe_ok"]
     assert list(report["variants"]) == list(ablation.VARIANTS) and report["windows"] == 4
     for name in ("attn-select", "attn-greedy"):
