@@ -39,15 +39,15 @@ stopped, are in examples/family/README.md ("Issue 12"). Their commands::
 
     apt-get install -y python3.11-doc
     # from scratch (large = 6x128 in that run), copy phase 25% of the steps at T=512
-    python examples/train_family.py --models small --steps 1400 --batch-size 4 --copy-phase 0.25 --no-compile
+    python examples/train_family.py --models small --steps 1400 --batch-size 4 --copy-phase 0.25
     # warm start from the committed checkpoints, copy phase 60% of the steps at T=128
     python examples/train_family.py --models small --init-from /tmp/old_family --steps 900 --copy-phase 0.6 \
-        --batch-size 4 --copy-batch-size 8 --copy-seq-len 128 --no-compile
+        --batch-size 4 --copy-batch-size 8 --copy-seq-len 128
 
 Quick smoke test (a few seconds, writes to /tmp)::
 
     python examples/train_family.py --output-dir /tmp/family_smoke --models small --steps 4 \\
-        --probe-every 2 --no-compile
+        --probe-every 2
 
 Verify saved checkpoints (held-out loss at several lengths, greedy samples)::
 
@@ -60,6 +60,7 @@ import argparse
 import json
 import math
 import random
+from collections import Counter
 import sys
 import time
 from pathlib import Path
@@ -185,18 +186,16 @@ MIX_KINDS = ("text", "copy", "textcopy", "facts")
 
 
 def mix_at(progress: float, copy_phase: float) -> dict[str, float]:
-    """Row-type probabilities at training progress in [0, 1): copy-heavy first, then the full mix."""
+    """Row-type probabilities at training progress in [0, 1): copying first, then the full mix."""
     if progress < copy_phase:
-        return {"text": 0.15, "copy": 0.75, "textcopy": 0.10, "facts": 0.0}
-    if progress < 2 * copy_phase:
-        return {"text": 0.20, "copy": 0.30, "textcopy": 0.10, "facts": 0.40}
-    return {"text": 0.30, "copy": 0.15, "textcopy": 0.10, "facts": 0.45}
+        return {"text": 0.1, "copy": 0.9, "textcopy": 0.0, "facts": 0.0}
+    return {"text": 0.3, "copy": 0.15, "textcopy": 0.15, "facts": 0.4}
 
 
 class RowMaker:
     """Builds training rows (input ids and labels, ``seq_len + 1`` tokens) of each kind, from one seeded RNG."""
 
-    def __init__(self, tok, stream: list[int], docs: list[str], seq_len: int, seed: int):
+    def __init__(self, tok, stream: list[int], docs: list[str], seq_len: int, seed: int, pool_seed: int):
         from hf_kvtransfer.tasks import FactGenerator, answer_values
 
         self.tok, self.stream, self.docs, self.n = tok, stream, docs, seq_len + 1
@@ -204,6 +203,14 @@ class RowMaker:
         self.facts = FactGenerator("train", seed, answer_values(tok))
         specials = set(tok.all_special_ids)
         self.vocab = [t for t in range(len(tok)) if t not in specials]
+        # Random-span tokens come from the first `copy_vocab` ids of a seeded permutation. The pool starts small
+        # and doubles whenever copying is learned on it (see train_one): with the full vocabulary from the start
+        # a 64-wide model stays on the induction plateau for thousands of steps.
+        # Most frequent training tokens first: text and fact documents are made of them, so the copying they need
+        # is learned first (the seed only breaks ties).
+        counts = Counter(stream)
+        self.pool = sorted(self.vocab, key=lambda t: (-counts.get(t, 0), random.Random(f"{pool_seed}:{t}").random()))
+        self.copy_vocab = len(self.pool)
         self.eos = tok.eos_token_id
 
     def _window(self, n: int) -> list[int]:
@@ -220,11 +227,11 @@ class RowMaker:
 
     def _row_copy(self, progress, copy_phase):
         rng, ids, lab = self.rng, [], []
-        early = progress < copy_phase / 2
-        if early or rng.random() < 0.3:
+        early = progress < copy_phase
+        if early or rng.random() < 0.4:
             # periodic row: one random span repeated to the end (most tokens are copies)
             L = rng.randint(4, 16) if early else rng.randint(4, 48)
-            span = [rng.choice(self.vocab) for _ in range(L)]
+            span = [rng.choice(self.pool[: self.copy_vocab]) for _ in range(L)]
             while len(ids) < self.n:
                 first = not ids
                 ids += span
@@ -240,7 +247,7 @@ class RowMaker:
                 lab += [-100] + span[1:]
             elif r < 0.7:
                 L = rng.randint(4, 40)
-                span = [rng.choice(self.vocab) for _ in range(L)]
+                span = [rng.choice(self.pool[: self.copy_vocab]) for _ in range(L)]
                 spans.append(span)
                 pending += [span] * rng.randint(1, 2)
                 ids += span
@@ -312,6 +319,32 @@ def lm_loss(model, ids, labels):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
+def train_loss(model, ids, labels, prev_token_weight: float):
+    """Mean LM loss, the per-row mean losses (detached) and the previous-token auxiliary term.
+
+    The auxiliary term is the NLL of layer 0 / head 0 attending to position t-1. An induction head needs a
+    previous-token head *and* a head matching on its output; each one's gradient is proportional to the other's
+    strength, hence the long plateau. Supervising the first one for the copy phase breaks that symmetry (measured
+    on periodic random rows, 256-token pool: repeat NLL 0.1 after 200 steps with it, 4.3 after 300 without).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    out = model(input_ids=ids[:, :-1], use_cache=False, output_attentions=prev_token_weight > 0)
+    tgt = labels[:, 1:]
+    tok_loss = F.cross_entropy(out.logits.float().transpose(1, 2), tgt, ignore_index=-100, reduction="none")
+    valid = (tgt != -100).float()
+    loss = (tok_loss * valid).sum() / valid.sum().clamp(min=1)
+    rows = ((tok_loss * valid).sum(1) / valid.sum(1).clamp(min=1)).detach()
+    aux = torch.zeros(())
+    if prev_token_weight > 0:
+        att = out.attentions[0][:, 0]  # (batch, T, T): layer 0, head 0
+        t = torch.arange(1, att.shape[-1])
+        aux = -(att[:, t, t - 1] + 1e-6).log().mean()
+        loss = loss + prev_token_weight * aux
+    return loss, rows, aux.detach()
+
+
 def evaluate(model, windows, batch_size: int) -> float:
     import torch
 
@@ -340,6 +373,8 @@ class Probes:
         # seeds 10_000+: disjoint from the item seeds examples/family_context.py reports on
         self.copy = repeated_span_items(tok, held_stream, n_copy, seed=10_000, kind="random",
                                         prefix_len=256, continuation_len=64, span_len=24)
+        self.text_copy = repeated_span_items(tok, held_stream, n_copy, seed=10_000, kind="text",
+                                             prefix_len=256, continuation_len=64, span_len=24)
         self.recall = passage_recall_items(tok, n_recall, seed=10_000, distractor_texts=held_docs)
 
     def run(self, model) -> dict[str, float]:
@@ -349,13 +384,14 @@ class Probes:
         model.eval()
         out = {}
         with torch.no_grad():
-            for name, attr in (("copy_nll", "prefix_ids"), ("copy_nll_control", "control_prefix_ids")):
-                ids = torch.tensor([getattr(it, attr) + it.continuation_ids for it in self.copy])
-                logits = model(input_ids=ids[:, :-1], use_cache=False).logits.float()
-                nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-                P = len(self.copy[0].prefix_ids)
-                mask = torch.tensor([it.repeat_mask for it in self.copy])
-                out[name] = nll[:, P - 1 :][mask].mean().item()
+            for items, prefix in ((self.copy, "copy"), (self.text_copy, "text_copy")):
+                for name, attr in ((f"{prefix}_nll", "prefix_ids"), (f"{prefix}_nll_control", "control_prefix_ids")):
+                    ids = torch.tensor([getattr(it, attr) + it.continuation_ids for it in items])
+                    logits = model(input_ids=ids[:, :-1], use_cache=False).logits.float()
+                    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+                    P = len(items[0].prefix_ids)
+                    mask = torch.tensor([it.repeat_mask for it in items])
+                    out[name] = nll[:, P - 1 :][mask].mean().item()
             hit = 0
             for it in self.recall:
                 logits = model(input_ids=torch.tensor([it.prompt_ids]), use_cache=False).logits[0, -1]
@@ -405,39 +441,62 @@ def train_one(name, args, tok, maker: RowMaker, short_maker: RowMaker, held_wind
         prog = (step - warmup) / max(1, steps - warmup)
         return args.min_lr_frac * lr + (1 - args.min_lr_frac) * lr * 0.5 * (1 + math.cos(math.pi * prog))
 
-    loss_fn = torch.compile(lambda i, l: lm_loss(model, i, l)) if args.compile else (lambda i, l: lm_loss(model, i, l))
+    # Eager attention in the copy phase: the previous-token auxiliary loss reads layer 0's attention weights.
+    model.config._attn_implementation = "eager" if args.prev_token_aux > 0 else "sdpa"
+    embed = model.get_input_embeddings().weight
+    if args.embed_std and not args.init_from:
+        with torch.no_grad():
+            embed.normal_(0.0, args.embed_std / math.sqrt(config.hidden_size))
+    embed.requires_grad_(not args.freeze_embeddings)
+    short_maker.copy_vocab = maker.copy_vocab = min(args.copy_vocab, len(maker.pool))
     kind_rng = random.Random(f"train_family.kinds:{args.seed}")
     t0, c0 = time.time(), time.process_time()
-    t_last, s_last, ema = t0, 0, None
-    history, tokens_seen = [], 0
+    t_last, s_last, ema, copy_ema = t0, 0, None, None
+    history, tokens_seen, in_copy_phase = [], 0, True
     for step in range(steps):
         progress = step / steps
+        if in_copy_phase and progress >= args.copy_phase:
+            in_copy_phase = False
+            model.config._attn_implementation = "sdpa"
+            embed.requires_grad_(True)
+            log(f"[{name}] step {step}: copy phase over (pool {maker.copy_vocab} ids); full mix at T={args.seq_len}", fh)
         mix = mix_at(progress, args.copy_phase)
-        short = progress < args.copy_phase  # copy phase: many short rows (cheap steps), then full length
+        short = in_copy_phase  # copy phase: many short rows (cheap steps), then full length
         bs = args.copy_batch_size if short else args.batch_size
         kinds = kind_rng.choices(list(mix), weights=list(mix.values()), k=bs)
         ids, labels = make_batch(short_maker if short else maker, kinds, progress, args.copy_phase)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         tokens_seen += ids.numel()
-        loss = loss_fn(ids, labels)
+        loss, row_loss, aux = train_loss(model, ids, labels, args.prev_token_aux if in_copy_phase else 0.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
+        copy_rows = [r for r, k in zip(row_loss.tolist(), kinds) if k == "copy"]
+        if copy_rows:
+            c = sum(copy_rows) / len(copy_rows)
+            copy_ema = c if copy_ema is None else 0.9 * copy_ema + 0.1 * c
+            # Adaptive pool: double the random-span vocabulary once copying on the current pool is learned.
+            if copy_ema < args.copy_grow_below and maker.copy_vocab < len(maker.pool):
+                short_maker.copy_vocab = maker.copy_vocab = min(len(maker.pool), 2 * maker.copy_vocab)
+                log(f"[{name}] step {step + 1}: copy loss {copy_ema:.3f} -> random-span pool {maker.copy_vocab} ids", fh)
+                copy_ema = None
         li = loss.item()
         ema = li if ema is None else 0.98 * ema + 0.02 * li
         if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == steps:
             now = time.time()
             tps = (step + 1 - s_last) * ids.numel() / max(now - t_last, 1e-9)
             t_last, s_last = now, step + 1
-            log(f"[{name}] step {step + 1}/{steps} loss {li:.4f} ema {ema:.4f} lr {lr_at(step):.2e} "
+            log(f"[{name}] step {step + 1}/{steps} loss {li:.4f} ema {ema:.4f} copy {copy_ema or 0:.3f} "
+                f"prev-token {aux.item():.3f} pool {maker.copy_vocab} lr {lr_at(step):.2e} "
                 f"{tps:,.0f} tok/s elapsed {(now - t0) / 60:.1f} min", fh)
         if args.probe_every and ((step + 1) % args.probe_every == 0 or step + 1 == steps):
             pr = probes.run(model)
             history.append({"step": step + 1, **{k: round(v, 4) for k, v in pr.items()}})
             log(f"[{name}] probe step {step + 1}: copy NLL {pr['copy_nll']:.3f} (control {pr['copy_nll_control']:.3f}, "
-                f"uniform {math.log(len(tok)):.2f}) recall acc {pr['recall_acc']:.3f} "
+                f"uniform {math.log(len(tok)):.2f}) text-span copy NLL {pr['text_copy_nll']:.3f} "
+                f"(control {pr['text_copy_nll_control']:.3f}) recall acc {pr['recall_acc']:.3f} "
                 f"(n={len(probes.recall)}, chance {1 / len(maker.facts.values):.3f})", fh)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 != steps:
             save_model(model, tok, out_dir / name)
@@ -557,7 +616,7 @@ def parse_args(argv=None):
             "example:\n"
             "  apt-get install -y python3.11-doc\n"
             "  python examples/train_family.py --models small --steps 2400 --threads 1\n"
-            "  python examples/train_family.py --output-dir /tmp/fam --models small --steps 4 --probe-every 2 --no-compile\n"
+            "  python examples/train_family.py --output-dir /tmp/fam --models small --steps 4 --probe-every 2\n"
             "  python examples/train_family.py --verify\n"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -573,6 +632,17 @@ def parse_args(argv=None):
                    help="fraction of steps in the copy-heavy phase; the next equal fraction is a transition (default: %(default)s)")
     p.add_argument("--copy-seq-len", type=int, default=128, help="row length in the copy phase (default: %(default)s)")
     p.add_argument("--copy-batch-size", type=int, default=8, help="rows per step in the copy phase (default: %(default)s)")
+    p.add_argument("--copy-vocab", type=int, default=256,
+                   help="random-span pool size at the start; doubles when copying on it is learned (default: %(default)s)")
+    p.add_argument("--copy-grow-below", type=float, default=1.0,
+                   help="double the pool when the copy rows' loss (EMA) is below this (default: %(default)s)")
+    p.add_argument("--prev-token-aux", type=float, default=0.3,
+                   help="weight of the previous-token attention loss on layer 0 / head 0 in the copy phase, 0 = off "
+                        "(default: %(default)s)")
+    p.add_argument("--embed-std", type=float, default=1.0,
+                   help="token embedding init std times 1/sqrt(hidden); 0 = transformers' default (default: %(default)s)")
+    p.add_argument("--freeze-embeddings", action="store_true",
+                   help="keep the token embeddings at their init during the copy phase")
     p.add_argument("--init-from", default=None,
                    help="warm start: directory holding <model>/ checkpoints to continue from (default: fresh init)")
     p.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine floor as a fraction of peak (default: %(default)s)")
@@ -589,8 +659,6 @@ def parse_args(argv=None):
     p.add_argument("--probe-items", type=int, default=48, help="items per probe (default: %(default)s)")
     p.add_argument("--save-every", type=int, default=200, help="save the checkpoint every N steps, 0 = only at the end (default: %(default)s)")
     p.add_argument("--log-every", type=int, default=50, help="log interval in steps (default: %(default)s)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile the training forward/backward (default: %(default)s)")
     p.add_argument("--verify", action="store_true",
                    help="only reload the saved checkpoints, print held-out loss on heldout.txt and greedy samples")
     p.add_argument("--verify-lengths", type=int, nargs="+", default=[256, 512, 1024],
@@ -667,8 +735,8 @@ def main(argv=None) -> None:
         if name not in FAMILY:
             sys.exit(f"unknown model {name!r}; choose from {sorted(FAMILY)}")
         # every model sees the same rows: the row maker is re-seeded per model
-        maker = RowMaker(tok, stream_list, train_docs, args.seq_len, args.seed)
-        short_maker = RowMaker(tok, stream_list, train_docs, args.copy_seq_len, args.seed + 1)
+        maker = RowMaker(tok, stream_list, train_docs, args.seq_len, args.seed, pool_seed=args.seed)
+        short_maker = RowMaker(tok, stream_list, train_docs, args.copy_seq_len, args.seed + 1, pool_seed=args.seed)
         res = train_one(name, args, tok, maker, short_maker, held_w, probes, out, fh)
         res["command_args"] = " ".join(sys.argv[1:])
         # re-read before writing so separate runs (--models small / --models large) merge

@@ -322,11 +322,13 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--calibration", help="text file to fit the mapper on (default: the family's calibration.txt)")
     p.add_argument("--num-sequences", type=int, default=64, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (default 256)")
-    p.add_argument("--top-k", default="4", help="source layers per target layer (default 4; 'all')")
-    p.add_argument("--prompt", help="prompt text (default: the start of a held-out document)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--text", help="text for the retention estimate (default: the family's heldout.txt)")
-    p.add_argument("--eval-windows", type=int, default=48, help="held-out windows for the retention estimate (default 48)")
+    p.add_argument("--top-k", default=None, help="source layers per target layer (default: fit_mapper's, 8; 'all')")
+    p.add_argument("--prompt", help="prompt text (default: a held-out passage-recall question drawn from --text)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate (default: the answer's length + 2 for a recall question, else 32)")
+    p.add_argument("--text", help="documents to draw recall questions' distractors from (default: the family's heldout.txt)")
+    p.add_argument("--recall-items", type=int, default=200,
+                   help="held-out passage-recall questions behind the retention number (default 200; 0 = skip)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", help="write the demo's numbers as JSON here")
     p.set_defaults(func=_run_demo)
@@ -340,13 +342,13 @@ def _run_demo(args) -> int:
 
     from .mapper import KVMapper
 
-    top_k = args.top_k if args.top_k == "all" else int(args.top_k)
+    top_k = args.top_k if args.top_k in (None, "all") else int(args.top_k)
     # A given mapper loads before the models: a broken or mistyped one fails at once.
     mapper = KVMapper.from_pretrained(args.mapper) if args.mapper else None
     result = run_demo(
         args.source, args.target, mapper, family=args.family, prompt=args.prompt,
         max_new_tokens=args.max_new_tokens, calibration=args.calibration, num_sequences=args.num_sequences,
-        seq_len=args.seq_len, top_k=top_k, text=args.text, eval_windows=args.eval_windows, device=args.device,
+        seq_len=args.seq_len, top_k=top_k, text=args.text, recall_items=args.recall_items, device=args.device,
     )
     print(format_demo(result))
     if args.json:

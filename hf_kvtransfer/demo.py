@@ -15,17 +15,19 @@ from typing import Any
 import torch
 
 from .cache import TransferredCache
-from .capture import prefill
-from .evaluate import prefix_perplexity, split_documents, text_windows
+from .capture import cache_argument, prefill
+from .content_eval import passage_recall
+from .evaluate import split_documents
 from .fit import fit_mapper
 from .mapper import KVMapper
 from .models import load_pair
+from .tasks import passage_recall_items
 from .timing import median_ms, time_call
 
 logger = logging.getLogger(__name__)
 
 FAMILY_ENV = "HF_KVTRANSFER_FAMILY"
-DEFAULT_PROMPT_TOKENS = 192
+DEFAULT_RECALL_ITEMS = 200
 
 
 def find_family(path: str | os.PathLike | None = None) -> Path:
@@ -67,26 +69,28 @@ def run_demo(
     *,
     family: str | os.PathLike | None = None,
     prompt: str | None = None,
-    prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-    max_new_tokens: int = 32,
+    max_new_tokens: int | None = None,
     calibration: str | os.PathLike | None = None,
     num_sequences: int = 64,
     seq_len: int = 256,
-    top_k: int | str = 4,
+    top_k: int | str | None = None,
     text: str | os.PathLike | None = None,
-    eval_windows: int = 48,
+    recall_items: int = DEFAULT_RECALL_ITEMS,
     timing_tokens: int = 512,
     device: str | torch.device = "cpu",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Transfer a prompt's cache source -> target, generate through it, and measure against the target's own run.
+    """Transfer a prompt's cache source -> target, let the target answer through it, and compare with its own run.
 
-    With no model ids, uses the bundled family (`small` -> `large`), fits a mapper on its `calibration.txt`
-    and measures retention on its `heldout.txt`.
+    With no model ids, uses the bundled family (`small` -> `large`) and fits a mapper on its `calibration.txt`.
+    Without `prompt`, the prompt is a held-out passage-recall question (`tasks.passage_recall_items`, distractors
+    from `text`): its answer is only in the passage, so the target can only get it right by *using* the
+    transferred context. The retention number is the same measure over `recall_items` such questions.
 
     Returns:
-        A dict with `prompt`, `transfer_text`, `target_text`, `same_tokens`, `retention` (the quick
-        prefix-perplexity run of `evaluate.prefix_perplexity`, or None without text), `timing`, `fit_seconds`.
+        A dict with `prompt`, `answers` (`own`, `transfer`, `no_context` text; with the expected `answer` for a
+        recall question), `recall` (`content_eval.passage_recall`'s result, or None without text), `timing`,
+        `fit_seconds`.
     """
     if (source is None) != (target is None):
         raise ValueError("pass both --source and --target (or neither, for the bundled family)")
@@ -107,9 +111,10 @@ def run_demo(
         if calibration is None:
             raise ValueError("with --source/--target, pass --mapper (a fitted mapper) or --calibration FILE to fit one")
         # all sequences fit the mapper (no held-out shard: the retention below is measured on other text)
+        fit_options = {} if top_k is None else {"top_k": top_k}
         kv_mapper = fit_mapper(
             src_model, tgt_model, calibration, tokenizer=tokenizer, num_sequences=num_sequences, seq_len=seq_len,
-            top_k=top_k, heldout_fraction=0, progress=progress,
+            heldout_fraction=0, progress=progress, **fit_options,
         )  # fmt: skip
     kv_mapper.check_compatible(src_model.config, tgt_model.config)
     result["fit_seconds"] = time.perf_counter() - start
@@ -117,43 +122,60 @@ def run_demo(
                         "calibration_tokens": kv_mapper.config.calibration.get("num_tokens")}
 
     docs = split_documents(Path(text).read_text(encoding="utf-8"), tokenizer.eos_token) if text else []
+    items = (
+        passage_recall_items(tokenizer, recall_items, seed=0, distractor_texts=docs)
+        if docs and recall_items > 0 else []
+    )  # fmt: skip
     if prompt is None:
-        if not docs:
-            raise ValueError("pass --prompt TEXT (or --text FILE to take a prompt from)")
-        prompt_ids = tokenizer(docs[0], add_special_tokens=False)["input_ids"][:prompt_tokens]
+        if not items:
+            raise ValueError("pass --prompt TEXT, or --text FILE to draw passage-recall questions from")
+        item = items[0]
+        prompt_ids, no_context_ids = item.prompt_ids, item.no_passage_prompt_ids
+        result["answer"] = tokenizer.decode(item.answer_ids)
+        # Up to the closing quotes of the answer (a few tokens), unless asked for more.
+        max_new_tokens = max_new_tokens or len(item.answer_ids) + 2
     else:
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    input_ids = torch.tensor([prompt_ids], device=device)
+        no_context_ids = None
+        max_new_tokens = max_new_tokens or 32
     result["prompt"] = tokenizer.decode(prompt_ids)
     result["prompt_tokens"] = len(prompt_ids)
 
+    input_ids = torch.tensor([prompt_ids], device=device)
     gen = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                pad_token_id=tokenizer.eos_token_id)
-    with torch.no_grad():
-        mask = torch.ones_like(input_ids)
-        cache = TransferredCache(prefill(src_model, input_ids), kv_mapper)
-        transfer = tgt_model.generate(input_ids, attention_mask=mask, cache=cache, **gen)[0, input_ids.shape[1] :]
-        own = tgt_model.generate(input_ids, attention_mask=mask, **gen)[0, input_ids.shape[1] :]
-    result["transfer_text"] = tokenizer.decode(transfer)
-    result["target_text"] = tokenizer.decode(own)
-    same = 0
-    while same < min(len(transfer), len(own)) and transfer[same] == own[same]:
-        same += 1
-    result["same_tokens"] = {"prefix": same, "total": int((transfer == own).sum()), "of": len(own)}
 
-    result["retention"] = None
-    token_docs = [tokenizer(d, add_special_tokens=False, verbose=False)["input_ids"] for d in docs]
-    if token_docs and eval_windows > 0:
-        windows = text_windows(token_docs, 256, eval_windows)
-        result["retention"] = prefix_perplexity(
-            src_model, tgt_model, kv_mapper, windows.to(device), diagnostics=True, progress=progress
-        )
+    def answer(ids: torch.Tensor, **cache) -> list[int]:
+        mask = torch.ones_like(ids)
+        return tgt_model.generate(ids, attention_mask=mask, **cache, **gen)[0, ids.shape[1] :].tolist()
+
+    with torch.no_grad():
+        transferred = TransferredCache(prefill(src_model, input_ids), kv_mapper)
+        tokens = {"own": answer(input_ids), "transfer": answer(input_ids, **{cache_argument(tgt_model): transferred})}
+        if no_context_ids is not None:
+            tokens["no_context"] = answer(torch.tensor([no_context_ids], device=device))
+    result["answers"] = {name: tokenizer.decode(t) for name, t in tokens.items()}
+    same = 0
+    while same < min(len(tokens["own"]), len(tokens["transfer"])) and tokens["own"][same] == tokens["transfer"][same]:
+        same += 1
+    result["same_tokens"] = {"prefix": same, "of": len(tokens["own"])}
+
+    result["recall"] = (
+        passage_recall(src_model, tgt_model, kv_mapper, items, num_bootstrap=1000, progress=progress) if items else None
+    )  # fmt: skip
     # Timing on a longer context than the prompt, where prefill cost dominates fixed overheads.
+    token_docs = [tokenizer(d, add_special_tokens=False, verbose=False)["input_ids"] for d in docs[:8]]
     stream = [t for d in token_docs for t in d] or prompt_ids
     timing_ids = torch.tensor([(stream * (timing_tokens // len(stream) + 1))[:timing_tokens]])
     result["timing"] = time_transfer(src_model, tgt_model, kv_mapper, timing_ids)
     result["torch_threads"] = torch.get_num_threads()
     return result
+
+
+def _short(text: str) -> str:
+    # An answer up to its closing quotes, on one line.
+    text = text.split("``")[0] if "``" in text else text
+    return text.replace("\n", " / ").strip() or "(nothing)"
 
 
 def format_demo(result: dict[str, Any]) -> str:
@@ -162,36 +184,63 @@ def format_demo(result: dict[str, Any]) -> str:
         text = text.replace("\n", " / ")
         return text if len(text) <= n else "..." + text[-n:]
 
-    same = result["same_tokens"]
+    m = result["mapper"]
     lines = [
         f"source: {result['source']}",
         f"target: {result['target']}",
-        f"mapper: top_k={result['mapper']['top_k']} lambda={result['mapper']['ridge_lambda']} "
-        f"({result['mapper']['calibration_tokens']} calibration tokens; ready in {result['fit_seconds']:.1f} s)",
-        "",
-        f"prompt ({result['prompt_tokens']} tokens): {tail(result['prompt'])}",
-        "",
-        f"target, own prefill        : {result['target_text'].replace(chr(10), ' / ')}",
-        f"target, transferred cache  : {result['transfer_text'].replace(chr(10), ' / ')}",
-        f"  same greedy tokens: first {same['prefix']} identical, {same['total']}/{same['of']} positions equal",
+        f"mapper: top_k={m['top_k']} lambda={m['ridge_lambda']} ({m['calibration_tokens']} calibration tokens; "
+        f"ready in {result['fit_seconds']:.1f} s)",
         "",
     ]
-    ret = result.get("retention")
-    if ret:
-        ci = ret["normalized_retention_ci"]
+    answers = result["answers"]
+    if "answer" in result:  # a passage-recall question: the answer is in the passage only
+        prompt = result["prompt"]
+        question = prompt[prompt.rindex("Q: "):] if "Q: " in prompt else prompt
+        fact = next((ln for ln in prompt.split("\n") if f"``{result['answer']}``" in ln), "")
         lines += [
-            f"prefix-conditioned perplexity ({ret['num_windows']} held-out windows, T={ret['prefix_len']}): "
-            f"own prefix {ret['perplexity']['target']:.3f} | transferred {ret['perplexity']['transfer']:.3f} | "
-            f"no prefix {ret['perplexity']['floor']:.3f}",
-            f"  retention {100 * ret['retention']:.2f}%, floor-normalized retention "
-            f"{100 * ret['normalized_retention']:.1f}% (95% CI [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]), "
-            f"top-1 agreement {100 * ret['top1_agreement']:.1f}%",
+            f"context ({result['prompt_tokens']} tokens, read by the source only): a passage of made-up API facts, "
+            "unrelated text, then a question. The fact asked about:",
+            f"  {fact.strip()}",
+            f"question: {question.replace(chr(10), ' / ')}",
+            "",
         ]
+        for name, label in (("own", "target reading the context itself"),
+                            ("transfer", "target on the transferred cache "),
+                            ("no_context", "target without the passage     ")):
+            got = _short(answers[name])
+            lines.append(f"  {label}: {got}  ({'right' if got == result['answer'] else 'wrong'})")
     else:
-        lines.append("retention: not measured (pass --text FILE)")
+        lines += [
+            f"prompt ({result['prompt_tokens']} tokens): {tail(result['prompt'])}",
+            "",
+            f"target, own prefill        : {answers['own'].replace(chr(10), ' / ')}",
+            f"target, transferred cache  : {answers['transfer'].replace(chr(10), ' / ')}",
+            f"  first {result['same_tokens']['prefix']} of {result['same_tokens']['of']} greedy tokens identical",
+        ]
+    lines.append("")
+    rec = result.get("recall")
+    if rec:
+        acc = {name: 100 * rec["accuracy"][name]["mean"] for name in ("own", "transfer", "no_context")}
+        n = rec["num_items"]
+        if rec["retention"] is None:
+            lines.append(
+                f"recall over {n} held-out questions: {acc['own']:.0f}% right reading the context, {acc['transfer']:.0f}% "
+                f"from the transferred cache, {acc['no_context']:.0f}% without the passage; no retention: "
+                f"{rec['retention_undefined']}"
+            )
+        else:
+            lo, hi = rec["retention_ci"]
+            lines.append(
+                f"recall retention {100 * rec['retention']:.0f}% (95% CI [{100 * lo:.0f}, {100 * hi:.0f}]): over {n} "
+                f"held-out questions the target answered {acc['own']:.0f}% right reading the context itself, "
+                f"{acc['transfer']:.0f}% from the transferred cache and {acc['no_context']:.0f}% without the passage; "
+                f"retention = ({acc['transfer']:.0f} - {acc['no_context']:.0f}) / ({acc['own']:.0f} - {acc['no_context']:.0f})"
+            )
+    else:
+        lines.append("recall retention: not measured (pass --text FILE to draw questions from)")
     t = result["timing"]
-    lines += [
-        f"time for {t['num_tokens']} tokens: mapping {t['mapping_ms']:.1f} ms vs target prefill "
-        f"{t['target_prefill_ms']:.1f} ms ({t['speedup']:.2f}x; median, {result['torch_threads']} CPU threads)",
-    ]
+    lines.append(
+        f"time: mapping {t['num_tokens']} tokens took {t['mapping_ms']:.1f} ms instead of the target's own prefill "
+        f"{t['target_prefill_ms']:.1f} ms ({t['speedup']:.1f}x faster; median, {result['torch_threads']} CPU threads)"
+    )
     return "\n".join(lines)

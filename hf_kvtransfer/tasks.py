@@ -89,6 +89,12 @@ class Fact:
     question: str
     kind: str
 
+    @property
+    def answer_prefix(self) -> str:
+        """The statement up to the value's opening quotes: how an answer starts (a cloze of the passage line)."""
+        quoted = f"``{self.value}``"
+        return self.statement[: self.statement.index(quoted) + 2]
+
 
 @dataclass(frozen=True)
 class FactSet:
@@ -220,8 +226,10 @@ def fact_document(gen: FactGenerator, distractor: str = "", n_facts: int = 4, n_
 
 
 def _qa(f: Fact) -> str:
-    # The prompt ends right before the value; answers are written ``value``.
-    return f"Q: {f.question}\nA: ``"
+    # The answer restates the passage line up to the value, which it leaves for the model: a cloze. The value is
+    # still only in the passage, so the no-passage floor stays at chance, but a small model can answer by finding
+    # the sentence (induction over the key) instead of also learning to map each question form to its statement.
+    return f"Q: {f.question}\nA: {f.answer_prefix}"
 
 
 # ------------------------------------------------------------------------------------------- tokenizers
@@ -279,7 +287,7 @@ class PassageRecallItem:
     """Passage + distractor + question; the answer is in the passage only.
 
     Args:
-        prompt_ids: passage, distractor, ``Q: ...\\nA: ``\u0060\u0060`` `` (ends right before the answer).
+        prompt_ids: passage, distractor, the question and the answer's start (`Fact.answer_prefix`): ends right before the value.
         answer_ids: the answer tokens (one token with :func:`answer_values`).
         no_passage_prompt_ids: the same prompt without the passage (distractor + question): the floor.
         passage_values: the answers of all facts in the passage (for the "guess any passage value" baseline).
@@ -298,7 +306,7 @@ class HandoffItem:
     """Passage + question 1 + answer 1, then question 2 (both answered by the passage).
 
     Args:
-        prompt_ids: passage + distractor + ``Q1 ... A: ``\u0060\u0060`` `` (what the source reads).
+        prompt_ids: passage + distractor + question 1 and its answer's start (what the source reads).
         answer1_ids: answer to question 1.
         followup_ids: closing of answer 1 and question 2 up to its answer (what is appended after the answer).
         answer2_ids: answer to question 2.

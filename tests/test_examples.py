@@ -70,10 +70,13 @@ def test_fit_and_publish_saves_a_loadable_mapper(fitted_mapper):
 
 
 def test_demo_without_arguments(tmp_path):
-    out = _run([sys.executable, str(EXAMPLES / "demo.py"), "--json", str(tmp_path / "demo.json")])
-    assert "target, transferred cache" in out and "floor-normalized retention" in out
+    out = _run([sys.executable, str(EXAMPLES / "demo.py"), "--recall-items", "8", "--json", str(tmp_path / "demo.json")])
+    assert "target on the transferred cache" in out and "recall" in out and "Q: " in out
     result = json.loads((tmp_path / "demo.json").read_text())
-    assert result["transfer_text"] and result["timing"]["mapping_ms"] > 0
+    # the demo's question is the first recall item; its answer is stated in the prompt's passage
+    assert f"``{result['answer']}``" in result["prompt"]
+    assert set(result["answers"]) == {"own", "transfer", "no_context"}
+    assert result["recall"]["num_items"] == 8 and result["timing"]["mapping_ms"] > 0
 
 
 def test_eval_command(tmp_path, fitted_mapper):
@@ -130,3 +133,11 @@ def test_exact_layers_ablation(tmp_path):
         assert rows["0"]["perplexity"]["transfer"] != rows["1"]["perplexity"]["transfer"]
         low, high = rows["1"]["difference_vs_first"][1:]
         assert low <= rows["1"]["difference_vs_first"][0] <= high
+
+
+def test_fidelity_ablation(tmp_path):
+    out = _run([sys.executable, str(EXAMPLES / "fidelity_ablation.py"), "--rows", "default,exact2", "--items", "6",
+                "--windows", "6", "--directions", "large-small", "--num-sequences", "4", "--json", str(tmp_path / "a.json")])
+    assert "large-small exact2" in out
+    rows = json.loads((tmp_path / "a.json").read_text())["directions"]["large-small"]["rows"]
+    assert set(rows) == {"default", "exact2"} and "ppl_diff_ci" in rows["exact2"]

@@ -115,7 +115,9 @@ def test_passage_recall_items(tok):
         assert len(it.answer_ids) == 1
         text = tok.decode(it.prompt_ids)
         value = it.meta["value"]
-        assert text.endswith("A: ``")
+        # the answer restates the passage line up to the value (a cloze): find that line in the text itself
+        line = next(ln for ln in text.split("\n") if f"``{value}``" in ln)
+        assert text.endswith("\nA: " + line[: line.index(f"``{value}``") + 2])
         # the answer is stated in the passage exactly once and nowhere else in the prompt
         assert text.count(f"``{value}``") == 1
         passage_end = text.index(f"``{value}``")
@@ -157,7 +159,8 @@ def test_handoff_items(tok):
         assert it.meta["key1"] != it.meta["key2"]
         whole = it.prompt_ids + it.answer1_ids + it.followup_ids
         text = tok.decode(whole)
-        assert text.endswith("A: ``")
+        line = next(ln for ln in text.split("\n") if f"``{it.meta['value2']}``" in ln)
+        assert text.endswith("\nA: " + line[: line.index(f"``{it.meta['value2']}``") + 2])
         assert text.count("Q:") == 2
         v2 = it.meta["value2"]
         assert text.count(f"``{v2}``") == 1  # only in the passage

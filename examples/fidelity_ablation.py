@@ -1,0 +1,186 @@
+"""Issue 12's ablation table: what moves the transfer's fidelity on the bundled family, each row against the
+defaults (`fit_mapper(...)` + `TransferredCache(src_cache, mapper)`), paired on the same held-out items.
+
+    OMP_WAIT_POLICY=PASSIVE python examples/fidelity_ablation.py --json examples/results/fidelity_ablation.json
+    python examples/fidelity_ablation.py --rows default,exact0 --items 60 --windows 60   # a quick look
+
+Two measures per row and direction (small -> large, large -> small):
+
+- passage recall (`tasks.passage_recall_items`, distractors from heldout.txt): greedy exact match of an answer
+  that only the passage holds; retention = (transfer - no passage) / (own - no passage);
+- prefix-conditioned perplexity (`evaluate.prefix_perplexity`, 2 x 128-token windows of heldout.txt):
+  floor-normalized retention.
+
+The target's own and no-context scores are the same for every row (computed once); each row changes only the
+mapper or the cache. "diff" is the row's retention minus the default's, bootstrapped over the same items/windows
+(paired); a CI that contains 0 means the row is inside the noise of this many items.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_kvtransfer import TransferredCache, fit_mapper
+from hf_kvtransfer.capture import prefill
+from hf_kvtransfer.content_eval import passage_recall
+from hf_kvtransfer.evaluate import prefix_perplexity, split_documents
+from hf_kvtransfer.fit_config import FitConfig
+from hf_kvtransfer.tasks import passage_recall_items
+
+# name: (what it changes, fit_mapper overrides, TransferredCache / evaluation overrides)
+ROWS = {
+    "default": ("defaults: ridge, top_k=8, 1 exact layer, 1 recomputed token", {}, {}),
+    "exact0": ("no exact layer (layer 0 mapped too)", {}, {"num_exact_layers": 0}),
+    "exact2": ("2 exact layers", {}, {"num_exact_layers": 2}),
+    "recompute8": ("8 recomputed tokens", {}, {"num_recompute_tokens": 8}),
+    "recompute32": ("32 recomputed tokens", {}, {"num_recompute_tokens": 32}),
+    "top_k2": ("top_k=2 source layers", {"top_k": 2}, {}),
+    "half_calibration": ("half the calibration tokens", {"num_sequences": "half"}, {}),
+    "mlp": ("residual MLP mapper", {"mapper_type": "mlp"}, {}),
+    "mlp_plain": ("plain (non-residual) MLP mapper", {"mapper_type": "mlp", "mlp_residual": False}, {}),
+}
+
+
+@torch.no_grad()
+def recall_transfer(source, target, mapper, items, num_recompute_tokens=1, num_exact_layers=1) -> np.ndarray:
+    """1/0 per item: does the target's greedy next token after the prompt equal the (one-token) answer."""
+    out = np.zeros(len(items))
+    for i, it in enumerate(items):
+        ids = torch.tensor([it.prompt_ids])
+        r = max(1, num_recompute_tokens)
+        cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers)
+        logits = target(ids[:, -r:], cache=cache, use_cache=True).logits[0, -1]
+        out[i] = float(int(logits.argmax()) == it.answer_ids[0])
+    return out
+
+
+def retention(score, own, none, idx=None) -> float:
+    idx = slice(None) if idx is None else idx
+    gain = own[idx].mean() - none[idx].mean()
+    return float((score[idx].mean() - none[idx].mean()) / gain) if gain != 0 else float("nan")
+
+
+def paired_diff(row, base, own, none, num_bootstrap=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    draws = [rng.integers(0, len(own), len(own)) for _ in range(num_bootstrap)]
+    d = [retention(row, own, none, i) - retention(base, own, none, i) for i in draws]
+    return retention(row, own, none) - retention(base, own, none), [float(np.nanpercentile(d, 2.5)), float(np.nanpercentile(d, 97.5))]
+
+
+def ci(score, own, none, num_bootstrap=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    r = [retention(score, own, none, rng.integers(0, len(own), len(own))) for _ in range(num_bootstrap)]
+    return [float(np.nanpercentile(r, 2.5)), float(np.nanpercentile(r, 97.5))]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", type=Path, default=Path(__file__).resolve().parent / "family")
+    p.add_argument("--rows", default=",".join(r for r in ROWS if r != "half_calibration"),
+                   help=f"comma-separated rows from {list(ROWS)} (default: all but half_calibration)")
+    p.add_argument("--directions", default="small-large,large-small")
+    p.add_argument("--items", type=int, default=600, help="passage-recall items (default 600)")
+    p.add_argument("--windows", type=int, default=660, help="perplexity windows (default 660)")
+    p.add_argument("--prefix-len", type=int, default=128)
+    p.add_argument("--num-sequences", type=int, default=None,
+                   help="calibration sequences of 1024 tokens (default: fit_mapper's, i.e. all of calibration.txt)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        p.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    if rows[0] != "default":
+        rows.insert(0, "default")
+
+    tok = AutoTokenizer.from_pretrained(args.family / "large")
+    models = {n: AutoModelForCausalLM.from_pretrained(args.family / n, dtype=torch.float32).eval() for n in ("small", "large")}
+    docs = split_documents((args.family / "heldout.txt").read_text(encoding="utf-8"), tok.eos_token)
+    items = passage_recall_items(tok, args.items, seed=0, distractor_texts=docs)
+    token_docs = [tok(d, add_special_tokens=False, verbose=False).input_ids for d in docs]
+    window, step = 2 * args.prefix_len, args.prefix_len
+    all_windows = [d[i : i + window] for d in token_docs for i in range(0, len(d) - window + 1, step)]
+    keep = np.linspace(0, len(all_windows) - 1, min(args.windows, len(all_windows))).round().astype(int)
+    windows = torch.tensor([all_windows[i] for i in keep])
+    calibration = args.family / "calibration.txt"
+    default_sequences = args.num_sequences or FitConfig().num_sequences
+    fit_data = {"num_sequences": args.num_sequences} if args.num_sequences else {}
+
+    report = {"items": len(items), "windows": len(windows), "prefix_len": args.prefix_len, "directions": {}}
+    for direction in args.directions.split(","):
+        src_name, tgt_name = direction.split("-")
+        src, tgt = models[src_name], models[tgt_name]
+        alone = passage_recall(None, tgt, None, items, progress=False)
+        own = np.array(alone["correct_per_item"]["own"])
+        none = np.array(alone["correct_per_item"]["no_context"])
+        out = {"recall_own": own.mean(), "recall_no_context": none.mean(), "rows": {}}
+        base_recall = base_nll = None
+        mappers = {}
+        t0 = time.perf_counter()
+        # default and the top_k rows come from one calibration pass (fit_mapper with several k)
+        ks = [8] + [ROWS[r][1]["top_k"] for r in rows if list(ROWS[r][1]) == ["top_k"]]
+        fitted = fit_mapper(src, tgt, str(calibration), tokenizer=tok, progress=False, top_k=ks, **fit_data)
+        fitted = fitted if isinstance(fitted, dict) else {"k8": fitted}
+        by_k = {k: m for k, m in zip(ks, fitted.values())} if len(fitted) == len(set(ks)) else None
+        shared_s = time.perf_counter() - t0
+        for k in ks:
+            mapper_k = by_k[k] if by_k else next(iter(fitted.values()))
+            mappers[json.dumps({} if k == 8 else {"top_k": k}, sort_keys=True)] = (mapper_k, shared_s)
+        for name in rows:
+            what, fit_over, cache_over = ROWS[name]
+            key = json.dumps(fit_over, sort_keys=True)
+            t0 = time.perf_counter()
+            if key not in mappers:
+                over = {**fit_data, **fit_over}
+                if over.get("num_sequences") == "half":
+                    over["num_sequences"] = default_sequences // 2
+                mappers[key] = (fit_mapper(src, tgt, str(calibration), tokenizer=tok, progress=False, **over),
+                                time.perf_counter() - t0)
+            mapper, fit_s = mappers[key]
+            rec = recall_transfer(src, tgt, mapper, items, cache_over.get("num_recompute_tokens", 1),
+                                  cache_over.get("num_exact_layers", 1))
+            ppl = prefix_perplexity(src, tgt, mapper, windows, diagnostics=False, progress=False, num_bootstrap=1000,
+                                    num_recompute_tokens=cache_over.get("num_recompute_tokens", 0),
+                                    num_exact_layers=cache_over.get("num_exact_layers", 1))
+            nll = {k: np.array(v) for k, v in ppl["nll_per_window"].items()}
+            if name == "default":
+                base_recall, base_nll = rec, nll["transfer"]
+            # perplexity retention in "higher is better" form: negated NLLs
+            pr = {"own": -nll["target"], "none": -nll["floor"]}
+            row = {
+                "what": what,
+                "fit_seconds": round(fit_s, 1),
+                "recall_accuracy": float(rec.mean()),
+                "recall_retention": retention(rec, own, none),
+                "recall_retention_ci": ci(rec, own, none),
+                "ppl_retention": ppl["normalized_retention"],
+                "ppl_retention_ci": ppl["normalized_retention_ci"],
+            }
+            if name != "default":
+                row["recall_diff"], row["recall_diff_ci"] = paired_diff(rec, base_recall, own, none)
+                row["ppl_diff"], row["ppl_diff_ci"] = paired_diff(-nll["transfer"], -base_nll, pr["own"], pr["none"])
+            out["rows"][name] = row
+            pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
+            diff = (f" | diff recall {pct(row['recall_diff'])} [{pct(row['recall_diff_ci'][0])}, {pct(row['recall_diff_ci'][1])}]"
+                    f" ppl {pct(row['ppl_diff'])} [{pct(row['ppl_diff_ci'][0])}, {pct(row['ppl_diff_ci'][1])}]"
+                    if name != "default" else "")
+            print(f"{direction} {name}: recall acc {pct(row['recall_accuracy'])}% (own {pct(own.mean())}, none "
+                  f"{pct(none.mean())}) retention {pct(row['recall_retention'])} [{pct(row['recall_retention_ci'][0])}, "
+                  f"{pct(row['recall_retention_ci'][1])}] | ppl retention {pct(row['ppl_retention'])} "
+                  f"[{pct(row['ppl_retention_ci'][0])}, {pct(row['ppl_retention_ci'][1])}]{diff} | fit {fit_s:.0f}s",
+                  flush=True)
+        report["directions"][direction] = out
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")
+
+
+if __name__ == "__main__":
+    main()
