@@ -76,6 +76,7 @@ from hf_kvtransfer.evaluate import prefix_perplexity, split_documents, text_wind
 from hf_kvtransfer.fit_config import RIDGE_LAMBDA_CANDIDATES, heldout_count
 from hf_kvtransfer.metrics import bootstrap_ci
 from hf_kvtransfer.rope import apply_rope, rotary_cos_sin, strip_rope
+from hf_kvtransfer.stats import KVLayout
 
 KINDS = ("key", "value")
 VARIANTS = ("baseline", "embed", "prev", "embed+prev", "attn-select", "attn-greedy")
@@ -98,27 +99,6 @@ VARIANT_SPECS = {
     "attn-select": Variant("attn-select", selection="attention"),
     "attn-greedy": Variant("attn-greedy", selection="attention-greedy"),
 }
-
-
-@dataclass(frozen=True)
-class Layout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def layer_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def total_dim(self) -> int:
-        return self.num_layers * self.layer_dim
-
-    @classmethod
-    def of(cls, model) -> "Layout":
-        c = model.config.get_text_config(decoder=True)
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(c.num_hidden_layers, c.num_key_value_heads, head_dim)
 
 
 # -- features ---------------------------------------------------------------------------------------------------
@@ -158,7 +138,7 @@ def features(x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, shifted(x), emb], dim=-1)
 
 
-def feature_index(variant: Variant, selected: list[int], src: Layout, embed_dim: int) -> torch.Tensor:
+def feature_index(variant: Variant, selected: list[int], src: KVLayout, embed_dim: int) -> torch.Tensor:
     """Rows of z a variant reads for one target layer: the selected layers (ascending), then their t-1 copies,
     then the embedding."""
     f, offset = src.layer_dim, src.total_dim
@@ -239,7 +219,7 @@ def head_r2(sse: torch.Tensor, var_y: torch.Tensor, num_heads: int) -> torch.Ten
     return torch.where(sst > 0, 1 - sse / sst.clamp_min(1e-30), torch.ones_like(sst))
 
 
-def single_source_scores(stats: Sums, lam: float, src: Layout, tgt: Layout) -> torch.Tensor:
+def single_source_scores(stats: Sums, lam: float, src: KVLayout, tgt: KVLayout) -> torch.Tensor:
     """`[L_s, L_t]` head-averaged in-sample R^2 of each target layer from each single source layer, mean of K and V
     (the paper's and the library's ranking)."""
     total = torch.zeros(src.num_layers, tgt.num_layers, dtype=torch.float64)
@@ -262,7 +242,7 @@ def top_k(scores: torch.Tensor, k: int) -> list[list[int]]:
     return [sorted(order[:, t].tolist()) for t in range(scores.shape[1])]
 
 
-def solve(stats: Sums, kind: str, idx: torch.Tensor, t: int, tgt: Layout, lam: float):
+def solve(stats: Sums, kind: str, idx: torch.Tensor, t: int, tgt: KVLayout, lam: float):
     """Ridge map of one target layer from the rows `idx` of z: `(W [n_in, F_t], b [F_t], in-sample R^2)`."""
     c = stats.centered(kind)
     tl = slice(t * tgt.layer_dim, (t + 1) * tgt.layer_dim)
@@ -273,7 +253,7 @@ def solve(stats: Sums, kind: str, idx: torch.Tensor, t: int, tgt: Layout, lam: f
     return w, b, float(head_r2(sse, c["var_y"][tl], tgt.num_kv_heads).mean())
 
 
-def heldout_r2(held: Sums, kind: str, idx: torch.Tensor, t: int, tgt: Layout, w: torch.Tensor, b: torch.Tensor) -> float:
+def heldout_r2(held: Sums, kind: str, idx: torch.Tensor, t: int, tgt: KVLayout, w: torch.Tensor, b: torch.Tensor) -> float:
     """Head-averaged R^2 of `y = z[idx] W + b` on held-out sums (error around the held-out means plus the offset)."""
     c = held.centered(kind)
     tl = slice(t * tgt.layer_dim, (t + 1) * tgt.layer_dim)
@@ -354,7 +334,7 @@ class AttentionProbe:
         self._handles = []
 
     @torch.no_grad()
-    def cosine(self, t: int, maps: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tgt: Layout) -> float:
+    def cosine(self, t: int, maps: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tgt: KVLayout) -> float:
         """Mean per-token cosine of layer t's attention output with mapped K/V vs. its own output, over the kept
         sequences; `maps[kind] = (idx into z, W, b)`."""
         total, count = 0.0, 0
@@ -396,7 +376,7 @@ class FeatureSums:
     name = "feature_ablation"
     checkpointable = False
 
-    def __init__(self, input_ids, embedding: TokenEmbedding, src: Layout, tgt: Layout, stride: int, probe: AttentionProbe | None):
+    def __init__(self, input_ids, embedding: TokenEmbedding, src: KVLayout, tgt: KVLayout, stride: int, probe: AttentionProbe | None):
         self.input_ids, self.embedding, self.stride, self.probe = input_ids, embedding, stride, probe
         dim_z = 2 * src.total_dim + embedding.dim
         self.train, self.heldout = Sums(dim_z, tgt.total_dim), Sums(dim_z, tgt.total_dim)
@@ -439,7 +419,7 @@ class Fit:
 
 
 class Fitter:
-    def __init__(self, train: Sums, heldout: Sums, src: Layout, tgt: Layout, embed_dim: int, k: int,
+    def __init__(self, train: Sums, heldout: Sums, src: KVLayout, tgt: KVLayout, embed_dim: int, k: int,
                  probe: AttentionProbe | None, num_exact_layers: int = 1):  # fmt: skip
         self.train, self.heldout, self.all = train, heldout, train + heldout
         self.num_exact_layers = num_exact_layers
@@ -562,7 +542,7 @@ def windows_from(token_docs, prefix_len: int, max_windows: int, step: int | None
 
 @torch.no_grad()
 def score_windows(source, target, fits: list[Fit], windows: torch.Tensor, prefix_len: int, embedding: TokenEmbedding,
-                  src: Layout, tgt: Layout, num_exact_layers: int, batch_size: int, progress: bool) -> dict:  # fmt: skip
+                  src: KVLayout, tgt: KVLayout, num_exact_layers: int, batch_size: int, progress: bool) -> dict:  # fmt: skip
     """Per-window NLL of the second half of each window: own prefill, no prefix (floor), and each fit's transfer
     cache built by hand; per-window KL(own || transfer) of the next-token distributions; per-layer K/V R^2 of each
     fit on the prefix tokens."""
@@ -814,7 +794,7 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     source = AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.float32).eval()
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    src, tgt = Layout.of(source), Layout.of(target)
+    src, tgt = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
     k = src.num_layers if args.top_k == "all" else min(int(args.top_k), src.num_layers)
     lam_arg = args.ridge_lambda if args.ridge_lambda == "auto" else float(args.ridge_lambda)
     lambdas = list(RIDGE_LAMBDA_CANDIDATES) if lam_arg == "auto" else [lam_arg]

@@ -11,8 +11,7 @@ Two measures per row and direction (small -> large, large -> small):
 - prefix-conditioned perplexity (`evaluate.prefix_perplexity`, 2 x 128-token windows of heldout.txt):
   floor-normalized retention.
 
-The target's own and no-context scores are the same for every row (computed once); each row changes only the
-mapper or the cache. "diff" is the row's retention minus the default's, bootstrapped over the same items/windows
+The target's own and no-context scores do not depend on the row; each row changes only the mapper or the cache. "diff" is the row's retention minus the default's, bootstrapped over the same items/windows
 (paired); a CI that contains 0 means the row is inside the noise of this many items.
 """
 
@@ -27,8 +26,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_kvtransfer import TransferredCache, fit_mapper
-from hf_kvtransfer.capture import prefill
+from hf_kvtransfer import fit_mapper
 from hf_kvtransfer.content_eval import passage_recall
 from hf_kvtransfer.evaluate import prefix_perplexity, split_documents
 from hf_kvtransfer.fit_config import FitConfig
@@ -48,19 +46,6 @@ ROWS = {
 }
 
 
-@torch.no_grad()
-def recall_transfer(source, target, mapper, items, num_recompute_tokens=1, num_exact_layers=1) -> np.ndarray:
-    """1/0 per item: does the target's greedy next token after the prompt equal the (one-token) answer."""
-    out = np.zeros(len(items))
-    for i, it in enumerate(items):
-        ids = torch.tensor([it.prompt_ids])
-        r = max(1, num_recompute_tokens)
-        cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers)
-        logits = target(ids[:, -r:], cache=cache, use_cache=True).logits[0, -1]
-        out[i] = float(int(logits.argmax()) == it.answer_ids[0])
-    return out
-
-
 def retention(score, own, none, idx=None) -> float:
     idx = slice(None) if idx is None else idx
     gain = own[idx].mean() - none[idx].mean()
@@ -72,12 +57,6 @@ def paired_diff(row, base, own, none, num_bootstrap=1000, seed=0):
     draws = [rng.integers(0, len(own), len(own)) for _ in range(num_bootstrap)]
     d = [retention(row, own, none, i) - retention(base, own, none, i) for i in draws]
     return retention(row, own, none) - retention(base, own, none), [float(np.nanpercentile(d, 2.5)), float(np.nanpercentile(d, 97.5))]
-
-
-def ci(score, own, none, num_bootstrap=1000, seed=0):
-    rng = np.random.default_rng(seed)
-    r = [retention(score, own, none, rng.integers(0, len(own), len(own))) for _ in range(num_bootstrap)]
-    return [float(np.nanpercentile(r, 2.5)), float(np.nanpercentile(r, 97.5))]
 
 
 def main(argv=None) -> None:
@@ -117,65 +96,61 @@ def main(argv=None) -> None:
     for direction in args.directions.split(","):
         src_name, tgt_name = direction.split("-")
         src, tgt = models[src_name], models[tgt_name]
-        alone = passage_recall(None, tgt, None, items, progress=False)
-        own = np.array(alone["correct_per_item"]["own"])
-        none = np.array(alone["correct_per_item"]["no_context"])
-        out = {"recall_own": own.mean(), "recall_no_context": none.mean(), "rows": {}}
-        base_recall = base_nll = None
-        mappers = {}
-        t0 = time.perf_counter()
-        # default and the top_k rows come from one calibration pass (fit_mapper with several k)
+        out = {"rows": {}}
+        # default and the top_k rows come from one calibration pass (fit_mapper with several k, in that order)
         ks = [8] + [ROWS[r][1]["top_k"] for r in rows if list(ROWS[r][1]) == ["top_k"]]
+        t0 = time.perf_counter()
         fitted = fit_mapper(src, tgt, str(calibration), tokenizer=tok, progress=False, top_k=ks, **fit_data)
-        fitted = fitted if isinstance(fitted, dict) else {"k8": fitted}
-        by_k = {k: m for k, m in zip(ks, fitted.values())} if len(fitted) == len(set(ks)) else None
+        fitted = list(fitted.values()) if isinstance(fitted, dict) else [fitted]
         shared_s = time.perf_counter() - t0
-        for k in ks:
-            mapper_k = by_k[k] if by_k else next(iter(fitted.values()))
-            mappers[json.dumps({} if k == 8 else {"top_k": k}, sort_keys=True)] = (mapper_k, shared_s)
+        mappers = {json.dumps({} if k == 8 else {"top_k": k}): (m, shared_s) for k, m in zip(ks, fitted)}
+        base_recall = base_nll = None
         for name in rows:
             what, fit_over, cache_over = ROWS[name]
             key = json.dumps(fit_over, sort_keys=True)
-            t0 = time.perf_counter()
             if key not in mappers:
+                t0 = time.perf_counter()
                 over = {**fit_data, **fit_over}
                 if over.get("num_sequences") == "half":
                     over["num_sequences"] = default_sequences // 2
                 mappers[key] = (fit_mapper(src, tgt, str(calibration), tokenizer=tok, progress=False, **over),
                                 time.perf_counter() - t0)
             mapper, fit_s = mappers[key]
-            rec = recall_transfer(src, tgt, mapper, items, cache_over.get("num_recompute_tokens", 1),
-                                  cache_over.get("num_exact_layers", 1))
+            exact = cache_over.get("num_exact_layers", 1)
+            recompute = cache_over.get("num_recompute_tokens", 0)
+            res = passage_recall(src, tgt, mapper, items, num_recompute_tokens=max(1, recompute),
+                                 num_exact_layers=exact, progress=False)
+            per_item = {k: np.array(v) for k, v in res["correct_per_item"].items()}
+            own, none, rec = per_item["own"], per_item["no_context"], per_item["transfer"]
             ppl = prefix_perplexity(src, tgt, mapper, windows, diagnostics=False, progress=False, num_bootstrap=1000,
-                                    num_recompute_tokens=cache_over.get("num_recompute_tokens", 0),
-                                    num_exact_layers=cache_over.get("num_exact_layers", 1))
+                                    num_recompute_tokens=recompute, num_exact_layers=exact)
             nll = {k: np.array(v) for k, v in ppl["nll_per_window"].items()}
             if name == "default":
                 base_recall, base_nll = rec, nll["transfer"]
-            # perplexity retention in "higher is better" form: negated NLLs
-            pr = {"own": -nll["target"], "none": -nll["floor"]}
+                out["recall_own"], out["recall_no_context"] = float(own.mean()), float(none.mean())
             row = {
                 "what": what,
                 "fit_seconds": round(fit_s, 1),
                 "recall_accuracy": float(rec.mean()),
-                "recall_retention": retention(rec, own, none),
-                "recall_retention_ci": ci(rec, own, none),
+                "recall_retention": res["retention"],
+                "recall_retention_ci": res["retention_ci"],
                 "ppl_retention": ppl["normalized_retention"],
                 "ppl_retention_ci": ppl["normalized_retention_ci"],
             }
             if name != "default":
                 row["recall_diff"], row["recall_diff_ci"] = paired_diff(rec, base_recall, own, none)
-                row["ppl_diff"], row["ppl_diff_ci"] = paired_diff(-nll["transfer"], -base_nll, pr["own"], pr["none"])
+                # perplexity retention in "higher is better" form: negated NLLs
+                row["ppl_diff"], row["ppl_diff_ci"] = paired_diff(-nll["transfer"], -base_nll, -nll["target"], -nll["floor"])
             out["rows"][name] = row
-            pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
+            pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}"  # noqa: E731
+            rci = row["recall_retention_ci"] or [None, None]
             diff = (f" | diff recall {pct(row['recall_diff'])} [{pct(row['recall_diff_ci'][0])}, {pct(row['recall_diff_ci'][1])}]"
                     f" ppl {pct(row['ppl_diff'])} [{pct(row['ppl_diff_ci'][0])}, {pct(row['ppl_diff_ci'][1])}]"
                     if name != "default" else "")
             print(f"{direction} {name}: recall acc {pct(row['recall_accuracy'])}% (own {pct(own.mean())}, none "
-                  f"{pct(none.mean())}) retention {pct(row['recall_retention'])} [{pct(row['recall_retention_ci'][0])}, "
-                  f"{pct(row['recall_retention_ci'][1])}] | ppl retention {pct(row['ppl_retention'])} "
-                  f"[{pct(row['ppl_retention_ci'][0])}, {pct(row['ppl_retention_ci'][1])}]{diff} | fit {fit_s:.0f}s",
-                  flush=True)
+                  f"{pct(none.mean())}) retention {pct(row['recall_retention'])} [{pct(rci[0])}, {pct(rci[1])}] | "
+                  f"ppl retention {pct(row['ppl_retention'])} [{pct(row['ppl_retention_ci'][0])}, "
+                  f"{pct(row['ppl_retention_ci'][1])}]{diff} | fit {fit_s:.0f}s", flush=True)
         report["directions"][direction] = out
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

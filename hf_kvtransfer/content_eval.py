@@ -116,6 +116,27 @@ def _lists(per_item: dict[str, np.ndarray]) -> dict[str, list[float]]:
 
 
 @torch.no_grad()
+def _answer_result(
+    scores: dict[str, dict[str, np.ndarray]], num_recompute_tokens: int, num_exact_layers: int, num_bootstrap: int,
+    seed: int,
+) -> dict[str, Any]:
+    """What recall and hand-off report alike: accuracy and answer NLL per setting, per item, and the retention."""
+    correct = scores["correct"]
+    result: dict[str, Any] = {
+        "num_items": len(next(iter(correct.values()))),
+        "num_recompute_tokens": num_recompute_tokens,
+        "num_exact_layers": num_exact_layers,
+        "accuracy": _summaries(correct, num_bootstrap, seed),
+        "answer_nll": _summaries(scores["nll"], num_bootstrap, seed),
+        "correct_per_item": _lists(correct),
+        "answer_nll_per_item": _lists(scores["nll"]),
+    }
+    result.update(retention_over_items(
+        correct["own"], correct.get("transfer"), correct["no_context"], num_bootstrap=num_bootstrap, seed=seed,
+    ))  # fmt: skip
+    return result
+
+
 def _greedy_tokens(model: PreTrainedModel, ids: Sequence[int], num_tokens: int) -> list[int]:
     """`num_tokens` tokens by argmax of the next-token logits (no EOS handling: answers have a known length)."""
     cache, feed, out = DynamicCache(), _ids(ids, model), []
@@ -312,21 +333,9 @@ def passage_recall(
             scores["nll"][name][i], scores["correct"][name][i], scores["value"][name][i] = nll, correct, value
         bar.update(1)
     bar.close()
-    correct = scores["correct"]
-    result: dict[str, Any] = {
-        "num_items": len(items),
-        "num_recompute_tokens": num_recompute_tokens,
-        "num_exact_layers": num_exact_layers,
-        "passage_value_chance": float(np.mean([1 / max(1, len(it.passage_values)) for it in items])),
-        "accuracy": _summaries(correct, num_bootstrap, seed),
-        "answer_nll": _summaries(scores["nll"], num_bootstrap, seed),
-        "passage_value_rate": _summaries(scores["value"], num_bootstrap, seed),
-        "correct_per_item": _lists(correct),
-        "answer_nll_per_item": _lists(scores["nll"]),
-    }
-    result.update(retention_over_items(
-        correct["own"], correct.get("transfer"), correct["no_context"], num_bootstrap=num_bootstrap, seed=seed,
-    ))  # fmt: skip
+    result = _answer_result(scores, num_recompute_tokens, num_exact_layers, num_bootstrap, seed)
+    result["passage_value_chance"] = float(np.mean([1 / max(1, len(it.passage_values)) for it in items]))
+    result["passage_value_rate"] = _summaries(scores["value"], num_bootstrap, seed)
     return result
 
 
@@ -396,22 +405,10 @@ def handoff(
             scores["nll"][name][i], scores["correct"][name][i] = nll, correct
         bar.update(1)
     bar.close()
-    correct = scores["correct"]
-    result: dict[str, Any] = {
-        "num_items": len(items),
-        "num_recompute_tokens": num_recompute_tokens,
-        "num_exact_layers": num_exact_layers,
-        "answerer": "source" if source is not None else "target",
-        "q1_accuracy": mean_and_ci(q1, num_bootstrap, seed),
-        "q1_correct_per_item": q1.tolist(),
-        "accuracy": _summaries(correct, num_bootstrap, seed),
-        "answer_nll": _summaries(scores["nll"], num_bootstrap, seed),
-        "correct_per_item": _lists(correct),
-        "answer_nll_per_item": _lists(scores["nll"]),
-    }
-    result.update(retention_over_items(
-        correct["own"], correct.get("transfer"), correct["no_context"], num_bootstrap=num_bootstrap, seed=seed,
-    ))  # fmt: skip
+    result = _answer_result(scores, num_recompute_tokens, num_exact_layers, num_bootstrap, seed)
+    result["answerer"] = "source" if source is not None else "target"
+    result["q1_accuracy"] = mean_and_ci(q1, num_bootstrap, seed)
+    result["q1_correct_per_item"] = q1.tolist()
     return result
 
 

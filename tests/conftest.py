@@ -263,3 +263,15 @@ def linear_pair(num_source_layers: int = 3, inserted_after: tuple[int, ...] = (0
 @pytest.fixture(scope="session")
 def linear_models():
     return linear_pair()
+
+
+def scrambled_mapper(mapper):
+    """Same shapes as `mapper`, weights scrambled: a transfer that loses the context, so checks of it can fail."""
+    from hf_kvtransfer import KVMapper
+
+    out = KVMapper(mapper.config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return out

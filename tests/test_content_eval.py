@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import VOCAB, exact_identity_mapper, random_ids, tiny_model
+from conftest import VOCAB, exact_identity_mapper, random_ids, scrambled_mapper, tiny_model
 from fit_fixtures import SPECIALS, make_tokenizer
-from hf_kvtransfer import KVMapper, TransferredCache, prefill
+from hf_kvtransfer import TransferredCache, prefill
 from hf_kvtransfer.cli import main
 from hf_kvtransfer.content_eval import greedy_agreement, handoff, passage_recall, repeated_span_retention
 from hf_kvtransfer.metrics import mean_and_ci, retention_over_items
@@ -28,13 +28,7 @@ def identity(model):
 
 @pytest.fixture(scope="module")
 def broken(identity):
-    # Same shapes, scrambled weights: a transfer that loses the context (so the transfer checks can fail).
-    mapper = KVMapper(identity.config)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in mapper.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return mapper
+    return scrambled_mapper(identity)
 
 
 @torch.no_grad()

@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import random_ids
-from hf_kvtransfer import KVMapper
+from conftest import random_ids, scrambled_mapper
 from hf_kvtransfer.evaluate import kv_r2, multi_turn_drift, prefix_perplexity, split_documents, text_windows
 from hf_kvtransfer.metrics import normalized_retention
 from hf_kvtransfer.multiple_choice import MultipleChoiceItem, build_continuation_task, load_multiple_choice, multiple_choice
@@ -18,13 +17,7 @@ from hf_kvtransfer.reporting import plot_evaluation as plot_results
 
 @pytest.fixture(scope="module")
 def broken_mapper(identity_mapper):
-    # Same shapes, weights scrambled: a mapper that loses the context. Guards against tests that cannot fail.
-    mapper = KVMapper(identity_mapper.config)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in mapper.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return mapper
+    return scrambled_mapper(identity_mapper)
 
 
 def _full_nll(model, ids, start):

@@ -71,7 +71,9 @@ def test_lambda_auto_matches_the_library(ablation, pair, tmp_path):
 def test_feature_index_and_shift(ablation):
     import torch
 
-    src = ablation.Layout(3, 2, 4)  # F_s = 8, 24 features per copy
+    from hf_kvtransfer.stats import KVLayout
+
+    src = KVLayout(3, 2, 4)  # F_s = 8, 24 features per copy
     idx = ablation.feature_index(ablation.VARIANT_SPECS["embed+prev"], [0, 2], src, embed_dim=5)
     assert idx.tolist() == [*range(0, 8), *range(16, 24), *range(24, 32), *range(40, 48), *range(48, 53)]
     x = torch.arange(6.0).reshape(1, 3, 2)
