@@ -11,6 +11,10 @@ Two measures per row and direction (small -> large, large -> small):
 - prefix-conditioned perplexity (`evaluate.prefix_perplexity`, 2 x 128-token windows of heldout.txt):
   floor-normalized retention.
 
+Both use the cache's defaults unless the row changes them: 1 exact layer, 1 recomputed token. The cost column is
+the target's time to first token on a `--ttft-len`-token prompt (median of 5, one thread as set by the caller):
+cache construction, mapping, exact layers and recomputed tokens, next to the target's own prefill of that prompt.
+
 The target's own and no-context scores do not depend on the row; each row changes only the mapper or the cache. "diff" is the row's retention minus the default's, bootstrapped over the same items/windows
 (paired); a CI that contains 0 means the row is inside the noise of this many items.
 """
@@ -26,7 +30,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_kvtransfer import fit_mapper
+from hf_kvtransfer import TransferredCache, fit_mapper, prefill
+from hf_kvtransfer.capture import cache_argument
 from hf_kvtransfer.content_eval import passage_recall
 from hf_kvtransfer.evaluate import prefix_perplexity, split_documents
 from hf_kvtransfer.fit_config import FitConfig
@@ -37,6 +42,9 @@ ROWS = {
     "default": ("defaults: ridge, top_k=8, 1 exact layer, 1 recomputed token", {}, {}),
     "exact0": ("no exact layer (layer 0 mapped too)", {}, {"num_exact_layers": 0}),
     "exact2": ("2 exact layers", {}, {"num_exact_layers": 2}),
+    "exact3": ("3 exact layers", {}, {"num_exact_layers": 3}),
+    "exact4": ("4 exact layers", {}, {"num_exact_layers": 4}),
+    "exact6": ("6 exact layers", {}, {"num_exact_layers": 6}),
     "recompute8": ("8 recomputed tokens", {}, {"num_recompute_tokens": 8}),
     "recompute32": ("32 recomputed tokens", {}, {"num_recompute_tokens": 32}),
     "top_k2": ("top_k=2 source layers", {"top_k": 2}, {}),
@@ -44,6 +52,28 @@ ROWS = {
     "mlp": ("residual MLP mapper", {"mapper_type": "mlp"}, {}),
     "mlp_plain": ("plain (non-residual) MLP mapper", {"mapper_type": "mlp", "mlp_residual": False}, {}),
 }
+
+# Left out by default: an extra fit each (the MLP trains for many minutes on one CPU core for this calibration set).
+SLOW_ROWS = ("half_calibration", "mlp", "mlp_plain")
+
+
+@torch.no_grad()
+def ttft_ms(source, target, mapper, ids: torch.Tensor, num_recompute_tokens: int, num_exact_layers: int, reps: int = 5):
+    """Median milliseconds from the source's cache to the target's first logits: build the cache, map it (lazily,
+    inside the forward), compute the exact layers, run the recomputed tokens. `mapper=None`: the target's own
+    prefill of `ids`. The source's own prefill is not counted (it read the conversation already)."""
+    src_cache = prefill(source, ids) if mapper is not None else None
+    times = []
+    for _ in range(reps + 1):  # the first run warms up
+        t0 = time.perf_counter()
+        if mapper is None:
+            target(ids, use_cache=True)
+        else:
+            cache = TransferredCache(src_cache, mapper, num_recompute_tokens=num_recompute_tokens,
+                                     num_exact_layers=num_exact_layers)
+            target(ids[:, -num_recompute_tokens:], use_cache=True, **{cache_argument(target): cache})
+        times.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(times[1:]))
 
 
 def retention(score, own, none, idx=None) -> float:
@@ -62,14 +92,16 @@ def paired_diff(row, base, own, none, num_bootstrap=1000, seed=0):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", type=Path, default=Path(__file__).resolve().parent / "family")
-    p.add_argument("--rows", default=",".join(r for r in ROWS if r != "half_calibration"),
-                   help=f"comma-separated rows from {list(ROWS)} (default: all but half_calibration)")
+    p.add_argument("--rows", default=",".join(r for r in ROWS if r not in SLOW_ROWS),
+                   help=f"comma-separated rows from {list(ROWS)} (default: all but {', '.join(SLOW_ROWS)})")
     p.add_argument("--directions", default="small-large,large-small")
     p.add_argument("--items", type=int, default=600, help="passage-recall items (default 600)")
     p.add_argument("--windows", type=int, default=660, help="perplexity windows (default 660)")
     p.add_argument("--prefix-len", type=int, default=128)
     p.add_argument("--num-sequences", type=int, default=None,
                    help="calibration sequences of 1024 tokens (default: fit_mapper's, i.e. all of calibration.txt)")
+    p.add_argument("--ttft-len", type=int, default=1024,
+                   help="prompt tokens of the time-to-first-token column (default 1024)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -88,11 +120,14 @@ def main(argv=None) -> None:
     all_windows = [d[i : i + window] for d in token_docs for i in range(0, len(d) - window + 1, step)]
     keep = np.linspace(0, len(all_windows) - 1, min(args.windows, len(all_windows))).round().astype(int)
     windows = torch.tensor([all_windows[i] for i in keep])
+    # TTFT prompt: the first `--ttft-len` tokens of the longest held-out document
+    ttft_ids = torch.tensor([max(token_docs, key=len)[: args.ttft_len]])
     calibration = args.family / "calibration.txt"
     default_sequences = args.num_sequences or FitConfig().num_sequences
     fit_data = {"num_sequences": args.num_sequences} if args.num_sequences else {}
 
-    report = {"items": len(items), "windows": len(windows), "prefix_len": args.prefix_len, "directions": {}}
+    report = {"items": len(items), "windows": len(windows), "prefix_len": args.prefix_len,
+              "ttft_len": int(ttft_ids.shape[1]), "threads": torch.get_num_threads(), "directions": {}}
     for direction in args.directions.split(","):
         src_name, tgt_name = direction.split("-")
         src, tgt = models[src_name], models[tgt_name]
@@ -107,6 +142,9 @@ def main(argv=None) -> None:
         base_recall = base_nll = None
         for name in rows:
             what, fit_over, cache_over = ROWS[name]
+            if cache_over.get("num_exact_layers", 1) >= tgt.config.num_hidden_layers:
+                print(f"{direction} {name}: skipped, the {tgt_name} target has only {tgt.config.num_hidden_layers} layers")
+                continue
             key = json.dumps(fit_over, sort_keys=True)
             if key not in mappers:
                 t0 = time.perf_counter()
@@ -117,14 +155,18 @@ def main(argv=None) -> None:
                                 time.perf_counter() - t0)
             mapper, fit_s = mappers[key]
             exact = cache_over.get("num_exact_layers", 1)
-            recompute = cache_over.get("num_recompute_tokens", 0)
-            res = passage_recall(src, tgt, mapper, items, num_recompute_tokens=max(1, recompute),
+            # TransferredCache's default: the target recomputes the last context token itself
+            recompute = cache_over.get("num_recompute_tokens", 1)
+            res = passage_recall(src, tgt, mapper, items, num_recompute_tokens=recompute,
                                  num_exact_layers=exact, progress=False)
             per_item = {k: np.array(v) for k, v in res["correct_per_item"].items()}
             own, none, rec = per_item["own"], per_item["no_context"], per_item["transfer"]
             ppl = prefix_perplexity(src, tgt, mapper, windows, diagnostics=False, progress=False, num_bootstrap=1000,
                                     num_recompute_tokens=recompute, num_exact_layers=exact)
             nll = {k: np.array(v) for k, v in ppl["nll_per_window"].items()}
+            if "own_prefill_ms" not in out:
+                out["own_prefill_ms"] = ttft_ms(src, tgt, None, ttft_ids, 0, 0)
+            ttft = ttft_ms(src, tgt, mapper, ttft_ids, recompute, exact)
             if name == "default":
                 base_recall, base_nll = rec, nll["transfer"]
                 out["recall_own"], out["recall_no_context"] = float(own.mean()), float(none.mean())
@@ -136,6 +178,7 @@ def main(argv=None) -> None:
                 "recall_retention_ci": res["retention_ci"],
                 "ppl_retention": ppl["normalized_retention"],
                 "ppl_retention_ci": ppl["normalized_retention_ci"],
+                "ttft_ms": round(ttft, 2),
             }
             if name != "default":
                 row["recall_diff"], row["recall_diff_ci"] = paired_diff(rec, base_recall, own, none)
@@ -150,7 +193,8 @@ def main(argv=None) -> None:
             print(f"{direction} {name}: recall acc {pct(row['recall_accuracy'])}% (own {pct(own.mean())}, none "
                   f"{pct(none.mean())}) retention {pct(row['recall_retention'])} [{pct(rci[0])}, {pct(rci[1])}] | "
                   f"ppl retention {pct(row['ppl_retention'])} [{pct(row['ppl_retention_ci'][0])}, "
-                  f"{pct(row['ppl_retention_ci'][1])}]{diff} | fit {fit_s:.0f}s", flush=True)
+                  f"{pct(row['ppl_retention_ci'][1])}]{diff} | TTFT {ttft:.1f} ms (own prefill {out['own_prefill_ms']:.1f}) "
+                  f"| fit {fit_s:.0f}s", flush=True)
         report["directions"][direction] = out
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -311,6 +311,7 @@ def _add_demo(subparsers) -> None:
         "(offline on the bundled family when run without arguments)",
         """
         hf-kvtransfer demo --family family
+        hf-kvtransfer demo --family family --exact-layers 4
         hf-kvtransfer demo --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --mapper org/qwen3-0.6b-to-1.7b \\
             --text my_eval.txt
         """,
@@ -323,6 +324,9 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--num-sequences", type=int, default=64, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (default 256)")
     p.add_argument("--top-k", default=None, help="source layers per target layer (default: fit_mapper's, 8; 'all')")
+    p.add_argument("--exact-layers", type=int, default=1,
+                   help="the target's first layers computed from the prompt's ids instead of mapped "
+                        "(TransferredCache's num_exact_layers; default 1)")
     p.add_argument("--prompt", help="prompt text (default: a held-out passage-recall question drawn from --text)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: the answer's length + 2 for a recall question, else 32)")
@@ -348,7 +352,8 @@ def _run_demo(args) -> int:
     result = run_demo(
         args.source, args.target, mapper, family=args.family, prompt=args.prompt,
         max_new_tokens=args.max_new_tokens, calibration=args.calibration, num_sequences=args.num_sequences,
-        seq_len=args.seq_len, top_k=top_k, text=args.text, recall_items=args.recall_items, device=args.device,
+        seq_len=args.seq_len, top_k=top_k, num_exact_layers=args.exact_layers, text=args.text,
+        recall_items=args.recall_items, device=args.device,
     )
     print(format_demo(result))
     if args.json:
@@ -425,7 +430,8 @@ def _add_fit(subparsers) -> None:
     p.add_argument("--source", required=True, help="source model id or local directory")
     p.add_argument("--target", required=True, help="target model id or local directory")
     p.add_argument("--output", required=True, help="mapper directory (one subdirectory per k when several)")
-    p.add_argument("--dtype", default="auto", help="model dtype: auto, float32, bfloat16, float16 (default auto)")
+    p.add_argument("--dtype", default="auto", help="model dtype: auto (the checkpoint's on a GPU, float32 on the CPU), float32, bfloat16, float16 "
+                   "(default auto)")
     p.add_argument("--device-map", help="accelerate device map for both models, e.g. auto or cuda:0")
     p.add_argument("--source-revision", help="source model revision")
     p.add_argument("--target-revision", help="target model revision")

@@ -352,6 +352,9 @@ def fit_mlp(
         "heldout": _count_tokens(num_heldout, seq_len, feature_stride, mask[num_train:] if mask is not None else None),
     }
     src_layout, tgt_layout = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
+    # as for ridge (`fit.solve_mappers`): a top_k at or above the source's depth means every source layer
+    if top_k is not None and top_k >= src_layout.num_layers:
+        top_k = None
     memory = mlp_fit_nbytes(
         src_layout, tgt_layout, num_tokens["train"], num_tokens["heldout"], top_k, config.mlp_hidden_size,
         config.mlp_num_hidden_layers, config.mlp_per_head, config.mlp_batch_size, feature_dtype,

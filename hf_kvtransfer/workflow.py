@@ -21,7 +21,6 @@ from .fit import calibration_sample, fit_mapper, solve_mappers
 from .fit_config import FitConfig, heldout_count, resolve_config
 from .mapper import KVMapper
 from .models import load_model, load_tokenizer, parse_dtype
-from .rope import text_config
 from .stats import KVStatistics
 
 logger = logging.getLogger(__name__)
@@ -169,7 +168,8 @@ def fit_and_save(
         source, target: model ids or local directories (`AutoModelForCausalLM` / `AutoTokenizer`).
         output_dir: where the mapper goes; with several `top_k`, one subdirectory per k (`k1`, `kall`, ...).
         config: the fit (`FitConfig`; keyword overrides are applied on top of it).
-        dtype, device_map, revisions, trust_remote_code: how the models are loaded.
+        dtype, device_map, revisions, trust_remote_code: how the models are loaded; `dtype="auto"` is the
+            checkpoint's dtype on a GPU and float32 on the CPU.
         log: a callable taking one line of text for the few facts a person should see (default: logger.info).
 
     Returns:
@@ -191,6 +191,10 @@ def fit_and_save(
             raise ValueError("the MLP mapper trains in one process: run `fit --mapper mlp` without torchrun")
         if device_map is None and torch.cuda.is_available():
             device_map = {"": local_rank if world > 1 else torch.cuda.current_device()}
+        if torch_dtype == "auto" and device_map is None:
+            # On the CPU "auto" means float32: most CPUs run bf16 matmuls several times slower than float32 (a
+            # bf16 checkpoint such as examples/family took ~4x longer to fit), and the statistics lose precision.
+            torch_dtype = torch.float32
         # Cheap checks first (tokenizers, data), so a typo fails before two large models are loaded.
         src_tok = load_tokenizer(str(source), "source", source_revision, trust_remote_code)
         tgt_tok = load_tokenizer(str(target), "target", target_revision, trust_remote_code)
@@ -203,10 +207,8 @@ def fit_and_save(
             for name, which, rev in ((source, "source", source_revision), (target, "target", target_revision))
         ]
         check_pair(*models)
-        num_source = text_config(models[0].config).num_hidden_layers
-        for k in config.top_k_values:
-            if isinstance(k, int) and not 1 <= k <= num_source:
-                raise ValueError(f"top_k {k} is out of range: the source has {num_source} layers (use 1..{num_source} or 'all')")
+        # A top_k at or above the source's depth means every source layer (`fit.solve_mappers` logs it), so the
+        # default top_k=8 also fits shallow sources.
         if rank == 0:
             log(
                 f"calibration: {input_ids.shape[0]} x {config.seq_len} tokens from {info['dataset']} "

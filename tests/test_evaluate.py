@@ -259,15 +259,20 @@ def test_lm_eval_adapter_local_task(tmp_path, qwen3_model, identity_mapper):
 
 # -- the quality bar on the bundled family -----------------------------------------------------------------
 
-# Measured with exactly this fast fit (64 x 256 calibration tokens, top_k=4) on these 64 held-out windows:
-# floor-normalized retention 0.808 (bootstrap 95% CI over windows [0.74, 0.88]); the full default fit (328
-# sequences, 128 windows) gives 0.847. The computation is deterministic, so the CI is not run-to-run noise:
-# 0.70 leaves float/thread-count margin and still fails on a regression to k=1 quality (0.65-0.70) or any
-# RoPE / layer-order bug (retention near or below 0).
-FAMILY_RETENTION_FLOOR = 0.70
+# The bundled family reads its context (issue 12): the large model's own passage recall is far above its score
+# without the passage, and its own prefix lowers its loss by ~0.26 nats/token. Measured with exactly this fast fit
+# (64 x 256 calibration tokens, top_k=4 = every source layer), small -> large, on these 64 windows / 100 items:
+# context gain 0.261; floor-normalized retention 0.19 [0.15, 0.25] at the defaults (1 exact layer; 0, 2 or 3 exact
+# layers give 0.16-0.19) and 0.95 [0.93, 0.97] with the target's first 4 layers computed exactly (its layer 3 is the
+# one the ridge map cannot reproduce: held-out key R^2 0.42); recall own 0.79, no passage 0.01, transfer 0.02.
+# The computation is deterministic, so the CIs are not run-to-run noise. The floors leave float/thread-count margin
+# and still fail on a RoPE / layer-order / exact-layer bug (retention at or below 0) or a family that stopped
+# reading its context.
+FAMILY_RETENTION_FLOOR = 0.10
+FAMILY_EXACT4_RETENTION_FLOOR = 0.85
 
 
-def test_bundled_family_retention():
+def test_bundled_family_reads_its_context_and_transfers_it():
     from hf_kvtransfer.demo import find_family
 
     try:
@@ -278,6 +283,8 @@ def test_bundled_family_retention():
 
     from hf_kvtransfer import fit_mapper
     from hf_kvtransfer.calibration import build_calibration
+    from hf_kvtransfer.content_eval import passage_recall
+    from hf_kvtransfer.tasks import passage_recall_items
 
     tok = AutoTokenizer.from_pretrained(family / "large")
     small = AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval()
@@ -285,7 +292,14 @@ def test_bundled_family_retention():
     calibration, _ = build_calibration(tok, family / "calibration.txt", num_sequences=64, seq_len=256)
     mapper = fit_mapper(small, large, calibration, top_k=4, progress=False)
     docs = split_documents((family / "heldout.txt").read_text(encoding="utf-8"), tok.eos_token)
-    windows = text_windows([tok(d)["input_ids"] for d in docs], 256, max_windows=64)
+    windows = text_windows([tok(d, verbose=False)["input_ids"] for d in docs], 256, max_windows=64)
     res = prefix_perplexity(small, large, mapper, windows, diagnostics=False, num_bootstrap=0, progress=False)
-    assert res["context_gain_nats"] > 0.03, f"the family barely uses its context (measured: 0.062 nats/token): {res}"
+    assert res["context_gain_nats"] > 0.15, f"the family barely uses its context (measured: 0.261 nats/token): {res}"
     assert res["normalized_retention"] > FAMILY_RETENTION_FLOOR, res
+    exact4 = prefix_perplexity(small, large, mapper, windows, diagnostics=False, num_bootstrap=0, progress=False,
+                               num_exact_layers=4)  # fmt: skip
+    assert exact4["normalized_retention"] > FAMILY_EXACT4_RETENTION_FLOOR, exact4
+    items = passage_recall_items(tok, 100, seed=0, distractor_texts=docs)
+    recall = passage_recall(None, large, None, items, num_bootstrap=0, progress=False)
+    own, alone = recall["accuracy"]["own"]["mean"], recall["accuracy"]["no_context"]["mean"]
+    assert own > 0.6 and alone < 0.1, f"the large model no longer answers from the passage: {recall['accuracy']}"

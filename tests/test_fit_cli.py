@@ -108,6 +108,37 @@ def test_several_top_k_from_one_pass(pair, tmp_path, monkeypatch):
         assert len(mapper.config.heldout_r2_key) == 2 and mapper.config.calibration["heldout_tokens"] == 6 * 8
 
 
+def test_default_top_k_on_a_shallower_source_means_every_layer(pair, tmp_path):
+    # The default top_k=8 exceeds this 3-layer source (as it does the bundled 4-layer small model): the CLI must
+    # fit with every source layer, exactly as --top-k all does, not refuse.
+    default, every = tmp_path / "default", tmp_path / "all"
+    assert main(_args(pair, default)) == 0
+    assert main(_args(pair, every, "--top-k", "all")) == 0
+    mapper = KVMapper.from_pretrained(default)
+    assert mapper.config.selected_layers == [[0, 1, 2]] * len(mapper.layers)
+    _assert_same_mapper(default, every, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("flag, expected", [(None, torch.float32), ("bfloat16", torch.bfloat16)])
+def test_auto_dtype_is_float32_on_the_cpu(pair, tmp_path, monkeypatch, flag, expected):
+    # A bf16 checkpoint (as examples/family is) loads in float32 for a CPU fit unless bf16 is asked for.
+    import hf_kvtransfer.workflow as workflow
+
+    source, target, corpus = pair
+    bf16_source = tmp_path / "bf16-source"
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(bf16_source)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (source / name).exists():
+            (bf16_source / name).write_bytes((source / name).read_bytes())
+    assert AutoModelForCausalLM.from_pretrained(bf16_source).dtype == torch.bfloat16
+    loaded = []
+    real = workflow.load_model
+    monkeypatch.setattr(workflow, "load_model", lambda *a, **kw: loaded.append(real(*a, **kw)) or loaded[-1])
+    extra = ("--dtype", flag) if flag else ()
+    assert main(_args((bf16_source, target, corpus), tmp_path / "out", "--top-k", "1", *extra)) == 0
+    assert [m.dtype for m in loaded] == [expected, expected]
+
+
 def test_resume_after_sigint_equals_uninterrupted_run(pair, tmp_path, monkeypatch, capsys):
     common = ("--top-k", "2", "--heldout-fraction", "0.25", "--checkpoint-every", "100")
     full = tmp_path / "full"

@@ -190,6 +190,15 @@ def test_residual_mlp_stays_at_ridge_on_linear_pair(linear_models):
         assert all(m <= r * (1 + 1e-9) for m, r in zip(report[kind]["mlp_mse"], report[kind]["ridge_mse"]))
 
 
+def _assert_same_maps(a, b):
+    """Both mappers give the same target K/V on random features, layer by layer."""
+    for t in range(len(a.layers)):
+        feats = _random_features(a, t, seed=t)
+        with torch.no_grad():
+            for x, y in zip(a(t, *feats), b(t, *feats)):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
 def test_untrained_residual_mapper_is_ridge_on_the_training_sequences(linear_models):
     source, target, _ = linear_models
     ids = random_ids(10, 32, seed=4)
@@ -200,11 +209,20 @@ def test_untrained_residual_mapper_is_ridge_on_the_training_sequences(linear_mod
     # The ridge fit through the ordinary path on the training sequences only.
     ridge = fit_mapper(source, target, ids[[i for i in range(10) if i not in held]], top_k=2, stride=2, progress=False)
     assert mlp.config.selected_layers == ridge.config.selected_layers
-    for t in range(len(mlp.layers)):
-        feats = _random_features(mlp, t, seed=t)
-        with torch.no_grad():
-            for a, b in zip(mlp(t, *feats), ridge(t, *feats)):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    _assert_same_maps(mlp, ridge)
+
+
+def test_top_k_beyond_source_depth_means_every_layer_as_for_ridge(linear_models):
+    # fit_mapper's default top_k=8 on a 4-layer source must not fail for the MLP while ridge accepts it.
+    source, target, _ = linear_models
+    ids = random_ids(10, 32, seed=5)
+    depth = source.config.num_hidden_layers
+    kwargs = dict(stride=2, heldout_fraction=0.3, progress=False)
+    mlp = fit_mlp_mapper(source, target, ids, top_k=depth + 3, hidden_size=8, epochs=0, **kwargs)
+    ridge = fit_mapper(source, target, ids[:7], top_k="all", **{**kwargs, "heldout_fraction": 0})
+    assert mlp.config.selected_layers == ridge.config.selected_layers == [list(range(depth))] * len(mlp.layers)
+    assert mlp.config.top_k == depth
+    _assert_same_maps(mlp, ridge)
 
 
 def test_fit_mapper_dispatches_and_reports_memory(linear_models):
