@@ -76,6 +76,37 @@ def ttft_ms(source, target, mapper, ids: torch.Tensor, num_recompute_tokens: int
     return 1000 * float(np.median(times[1:]))
 
 
+def markdown_table(report: dict) -> str:
+    """One row per ablation row, one column pair per direction: recall and perplexity retention (and their paired
+    difference to the defaults), time to first token."""
+    directions = list(report["directions"])
+    names = list(dict.fromkeys(n for d in directions for n in report["directions"][d]["rows"]))
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}"  # noqa: E731
+    ci = lambda c: f"[{pct(c[0])}, {pct(c[1])}]" if c else ""  # noqa: E731
+    head = "| row |" + "".join(f" {d}: recall retention % | ppl retention % | TTFT ms (own prefill) |" for d in directions)
+    lines = [head, "|---|" + "---|---|---:|" * len(directions)]
+    for name in names:
+        cells = []
+        for d in directions:
+            out = report["directions"][d]
+            row = out["rows"].get(name)
+            if row is None:
+                cells += ["-", "-", "-"]
+                continue
+            if "recall_retention" not in row:  # --ttft-only
+                cells += ["-", "-", f"{row['ttft_ms']:.0f} ({out['own_prefill_ms']:.0f})"]
+                continue
+            rec = f"{pct(row['recall_retention'])} {ci(row['recall_retention_ci'])}"
+            ppl = f"{pct(row['ppl_retention'])} {ci(row['ppl_retention_ci'])}"
+            if "recall_diff" in row:
+                rec += f"; {float(pct(row['recall_diff'])):+.1f} {ci(row['recall_diff_ci'])}"
+                ppl += f"; {float(pct(row['ppl_diff'])):+.1f} {ci(row['ppl_diff_ci'])}"
+            cells += [rec, ppl, f"{row['ttft_ms']:.0f} ({out['own_prefill_ms']:.0f})"]
+        lines.append(f"| {name}: {next(report['directions'][d]['rows'][name]['what'] for d in directions if name in report['directions'][d]['rows'])} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def retention(score, own, none, idx=None) -> float:
     idx = slice(None) if idx is None else idx
     gain = own[idx].mean() - none[idx].mean()
@@ -102,6 +133,9 @@ def main(argv=None) -> None:
                    help="calibration sequences of 1024 tokens (default: fit_mapper's, i.e. all of calibration.txt)")
     p.add_argument("--ttft-len", type=int, default=1024,
                    help="prompt tokens of the time-to-first-token column (default 1024)")
+    p.add_argument("--ttft-only", action="store_true",
+                   help="only the time-to-first-token column (on an otherwise idle machine; the map's shapes, not its "
+                        "quality, set the time, so a small --num-sequences is enough)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -157,6 +191,12 @@ def main(argv=None) -> None:
             exact = cache_over.get("num_exact_layers", 1)
             # TransferredCache's default: the target recomputes the last context token itself
             recompute = cache_over.get("num_recompute_tokens", 1)
+            if args.ttft_only:
+                out.setdefault("own_prefill_ms", ttft_ms(src, tgt, None, ttft_ids, 0, 0))
+                out["rows"][name] = {"what": what, "ttft_ms": round(ttft_ms(src, tgt, mapper, ttft_ids, recompute, exact), 2)}
+                print(f"{direction} {name}: TTFT {out['rows'][name]['ttft_ms']:.1f} ms (own prefill "
+                      f"{out['own_prefill_ms']:.1f})", flush=True)
+                continue
             res = passage_recall(src, tgt, mapper, items, num_recompute_tokens=recompute,
                                  num_exact_layers=exact, progress=False)
             per_item = {k: np.array(v) for k, v in res["correct_per_item"].items()}
@@ -196,6 +236,7 @@ def main(argv=None) -> None:
                   f"{pct(row['ppl_retention_ci'][1])}]{diff} | TTFT {ttft:.1f} ms (own prefill {out['own_prefill_ms']:.1f}) "
                   f"| fit {fit_s:.0f}s", flush=True)
         report["directions"][direction] = out
+    print(markdown_table(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")

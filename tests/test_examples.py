@@ -146,3 +146,9 @@ def test_fidelity_ablation(tmp_path):
     rows = json.loads((tmp_path / "a.json").read_text())["directions"]["large-small"]["rows"]
     assert set(rows) == {"default", "exact2"} and "ppl_diff_ci" in rows["exact2"]
     assert all(row["ttft_ms"] > 0 for row in rows.values())
+    out = _run([sys.executable, str(EXAMPLES / "fidelity_ablation.py"), "--rows", "default,recompute8", "--ttft-only",
+                "--items", "2", "--windows", "2", "--directions", "large-small", "--num-sequences", "4", "--ttft-len",
+                "64", "--json", str(tmp_path / "t.json")])  # fmt: skip
+    rows = json.loads((tmp_path / "t.json").read_text())["directions"]["large-small"]["rows"]
+    assert set(rows) == {"default", "recompute8"} and all(set(r) == {"what", "ttft_ms"} for r in rows.values())
+    assert "| recompute8: 8 recomputed tokens | - | - |" in out
