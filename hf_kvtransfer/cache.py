@@ -313,8 +313,10 @@ class TransferredCache(DynamicCache):
             mapped (their keys and values depend on little context: layer 0's only on each token and its position),
             at the cost of that share of a prefill (for layer 0: one layer's K/V projections). Needs the prompt ids
             (see `input_ids`) and happens when the target first runs on the cache (`convert_all` maps every layer).
-            Default 1: on the bundled family it raised prefix-perplexity retention by +2.6 pp (small -> large) and
-            +1.1 pp (large -> small), paired over 660 windows (`examples/exact_layers_ablation.py`).
+            Default 1: on the earlier bundled family it raised prefix-perplexity retention by +2.6 pp (small ->
+            large) and +1.1 pp (large -> small), paired over 660 windows (`examples/exact_layers_ablation.py`). On
+            the current one, which reads its context, small -> large needs 4 (of 8) to keep passage recall (98% vs
+            1% at the default; `examples/fidelity_ablation.py`, README).
         compile_rope: strip and apply RoPE through `torch.compile` (one fused kernel instead of four passes):
             6-11% faster transfers on the bundled pair at 4096 tokens on CPU, after a one-off compile of several
             seconds. Off by default.
