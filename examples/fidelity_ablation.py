@@ -30,12 +30,12 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_kvtransfer import TransferredCache, fit_mapper, prefill
-from hf_kvtransfer.capture import cache_argument
+from hf_kvtransfer import fit_mapper
 from hf_kvtransfer.content_eval import passage_recall
 from hf_kvtransfer.evaluate import prefix_perplexity, split_documents
 from hf_kvtransfer.fit_config import FitConfig
 from hf_kvtransfer.tasks import passage_recall_items
+from hf_kvtransfer.timing import time_to_first_token
 
 # name: (what it changes, fit_mapper overrides, TransferredCache / evaluation overrides)
 ROWS = {
@@ -55,25 +55,6 @@ ROWS = {
 
 # Left out by default: an extra fit each (the MLP trains for many minutes on one CPU core for this calibration set).
 SLOW_ROWS = ("half_calibration", "mlp", "mlp_plain")
-
-
-@torch.no_grad()
-def ttft_ms(source, target, mapper, ids: torch.Tensor, num_recompute_tokens: int, num_exact_layers: int, reps: int = 5):
-    """Median milliseconds from the source's cache to the target's first logits: build the cache, map it (lazily,
-    inside the forward), compute the exact layers, run the recomputed tokens. `mapper=None`: the target's own
-    prefill of `ids`. The source's own prefill is not counted (it read the conversation already)."""
-    src_cache = prefill(source, ids) if mapper is not None else None
-    times = []
-    for _ in range(reps + 1):  # the first run warms up
-        t0 = time.perf_counter()
-        if mapper is None:
-            target(ids, use_cache=True)
-        else:
-            cache = TransferredCache(src_cache, mapper, num_recompute_tokens=num_recompute_tokens,
-                                     num_exact_layers=num_exact_layers)
-            target(ids[:, -num_recompute_tokens:], use_cache=True, **{cache_argument(target): cache})
-        times.append(time.perf_counter() - t0)
-    return 1000 * float(np.median(times[1:]))
 
 
 def markdown_table(report: dict) -> str:
@@ -191,9 +172,12 @@ def main(argv=None) -> None:
             exact = cache_over.get("num_exact_layers", 1)
             # TransferredCache's default: the target recomputes the last context token itself
             recompute = cache_over.get("num_recompute_tokens", 1)
+            timing = time_to_first_token(src, tgt, mapper, ttft_ids, num_recompute_tokens=recompute,
+                                         num_exact_layers=exact, repeats=5)  # fmt: skip
+            ttft = timing["transfer_ms"]
+            out.setdefault("own_prefill_ms", timing["target_prefill_ms"])  # the first row's measurement
             if args.ttft_only:
-                out.setdefault("own_prefill_ms", ttft_ms(src, tgt, None, ttft_ids, 0, 0))
-                out["rows"][name] = {"what": what, "ttft_ms": round(ttft_ms(src, tgt, mapper, ttft_ids, recompute, exact), 2)}
+                out["rows"][name] = {"what": what, "ttft_ms": round(ttft, 2)}
                 print(f"{direction} {name}: TTFT {out['rows'][name]['ttft_ms']:.1f} ms (own prefill "
                       f"{out['own_prefill_ms']:.1f})", flush=True)
                 continue
@@ -204,9 +188,6 @@ def main(argv=None) -> None:
             ppl = prefix_perplexity(src, tgt, mapper, windows, diagnostics=False, progress=False, num_bootstrap=1000,
                                     num_recompute_tokens=recompute, num_exact_layers=exact)
             nll = {k: np.array(v) for k, v in ppl["nll_per_window"].items()}
-            if "own_prefill_ms" not in out:
-                out["own_prefill_ms"] = ttft_ms(src, tgt, None, ttft_ids, 0, 0)
-            ttft = ttft_ms(src, tgt, mapper, ttft_ids, recompute, exact)
             if name == "default":
                 base_recall, base_nll = rec, nll["transfer"]
                 out["recall_own"], out["recall_no_context"] = float(own.mean()), float(none.mean())

@@ -22,7 +22,7 @@ from .fit import fit_mapper
 from .mapper import KVMapper
 from .models import load_pair
 from .tasks import passage_recall_items
-from .timing import median_ms, time_call
+from .timing import time_to_first_token
 
 logger = logging.getLogger(__name__)
 
@@ -46,27 +46,6 @@ def find_family(path: str | os.PathLike | None = None) -> Path:
         "model.safetensors, calibration.txt, heldout.txt; the git repository ships one), or pass --source/--target "
         "model ids"
     )
-
-
-def time_transfer(
-    source, target, mapper: KVMapper, input_ids: torch.Tensor, repeats: int = 3, num_exact_layers: int = 1
-) -> dict[str, float]:
-    """Median milliseconds to the target's first logits: from the source's cache (build the `TransferredCache`, map
-    every layer, compute the exact layers, run the one recomputed token) vs the target's own prefill."""
-    src_cache = prefill(source, input_ids.to(next(source.parameters()).device))
-    device = next(target.parameters()).device
-    ids = input_ids.to(device)
-
-    def from_transfer():
-        cache = TransferredCache(src_cache, mapper, num_exact_layers=num_exact_layers)
-        target(ids[:, -1:], use_cache=True, **{cache_argument(target): cache})
-
-    # one warm-up call: first-call allocations and kernel selection are not what a server pays per request
-    with torch.no_grad():
-        transfer = median_ms(time_call(from_transfer, device, repeats)[0])
-        own = median_ms(time_call(lambda: target(ids, use_cache=True), device, repeats)[0])
-    return {"num_tokens": int(input_ids.shape[-1]), "num_exact_layers": num_exact_layers, "transfer_ms": transfer,
-            "target_prefill_ms": own, "speedup": own / transfer}
 
 
 def run_demo(
@@ -178,7 +157,7 @@ def run_demo(
     token_docs = [tokenizer(d, add_special_tokens=False, verbose=False)["input_ids"] for d in docs[:8]]
     stream = [t for d in token_docs for t in d] or prompt_ids
     timing_ids = torch.tensor([(stream * (timing_tokens // len(stream) + 1))[:timing_tokens]])
-    result["timing"] = time_transfer(src_model, tgt_model, kv_mapper, timing_ids, num_exact_layers=num_exact_layers)
+    result["timing"] = time_to_first_token(src_model, tgt_model, kv_mapper, timing_ids, num_exact_layers=num_exact_layers)
     result["torch_threads"] = torch.get_num_threads()
     return result
 

@@ -36,7 +36,7 @@ from .fit_config import (
 from .lowrank import lowrank_mapper, reduced_rank_heldout_r2
 from .mapper import KVMapper, MapperConfig
 from .mlp import fit_mlp
-from .ridge import heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
+from .ridge import effective_top_k, heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
 from .stats import KINDS, BlockStatistics, KVStatistics
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ def solve_mappers(
     if any(k is not None and k >= num_source for k in ks):
         # The default k (8) on a shallow source, or any k reaching its depth: every source layer.
         logger.info("top_k %s >= the source's %d layers: using all of them", [k for k in ks if k], num_source)
-        ks = list(dict.fromkeys(None if k is not None and k >= num_source else k for k in ks))
+        ks = list(dict.fromkeys(effective_top_k(k, num_source) for k in ks))
     max_k = statistics.max_top_k if isinstance(statistics, BlockStatistics) else num_source
     for k in ks:
         if (num_source if k is None else k) > max_k:

@@ -34,7 +34,7 @@ from .fit_config import FitConfig, heldout_count
 from .layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
 from .mapper import KVMapper, MapperConfig
 from .models import DTYPES, model_device
-from .ridge import cholesky_solve, feature_index, layer_scores, select_layers, solve_layers
+from .ridge import cholesky_solve, effective_top_k, feature_index, layer_scores, select_layers, solve_layers
 from .stats import KINDS, KVLayout, flatten_layers, statistics_nbytes, token_selection
 
 logger = logging.getLogger(__name__)
@@ -352,9 +352,7 @@ def fit_mlp(
         "heldout": _count_tokens(num_heldout, seq_len, feature_stride, mask[num_train:] if mask is not None else None),
     }
     src_layout, tgt_layout = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
-    # as for ridge (`fit.solve_mappers`): a top_k at or above the source's depth means every source layer
-    if top_k is not None and top_k >= src_layout.num_layers:
-        top_k = None
+    top_k = effective_top_k(top_k, src_layout.num_layers)  # as for ridge (`fit.solve_mappers`)
     memory = mlp_fit_nbytes(
         src_layout, tgt_layout, num_tokens["train"], num_tokens["heldout"], top_k, config.mlp_hidden_size,
         config.mlp_num_hidden_layers, config.mlp_per_head, config.mlp_batch_size, feature_dtype,

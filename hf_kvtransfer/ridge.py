@@ -14,6 +14,7 @@ from .stats import KINDS, BlockStatistics, KVStatistics
 
 __all__ = [
     "cholesky_solve",
+    "effective_top_k",
     "feature_index",
     "head_r2",
     "heldout_r2",
@@ -126,6 +127,11 @@ def layer_scores(stats: KVStatistics, ridge_lambda: float = 0.01) -> torch.Tenso
     if isinstance(stats, BlockStatistics):
         return stats.scores_at(ridge_lambda)
     return single_source_r2(stats, ridge_lambda)["mean"]
+
+
+def effective_top_k(top_k: int | None, num_source: int) -> int | None:
+    """A top_k at or above the source's depth means every source layer (None): the default 8 on a shallow source."""
+    return None if top_k is not None and top_k >= num_source else top_k
 
 
 def select_layers(scores: torch.Tensor, top_k: int | None) -> list[list[int]]:

@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch loads on first use: the CLI reads the default lengths below to build `--help`
     import torch
+    from transformers import PreTrainedModel
+
+    from .mapper import KVMapper
 
 # The context lengths `bench` times by default and with --quick.
 DEFAULT_SEQ_LENS = (256, 512, 1024, 2048, 4096, 8192)
@@ -50,4 +53,40 @@ def median_ms(times: Sequence[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
-__all__ = ["DEFAULT_SEQ_LENS", "QUICK_SEQ_LENS", "median_ms", "synchronize", "time_call"]
+def time_to_first_token(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    input_ids: torch.Tensor,
+    *,
+    num_recompute_tokens: int = 1,
+    num_exact_layers: int = 1,
+    repeats: int = 3,
+) -> dict[str, float]:
+    """Median milliseconds to the target's first logits for `input_ids` `[1, T]`: from the source's cache (build the
+    `TransferredCache`, map it, compute the exact layers, run the recomputed tokens) vs the target's own prefill. The
+    source's prefill is not counted: it read the conversation already. One warm-up call each (first-call
+    allocations and kernel selection are not what a server pays per request)."""
+    import torch
+
+    from .cache import TransferredCache
+    from .capture import cache_argument, prefill
+
+    src_cache = prefill(source, input_ids.to(next(source.parameters()).device))
+    device = next(target.parameters()).device
+    ids = input_ids.to(device)
+
+    def from_transfer():
+        cache = TransferredCache(src_cache, mapper, num_recompute_tokens=num_recompute_tokens,
+                                 num_exact_layers=num_exact_layers)  # fmt: skip
+        target(ids[:, -num_recompute_tokens:], use_cache=True, **{cache_argument(target): cache})
+
+    with torch.no_grad():
+        transfer = median_ms(time_call(from_transfer, device, repeats)[0])
+        own = median_ms(time_call(lambda: target(ids, use_cache=True), device, repeats)[0])
+    return {"num_tokens": int(ids.shape[-1]), "num_recompute_tokens": num_recompute_tokens,
+            "num_exact_layers": num_exact_layers, "transfer_ms": transfer, "target_prefill_ms": own,
+            "speedup": own / transfer}  # fmt: skip
+
+
+__all__ = ["DEFAULT_SEQ_LENS", "QUICK_SEQ_LENS", "median_ms", "synchronize", "time_call", "time_to_first_token"]
