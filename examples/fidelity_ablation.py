@@ -11,7 +11,8 @@ Two measures per row and direction (small -> large, large -> small):
 - prefix-conditioned perplexity (`evaluate.prefix_perplexity`, 2 x 128-token windows of heldout.txt):
   floor-normalized retention.
 
-Both use the cache's defaults unless the row changes them: 1 exact layer, 1 recomputed token. The cost column is
+Both use the cache's defaults unless the row changes them: the mapper's exact layers (chosen by its fit's content
+probe, `exact_layers.py`), 1 recomputed token. The cost column is
 the target's time to first token on a `--ttft-len`-token prompt (median of 5, one thread as set by the caller):
 cache construction, mapping, exact layers and recomputed tokens, next to the target's own prefill of that prompt.
 
@@ -39,8 +40,9 @@ from hf_kvtransfer.timing import time_to_first_token
 
 # name: (what it changes, fit_mapper overrides, TransferredCache / evaluation overrides)
 ROWS = {
-    "default": ("defaults: ridge, top_k=8, 1 exact layer, 1 recomputed token", {}, {}),
+    "default": ("defaults: ridge, top_k=8, the exact layers the fit's content probe chose, 1 recomputed token", {}, {}),
     "exact0": ("no exact layer (layer 0 mapped too)", {}, {"num_exact_layers": 0}),
+    "exact1": ("1 exact layer (the default before the content probe)", {}, {"num_exact_layers": 1}),
     "exact2": ("2 exact layers", {}, {"num_exact_layers": 2}),
     "exact3": ("3 exact layers", {}, {"num_exact_layers": 3}),
     "exact4": ("4 exact layers", {}, {"num_exact_layers": 4}),
@@ -157,7 +159,7 @@ def main(argv=None) -> None:
         base_recall = base_nll = None
         for name in rows:
             what, fit_over, cache_over = ROWS[name]
-            if cache_over.get("num_exact_layers", 1) >= tgt.config.num_hidden_layers:
+            if (cache_over.get("num_exact_layers") or 0) >= tgt.config.num_hidden_layers:
                 print(f"{direction} {name}: skipped, the {tgt_name} target has only {tgt.config.num_hidden_layers} layers")
                 continue
             key = json.dumps(fit_over, sort_keys=True)
@@ -169,7 +171,7 @@ def main(argv=None) -> None:
                 mappers[key] = (fit_mapper(src, tgt, str(calibration), tokenizer=tok, progress=False, **over),
                                 time.perf_counter() - t0)
             mapper, fit_s = mappers[key]
-            exact = cache_over.get("num_exact_layers", 1)
+            exact = mapper.resolve_num_exact_layers(cache_over.get("num_exact_layers"))
             # TransferredCache's default: the target recomputes the last context token itself
             recompute = cache_over.get("num_recompute_tokens", 1)
             timing = time_to_first_token(src, tgt, mapper, ttft_ids, num_recompute_tokens=recompute,
@@ -193,6 +195,7 @@ def main(argv=None) -> None:
                 out["recall_own"], out["recall_no_context"] = float(own.mean()), float(none.mean())
             row = {
                 "what": what,
+                "num_exact_layers": exact,
                 "fit_seconds": round(fit_s, 1),
                 "recall_accuracy": float(rec.mean()),
                 "recall_retention": res["retention"],

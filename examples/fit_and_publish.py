@@ -10,6 +10,7 @@ model runs). The best k on held-out text is saved with its evaluation in the con
 import argparse
 from pathlib import Path
 
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_kvtransfer import KVMapper, collect_statistics, solve_mapper
@@ -29,8 +30,8 @@ args = parser.parse_args()
 
 family = find_family(args.family)
 tokenizer = AutoTokenizer.from_pretrained(family / "large")
-source = AutoModelForCausalLM.from_pretrained(family / "small").eval()
-target = AutoModelForCausalLM.from_pretrained(family / "large").eval()
+source = AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval()
+target = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval()
 
 calibration_ids, info = build_calibration(
     tokenizer, family / "calibration.txt", num_sequences=args.num_sequences, seq_len=256

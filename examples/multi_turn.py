@@ -28,8 +28,8 @@ args = parser.parse_args()
 family = find_family(args.family)
 tokenizer = AutoTokenizer.from_pretrained(family / "large")
 models = {
-    "small": AutoModelForCausalLM.from_pretrained(family / "small").eval(),
-    "large": AutoModelForCausalLM.from_pretrained(family / "large").eval(),
+    "small": AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval(),
+    "large": AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval(),
 }
 calibration_ids, _ = build_calibration(tokenizer, family / "calibration.txt", num_sequences=args.num_sequences, seq_len=256)
 mappers = {

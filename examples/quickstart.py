@@ -28,8 +28,9 @@ args = parser.parse_args()
 
 family = find_family(args.family)
 tokenizer = AutoTokenizer.from_pretrained(family / "large")
-source = AutoModelForCausalLM.from_pretrained(family / "small").eval()  # the cheap model that read the context
-target = AutoModelForCausalLM.from_pretrained(family / "large").eval()  # the model that should answer
+# float32: the checkpoints are stored in bf16, which most CPUs run several times slower
+source = AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval()  # the cheap model that read the context
+target = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval()  # the model that should answer
 
 if args.mapper:
     mapper = KVMapper.from_pretrained(args.mapper)

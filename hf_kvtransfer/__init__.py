@@ -16,6 +16,7 @@ _EXPORTS = {
     "collect_statistics": "accumulate",
     "TransferredCache": "cache",
     "capture_kv": "capture",
+    "choose_num_exact_layers": "exact_layers",
     "prefill": "capture",
     "fit_mapper": "fit",
     "fit_mlp_mapper": "fit",
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from .accumulate import collect_statistics
     from .cache import TransferredCache
     from .capture import capture_kv, prefill
+    from .exact_layers import choose_num_exact_layers
     from .fit import fit_mapper, fit_mlp_mapper, solve_mapper
     from .fit_config import FitConfig
     from .hub import MapperHubError
@@ -64,6 +66,7 @@ __all__ = [
     "TransferredCache",
     "__version__",
     "capture_kv",
+    "choose_num_exact_layers",
     "collect_statistics",
     "fit_mapper",
     "fit_mlp_mapper",

@@ -310,13 +310,13 @@ class TransferredCache(DynamicCache):
         input_ids: `[batch, seq]` ids of the prompt the source cache holds. Recorded by `prefill` on its cache and
             read from there when not given. With them, the cache refuses input that does not continue that prompt.
         num_exact_layers: the target's first layers computed by the target itself from the prompt ids instead of
-            mapped (their keys and values depend on little context: layer 0's only on each token and its position),
-            at the cost of that share of a prefill (for layer 0: one layer's K/V projections). Needs the prompt ids
-            (see `input_ids`) and happens when the target first runs on the cache (`convert_all` maps every layer).
-            Default 1: on the earlier bundled family it raised prefix-perplexity retention by +2.6 pp (small ->
-            large) and +1.1 pp (large -> small), paired over 660 windows (`examples/exact_layers_ablation.py`). On
-            the current one, which reads its context, small -> large needs 4 (of 8) to keep passage recall (98% vs
-            1% at the default; `examples/fidelity_ablation.py`, README).
+            mapped, at the cost of that share of a prefill (layer 0's keys and values depend only on each token and
+            its position: one layer's K/V projections). Needs the prompt ids (see `input_ids`) and happens when the
+            target first runs on the cache (`convert_all` maps every layer). Default (None): the mapper's
+            `num_exact_layers`, which a fit chooses as the fewest layers that keep the target's copying from the
+            context (`exact_layers.py`; 1 for mappers that record none). On the bundled family small -> large
+            needs 4 of 8 (passage recall 98% vs 1% with 1) and large -> small all 4: there the mapped last layer
+            loses what the context said, and the target computes everything itself (README).
         compile_rope: strip and apply RoPE through `torch.compile` (one fused kernel instead of four passes):
             6-11% faster transfers on the bundled pair at 4096 tokens on CPU, after a one-off compile of several
             seconds. Off by default.
@@ -339,7 +339,7 @@ class TransferredCache(DynamicCache):
         *,
         strict: bool = False,
         input_ids: torch.Tensor | None = None,
-        num_exact_layers: int = 1,
+        num_exact_layers: int | None = None,
         compile_rope: bool = False,
         revision: str | None = None,
         token: str | bool | None = None,
@@ -378,6 +378,7 @@ class TransferredCache(DynamicCache):
         # The ids of the prompt the source read (None when unknown): the target's input must continue them.
         self.prompt_ids = prompt_ids
         self._first_input_checked = False
+        num_exact_layers = mapper.resolve_num_exact_layers(num_exact_layers)
         if not 0 <= num_exact_layers <= len(self.layers):
             raise ValueError(f"num_exact_layers must be in [0, {len(self.layers)}] (the target's layers), got {num_exact_layers}")
         self.num_exact_layers = num_exact_layers
@@ -501,13 +502,24 @@ class TransferredCache(DynamicCache):
             self._transfer = None
             return
         self._check_prompt(caller, held, fed.shape[-1])
-        if self.num_exact_layers and self.prompt_ids is not None and held > 0 and caller.model is not None:
-            self._compute_exact_layers(caller.model)
+        if self.num_exact_layers and held > 0 and caller.model is not None:
+            prompt = self.prompt_ids
+            if prompt is None and not caller.direct and caller.sequence.shape[0] == self._transfer.batch_size:
+                prompt = caller.sequence  # generate's whole sequence starts with the prompt (checked above)
+            if prompt is None or prompt.shape[-1] < held:
+                warnings.warn(
+                    f"the target's first {self.num_exact_layers} layer(s) are mapped, not computed from the prompt: "
+                    "this cache does not know the prompt's ids; build the source cache with `prefill` or pass "
+                    "`input_ids=` to TransferredCache (or num_exact_layers=0 to map every layer on purpose)",
+                    stacklevel=4,
+                )
+            else:
+                self._compute_exact_layers(caller.model, prompt[:, :held])
 
-    def _compute_exact_layers(self, model: PreTrainedModel) -> None:
+    def _compute_exact_layers(self, model: PreTrainedModel, prompt_ids: torch.Tensor) -> None:
         """The target's own keys and values of its first `num_exact_layers` layers, in place of mapping them."""
         transfer, exact = self._transfer, range(self.num_exact_layers)
-        own = _own_prefix(model, self.prompt_ids[:, : transfer.length], transfer.attention_mask, transfer.rope.position_ids, len(exact))
+        own = _own_prefix(model, prompt_ids, transfer.attention_mask, transfer.rope.position_ids, len(exact))
         for t, kv in zip(exact, own):
             transfer.ahead[t] = kv
         for s, layer in list(transfer.sources.items()):

@@ -74,6 +74,7 @@ def render_model_card(
         target=_model_facts(target_id, config.get("target_revision"), target_fp, "TARGET_MODEL_ID"),
         fit=_fit_facts(config) + _checkpoint_facts(checkpoint),
         calibration=_calibration_facts(calibration),
+        exact=_exact_layer_facts(config, (report or {}).get("exact_layers")),
         layers=_layer_rows(config),
         top_k=config.get("top_k"),
         has_revisions=bool(config.get("source_revision") or config.get("target_revision")),
@@ -184,6 +185,26 @@ def _fit_facts(config: dict) -> list[tuple[str, str]]:
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(config.get("dtype") or "")
     if itemsize and config.get("num_parameters") is not None:
         facts.append(("Weights", f"{config['dtype']}, {config['num_parameters'] * itemsize / 2**20:.2f} MiB"))
+    return facts
+
+
+def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
+    """What `TransferredCache` computes itself with this mapper, and the content probe that chose it."""
+    chosen = config.get("num_exact_layers")
+    num_layers = (config.get("target_fingerprint") or {}).get("num_hidden_layers")
+    facts = []
+    if chosen is not None:
+        facts.append(("Computed by the target (default `num_exact_layers`)", f"its first {chosen} of {num_layers} layers"))
+    if isinstance(probe, dict):
+        if probe.get("reason"):
+            facts.append(("Why", _cell(probe["reason"])))
+        tried = [
+            f"{row['num_exact_layers']}: " + ("n/a" if row.get("retention") is None else f"{100 * row['retention']:.1f}%"
+            + (f" [{100 * row['retention_ci'][0]:.1f}, {100 * row['retention_ci'][1]:.1f}]" if row.get("retention_ci") else ""))
+            for row in probe.get("tried", [])
+        ]  # fmt: skip
+        if tried:
+            facts.append((f"Repeated-span retention by exact layers ({probe.get('num_items')} held-out spans)", "; ".join(tried)))
     return facts
 
 

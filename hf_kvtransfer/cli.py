@@ -180,6 +180,12 @@ def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -
     ]
     if config.get("rank"):
         lines.append("rank:        K/V per target layer " + ", ".join(f"{k}/{v}" for k, v in config["rank"]))
+    exact = config.get("num_exact_layers")
+    lines.append(
+        f"exact:       the target computes its first {1 if exact is None else exact} layer(s) itself"
+        + (" (the default: this mapper records none)" if exact is None else "")
+        + (f"; {(report or {})['exact_layers']['reason']}" if (report or {}).get("exact_layers", {}).get("reason") else "")
+    )
     calibration = config.get("calibration") or {}
     if calibration:
         lines.append("calibration: " + ", ".join(f"{k}={v}" for k, v in sorted(calibration.items()) if v is not None))
@@ -240,6 +246,9 @@ def _add_eval(subparsers) -> None:
     p.add_argument("--max-windows", type=int, default=256, help="perplexity windows, evenly spaced (default 256)")
     p.add_argument("--recompute", type=int, default=0,
                    help="context tokens the target recomputes (default 0; recall and agreement: at least 1)")
+    p.add_argument("--exact-layers", type=int, default=None,
+                   help="the target's first layers computed from the prompt's ids in every transfer (default: the "
+                        "mapper's, chosen by its fit; 0 measures the mapper alone)")
     p.add_argument("--no-continuation", action="store_true", help="skip the continuation task built from --text")
     p.add_argument("--num-items", type=int, default=200, help="continuation-task items (default 200)")
     p.add_argument("--context-len", type=int, default=128, help="continuation-task context tokens (default 128)")
@@ -284,7 +293,7 @@ def _run_eval(args) -> int:
     results = evaluate(
         source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"), tasks=args.tasks,
         num_content_items=args.items, max_new_tokens=args.max_new_tokens, prefix_len=args.prefix_len,
-        max_windows=args.max_windows, num_recompute_tokens=args.recompute,
+        max_windows=args.max_windows, num_recompute_tokens=args.recompute, num_exact_layers=args.exact_layers,
         continuation=not args.no_continuation, context_len=args.context_len, num_items=args.num_items,
         multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,
         batch_size=args.batch_size, seed=args.seed,
@@ -324,9 +333,9 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--num-sequences", type=int, default=64, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (default 256)")
     p.add_argument("--top-k", default=None, help="source layers per target layer (default: fit_mapper's, 8; 'all')")
-    p.add_argument("--exact-layers", type=int, default=1,
+    p.add_argument("--exact-layers", type=int, default=None,
                    help="the target's first layers computed from the prompt's ids instead of mapped "
-                        "(TransferredCache's num_exact_layers; default 1)")
+                        "(TransferredCache's num_exact_layers; default: the mapper's, chosen by its fit)")
     p.add_argument("--prompt", help="prompt text (default: a held-out passage-recall question drawn from --text)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: the answer's length + 2 for a recall question, else 32)")
@@ -370,6 +379,7 @@ _GROUP_TITLES = {
     "solve": "what is solved",
     "data": "calibration data",
     "fit": "the calibration pass",
+    "exact": "exact layers (the target's first layers it computes itself; chosen after the solve)",
     "mlp": "MLP mapper (--mapper mlp; paper: 2 x 1024 ReLU units, Adam, MSE)",
 }
 _SOLVE_FIELDS = ("top_k", "ridge_lambda", "refit", "rank", "mapper_dtype")
@@ -483,6 +493,7 @@ def _print_written(results) -> None:
             f" held-out R^2 K/V {mean(c.heldout_r2_key)}/{mean(c.heldout_r2_value)}"
             + (f" rank {sum(map(sum, c.rank))} total" if c.rank else "")
             + f", {mapper.num_parameters():,} parameters ({next(mapper.parameters()).dtype})".replace("torch.", "")
+            + f", {mapper.num_exact_layers} of {mapper.target_layout.num_layers} target layers computed exactly"
         )
 
 

@@ -77,8 +77,13 @@ def _own_cache(target: PreTrainedModel, ids: torch.Tensor, num_recompute_tokens:
     return prefill(target, ids[:, :held]) if held > 0 else DynamicCache()
 
 
+def _exact_layers(mapper: KVMapper | None, num_exact_layers: int | None) -> int | None:
+    """The exact layers a result reports: the ones its transferred caches computed (None: no transfer)."""
+    return mapper.resolve_num_exact_layers(num_exact_layers) if mapper is not None else None
+
+
 def _transferred(
-    source: PreTrainedModel, mapper: KVMapper, ids: torch.Tensor, num_recompute_tokens: int, num_exact_layers: int
+    source: PreTrainedModel, mapper: KVMapper, ids: torch.Tensor, num_recompute_tokens: int, num_exact_layers: int | None
 ) -> TransferredCache:
     """What a hand-off gives the target: the source's prefill of `ids`, mapped, its last tokens left to the target."""
     return TransferredCache(
@@ -117,7 +122,7 @@ def _lists(per_item: dict[str, np.ndarray]) -> dict[str, list[float]]:
 
 @torch.no_grad()
 def _answer_result(
-    scores: dict[str, dict[str, np.ndarray]], num_recompute_tokens: int, num_exact_layers: int, num_bootstrap: int,
+    scores: dict[str, dict[str, np.ndarray]], num_recompute_tokens: int, num_exact_layers: int | None, num_bootstrap: int,
     seed: int,
 ) -> dict[str, Any]:
     """What recall and hand-off report alike: accuracy and answer NLL per setting, per item, and the retention."""
@@ -158,11 +163,12 @@ def repeated_span_retention(
     items: Sequence[RepeatedSpanItem],
     *,
     num_recompute_tokens: int = 0,
-    num_exact_layers: int = 1,
+    num_exact_layers: int | None = None,
     batch_size: int = 8,
     num_bootstrap: int = 1000,
     seed: int = 0,
     progress: bool = True,
+    reference: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """NLL of a span repeated from the prefix: own prefill vs. transfer vs. the first occurrence replaced.
 
@@ -177,8 +183,11 @@ def repeated_span_retention(
         source, mapper: the transfer; both None measures the target alone (own and no context).
         items: from `tasks.repeated_span_items`; items of equal prefix and continuation lengths share batches.
         num_recompute_tokens: prefix tokens the target computes itself instead of receiving them (0: none).
-        num_exact_layers: the target's first layers computed by the target itself (`TransferredCache`).
+        num_exact_layers: the target's first layers computed by the target itself (default: the mapper's, as in
+            `TransferredCache`).
         num_bootstrap, seed: bootstrap resamples over items for the 95% intervals.
+        reference: an earlier result of this function on the same items with the same `num_recompute_tokens`: its
+            own and no-context NLLs are reused instead of recomputed (they do not depend on the transfer).
 
     Returns:
         `nll` (`{"mean", "ci"}` per setting, nats per repeated token), `nll_per_item` (per setting, same item
@@ -206,6 +215,11 @@ def repeated_span_retention(
                 "use num_recompute_tokens >= 1"
             )
     nll = {name: np.zeros(len(items)) for name in settings}
+    reused = ("own", "no_context") if reference is not None else ()
+    for name in reused:
+        nll[name] = np.asarray(reference["nll_per_item"][name], dtype=np.float64)
+        if nll[name].shape != (len(items),) or reference.get("num_recompute_tokens") != r:
+            raise ValueError("reference must be a result of repeated_span_retention on the same items and num_recompute_tokens")
     bar = tqdm(total=len(items), desc="repeated spans", unit="item", disable=not progress)
     for rows in _groups([(len(it.prefix_ids), len(it.continuation_ids)) for it in items], batch_size):
         batch = [items[i] for i in rows]
@@ -217,7 +231,10 @@ def repeated_span_retention(
         # Fed token k sits at position t - r + k and predicts position t - r + k + 1: continuation token j is
         # predicted at k = r + j - 1, so with r = 0 token 0 is not scored (never in a repeat: validated above).
         first = max(0, 1 - r)
-        caches = {"own": (prefix, _own_cache(target, prefix, r)), "no_context": (control, _own_cache(target, control, r))}
+        caches = {
+            name: (ids, _own_cache(target, ids, r))
+            for name, ids in (("own", prefix), ("no_context", control)) if name not in reused
+        }  # fmt: skip
         if "transfer" in settings:
             caches["transfer"] = (prefix, _transferred(source, mapper, prefix, r, num_exact_layers))
         for name, (context, cache) in caches.items():
@@ -235,7 +252,7 @@ def repeated_span_retention(
         "prefix_len": prefix_lens[0] if len(prefix_lens) == 1 else prefix_lens,
         "scored_tokens_per_item": float(np.mean([sum(it.repeat_mask) for it in items])),
         "num_recompute_tokens": r,
-        "num_exact_layers": num_exact_layers,
+        "num_exact_layers": _exact_layers(mapper, num_exact_layers),
         "nll": _summaries(nll, num_bootstrap, seed),
         "nll_per_item": _lists(nll),
     }
@@ -271,7 +288,7 @@ def passage_recall(
     items: Sequence[PassageRecallItem],
     *,
     num_recompute_tokens: int = 1,
-    num_exact_layers: int = 1,
+    num_exact_layers: int | None = None,
     num_bootstrap: int = 1000,
     seed: int = 0,
     progress: bool = True,
@@ -333,7 +350,7 @@ def passage_recall(
             scores["nll"][name][i], scores["correct"][name][i], scores["value"][name][i] = nll, correct, value
         bar.update(1)
     bar.close()
-    result = _answer_result(scores, num_recompute_tokens, num_exact_layers, num_bootstrap, seed)
+    result = _answer_result(scores, num_recompute_tokens, _exact_layers(mapper, num_exact_layers), num_bootstrap, seed)
     result["passage_value_chance"] = float(np.mean([1 / max(1, len(it.passage_values)) for it in items]))
     result["passage_value_rate"] = _summaries(scores["value"], num_bootstrap, seed)
     return result
@@ -350,7 +367,7 @@ def handoff(
     items: Sequence[HandoffItem],
     *,
     num_recompute_tokens: int = 0,
-    num_exact_layers: int = 1,
+    num_exact_layers: int | None = None,
     num_bootstrap: int = 1000,
     seed: int = 0,
     progress: bool = True,
@@ -405,7 +422,7 @@ def handoff(
             scores["nll"][name][i], scores["correct"][name][i] = nll, correct
         bar.update(1)
     bar.close()
-    result = _answer_result(scores, num_recompute_tokens, num_exact_layers, num_bootstrap, seed)
+    result = _answer_result(scores, num_recompute_tokens, _exact_layers(mapper, num_exact_layers), num_bootstrap, seed)
     result["answerer"] = "source" if source is not None else "target"
     result["q1_accuracy"] = mean_and_ci(q1, num_bootstrap, seed)
     result["q1_correct_per_item"] = q1.tolist()
@@ -424,7 +441,7 @@ def greedy_agreement(
     max_new_tokens: int = 16,
     *,
     num_recompute_tokens: int = 1,
-    num_exact_layers: int = 1,
+    num_exact_layers: int | None = None,
     batch_size: int = 8,
     num_bootstrap: int = 1000,
     seed: int = 0,
@@ -487,7 +504,7 @@ def greedy_agreement(
         "prompt_len": prompt_len,
         "max_new_tokens": max_new_tokens,
         "num_recompute_tokens": num_recompute_tokens,
-        "num_exact_layers": num_exact_layers,
+        "num_exact_layers": _exact_layers(mapper, num_exact_layers),
     }
     result.update(_summaries(per_item, num_bootstrap, seed))
     result.update({f"{name}_per_item": values.tolist() for name, values in per_item.items()})

@@ -60,7 +60,7 @@ def run_demo(
     num_sequences: int = 64,
     seq_len: int = 256,
     top_k: int | str | None = None,
-    num_exact_layers: int = 1,
+    num_exact_layers: int | None = None,
     text: str | os.PathLike | None = None,
     recall_items: int = DEFAULT_RECALL_ITEMS,
     timing_tokens: int = 512,
@@ -73,7 +73,8 @@ def run_demo(
     Without `prompt`, the prompt is a held-out passage-recall question (`tasks.passage_recall_items`, distractors
     from `text`): its answer is only in the passage, so the target can only get it right by *using* the
     transferred context. The retention number is the same measure over `recall_items` such questions.
-    `num_exact_layers` is `TransferredCache`'s: the target's first layers computed from the prompt's ids.
+    `num_exact_layers` is `TransferredCache`'s: the target's first layers computed from the prompt's ids (default:
+    the mapper's, which the fit chose with its content probe, `exact_layers.py`).
 
     Returns:
         A dict with `prompt`, `answers` (`own`, `transfer`, `no_context` text; with the expected `answer` for a
@@ -107,7 +108,13 @@ def run_demo(
     kv_mapper.check_compatible(src_model.config, tgt_model.config)
     result["fit_seconds"] = time.perf_counter() - start
     result["mapper"] = {"top_k": kv_mapper.config.top_k, "ridge_lambda": kv_mapper.config.ridge_lambda,
-                        "calibration_tokens": kv_mapper.config.calibration.get("num_tokens")}
+                        "calibration_tokens": kv_mapper.config.calibration.get("num_tokens"),
+                        "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
+                        "target_layers": kv_mapper.target_layout.num_layers,
+                        "exact_layers_probe_retention": (
+                            kv_mapper.report.get("exact_layers", {}).get("min_retention")
+                            if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
+                        )}
 
     docs = split_documents(Path(text).read_text(encoding="utf-8"), tokenizer.eos_token) if text else []
     items = (
@@ -180,6 +187,10 @@ def format_demo(result: dict[str, Any]) -> str:
         f"target: {result['target']}",
         f"mapper: top_k={m['top_k']} lambda={m['ridge_lambda']} ({m['calibration_tokens']} calibration tokens; "
         f"ready in {result['fit_seconds']:.1f} s)",
+        f"exact layers: the target computes its first {m['num_exact_layers']} of {m['target_layers']} layers from the "
+        f"prompt's ids, the rest are mapped"
+        + (f" (the fit's content probe chose the fewest that keep {m['exact_layers_probe_retention']:.0%} of the "
+           "target's copying from its context)" if m.get("exact_layers_probe_retention") else ""),
         "",
     ]
     answers = result["answers"]

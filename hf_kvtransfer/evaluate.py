@@ -138,7 +138,7 @@ def prefix_perplexity(
     num_bootstrap: int = 1000,
     seed: int = 0,
     progress: bool = True,
-    num_exact_layers: int = 1,
+    num_exact_layers: int | None = None,
 ) -> dict[str, Any]:
     """Prefix-conditioned perplexity (the paper's WikiText-2 protocol) and the diagnostics on the same tokens.
 
@@ -155,8 +155,8 @@ def prefix_perplexity(
         input_ids: `[num_windows, 2 * prefix_len]` token ids (see `text_windows`).
         prefix_len: prefix length T (default: half the window).
         num_recompute_tokens: the last W prefix tokens are recomputed by the target instead of transferred.
-        num_exact_layers: the target's first layers computed by the target itself (`TransferredCache`'s default: 1);
-            0 measures the mapper alone.
+        num_exact_layers: the target's first layers computed by the target itself (default: the mapper's, as in
+            `TransferredCache`); 0 measures the mapper alone.
         diagnostics: also compute logit KL / top-1 agreement against the target's own prefill and the
             per-layer cosine of the target's attention outputs (mapped vs. own KV).
         num_bootstrap: resamples over windows for the 95% confidence intervals.
@@ -225,6 +225,7 @@ def prefix_perplexity(
         "prefix_len": t,
         "scored_tokens_per_window": window - t - 1,
         "num_recompute_tokens": r,
+        "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers),
         "nll": {name: float(v.mean()) for name, v in per_window.items()},
         "perplexity": {name: float(np.exp(v.mean())) for name, v in per_window.items()},
         # per window, for paired comparisons of settings on the same windows
@@ -366,7 +367,10 @@ def multi_turn_drift(
         for i, role in enumerate(roles):
             model = models[role]
             if prev is not None and prev != role:
-                cache = TransferredCache(cache, mappers[(prev, role)], num_recompute_tokens=0)
+                # the conversation so far, so the new model computes its exact layers from the ids
+                cache = TransferredCache(
+                    cache, mappers[(prev, role)], num_recompute_tokens=0, input_ids=ids[:, : i * turn_len].to(model_device(model))
+                )
             chunk = ids[:, i * turn_len : (i + 1) * turn_len].to(model_device(model))
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=REFEED_WARNING)
@@ -473,6 +477,7 @@ def evaluate(
     prefix_len: int = 128,
     max_windows: int | None = 256,
     num_recompute_tokens: int = 0,
+    num_exact_layers: int | None = None,
     continuation: bool = True,
     context_len: int = 128,
     continuation_len: int = 16,
@@ -503,6 +508,8 @@ def evaluate(
         max_windows: cap on perplexity windows (evenly spaced).
         num_recompute_tokens: context tokens the target recomputes (recall and agreement: at least 1, the target
             must be fed the prompt's last token).
+        num_exact_layers: the target's first layers it computes itself in every transfer (default: the mapper's,
+            as in `TransferredCache`).
         continuation: build and score the continuation task from `text` (when `tasks` is None).
         num_items: continuation-task items.
         num_content_items: items of each content task (repeat, recall, handoff, agreement prompts); the
@@ -538,6 +545,7 @@ def evaluate(
             "target": mapper.config.target_model_id,
             "top_k": mapper.config.top_k,
             "ridge_lambda": mapper.config.ridge_lambda,
+            "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers),
             "num_documents": len(docs),
             "num_tokens": sum(len(d) for d in docs),
             "seed": seed,
@@ -546,10 +554,11 @@ def evaluate(
     }
     content = _content_items(tokenizer, documents, docs, selected, num_content_items, prefix_len, seed)
     common = dict(num_bootstrap=num_bootstrap, seed=seed, progress=progress)
+    exact = dict(num_exact_layers=num_exact_layers)  # the tasks that hand the target a prompt's transferred cache
     if "perplexity" in selected:
         windows = text_windows(docs, 2 * prefix_len, max_windows)
         results["prefix_perplexity"] = prefix_perplexity(
-            source, target, mapper, windows, prefix_len, num_recompute_tokens, batch_size, **common
+            source, target, mapper, windows, prefix_len, num_recompute_tokens, batch_size, **exact, **common
         )
         results["kv_r2"] = kv_r2(source, target, mapper, windows[:, :prefix_len], batch_size, progress=progress)
     if "continuation" in selected:
@@ -559,22 +568,22 @@ def evaluate(
     if "repeat" in selected:
         results["repeated_span"] = repeated_span_retention(
             source, target, mapper, content["repeat"], num_recompute_tokens=num_recompute_tokens, batch_size=batch_size,
-            **common,
+            **exact, **common,
         )  # fmt: skip
     # Recall and agreement predict from the prompt's last position, which the target must be fed itself.
     fed = max(1, num_recompute_tokens)
     if "recall" in selected:
         results["passage_recall"] = passage_recall(
-            source, target, mapper, content["recall"], num_recompute_tokens=fed, **common
+            source, target, mapper, content["recall"], num_recompute_tokens=fed, **exact, **common
         )
     if "handoff" in selected:
         results["handoff"] = handoff(
-            source, target, mapper, content["handoff"], num_recompute_tokens=num_recompute_tokens, **common
+            source, target, mapper, content["handoff"], num_recompute_tokens=num_recompute_tokens, **exact, **common
         )
     if "agreement" in selected:
         results["greedy_agreement"] = greedy_agreement(
             source, target, mapper, content["agreement"], max_new_tokens, num_recompute_tokens=fed,
-            batch_size=batch_size, **common,
+            batch_size=batch_size, **exact, **common,
         )  # fmt: skip
     if "multiple-choice" in selected:
         results["multiple_choice"] = multiple_choice(source, target, mapper, multiple_choice_items, **common)

@@ -33,6 +33,7 @@ from .fit_config import (
     parse_top_k,
     resolve_config,
 )
+from .exact_layers import choose_num_exact_layers, probe_stream
 from .lowrank import lowrank_mapper, reduced_rank_heldout_r2
 from .mapper import KVMapper, MapperConfig
 from .mlp import fit_mlp
@@ -365,7 +366,8 @@ def fit_mapper(
     if info:
         mapper_kwargs.setdefault("calibration", info)
     if config.mapper_type == "mlp":
-        return fit_mlp(source, target, ids, mask, config, log=log, **mapper_kwargs)
+        mapper = fit_mlp(source, target, ids, mask, config, log=log, **mapper_kwargs)
+        return with_exact_layers(source, target, mapper, ids, mask, config, log)
     metadata = {"calibration": mapper_kwargs.pop("calibration")} if "calibration" in mapper_kwargs else None
     train, heldout = run_fit_pass(source, target, ids, mask, config, metadata=metadata, log=log)
     logger.info("calibration pass: %.1f s", time.perf_counter() - started)
@@ -374,7 +376,46 @@ def fit_mapper(
         train, heldout, top_k=config.top_k_values, ridge_lambda=list(config.ridge_lambda), refit=config.refit,
         dtype=config.torch_mapper_dtype, **config.rank_kwargs, **mapper_kwargs,
     )  # fmt: skip
+    mappers = {name: with_exact_layers(source, target, m, ids, mask, config, log) for name, m in mappers.items()}
     return mappers if config.several else next(iter(mappers.values()))
+
+
+def with_exact_layers(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    config: FitConfig,
+    log: Callable[[str], None] | None = None,
+) -> KVMapper:
+    """`mapper` with `config.num_exact_layers` recorded: a given number as is, "auto" from the content probe
+    (`exact_layers.choose_num_exact_layers`) on the held-out calibration sequences (all of them without a
+    held-out shard), its table in `mapper.report["exact_layers"]`."""
+    if config.num_exact_layers != "auto":
+        mapper.config = dataclasses.replace(mapper.config, num_exact_layers=config.num_exact_layers)
+        return mapper
+    num_heldout = heldout_count(input_ids.shape[0], config.heldout_fraction)
+    rows = slice(-num_heldout, None) if num_heldout else slice(None)
+    mask = attention_mask[rows] if attention_mask is not None else None
+    started = time.perf_counter()
+    with torch.no_grad():
+        chosen, report = choose_num_exact_layers(
+            source, target, mapper, probe_stream(input_ids[rows], mask), min_retention=config.exact_layers_retention,
+            num_items=config.exact_layers_items, progress=config.progress,
+        )  # fmt: skip
+    report["probe_sequences"] = "held-out" if num_heldout else "all calibration sequences (no held-out shard)"
+    mapper.config = dataclasses.replace(mapper.config, num_exact_layers=chosen)
+    mapper.report = {**mapper.report, "exact_layers": report}
+    tried = ", ".join(
+        f"{row['num_exact_layers']}: {'n/a' if row['retention'] is None else format(row['retention'], '.0%')}"
+        for row in report["tried"]
+    )
+    (log or logger.info)(
+        f"exact layers: {mapper.num_exact_layers} of {mapper.target_layout.num_layers} ({report['reason']}; probe "
+        f"retention by exact layers {tried}; {time.perf_counter() - started:.0f} s)"
+    )
+    return mapper
 
 
 def fit_mlp_mapper(
@@ -404,4 +445,5 @@ __all__ = [
     "ridge_mapper",
     "solve_mapper",
     "solve_mappers",
+    "with_exact_layers",
 ]

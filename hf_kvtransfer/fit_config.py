@@ -78,6 +78,20 @@ def parse_ridge_lambda(ridge_lambda) -> list[float | str]:
     return list(dict.fromkeys(out))
 
 
+def parse_num_exact_layers(value) -> int | str:
+    """`"auto"`, `4`, `"4"` -> "auto" or an int >= 0."""
+    if value == "auto":
+        return value
+    if not isinstance(value, bool):
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            number = -1
+        if number >= 0 and str(number) == str(value).strip():
+            return number
+    raise ValueError(f"num_exact_layers must be 'auto' or an integer >= 0 (the target's first layers), got {value!r}")
+
+
 def parse_rank_spec(spec: str) -> dict[str, Any]:
     """'full' | '16' | 'energy=0.99' | 'budget=0.25', optionally '@bf16' / '@fp16' / '@fp32' (the mapper's weight
     and compute dtype) -> `solve_mapper` keyword arguments (`rank`, `energy`, `size_budget`, `dtype`)."""
@@ -169,6 +183,14 @@ class FitConfig:
     mapper_type: str = field(default="ridge", metadata=_opt(
         "ridge (closed form, default) or mlp: an MLP per target layer and K|V, by default a residual on top of "
         "ridge with early stopping on the held-out sequences", cli="--mapper", choices=MAPPER_KINDS))  # fmt: skip
+    num_exact_layers: Any = field(default="auto", metadata=_opt(
+        "the target's first layers TransferredCache computes itself with this mapper: 'auto' (default) = the fewest "
+        "that keep --exact-layers-retention of the target's copying from its context on held-out calibration "
+        "text (exact_layers.py), or a number (no probe)", cli="--exact-layers", group="exact"))  # fmt: skip
+    exact_layers_retention: float = field(default=0.9, metadata=_opt(
+        "repeated-span retention 'auto' must reach (default 0.9)", group="exact"))
+    exact_layers_items: int = field(default=64, metadata=_opt(
+        "repeated spans in the probe (default 64)", group="exact"))
     # -- calibration data
     dataset: str | None = field(default=None, metadata=_opt(
         "Hub dataset id (streamed) or local .txt/.jsonl/.parquet file or directory (default "
@@ -225,8 +247,11 @@ class FitConfig:
         set_ = object.__setattr__  # frozen: normalise in place once
         set_(self, "top_k", tuple("all" if k is None else k for k in parse_top_k(self.top_k)))
         set_(self, "ridge_lambda", tuple(parse_ridge_lambda(self.ridge_lambda)))
+        set_(self, "num_exact_layers", parse_num_exact_layers(self.num_exact_layers))
+        if not 0 < self.exact_layers_retention <= 1:
+            raise ValueError(f"exact_layers_retention must be in (0, 1], got {self.exact_layers_retention}")
         for name in ("stride", "batch_size", "num_sequences", "checkpoint_every", "probe_tokens", "mlp_hidden_size",
-                     "mlp_num_hidden_layers", "mlp_batch_size"):  # fmt: skip
+                     "mlp_num_hidden_layers", "mlp_batch_size", "exact_layers_items"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -379,6 +404,7 @@ __all__ = [
     "RIDGE_LAMBDA_CANDIDATES",
     "heldout_count",
     "mapper_name",
+    "parse_num_exact_layers",
     "parse_rank_spec",
     "parse_ridge_lambda",
     "parse_top_k",

@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 # Fields older versions kept in config.json that now live in the run report.
 _REPORT_FIELDS = ("eval_results", "model_selection")
 
+# `TransferredCache`'s number of exact layers for a mapper that records none (fit before the content probe, or
+# solved from statistics without the models): layer 0's keys and values depend only on each token and its position.
+DEFAULT_NUM_EXACT_LAYERS = 1
+
 # Config fields that fix tensor shapes: a mismatch there can never work.
 _SHAPE_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
 
@@ -80,6 +84,9 @@ class MapperConfig:
         rank: `[key_rank, value_rank]` per target layer of a "lowrank" mapper (`lowrank.py`).
         mlp: architecture of an "mlp" mapper's maps (hidden_size, num_hidden_layers, residual, per_head,
             activation).
+        num_exact_layers: the target's first layers `TransferredCache` computes itself with this mapper unless told
+            otherwise: the fewest that keep the content probe's retention (`exact_layers.py`, chosen by the fit),
+            or a number given to the fit. None: `DEFAULT_NUM_EXACT_LAYERS`.
         num_parameters / dtype: size and weight dtype as saved (filled in by `save_pretrained`, for the card).
     """
 
@@ -102,6 +109,7 @@ class MapperConfig:
     calibration: dict[str, Any] = field(default_factory=dict)
     mlp: dict[str, Any] | None = None
     rank: list[list[int]] | None = None
+    num_exact_layers: int | None = None
     num_parameters: int | None = None
     dtype: str | None = None
     license: str = "apache-2.0"
@@ -137,6 +145,8 @@ class MapperConfig:
                 raise ValueError(f"{name} has {len(value)} entries, expected {num_target} (one per target layer)")
         if self.ridge_lambda < 0:
             raise ValueError(f"ridge_lambda must be >= 0, got {self.ridge_lambda}")
+        if self.num_exact_layers is not None and not 0 <= self.num_exact_layers <= num_target:
+            raise ValueError(f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {self.num_exact_layers}")
         if self.rank is not None and self.mapper_type != "lowrank":
             raise ValueError(f"rank applies to 'lowrank' mappers only, got mapper_type={self.mapper_type!r}")
         layer_map_class(self.mapper_type).validate_config(self)
@@ -206,6 +216,17 @@ class KVMapper(nn.Module):
     @property
     def target_layout(self) -> KVLayout:
         return self.config.target_layout
+
+    @property
+    def num_exact_layers(self) -> int:
+        """The target layers `TransferredCache` computes itself by default with this mapper (`config.num_exact_layers`,
+        else `DEFAULT_NUM_EXACT_LAYERS`)."""
+        recorded = self.config.num_exact_layers
+        return DEFAULT_NUM_EXACT_LAYERS if recorded is None else recorded
+
+    def resolve_num_exact_layers(self, requested: int | None) -> int:
+        """What a caller's `num_exact_layers` means with this mapper: None is the mapper's own number."""
+        return self.num_exact_layers if requested is None else requested
 
     @cached_property
     def source_model_config(self) -> PreTrainedConfig:

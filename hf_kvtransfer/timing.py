@@ -60,13 +60,15 @@ def time_to_first_token(
     input_ids: torch.Tensor,
     *,
     num_recompute_tokens: int = 1,
-    num_exact_layers: int = 1,
+    num_exact_layers: int | None = None,
     repeats: int = 3,
 ) -> dict[str, float]:
     """Median milliseconds to the target's first logits for `input_ids` `[1, T]`: from the source's cache (build the
     `TransferredCache`, map it, compute the exact layers, run the recomputed tokens) vs the target's own prefill. The
     source's prefill is not counted: it read the conversation already. One warm-up call each (first-call
     allocations and kernel selection are not what a server pays per request)."""
+    import inspect
+
     import torch
 
     from .cache import TransferredCache
@@ -76,16 +78,20 @@ def time_to_first_token(
     device = next(target.parameters()).device
     ids = input_ids.to(device)
 
+    # Both as `generate` runs them: logits of the last position only (`logits_to_keep=1`), not the vocabulary
+    # projection of every prompt token (about half the compute of the bundled small model's prefill).
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+
     def from_transfer():
         cache = TransferredCache(src_cache, mapper, num_recompute_tokens=num_recompute_tokens,
                                  num_exact_layers=num_exact_layers)  # fmt: skip
-        target(ids[:, -num_recompute_tokens:], use_cache=True, **{cache_argument(target): cache})
+        target(ids[:, -num_recompute_tokens:], use_cache=True, **keep, **{cache_argument(target): cache})
 
     with torch.no_grad():
         transfer = median_ms(time_call(from_transfer, device, repeats)[0])
-        own = median_ms(time_call(lambda: target(ids, use_cache=True), device, repeats)[0])
+        own = median_ms(time_call(lambda: target(ids, use_cache=True, **keep), device, repeats)[0])
     return {"num_tokens": int(ids.shape[-1]), "num_recompute_tokens": num_recompute_tokens,
-            "num_exact_layers": num_exact_layers, "transfer_ms": transfer, "target_prefill_ms": own,
+            "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers), "transfer_ms": transfer, "target_prefill_ms": own,
             "speedup": own / transfer}  # fmt: skip
 
 

@@ -283,6 +283,14 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                 f"engine serves {getattr(self.model_config, '_name_or_path', 'a model')} with {want}; load the mapper "
                 "made for this target model"
             )
+        if mapper.config.num_exact_layers is not None and mapper.config.num_exact_layers > 1:
+            # The engine's own layers cannot run on the transferred prompt from here: every layer is mapped.
+            logger.warning(
+                "mapper %s records %d exact layers (its fit found that mapping the target's first %d layers loses "
+                "what the context said: fit_report.json 'exact_layers'); this connector maps every layer, so the "
+                "target engine continues with less of the context than TransferredCache gives",
+                self.mapper_id, mapper.config.num_exact_layers, mapper.config.num_exact_layers,
+            )  # fmt: skip
         self._mapper = mapper.eval()
 
     def _entry_dir(self, key: str) -> Path:

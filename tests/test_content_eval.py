@@ -78,7 +78,7 @@ def test_retention_over_items_matches_numpy():
 
 
 @pytest.mark.parametrize("recompute", [0, 2])
-def test_repeated_spans_match_plain_forward(model, identity, recompute):
+def test_repeated_spans_match_plain_forward(model, identity, broken, recompute):
     stream = random_ids(1, 400, seed=4)[0].tolist()
     items = repeated_span_items(VOCAB, stream, 5, seed=1, prefix_len=24, continuation_len=12, span_len=6,
                                 repeat_offset=2, special_ids=range(len(SPECIALS)))  # fmt: skip
@@ -95,6 +95,16 @@ def test_repeated_spans_match_plain_forward(model, identity, recompute):
     assert res["nll_per_item"]["transfer"] == pytest.approx(res["nll_per_item"]["own"], abs=1e-4)
     assert res["num_items"] == 5 and res["scored_tokens_per_item"] == 5
     json.dumps(res)
+    # Another mapper on the same items, reusing the target's own and no-context scores: those stay the plain
+    # forward's, the transfer is its own.
+    again = repeated_span_retention(model, model, broken, items, num_recompute_tokens=recompute, batch_size=2,
+                                    num_bootstrap=50, progress=False, reference=res)  # fmt: skip
+    for name in ("own", "no_context"):
+        assert again["nll_per_item"][name] == pytest.approx(res["nll_per_item"][name], abs=1e-12)
+    assert again["nll_per_item"]["transfer"] != pytest.approx(res["nll_per_item"]["own"], abs=1e-2)
+    with pytest.raises(ValueError, match="same items and num_recompute_tokens"):
+        repeated_span_retention(model, model, broken, items[:3], num_recompute_tokens=recompute, progress=False,
+                                reference=res)  # fmt: skip
 
 
 def _recall_items(model, count=6):

@@ -70,16 +70,18 @@ def test_fit_and_publish_saves_a_loadable_mapper(fitted_mapper):
 
 
 def test_demo_without_arguments(tmp_path):
-    out = _run([sys.executable, str(EXAMPLES / "demo.py"), "--recall-items", "8", "--exact-layers", "2",
-                "--json", str(tmp_path / "demo.json")])  # fmt: skip
+    out = _run([sys.executable, str(EXAMPLES / "demo.py"), "--recall-items", "8", "--json", str(tmp_path / "demo.json")])
     assert "target on the transferred cache" in out and "recall" in out and "Q: " in out
     result = json.loads((tmp_path / "demo.json").read_text())
     # the demo's question is the first recall item; its answer is stated in the prompt's passage
     assert f"``{result['answer']}``" in result["prompt"]
     assert set(result["answers"]) == {"own", "transfer", "no_context"}
     assert result["recall"]["num_items"] == 8 and result["timing"]["transfer_ms"] > 0
-    assert result["recall"]["num_exact_layers"] == result["timing"]["num_exact_layers"] == 2
-    assert "2 exact layer(s)" in out
+    # the exact layers are the ones the demo's fit chose with its content probe, used by every part of the demo
+    chosen = result["mapper"]["num_exact_layers"]
+    assert result["mapper"]["exact_layers_probe_retention"] == 0.9 and 1 <= chosen <= 8
+    assert result["recall"]["num_exact_layers"] == result["timing"]["num_exact_layers"] == chosen
+    assert f"first {chosen} of 8 layers" in out and f"{chosen} exact layer(s)" in out and "content probe chose" in out
 
 
 def test_eval_command(tmp_path, fitted_mapper):
@@ -145,6 +147,7 @@ def test_fidelity_ablation(tmp_path):
     assert "large-small exact2" in out and "large-small exact6: skipped" in out  # small has 4 layers
     rows = json.loads((tmp_path / "a.json").read_text())["directions"]["large-small"]["rows"]
     assert set(rows) == {"default", "exact2"} and "ppl_diff_ci" in rows["exact2"]
+    assert rows["exact2"]["num_exact_layers"] == 2 and isinstance(rows["default"]["num_exact_layers"], int)
     assert all(row["ttft_ms"] > 0 for row in rows.values())
     out = _run([sys.executable, str(EXAMPLES / "fidelity_ablation.py"), "--rows", "default,recompute8", "--ttft-only",
                 "--items", "2", "--windows", "2", "--directions", "large-small", "--num-sequences", "4", "--ttft-len",

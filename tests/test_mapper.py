@@ -18,8 +18,12 @@ def test_save_load_round_trip(identity_mapper, qwen3_model, tmp_path):
     identity_mapper.save_pretrained(tmp_path / "m")
     assert identity_mapper.config == given  # saving does not touch the mapper's config
     files = sorted(p.name for p in (tmp_path / "m").iterdir())
-    assert files == ["README.md", "config.json", "model.safetensors"]
+    assert files == ["README.md", "config.json", "fit_report.json", "model.safetensors"]
+    # the fit's exact-layer probe had too few held-out tokens here: it says so and records no number
+    report = json.loads((tmp_path / "m" / "fit_report.json").read_text())["exact_layers"]
+    assert report["chosen"] is None and "too few" in report["reason"]
     config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["num_exact_layers"] is None
     assert config["library_version"] and config["selected_layers"] == [[0], [1], [2]]
     assert config["target_fingerprint"]["num_key_value_heads"] == 2
     loaded = KVMapper.from_pretrained(tmp_path / "m")

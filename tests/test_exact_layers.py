@@ -1,0 +1,139 @@
+"""The fit's exact-layer choice (`exact_layers.py`): the content probe, its wiring into fits, and what the cache does
+with the recorded number."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import exact_identity_mapper, random_ids
+from hf_kvtransfer import FitConfig, TransferredCache, fit_mapper, prefill
+from hf_kvtransfer.exact_layers import choose_num_exact_layers, probe_stream
+from hf_kvtransfer.mapper import DEFAULT_NUM_EXACT_LAYERS
+
+
+def _bundled_family():
+    from hf_kvtransfer.demo import find_family
+
+    try:
+        return find_family(Path(__file__).resolve().parent.parent / "examples" / "family")
+    except FileNotFoundError:
+        pytest.skip("bundled family not in examples/family (python examples/train_family.py --output-dir examples/family)")
+
+
+@pytest.fixture(scope="module")
+def family_models():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    family = _bundled_family()
+    tok = AutoTokenizer.from_pretrained(family / "large")
+    models = {name: AutoModelForCausalLM.from_pretrained(family / name, dtype=torch.float32).eval() for name in ("small", "large")}
+    stream = tok((family / "heldout.txt").read_text(encoding="utf-8")[:60_000], verbose=False)["input_ids"]
+    return models, stream
+
+
+def _broken_at(model, layer: int):
+    """An exact identity mapper `model` -> `model` except target layer `layer`, whose keys and values are mapped to
+    zero: the target's copying survives exactly when that layer is computed, not mapped."""
+    mapper = exact_identity_mapper(model)
+    with torch.no_grad():
+        for kind in ("key", "value"):
+            getattr(mapper.layers[layer], kind).weight.zero_()
+    return mapper
+
+
+@pytest.mark.parametrize("name", ["large", "small"])
+def test_probe_picks_the_layers_below_and_including_the_broken_one(family_models, name):
+    # Ground truth by construction: every layer but 3 is mapped exactly, so computing layers 0-3 gives the target its
+    # own cache (retention 1) and fewer leave zeroed keys and values in layer 3, the one both bundled models copy
+    # through (zeroing any other layer of the large one keeps >= 88% of its copying). For the 4-layer small model
+    # that is every layer: the probe says no prefill is saved.
+    models, stream = family_models
+    model, broken = models[name], 3
+    chosen, report = choose_num_exact_layers(model, model, _broken_at(model, broken), stream, num_items=16, prefix_len=128)
+    tried = {row["num_exact_layers"]: row["retention"] for row in report["tried"]}
+    assert report["copy_gain"]["mean"] > 1.0, report  # the bundled large model copies repeated text
+    assert chosen == broken + 1, report
+    assert tried[DEFAULT_NUM_EXACT_LAYERS] < 0.9
+    for k, retention in tried.items():
+        if k > broken:
+            assert retention == pytest.approx(1.0, abs=1e-3), report
+    assert ("whole cache" in report["reason"]) == (chosen == model.config.num_hidden_layers)
+    # the mapper's card shows the choice and the probe's table
+    from dataclasses import replace
+
+    from hf_kvtransfer.card import render_model_card
+
+    mapper = _broken_at(model, broken)
+    card = str(render_model_card(replace(mapper.config, num_exact_layers=chosen).to_dict(), report={"exact_layers": report}))
+    layers = model.config.num_hidden_layers
+    assert f"its first {chosen} of {layers} layers" in card and f"1: {100 * tried[1]:.1f}%" in card, card
+
+
+def test_probe_declines_when_the_target_does_not_copy(qwen3_model):
+    # A random-weight model gains nothing from a repeated span: no content to keep, no number recorded.
+    mapper = exact_identity_mapper(qwen3_model)
+    chosen, report = choose_num_exact_layers(qwen3_model, qwen3_model, mapper, random_ids(1, 2000, seed=3)[0], num_items=8)
+    assert chosen is None and "barely copies" in report["reason"], report
+    assert len(report["tried"]) == 1  # one candidate measures the gain; no bisection on noise
+    assert probe_stream(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0, 1, 1], [1, 1, 0]])) == [2, 3, 4, 5]
+
+
+def test_fit_records_a_given_number_and_the_cache_uses_it(qwen3_model, calibration_ids, tmp_path):
+    mapper = fit_mapper(qwen3_model, qwen3_model, calibration_ids, top_k=1, num_exact_layers=2, progress=False)
+    assert mapper.config.num_exact_layers == 2 and "exact_layers" not in mapper.report  # given: no probe
+    mapper.save_pretrained(tmp_path / "m")
+    assert "its first 2 of 3 layers" in (tmp_path / "m" / "README.md").read_text()
+    ids = random_ids(1, 12, seed=5)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper)
+    assert cache.num_exact_layers == 2
+    assert TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=0).num_exact_layers == 0
+    # what the cache computes: the target's own layers 0-1 (the fit here maps the model onto itself imperfectly)
+    with torch.no_grad():
+        qwen3_model(ids[:, -1:], cache=cache)
+        own = prefill(qwen3_model, ids[:, :-1])
+    for t in range(2):
+        torch.testing.assert_close(cache.layers[t].keys[:, :, :-1], own.layers[t].keys, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(cache.layers[2].keys[:, :, :-1], own.layers[2].keys, atol=1e-6)
+
+
+def test_fit_config_num_exact_layers_grammar():
+    assert FitConfig().num_exact_layers == "auto"
+    assert FitConfig(num_exact_layers="3").num_exact_layers == 3
+    for bad in ("-1", "two", 1.5, True):
+        with pytest.raises(ValueError, match="num_exact_layers must be 'auto' or an integer"):
+            FitConfig(num_exact_layers=bad)
+    with pytest.raises(ValueError, match="exact_layers_retention"):
+        FitConfig(exact_layers_retention=1.5)
+
+
+def test_mapper_config_rejects_more_exact_layers_than_the_target_has(qwen3_model):
+    from dataclasses import replace
+
+    mapper = exact_identity_mapper(qwen3_model)
+    assert mapper.config.num_exact_layers is None and mapper.num_exact_layers == DEFAULT_NUM_EXACT_LAYERS
+    with pytest.raises(ValueError, match=r"num_exact_layers must be in \[0, 3\]"):
+        replace(mapper.config, num_exact_layers=4)
+
+
+def test_exact_layers_without_prompt_ids_come_from_generate_or_warn(qwen3_model):
+    # Layers 0-1 map to zero: only computing them gives the target's own keys there.
+    mapper = exact_identity_mapper(qwen3_model)
+    with torch.no_grad():
+        for layer in mapper.layers[:2]:
+            layer.key.weight.zero_()
+            layer.value.weight.zero_()
+    ids = random_ids(1, 10, seed=7)
+    src = prefill(qwen3_model, ids)
+    bare = tuple((layer.keys, layer.values) for layer in src.layers)  # a legacy cache: no prompt ids recorded
+    without = TransferredCache(bare, mapper, num_exact_layers=2)
+    assert without.prompt_ids is None
+    qwen3_model.generate(ids, cache=without, max_new_tokens=2, do_sample=False)
+    own = prefill(qwen3_model, ids[:, :-1])
+    for t in range(2):  # generate's sequence gave the ids: the exact layers were computed, not mapped to zero
+        torch.testing.assert_close(without.layers[t].keys[:, :, :9], own.layers[t].keys, rtol=1e-5, atol=1e-5)
+    direct = TransferredCache(bare, mapper, num_exact_layers=2)
+    with pytest.warns(UserWarning, match="mapped, not computed from the prompt"):
+        with torch.no_grad():
+            qwen3_model(ids[:, -1:], cache=direct)
+    assert direct.layers[0].keys[:, :, :9].abs().max() == 0  # mapped (to zero), as the warning says
