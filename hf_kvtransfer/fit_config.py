@@ -89,7 +89,9 @@ def parse_num_exact_layers(value) -> int | str:
             number = -1
         if number >= 0 and str(number) == str(value).strip():
             return number
-    raise ValueError(f"num_exact_layers must be 'auto' or an integer >= 0 (the target's first layers), got {value!r}")
+    raise ValueError(
+        f"num_exact_layers (--exact-layers) must be 'auto' or an integer >= 0 (the target's first layers), got {value!r}"
+    )
 
 
 def parse_rank_spec(spec: str) -> dict[str, Any]:
@@ -186,11 +188,11 @@ class FitConfig:
     num_exact_layers: Any = field(default="auto", metadata=_opt(
         "the target's first layers TransferredCache computes itself with this mapper: 'auto' (default) = the fewest "
         "that keep --exact-layers-retention of the target's copying from its context on held-out calibration "
-        "text (exact_layers.py), or a number (no probe)", cli="--exact-layers", group="exact"))  # fmt: skip
+        "text (exact_layers.py), or a number (no probe)", cli="--exact-layers", group="exact", metavar="N|auto"))  # fmt: skip
     exact_layers_retention: float = field(default=0.9, metadata=_opt(
-        "repeated-span retention 'auto' must reach (default 0.9)", group="exact"))
+        "repeated-span retention 'auto' must reach (default 0.9)", group="exact", metavar="FRACTION"))
     exact_layers_items: int = field(default=64, metadata=_opt(
-        "repeated spans in the probe (default 64)", group="exact"))
+        "repeated spans in the probe (default 64)", group="exact", metavar="N"))
     # -- calibration data
     dataset: str | None = field(default=None, metadata=_opt(
         "Hub dataset id (streamed) or local .txt/.jsonl/.parquet file or directory (default "

@@ -1,6 +1,7 @@
 """The fit's exact-layer choice (`exact_layers.py`): the content probe, its wiring into fits, and what the cache does
 with the recorded number."""
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,7 @@ def test_fit_config_num_exact_layers_grammar():
     assert FitConfig().num_exact_layers == "auto"
     assert FitConfig(num_exact_layers="3").num_exact_layers == 3
     for bad in ("-1", "two", 1.5, True):
-        with pytest.raises(ValueError, match="num_exact_layers must be 'auto' or an integer"):
+        with pytest.raises(ValueError, match="must be 'auto' or an integer"):
             FitConfig(num_exact_layers=bad)
     with pytest.raises(ValueError, match="exact_layers_retention"):
         FitConfig(exact_layers_retention=1.5)
@@ -132,6 +133,15 @@ def test_exact_layers_without_prompt_ids_come_from_generate_or_warn(qwen3_model)
     own = prefill(qwen3_model, ids[:, :-1])
     for t in range(2):  # generate's sequence gave the ids: the exact layers were computed, not mapped to zero
         torch.testing.assert_close(without.layers[t].keys[:, :, :9], own.layers[t].keys, rtol=1e-5, atol=1e-5)
+    # beam search repeats each prompt row: the ids are still generate's, one row per source row
+    beams = TransferredCache(bare, mapper, num_exact_layers=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qwen3_model.generate(ids, cache=beams, max_new_tokens=2, num_beams=2, do_sample=False)
+    assert not [w for w in caught if "mapped, not computed" in str(w.message)]
+    for t in range(2):
+        for row in range(2):
+            torch.testing.assert_close(beams.layers[t].keys[row : row + 1, :, :9], own.layers[t].keys, rtol=1e-5, atol=1e-5)
     direct = TransferredCache(bare, mapper, num_exact_layers=2)
     with pytest.warns(UserWarning, match="mapped, not computed from the prompt"):
         with torch.no_grad():
