@@ -504,7 +504,7 @@ class TransferredCache(DynamicCache):
         self._check_prompt(caller, held, fed.shape[-1])
         if self.num_exact_layers and held > 0 and caller.model is not None:
             prompt = self.prompt_ids
-            rows = caller.sequence.shape[0] if caller.sequence is not None else 0
+            rows = caller.sequence.shape[0]
             if prompt is None and not caller.direct and rows % self._transfer.batch_size == 0:
                 # generate's whole sequence starts with the prompt (checked above); beam search and
                 # num_return_sequences repeat each row in place (repeat_interleave): take one of each

@@ -180,9 +180,11 @@ def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -
     ]
     if config.get("rank"):
         lines.append("rank:        K/V per target layer " + ", ".join(f"{k}/{v}" for k, v in config["rank"]))
+    from .mapper import DEFAULT_NUM_EXACT_LAYERS
+
     exact = config.get("num_exact_layers")
     lines.append(
-        f"exact:       the target computes its first {1 if exact is None else exact} layer(s) itself"
+        f"exact:       the target computes its first {DEFAULT_NUM_EXACT_LAYERS if exact is None else exact} layer(s) itself"
         + (" (the default: this mapper records none)" if exact is None else "")
         + (f"; {(report or {})['exact_layers']['reason']}" if (report or {}).get("exact_layers", {}).get("reason") else "")
     )

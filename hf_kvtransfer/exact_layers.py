@@ -109,26 +109,25 @@ def choose_num_exact_layers(
     )  # fmt: skip
     report["prefix_len"] = prefix_len
 
-    first_result: dict[str, Any] = {}
+    baseline: dict[str, Any] | None = None  # the target's own and no-context scores do not depend on k
 
     def retention(k: int) -> float | None:
+        nonlocal baseline
         r = repeated_span_retention(
             source, target, mapper, items, num_recompute_tokens=1, num_exact_layers=k, progress=progress,
-            reference=first_result or None,  # the target's own and no-context scores: computed once
+            reference=baseline,
         )  # fmt: skip
-        first_result.update(first_result or r)
-        gain = r["context_gain"]
-        report.setdefault("copy_gain", gain)
+        baseline = baseline or r
         report["tried"].append({"num_exact_layers": k, "retention": r["retention"], "retention_ci": r["retention_ci"]})
-        if gain["mean"] < MIN_COPY_GAIN or gain["ci"][0] <= 0:
-            return None
         return r["retention"]
 
     first = retention(DEFAULT_NUM_EXACT_LAYERS)
-    if first is None:
+    gain = report["copy_gain"] = baseline["context_gain"]
+    if first is None or gain["mean"] < MIN_COPY_GAIN or gain["ci"][0] <= 0:
         report["reason"] = (
-            f"the target barely copies from its context on the probe (NLL gain {report['copy_gain']['mean']:.3f} "
-            f"nats/token < {MIN_COPY_GAIN}): there is no content to keep; default {DEFAULT_NUM_EXACT_LAYERS} kept"
+            f"the target barely copies from its context on the probe (NLL gain {gain['mean']:.3f} nats/token, "
+            f"95% CI [{gain['ci'][0]:.3f}, {gain['ci'][1]:.3f}]; needs >= {MIN_COPY_GAIN}): there is no content to "
+            f"keep; default {DEFAULT_NUM_EXACT_LAYERS} kept"
         )
         return None, report
     # Bisection: `lo` layers are known to lose content, `hi` to keep it (all of them: the target's own prefill).
