@@ -42,7 +42,7 @@ with torch.no_grad():
     answer = small.generate(ids, cache=small_cache, **greedy)
 
     # 2. A follow-up arrives and the cascade escalates to the large model. Its cache comes from the small
-    #    model's: only the follow-up (and one recomputed token) is prefilled by the large model.
+    #    model's: only the follow-up (and the last 32 tokens before it, recomputed) is prefilled by the large model.
     follow_up = tokenizer("\n\n.. note::\n\n   ", return_tensors="pt").input_ids
     conversation = torch.cat([answer, follow_up], dim=-1)
     cache = TransferredCache(small_cache, mapper)

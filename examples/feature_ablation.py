@@ -29,7 +29,7 @@ difference to the baseline bootstrapped on the same windows (paired).
 
 Self-tests (the run exits with status 1 when one fails; `--skip-library-check` skips the ones that need the library
 runs): the harness's baseline selection, weights and held-out R^2 equal `fit_mapper`'s (weights to rtol 1e-5); the
-baseline row's per-window NLLs (own, transfer, floor) equal `prefix_perplexity(..., num_exact_layers=1)`'s within
+baseline row's per-window NLLs (own, transfer, floor) equal `prefix_perplexity(..., num_recompute_tokens=0, num_exact_layers=1)`'s within
 1e-4 and its KL to the own prefill equals that run's `logit_kl` within 1e-5; the attention scorer reproduces the
 target's own attention output from its own stripped K/V re-roped.
 
@@ -697,7 +697,7 @@ def library_check(args, source, target, calib_ids, windows, fitter: Fitter, base
     r2_err = max(abs(a - b) for kind in KINDS for a, b in zip(lib_r2[kind], base.heldout_r2[kind]))
     started = time.perf_counter()
     lib = prefix_perplexity(
-        source, target, mapper, windows, args.prefix_len, batch_size=args.batch_size, diagnostics=True,
+        source, target, mapper, windows, args.prefix_len, num_recompute_tokens=0, batch_size=args.batch_size, diagnostics=True,
         num_bootstrap=args.num_bootstrap, seed=args.seed, progress=progress, num_exact_layers=args.num_exact_layers,
     )  # fmt: skip
     eval_seconds = time.perf_counter() - started

@@ -12,7 +12,7 @@ Two measures per row and direction (small -> large, large -> small):
   floor-normalized retention.
 
 Both use the cache's defaults unless the row changes them: the mapper's exact layers (chosen by its fit's content
-probe, `exact_layers.py`), 1 recomputed token. The cost column is
+probe, `exact_layers.py`), 32 recomputed tokens (at most half of a shorter context). The cost column is
 the target's time to first token on a `--ttft-len`-token prompt (median of 5, one thread as set by the caller):
 cache construction, mapping, exact layers and recomputed tokens, next to the target's own prefill of that prompt.
 
@@ -40,15 +40,17 @@ from hf_kvtransfer.timing import time_to_first_token
 
 # name: (what it changes, fit_mapper overrides, TransferredCache / evaluation overrides)
 ROWS = {
-    "default": ("defaults: ridge, top_k=8, the exact layers the fit's content probe chose, 1 recomputed token", {}, {}),
+    "default": ("defaults: ridge, top_k=8, the exact layers the fit's content probe chose, 32 recomputed tokens", {}, {}),
     "exact0": ("no exact layer (layer 0 mapped too)", {}, {"num_exact_layers": 0}),
     "exact1": ("1 exact layer (the default before the content probe)", {}, {"num_exact_layers": 1}),
     "exact2": ("2 exact layers", {}, {"num_exact_layers": 2}),
     "exact3": ("3 exact layers", {}, {"num_exact_layers": 3}),
     "exact4": ("4 exact layers", {}, {"num_exact_layers": 4}),
     "exact6": ("6 exact layers", {}, {"num_exact_layers": 6}),
+    "recompute1": ("1 recomputed token (the default before 32)", {}, {"num_recompute_tokens": 1}),
     "recompute8": ("8 recomputed tokens", {}, {"num_recompute_tokens": 8}),
     "recompute32": ("32 recomputed tokens", {}, {"num_recompute_tokens": 32}),
+    "recompute64": ("64 recomputed tokens", {}, {"num_recompute_tokens": 64}),
     "top_k2": ("top_k=2 source layers", {"top_k": 2}, {}),
     "half_calibration": ("half the calibration tokens", {"num_sequences": "half"}, {}),
     "mlp": ("residual MLP mapper", {"mapper_type": "mlp"}, {}),
@@ -108,7 +110,8 @@ def main(argv=None) -> None:
     p.add_argument("--family", type=Path, default=Path(__file__).resolve().parent / "family")
     p.add_argument("--rows", default=",".join(r for r in ROWS if r not in SLOW_ROWS),
                    help=f"comma-separated rows from {list(ROWS)} (default: all but {', '.join(SLOW_ROWS)})")
-    p.add_argument("--directions", default="small-large,large-small")
+    p.add_argument("--directions", default="small-large,large-small",
+                   help="source-target pairs of the family's model folders (e.g. large-small_kv4)")
     p.add_argument("--items", type=int, default=600, help="passage-recall items (default 600)")
     p.add_argument("--windows", type=int, default=660, help="perplexity windows (default 660)")
     p.add_argument("--prefix-len", type=int, default=128)
@@ -129,7 +132,8 @@ def main(argv=None) -> None:
         rows.insert(0, "default")
 
     tok = AutoTokenizer.from_pretrained(args.family / "large")
-    models = {n: AutoModelForCausalLM.from_pretrained(args.family / n, dtype=torch.float32).eval() for n in ("small", "large")}
+    names = dict.fromkeys(n for direction in args.directions.split(",") for n in direction.split("-"))
+    models = {n: AutoModelForCausalLM.from_pretrained(args.family / n, dtype=torch.float32).eval() for n in names}
     docs = split_documents((args.family / "heldout.txt").read_text(encoding="utf-8"), tok.eos_token)
     items = passage_recall_items(tok, args.items, seed=0, distractor_texts=docs)
     token_docs = [tok(d, add_special_tokens=False, verbose=False).input_ids for d in docs]
@@ -172,8 +176,8 @@ def main(argv=None) -> None:
                                 time.perf_counter() - t0)
             mapper, fit_s = mappers[key]
             exact = mapper.resolve_num_exact_layers(cache_over.get("num_exact_layers"))
-            # TransferredCache's default: the target recomputes the last context token itself
-            recompute = cache_over.get("num_recompute_tokens", 1)
+            # None: TransferredCache's default (the last 32 context tokens, at most half the context)
+            recompute = cache_over.get("num_recompute_tokens")
             timing = time_to_first_token(src, tgt, mapper, ttft_ids, num_recompute_tokens=recompute,
                                          num_exact_layers=exact, repeats=5)  # fmt: skip
             ttft = timing["transfer_ms"]

@@ -4,8 +4,8 @@
 Two ``Qwen3ForCausalLM`` models ("small" and "large") of different depth and width are trained from
 scratch on the same data with one shared byte-level BPE tokenizer. Both use ``num_key_value_heads=2``
 and ``head_dim=32``, so their KV caches have the same per-layer shape (what the KV-transfer examples and
-benchmarks in this repository need). An optional third model, ``large_kv4`` (4 KV heads), gives a pair
-with different KV geometry.
+benchmarks in this repository need). ``small_kv4`` (small's shape with 4 KV heads of dimension 16; committed,
+see examples/family/README.md) and ``large_kv4`` (4 KV heads; not trained) give pairs with different KV geometry.
 
 Training rows are ``--seq-len`` (512) tokens drawn from a mix that rewards reading the context:
 
@@ -80,8 +80,11 @@ FAMILY = {
     # same as large but 4 KV heads: a pair with a different KV geometry (optional)
     "large_kv4": dict(num_hidden_layers=8, hidden_size=192, num_attention_heads=6, num_key_value_heads=4, head_dim=32,
                       intermediate_size=576),
+    # small's shape with 4 KV heads of dimension 16: paired with large, both the KV head count and head_dim differ
+    "small_kv4": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                      intermediate_size=192),
 }
-LR = {"small": 3e-3, "large": 2e-3, "large_kv4": 2e-3}
+LR = {"small": 3e-3, "large": 2e-3, "large_kv4": 2e-3, "small_kv4": 3e-3}
 
 
 def log(msg: str, fh=None) -> None:

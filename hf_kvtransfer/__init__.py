@@ -17,6 +17,7 @@ _EXPORTS = {
     "TransferredCache": "cache",
     "capture_kv": "capture",
     "choose_num_exact_layers": "exact_layers",
+    "default_num_recompute_tokens": "cache",
     "prefill": "capture",
     "fit_mapper": "fit",
     "fit_mlp_mapper": "fit",
@@ -32,7 +33,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from .accumulate import collect_statistics
-    from .cache import TransferredCache
+    from .cache import TransferredCache, default_num_recompute_tokens
     from .capture import capture_kv, prefill
     from .exact_layers import choose_num_exact_layers
     from .fit import fit_mapper, fit_mlp_mapper, solve_mapper
@@ -68,6 +69,7 @@ __all__ = [
     "capture_kv",
     "choose_num_exact_layers",
     "collect_statistics",
+    "default_num_recompute_tokens",
     "fit_mapper",
     "fit_mlp_mapper",
     "prefill",

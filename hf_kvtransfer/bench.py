@@ -3,6 +3,7 @@
 For each sequence length: (a) the target's own prefill (transformer body, as the paper times it, and the full
 forward with logits), (b) the transfer itself (strip source RoPE + map + apply target RoPE for every layer,
 `TransferredCache(...).convert_all()`), (c) time to first token through `generate` with a transferred cache
+(1 recomputed token: the transfer's own cost; the default 32 add the target's forward of 31 more tokens)
 vs. the target's own prefill, (d) one decode step on a transferred cache vs. a plain `DynamicCache`, (e) peak
 memory of (a) and (b), and (f) the mapper's parameters and bytes, with the FLOP ratio of mapping vs. prefill.
 Warm-up first, medians over repeats; results as JSON, a markdown table and a PNG plot.
@@ -289,7 +290,7 @@ def run_benchmark(
             kwargs = dict(max_new_tokens=1, do_sample=False, pad_token_id=target.config.pad_token_id or 0)
             own = lambda: target.generate(ids, **kwargs)  # noqa: E731
             transferred = lambda: target.generate(  # noqa: E731
-                ids, cache=TransferredCache(source_cache, mapper, compile_rope=compile_rope is True), **kwargs
+                ids, cache=TransferredCache(source_cache, mapper, num_recompute_tokens=1, compile_rope=compile_rope is True), **kwargs
             )
             _measure(row, "ttft_own_ms", own, device, repeats, warmup)
             step("TTFT own", seq_len)

@@ -246,8 +246,9 @@ def _add_eval(subparsers) -> None:
                    help="prefix length T (perplexity windows of 2T tokens, repeated-span prefixes, agreement prompts; "
                    "default 128)")
     p.add_argument("--max-windows", type=int, default=256, help="perplexity windows, evenly spaced (default 256)")
-    p.add_argument("--recompute", type=int, default=0,
-                   help="context tokens the target recomputes (default 0; recall and agreement: at least 1)")
+    p.add_argument("--recompute", type=int, default=None,
+                   help="context tokens the target recomputes in every transfer (default: TransferredCache's, 32 or "
+                        "half a shorter context; 0: the whole prefix transferred; recall and agreement: at least 1)")
     p.add_argument("--exact-layers", type=int, default=None,
                    help="the target's first layers computed from the prompt's ids in every transfer (default: the "
                         "mapper's, chosen by its fit; 0 measures the mapper alone)")

@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from huggingface_hub.utils import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from .cache import TransferredCache
+from .cache import TransferredCache, default_num_recompute_tokens
 from .capture import cache_argument, prefill
 from .mapper import KVMapper
 from .metrics import REFEED_WARNING, mean_and_ci, retention_over_items
-from .models import model_device
+from .models import dtype_name, model_device
 from .multiple_choice import score_continuations
 from .tasks import HandoffItem, PassageRecallItem, RepeatedSpanItem
 
@@ -75,6 +75,17 @@ def _own_cache(target: PreTrainedModel, ids: torch.Tensor, num_recompute_tokens:
     """The target's prefill of all but the last `num_recompute_tokens` tokens (the tokens it is then fed)."""
     held = ids.shape[-1] - num_recompute_tokens
     return prefill(target, ids[:, :held]) if held > 0 else DynamicCache()
+
+
+def _recompute(requested: int | None, num_tokens: int) -> int:
+    """The context tokens left to the target: as requested, else `TransferredCache`'s default for this length."""
+    return default_num_recompute_tokens(num_tokens) if requested is None else requested
+
+
+def _recorded(used: set[int]) -> int | list[int]:
+    """What a result reports as `num_recompute_tokens`: the one number used, or the sorted numbers (the default
+    depends on each context's length)."""
+    return next(iter(used)) if len(used) == 1 else sorted(used)
 
 
 def _exact_layers(mapper: KVMapper | None, num_exact_layers: int | None) -> int | None:
@@ -122,7 +133,7 @@ def _lists(per_item: dict[str, np.ndarray]) -> dict[str, list[float]]:
 
 @torch.no_grad()
 def _answer_result(
-    scores: dict[str, dict[str, np.ndarray]], num_recompute_tokens: int, num_exact_layers: int | None, num_bootstrap: int,
+    scores: dict[str, dict[str, np.ndarray]], num_recompute_tokens: int | list[int], num_exact_layers: int | None, num_bootstrap: int,
     seed: int,
 ) -> dict[str, Any]:
     """What recall and hand-off report alike: accuracy and answer NLL per setting, per item, and the retention."""
@@ -162,7 +173,7 @@ def repeated_span_retention(
     mapper: KVMapper | None,
     items: Sequence[RepeatedSpanItem],
     *,
-    num_recompute_tokens: int = 0,
+    num_recompute_tokens: int | None = None,
     num_exact_layers: int | None = None,
     batch_size: int = 8,
     num_bootstrap: int = 1000,
@@ -182,7 +193,8 @@ def repeated_span_retention(
     Args:
         source, mapper: the transfer; both None measures the target alone (own and no context).
         items: from `tasks.repeated_span_items`; items of equal prefix and continuation lengths share batches.
-        num_recompute_tokens: prefix tokens the target computes itself instead of receiving them (0: none).
+        num_recompute_tokens: prefix tokens the target computes itself instead of receiving them (0: none;
+            default: `TransferredCache`'s, 32 or half a shorter prefix).
         num_exact_layers: the target's first layers computed by the target itself (default: the mapper's, as in
             `TransferredCache`).
         num_bootstrap, seed: bootstrap resamples over items for the 95% intervals.
@@ -203,8 +215,9 @@ def repeated_span_retention(
     """
     settings = _settings(source, mapper)
     items = _check_items(items, RepeatedSpanItem, "repeated_span_retention")
-    r = num_recompute_tokens
+    used = {_recompute(num_recompute_tokens, len(item.prefix_ids)) for item in items}
     for i, item in enumerate(items):
+        r = _recompute(num_recompute_tokens, len(item.prefix_ids))
         if not 0 <= r < len(item.prefix_ids):
             raise ValueError(f"num_recompute_tokens must be in [0, {len(item.prefix_ids)}) (item {i}'s prefix), got {r}")
         if not any(item.repeat_mask) or len(item.repeat_mask) != len(item.continuation_ids):
@@ -218,7 +231,7 @@ def repeated_span_retention(
     reused = ("own", "no_context") if reference is not None else ()
     for name in reused:
         nll[name] = np.asarray(reference["nll_per_item"][name], dtype=np.float64)
-        if nll[name].shape != (len(items),) or reference.get("num_recompute_tokens") != r:
+        if nll[name].shape != (len(items),) or reference.get("num_recompute_tokens") != _recorded(used):
             raise ValueError("reference must be a result of repeated_span_retention on the same items and num_recompute_tokens")
     bar = tqdm(total=len(items), desc="repeated spans", unit="item", disable=not progress)
     for rows in _groups([(len(it.prefix_ids), len(it.continuation_ids)) for it in items], batch_size):
@@ -228,6 +241,7 @@ def repeated_span_retention(
         cont = _ids([it.continuation_ids for it in batch], target)  # (B, C)
         mask = torch.tensor([it.repeat_mask for it in batch], device=cont.device)
         t = prefix.shape[1]
+        r = _recompute(num_recompute_tokens, t)
         # Fed token k sits at position t - r + k and predicts position t - r + k + 1: continuation token j is
         # predicted at k = r + j - 1, so with r = 0 token 0 is not scored (never in a repeat: validated above).
         first = max(0, 1 - r)
@@ -251,7 +265,7 @@ def repeated_span_retention(
         "kinds": sorted({it.kind for it in items}),
         "prefix_len": prefix_lens[0] if len(prefix_lens) == 1 else prefix_lens,
         "scored_tokens_per_item": float(np.mean([sum(it.repeat_mask) for it in items])),
-        "num_recompute_tokens": r,
+        "num_recompute_tokens": _recorded(used),
         "num_exact_layers": _exact_layers(mapper, num_exact_layers),
         "nll": _summaries(nll, num_bootstrap, seed),
         "nll_per_item": _lists(nll),
@@ -287,7 +301,7 @@ def passage_recall(
     mapper: KVMapper | None,
     items: Sequence[PassageRecallItem],
     *,
-    num_recompute_tokens: int = 1,
+    num_recompute_tokens: int | None = None,
     num_exact_layers: int | None = None,
     num_bootstrap: int = 1000,
     seed: int = 0,
@@ -296,7 +310,7 @@ def passage_recall(
     """Greedy exact match of an answer that only the passage holds: own prefill vs. transfer vs. no passage.
 
     Per item the target is fed the last `num_recompute_tokens` prompt tokens (at least 1: the last prompt position
-    predicts the answer) on top of a cache of the rest of the prompt:
+    predicts the answer; default: `TransferredCache`'s for the prompt's length) on top of a cache of the rest:
 
     - `own`: the target's prefill of `prompt_ids`,
     - `transfer`: the source's prefill of `prompt_ids` through `mapper`; the target recomputes the last tokens, as
@@ -326,18 +340,21 @@ def passage_recall(
     """
     settings = _settings(source, mapper)
     items = _check_items(items, PassageRecallItem, "passage_recall")
-    if num_recompute_tokens < 1:
+    if num_recompute_tokens is not None and num_recompute_tokens < 1:
         raise ValueError(
             f"passage_recall needs num_recompute_tokens >= 1 (the target must read the prompt's last token to predict "
             f"the answer), got {num_recompute_tokens}"
         )
     scores = {key: {name: np.zeros(len(items)) for name in settings} for key in ("correct", "nll", "value")}
+    used = set()
     bar = tqdm(total=len(items), desc="passage recall", unit="item", disable=not progress)
     for i, item in enumerate(items):
         if not item.answer_ids or not item.prompt_ids or not item.no_passage_prompt_ids:
             raise ValueError(f"item {i} has an empty prompt, no-passage prompt or answer")
         prompt, alone = _ids(item.prompt_ids, target), _ids(item.no_passage_prompt_ids, target)
-        r, r_alone = min(num_recompute_tokens, prompt.shape[1]), min(num_recompute_tokens, alone.shape[1])
+        r = min(_recompute(num_recompute_tokens, prompt.shape[1]), prompt.shape[1])
+        r_alone = min(_recompute(num_recompute_tokens, alone.shape[1]), alone.shape[1])
+        used.add(r)
         # Every setting reads its prompt into a cache once, then scores the candidates on top of it.
         runs = {
             "own": (item.prompt_ids[-r:], _own_cache(target, prompt, r)),
@@ -350,7 +367,7 @@ def passage_recall(
             scores["nll"][name][i], scores["correct"][name][i], scores["value"][name][i] = nll, correct, value
         bar.update(1)
     bar.close()
-    result = _answer_result(scores, num_recompute_tokens, _exact_layers(mapper, num_exact_layers), num_bootstrap, seed)
+    result = _answer_result(scores, _recorded(used), _exact_layers(mapper, num_exact_layers), num_bootstrap, seed)
     result["passage_value_chance"] = float(np.mean([1 / max(1, len(it.passage_values)) for it in items]))
     result["passage_value_rate"] = _summaries(scores["value"], num_bootstrap, seed)
     return result
@@ -366,7 +383,7 @@ def handoff(
     mapper: KVMapper | None,
     items: Sequence[HandoffItem],
     *,
-    num_recompute_tokens: int = 0,
+    num_recompute_tokens: int | None = None,
     num_exact_layers: int | None = None,
     num_bootstrap: int = 1000,
     seed: int = 0,
@@ -380,7 +397,8 @@ def handoff(
 
     - `own`: the target reads the whole dialogue itself (prompt, the source's answer, followup),
     - `transfer`: the source's cache of prompt + its answer, through `mapper`; the target reads the followup
-      (and recomputes the last `num_recompute_tokens` tokens of the dialogue so far),
+      (and recomputes the last `num_recompute_tokens` tokens of the dialogue so far; default: `TransferredCache`'s
+      for the dialogue's length),
     - `no_context`: the target reads the followup alone.
 
     Without a source and mapper the target answers question 1 itself and only own / no context are measured.
@@ -399,11 +417,12 @@ def handoff(
     """
     settings = _settings(source, mapper)
     items = _check_items(items, HandoffItem, "handoff")
-    if num_recompute_tokens < 0:
+    if num_recompute_tokens is not None and num_recompute_tokens < 0:
         raise ValueError(f"num_recompute_tokens must be >= 0, got {num_recompute_tokens}")
     answerer = source if source is not None else target
     q1 = np.zeros(len(items))
     scores = {key: {name: np.zeros(len(items)) for name in settings} for key in ("correct", "nll")}
+    used = set()
     bar = tqdm(total=len(items), desc="hand-off", unit="item", disable=not progress)
     for i, item in enumerate(items):
         if not (item.prompt_ids and item.answer1_ids and item.followup_ids and item.answer2_ids):
@@ -411,7 +430,8 @@ def handoff(
         answer1 = _greedy_tokens(answerer, item.prompt_ids, len(item.answer1_ids))
         q1[i] = answer1 == list(item.answer1_ids)
         dialogue = item.prompt_ids + answer1  # what was said before the hand-off, the answerer's answer included
-        r = min(num_recompute_tokens, len(dialogue))
+        r = min(_recompute(num_recompute_tokens, len(dialogue)), len(dialogue))
+        used.add(r)
         feed = dialogue[len(dialogue) - r :] + item.followup_ids
         head = _ids(dialogue, target)
         runs = {"own": (feed, _own_cache(target, head, r)), "no_context": (item.followup_ids, None)}
@@ -422,7 +442,7 @@ def handoff(
             scores["nll"][name][i], scores["correct"][name][i] = nll, correct
         bar.update(1)
     bar.close()
-    result = _answer_result(scores, num_recompute_tokens, _exact_layers(mapper, num_exact_layers), num_bootstrap, seed)
+    result = _answer_result(scores, _recorded(used), _exact_layers(mapper, num_exact_layers), num_bootstrap, seed)
     result["answerer"] = "source" if source is not None else "target"
     result["q1_accuracy"] = mean_and_ci(q1, num_bootstrap, seed)
     result["q1_correct_per_item"] = q1.tolist()
@@ -440,8 +460,9 @@ def greedy_agreement(
     input_ids: torch.Tensor | Sequence[Sequence[int]],
     max_new_tokens: int = 16,
     *,
-    num_recompute_tokens: int = 1,
+    num_recompute_tokens: int | None = None,
     num_exact_layers: int | None = None,
+    reference_dtype: torch.dtype | None = torch.bfloat16,
     batch_size: int = 8,
     num_bootstrap: int = 1000,
     seed: int = 0,
@@ -453,13 +474,23 @@ def greedy_agreement(
     `cache=TransferredCache(prefill(source, input_ids), mapper)`. EOS is suppressed (`min_new_tokens`), so every
     generation has `max_new_tokens` tokens to compare.
 
+    Greedy agreement over many tokens is all-or-nothing: one flipped near-tie changes the rest of a generation. So
+    that a reader can tell a mapper's error from numerics, the same prompts are also generated from the target's own
+    cache rounded to `reference_dtype` (bf16: what a serving cache holds), and that agreement is reported beside the
+    transfer's as `reference`.
+
     Args:
         input_ids: `[num_prompts, prompt_len]` prompt token ids (e.g. `evaluate.text_windows`).
-        num_recompute_tokens: trailing prompt tokens the target recomputes (>= 1: `generate` must be fed one).
+        num_recompute_tokens: trailing prompt tokens the target recomputes (>= 1: `generate` must be fed one;
+            default: `TransferredCache`'s, 32 or half a shorter prompt).
+        reference_dtype: the dtype of the rounding reference; None skips it. Skipped too (with the reason) when the
+            target already computes its cache in that dtype: rounding would change nothing.
 
     Returns:
         `first_token_agreement`, `all_tokens_agreement` and `agreeing_tokens` (length of the identical prefix
-        of the two generations) as `{"mean", "ci"}`, and the same per prompt (`*_per_item`).
+        of the two generations) as `{"mean", "ci"}`, and the same per prompt (`*_per_item`); `reference`: the same
+        three for the rounded own cache (`{"dtype", ...}`, or `{"dtype", "skipped": reason}`), unless
+        `reference_dtype` is None.
 
     Example:
         ```python
@@ -471,6 +502,7 @@ def greedy_agreement(
     if input_ids.ndim != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be [num_prompts, prompt_len] with >= 1 prompt, got shape {list(input_ids.shape)}")
     num_prompts, prompt_len = input_ids.shape
+    num_recompute_tokens = _recompute(num_recompute_tokens, prompt_len)
     if not 1 <= num_recompute_tokens <= prompt_len:
         raise ValueError(
             f"num_recompute_tokens must be in [1, {prompt_len}] (generate feeds the target at least one prompt token), "
@@ -482,30 +514,59 @@ def greedy_agreement(
     pad = pad if pad is not None else target.config.eos_token_id
     pad = pad[0] if isinstance(pad, (list, tuple)) else pad
     gen = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    same_rows = []
+    cache_dtype = target.get_input_embeddings().weight.dtype
+    skipped = None
+    if reference_dtype is not None and reference_dtype == cache_dtype:
+        skipped = f"the target's cache is already {dtype_name(cache_dtype)}: rounding to it changes nothing"
+    rounded = reference_dtype is not None and skipped is None
+    same_rows, reference_rows = [], []
     bar = tqdm(total=num_prompts, desc="greedy agreement", unit="prompt", disable=not progress)
     for start in range(0, num_prompts, batch_size):
         ids = input_ids[start : start + batch_size].to(model_device(target))
         mask = torch.ones_like(ids)
-        own = target.generate(ids, attention_mask=mask, **gen)[:, prompt_len:]
-        cache = _transferred(source, mapper, ids, num_recompute_tokens, num_exact_layers)
-        transferred = target.generate(ids, attention_mask=mask, **{cache_argument(target): cache}, **gen)[:, prompt_len:]
+
+        def generate(cache: DynamicCache | None) -> torch.Tensor:
+            caches = {cache_argument(target): cache} if cache is not None else {}
+            return target.generate(ids, attention_mask=mask, **caches, **gen)[:, prompt_len:]
+
+        own = generate(None)
+        transferred = generate(_transferred(source, mapper, ids, num_recompute_tokens, num_exact_layers))
         same_rows.append((own == transferred).cpu())  # (B, max_new_tokens)
+        if rounded:
+            reference = generate(_rounded(_own_cache(target, ids, num_recompute_tokens), reference_dtype))
+            reference_rows.append((own == reference).cpu())
         bar.update(ids.shape[0])
     bar.close()
-    same = torch.cat(same_rows)
-    per_item = {
-        "first_token_agreement": same[:, 0].double().numpy(),
-        "all_tokens_agreement": same.all(-1).double().numpy(),
-        "agreeing_tokens": same.long().cumprod(-1).sum(-1).double().numpy(),
-    }
     result: dict[str, Any] = {
         "num_prompts": num_prompts,
         "prompt_len": prompt_len,
         "max_new_tokens": max_new_tokens,
         "num_recompute_tokens": num_recompute_tokens,
         "num_exact_layers": _exact_layers(mapper, num_exact_layers),
+        **_agreement(torch.cat(same_rows), num_bootstrap, seed),
     }
-    result.update(_summaries(per_item, num_bootstrap, seed))
-    result.update({f"{name}_per_item": values.tolist() for name, values in per_item.items()})
+    if reference_dtype is not None:
+        result["reference"] = {"dtype": dtype_name(reference_dtype)}
+        if skipped:
+            result["reference"]["skipped"] = skipped
+        else:
+            result["reference"].update(_agreement(torch.cat(reference_rows), num_bootstrap, seed))
     return result
+
+
+def _agreement(same: torch.Tensor, num_bootstrap: int, seed: int) -> dict[str, Any]:
+    """`[num_prompts, max_new_tokens]` token equality -> the agreement summaries and their per-prompt values."""
+    per_item = {
+        "first_token_agreement": same[:, 0].double().numpy(),
+        "all_tokens_agreement": same.all(-1).double().numpy(),
+        "agreeing_tokens": same.long().cumprod(-1).sum(-1).double().numpy(),
+    }
+    return {**_summaries(per_item, num_bootstrap, seed), **{f"{name}_per_item": v.tolist() for name, v in per_item.items()}}
+
+
+def _rounded(cache: DynamicCache, dtype: torch.dtype) -> DynamicCache:
+    """`cache` with its keys and values rounded to `dtype` and back, in place (the reference of `greedy_agreement`)."""
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            tensor.copy_(tensor.to(dtype))
+    return cache

@@ -26,7 +26,7 @@ from huggingface_hub.utils import tqdm
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from .cache import TransferredCache
+from .cache import TransferredCache, default_num_recompute_tokens
 from .capture import capture_kv, prefill
 from .content_eval import greedy_agreement, handoff, passage_recall, repeated_span_retention
 from .mapper import KVMapper
@@ -132,7 +132,7 @@ def prefix_perplexity(
     mapper: KVMapper,
     input_ids: torch.Tensor,
     prefix_len: int | None = None,
-    num_recompute_tokens: int = 0,
+    num_recompute_tokens: int | None = None,
     batch_size: int = 8,
     diagnostics: bool = True,
     num_bootstrap: int = 1000,
@@ -154,7 +154,8 @@ def prefix_perplexity(
     Args:
         input_ids: `[num_windows, 2 * prefix_len]` token ids (see `text_windows`).
         prefix_len: prefix length T (default: half the window).
-        num_recompute_tokens: the last W prefix tokens are recomputed by the target instead of transferred.
+        num_recompute_tokens: the last W prefix tokens are recomputed by the target instead of transferred
+            (default: `TransferredCache`'s, 32 or half a shorter prefix; 0: the whole prefix is transferred).
         num_exact_layers: the target's first layers computed by the target itself (default: the mapper's, as in
             `TransferredCache`); 0 measures the mapper alone.
         diagnostics: also compute logit KL / top-1 agreement against the target's own prefill and the
@@ -171,6 +172,8 @@ def prefix_perplexity(
     prefix_len = prefix_len if prefix_len is not None else window // 2
     if not 1 <= prefix_len <= window - 2:
         raise ValueError(f"prefix_len must leave >= 2 tokens to score in a {window}-token window, got {prefix_len}")
+    if num_recompute_tokens is None:
+        num_recompute_tokens = default_num_recompute_tokens(prefix_len)
     if not 0 <= num_recompute_tokens < prefix_len:
         raise ValueError(f"num_recompute_tokens must be in [0, {prefix_len}), got {num_recompute_tokens}")
     r, t = num_recompute_tokens, prefix_len
@@ -476,7 +479,7 @@ def evaluate(
     tasks: Sequence[str] | str | None = None,
     prefix_len: int = 128,
     max_windows: int | None = 256,
-    num_recompute_tokens: int = 0,
+    num_recompute_tokens: int | None = None,
     num_exact_layers: int | None = None,
     continuation: bool = True,
     context_len: int = 128,
@@ -506,8 +509,9 @@ def evaluate(
         prefix_len: T of the prefix-conditioned perplexity (windows of 2T tokens), also the prefix of the
             repeated-span items and the prompt length of the greedy-agreement prompts.
         max_windows: cap on perplexity windows (evenly spaced).
-        num_recompute_tokens: context tokens the target recomputes (recall and agreement: at least 1, the target
-            must be fed the prompt's last token).
+        num_recompute_tokens: context tokens the target recomputes in every transfer (default: `TransferredCache`'s,
+            32 or half a shorter context; recall, agreement and the choice tasks: at least 1, the target must be fed
+            the prompt's last token).
         num_exact_layers: the target's first layers it computes itself in every transfer (default: the mapper's,
             as in `TransferredCache`).
         continuation: build and score the continuation task from `text` (when `tasks` is None).
@@ -546,6 +550,7 @@ def evaluate(
             "top_k": mapper.config.top_k,
             "ridge_lambda": mapper.config.ridge_lambda,
             "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers),
+            "num_recompute_tokens": "default" if num_recompute_tokens is None else num_recompute_tokens,
             "num_documents": len(docs),
             "num_tokens": sum(len(d) for d in docs),
             "seed": seed,
@@ -555,6 +560,8 @@ def evaluate(
     content = _content_items(tokenizer, documents, docs, selected, num_content_items, prefix_len, seed)
     common = dict(num_bootstrap=num_bootstrap, seed=seed, progress=progress)
     exact = dict(num_exact_layers=num_exact_layers)  # the tasks that hand the target a prompt's transferred cache
+    # Recall, agreement and the choice tasks predict from the prompt's last position, which the target must be fed.
+    fed = None if num_recompute_tokens is None else max(1, num_recompute_tokens)
     if "perplexity" in selected:
         windows = text_windows(docs, 2 * prefix_len, max_windows)
         results["prefix_perplexity"] = prefix_perplexity(
@@ -563,15 +570,15 @@ def evaluate(
         results["kv_r2"] = kv_r2(source, target, mapper, windows[:, :prefix_len], batch_size, progress=progress)
     if "continuation" in selected:
         items = build_continuation_task(docs, context_len, continuation_len, num_choices, num_items, seed=seed)
-        results["continuation"] = multiple_choice(source, target, mapper, items, desc="continuation task", **common)
+        results["continuation"] = multiple_choice(
+            source, target, mapper, items, num_recompute_tokens=fed, desc="continuation task", **common
+        )
         results["continuation"].update(context_len=context_len, continuation_len=continuation_len)
     if "repeat" in selected:
         results["repeated_span"] = repeated_span_retention(
             source, target, mapper, content["repeat"], num_recompute_tokens=num_recompute_tokens, batch_size=batch_size,
             **exact, **common,
         )  # fmt: skip
-    # Recall and agreement predict from the prompt's last position, which the target must be fed itself.
-    fed = max(1, num_recompute_tokens)
     if "recall" in selected:
         results["passage_recall"] = passage_recall(
             source, target, mapper, content["recall"], num_recompute_tokens=fed, **exact, **common
@@ -586,7 +593,9 @@ def evaluate(
             batch_size=batch_size, **exact, **common,
         )  # fmt: skip
     if "multiple-choice" in selected:
-        results["multiple_choice"] = multiple_choice(source, target, mapper, multiple_choice_items, **common)
+        results["multiple_choice"] = multiple_choice(
+            source, target, mapper, multiple_choice_items, num_recompute_tokens=fed, **common
+        )
     if "multi-turn" in selected:
         conversations = text_windows(docs, num_turns * turn_len, max_conversations)
         results["multi_turn"] = multi_turn_drift(

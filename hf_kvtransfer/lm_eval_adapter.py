@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from huggingface_hub.utils import tqdm
 
-from .cache import TransferredCache
+from .cache import TransferredCache, default_num_recompute_tokens
 from .capture import prefill
 from .mapper import KVMapper
 from .metrics import REFEED_WARNING
@@ -56,7 +56,7 @@ class KVTransferLM(LM):
         mapper: source -> target `KVMapper`, or its Hub id / local path.
         tokenizer: tokenizer id / path or object (default: the target's).
         num_recompute_tokens: trailing context tokens the target recomputes (>= 1: it must predict the first
-            continuation token).
+            continuation token; default: `TransferredCache`'s, 32 or half a shorter context).
         rolling_chunk: for `loglikelihood_rolling` (perplexity tasks): lm_eval's stock `hf` windows (the start
             token, then windows of `max_length`), each scored in chunks of this many tokens by the target on top of
             the transferred cache of everything before the chunk in its window, start token included. On a mapper
@@ -74,7 +74,7 @@ class KVTransferLM(LM):
         target: Any,
         mapper: Any,
         tokenizer: Any = None,
-        num_recompute_tokens: int = 1,
+        num_recompute_tokens: int | None = None,
         rolling_chunk: int = 256,
         max_gen_toks: int = 256,
         device: str = "cpu",
@@ -108,8 +108,8 @@ class KVTransferLM(LM):
                 raise ValueError("pass tokenizer= when target is a model object rather than an id / path")
             tokenizer = target
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        self.num_recompute_tokens = int(num_recompute_tokens)
-        if self.num_recompute_tokens < 1:
+        self.num_recompute_tokens = int(num_recompute_tokens) if num_recompute_tokens is not None else None
+        if self.num_recompute_tokens is not None and self.num_recompute_tokens < 1:
             raise ValueError(f"num_recompute_tokens must be >= 1, got {num_recompute_tokens}")
         self.rolling_chunk = int(rolling_chunk)
         self.max_gen_toks = int(max_gen_toks)
@@ -146,6 +146,11 @@ class KVTransferLM(LM):
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def _recompute(self, num_tokens: int) -> int:
+        """The recomputed tokens of a context of `num_tokens` tokens: as configured, else the cache's default."""
+        wanted = self.num_recompute_tokens if self.num_recompute_tokens is not None else default_num_recompute_tokens(num_tokens)
+        return min(wanted, num_tokens)
+
     def _transferred(self, context_ids: list[int], recompute: int) -> TransferredCache:
         device = next(self.source.parameters()).device
         src_cache = prefill(self.source, torch.tensor([context_ids], device=device))
@@ -156,7 +161,7 @@ class KVTransferLM(LM):
         """Sum log-prob of the continuation and whether greedy decoding would produce it."""
         if not context_ids:
             context_ids = [self._prefix_token]
-        r = min(self.num_recompute_tokens, len(context_ids))
+        r = self._recompute(len(context_ids))
         cache = self._transferred(context_ids, r)
         scores, greedy = score_continuations(self.target, context_ids[-r:], [continuation_ids], cache)
         return float(scores[0]), bool(greedy[0])
@@ -171,7 +176,7 @@ class KVTransferLM(LM):
         device = next(self.source.parameters()).device
         length = max(len(c) for c, _ in pairs)
         width = max(len(cont) for _, cont in pairs)
-        r = min(self.num_recompute_tokens, min(len(c) for c, _ in pairs))
+        r = min(self._recompute(len(c)) for c, _ in pairs)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.prefix_token_id
         ids = torch.full((len(pairs), length), pad, dtype=torch.long)
         mask = torch.zeros((len(pairs), length), dtype=torch.long)
@@ -257,7 +262,7 @@ class KVTransferLM(LM):
             max_new = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
             do_sample = bool(gen_kwargs.pop("do_sample", False))
             ids = self._encode(context) or [self._prefix_token]
-            cache = self._transferred(ids, min(self.num_recompute_tokens, len(ids)))
+            cache = self._transferred(ids, self._recompute(len(ids)))
             input_ids = torch.tensor([ids], device=device)
             generated = self.target.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, max_new_tokens=max_new,

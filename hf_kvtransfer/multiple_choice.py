@@ -15,7 +15,7 @@ import torch
 from huggingface_hub.utils import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from .cache import TransferredCache
+from .cache import TransferredCache, default_num_recompute_tokens
 from .capture import prefill
 from .mapper import KVMapper
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
@@ -183,7 +183,7 @@ def multiple_choice(
     target: PreTrainedModel,
     mapper: KVMapper,
     items: Sequence[MultipleChoiceItem],
-    num_recompute_tokens: int = 1,
+    num_recompute_tokens: int | None = None,
     num_bootstrap: int = 1000,
     seed: int = 0,
     progress: bool = True,
@@ -192,7 +192,8 @@ def multiple_choice(
     """Log-likelihood multiple choice with the context in the cache and the choices scored by the target.
 
     Per item the target is fed the last `num_recompute_tokens` context tokens (at least 1: it must predict
-    the first choice token) and then each choice, on top of a cache of the rest of the context:
+    the first choice token; default: `TransferredCache`'s, 32 or half a shorter context) and then each choice, on
+    top of a cache of the rest of the context:
 
     - `target`: its own prefill,
     - `transfer`: the source's prefill through `mapper`,
@@ -203,15 +204,18 @@ def multiple_choice(
     Returns:
         `{"acc": {...}, "acc_norm": {...}, "chance", "retention", "normalized_retention" (+ `_ci`, on acc)}`.
     """
-    if num_recompute_tokens < 1:
+    if num_recompute_tokens is not None and num_recompute_tokens < 1:
         raise ValueError("multiple choice needs num_recompute_tokens >= 1 (the target predicts the first choice token)")
     pad_id = 0
     modes = ("target", "transfer", "no_context")
     correct = {m: [] for m in modes}
     correct_norm = {m: [] for m in modes}
+    used = set()
     bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
     for item in items:
-        r = min(num_recompute_tokens, len(item.context_ids))
+        requested = num_recompute_tokens if num_recompute_tokens is not None else default_num_recompute_tokens(len(item.context_ids))
+        r = min(requested, len(item.context_ids))
+        used.add(r)
         ctx = torch.tensor([item.context_ids])
         n = len(item.choice_ids)
         lengths = torch.tensor([len(c) for c in item.choice_ids], dtype=torch.float64)
@@ -232,7 +236,7 @@ def multiple_choice(
     acc = {m: np.array(v, dtype=np.float64) for m, v in correct.items()}
     result: dict[str, Any] = {
         "num_items": len(items),
-        "num_recompute_tokens": num_recompute_tokens,
+        "num_recompute_tokens": next(iter(used)) if len(used) == 1 else sorted(used),
         "chance": chance,
         "acc": {m: float(v.mean()) for m, v in acc.items()},
         "acc_norm": {m: float(np.mean(v)) for m, v in correct_norm.items()},

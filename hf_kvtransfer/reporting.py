@@ -150,6 +150,16 @@ def _content_markdown(results: dict[str, Any]) -> list[str]:
             f"| {agreement['num_prompts']} | - | {_mean_ci(agreement['first_token_agreement'], True)} / "
             f"{_mean_ci(agreement['all_tokens_agreement'], True)} | - | - |"
         )
+        reference = agreement.get("reference")
+        if reference and "skipped" in reference:
+            notes.append(f"greedy agreement: no {reference['dtype']} reference ({reference['skipped']}).")
+        elif reference:
+            # Numerics alone: how often the target's own cache, rounded, already changes the generation.
+            rows.append(
+                f"| the same from the target's own cache rounded to {reference['dtype']} (numeric reference) "
+                f"| {agreement['num_prompts']} | - | {_mean_ci(reference['first_token_agreement'], True)} / "
+                f"{_mean_ci(reference['all_tokens_agreement'], True)} | - | - |"
+            )
     if not rows:
         return []
     lines = [

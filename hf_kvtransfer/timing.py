@@ -59,20 +59,24 @@ def time_to_first_token(
     mapper: KVMapper,
     input_ids: torch.Tensor,
     *,
-    num_recompute_tokens: int = 1,
+    num_recompute_tokens: int | None = None,
     num_exact_layers: int | None = None,
     repeats: int = 3,
 ) -> dict[str, float]:
     """Median milliseconds to the target's first logits for `input_ids` `[1, T]`: from the source's cache (build the
     `TransferredCache`, map it, compute the exact layers, run the recomputed tokens) vs the target's own prefill. The
     source's prefill is not counted: it read the conversation already. One warm-up call each (first-call
-    allocations and kernel selection are not what a server pays per request)."""
+    allocations and kernel selection are not what a server pays per request). `num_recompute_tokens` and
+    `num_exact_layers` default to `TransferredCache`'s."""
     import inspect
 
     import torch
 
-    from .cache import TransferredCache
+    from .cache import TransferredCache, default_num_recompute_tokens
     from .capture import cache_argument, prefill
+
+    if num_recompute_tokens is None:
+        num_recompute_tokens = default_num_recompute_tokens(input_ids.shape[-1])
 
     src_cache = prefill(source, input_ids.to(next(source.parameters()).device))
     device = next(target.parameters()).device

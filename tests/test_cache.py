@@ -26,7 +26,7 @@ def _max_logit_diff(a, b):
 def test_greedy_single_prompt_matches_target_prefill(qwen3_model, mapper):
     ids = random_ids(1, 24, seed=2)
     ref = qwen3_model.generate(ids, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids), mapper)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_recompute_tokens=1)
     assert cache.num_pending_layers == 3  # nothing converted before generate
     out = qwen3_model.generate(ids, cache=cache, do_sample=False, **GEN)
     assert cache.num_pending_layers == 0
@@ -49,7 +49,7 @@ def test_past_key_values_name_still_works(qwen3_model, identity_mapper):
 def test_left_padded_batch(qwen3_model, mapper):
     ids, mask = left_pad(random_ids(3, 28, seed=4), [28, 19, 9])
     ref = qwen3_model.generate(ids, attention_mask=mask, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), mapper, attention_mask=mask)
+    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), mapper, attention_mask=mask, num_recompute_tokens=1)
     out = qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
     assert torch.equal(out.sequences, ref.sequences)
     assert _max_logit_diff(out, ref) < 1e-4
@@ -59,7 +59,7 @@ def test_left_padding_without_mask_in_transfer_is_detectably_wrong(qwen3_model, 
     # The mask matters: stripping at unpadded positions gives different logits (guards the test above).
     ids, mask = left_pad(random_ids(2, 20, seed=4), [20, 8])
     ref = qwen3_model.generate(ids, attention_mask=mask, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1)
     out = qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
     assert _max_logit_diff(out, ref) > 1e-3
 
@@ -89,7 +89,7 @@ def test_second_turn_on_same_cache(qwen3_model, mapper):
     turn2 = torch.cat([ref1, random_ids(1, 7, seed=8)], dim=1)
     ref2 = qwen3_model.generate(turn2, cache=own, do_sample=False, **GEN)
 
-    cache = TransferredCache(prefill(qwen3_model, ids), mapper)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_recompute_tokens=1)
     out1 = qwen3_model.generate(ids, cache=cache, do_sample=False, max_new_tokens=6, min_new_tokens=6)
     assert torch.equal(out1, ref1)
     out2 = qwen3_model.generate(turn2, cache=cache, do_sample=False, **GEN)
@@ -122,7 +122,7 @@ def test_cache_operations_before_conversion(qwen3_model, mapper):
     src_keys = [layer.keys.clone() for layer in src.layers]
 
     # crop before conversion == transferring the shorter prompt
-    cache = TransferredCache(src, mapper)
+    cache = TransferredCache(src, mapper, num_recompute_tokens=1)
     cache.crop(-5)
     assert cache.get_seq_length() == 14
     with torch.no_grad():
@@ -131,7 +131,7 @@ def test_cache_operations_before_conversion(qwen3_model, mapper):
     assert (out - ref).abs().max().item() < 1e-4
 
     # batch_select + repeat before conversion, then reorder
-    cache = TransferredCache(src, mapper)
+    cache = TransferredCache(src, mapper, num_recompute_tokens=1)
     cache.batch_select_indices(torch.tensor([1]))
     cache.batch_repeat_interleave(2)
     cache.reorder_cache(torch.tensor([1, 0]))
@@ -146,7 +146,7 @@ def test_cache_operations_before_conversion(qwen3_model, mapper):
 
 def test_cache_operations_after_conversion(qwen3_model, identity_mapper):
     ids = random_ids(1, 20, seed=13)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1)
     own = DynamicCache(config=qwen3_model.config)
     with torch.no_grad():
         qwen3_model(ids[:, 19:], cache=cache)
@@ -162,7 +162,7 @@ def test_cache_operations_after_conversion(qwen3_model, identity_mapper):
 def test_source_layers_released_and_deepcopy_shares_mapper(qwen3_model, mapper):
     ids = random_ids(1, 10, seed=14)
     source_cache = prefill(qwen3_model, ids)
-    cache = TransferredCache(source_cache, mapper)
+    cache = TransferredCache(source_cache, mapper, num_recompute_tokens=1)
     clone = copy.deepcopy(cache)
     assert clone.mapper is cache.mapper
     source_bytes = sum(t.nbytes for layer in source_cache.layers for t in (layer.keys, layer.values))
@@ -175,7 +175,7 @@ def test_source_layers_released_and_deepcopy_shares_mapper(qwen3_model, mapper):
 
 def test_dtype_and_device_follow_key_states(qwen3_model, identity_mapper):
     ids = random_ids(1, 12, seed=15)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1)
     cache.convert_all(dtype=torch.bfloat16)
     assert all(layer.keys.dtype == torch.bfloat16 for layer in cache.layers)
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import exact_identity_mapper, random_ids, tiny_model
+from conftest import exact_identity_mapper, random_ids, scrambled_mapper, tiny_model
 from hf_kvtransfer import TransferredCache, prefill
 
 GREEDY = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12)
@@ -22,6 +22,7 @@ def pair():
 
 
 def _cache(model, mapper, ids, **kwargs):
+    kwargs.setdefault("num_recompute_tokens", 1)  # these tests feed the prompt's last token themselves
     return TransferredCache(prefill(model, ids), mapper, **kwargs)
 
 
@@ -144,6 +145,27 @@ def test_direct_forward_of_the_recomputed_token_is_exact_and_of_another_is_refus
         model(other, cache=_cache(model, mapper, ids))
 
 
+@torch.no_grad()
+def test_default_leaves_the_prompts_last_tokens_to_the_target(pair):
+    model, mapper = pair
+    ids = random_ids(2, 80, seed=23)
+    cache = TransferredCache(prefill(model, ids), mapper)
+    # 32 by default, at most half a short prompt, at least one token for generate to feed
+    assert (cache.num_recompute_tokens, cache.get_seq_length()) == (32, 48)
+    assert [TransferredCache(prefill(model, ids[:, :n]), mapper).num_recompute_tokens for n in (1, 2, 5, 64)] == [1, 1, 2, 32]
+    # the tail it leaves is what a direct forward feeds; feeding only the last token says how to fix the call
+    torch.testing.assert_close(model(ids[:, 48:], cache=cache).logits, model(ids).logits[:, 48:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"holds the first 48 of the prompt's 80 tokens.*feed `input_ids\[:, 48:\]`"):
+        model(ids[:, -1:], cache=TransferredCache(prefill(model, ids), mapper))
+    # under generate the first 48 tokens are really transferred: a scrambled mapper changes the output
+    kw = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    own = model.generate(ids, **kw)
+    same = model.generate(ids, cache=TransferredCache(prefill(model, ids), mapper), **kw)
+    lost = model.generate(ids, cache=TransferredCache(prefill(model, ids), scrambled_mapper(mapper)), **kw)
+    assert torch.equal(same.sequences, own.sequences)
+    assert (lost.scores[0] - own.scores[0]).abs().max() > 1e-2
+
+
 def test_decode_steps_after_conversion_compile_without_graph_breaks(pair):
     # A transferred cache must be as compile-friendly as the target's own once converted (the decode path).
     model, mapper = pair
@@ -170,7 +192,7 @@ def test_exact_first_layers_are_the_targets_own(num_exact_layers):
     zero = KVMapper(exact_identity_mapper(model).config)
     ids, mask = left_pad(random_ids(2, 16, seed=23), [16, 11])
     own = prefill(model, ids, attention_mask=mask)
-    cache = TransferredCache(prefill(model, ids, attention_mask=mask), zero, attention_mask=mask, num_exact_layers=num_exact_layers)
+    cache = TransferredCache(prefill(model, ids, attention_mask=mask), zero, attention_mask=mask, num_exact_layers=num_exact_layers, num_recompute_tokens=1)
     with torch.no_grad():
         model(ids[:, -1:], attention_mask=mask, cache=cache)
     real = mask.bool()[:, :15]

@@ -173,13 +173,40 @@ def test_greedy_agreement(model, identity, broken):
     ids = random_ids(6, 12, seed=9)
     same = greedy_agreement(model, model, identity, ids, max_new_tokens=4, batch_size=4, num_bootstrap=20, progress=False)
     assert same["all_tokens_agreement"]["mean"] == 1.0 and same["agreeing_tokens_per_item"] == [4.0] * 6
-    lost = greedy_agreement(model, model, broken, ids, max_new_tokens=4, batch_size=4, num_bootstrap=20, progress=False)
+    lost = greedy_agreement(model, model, broken, ids, max_new_tokens=4, num_recompute_tokens=1, batch_size=4,
+                            num_bootstrap=20, progress=False)  # fmt: skip
     # First tokens, computed without generate: own = plain forward; transfer = the last prompt token on the cache.
     own_first = model(ids).logits[:, -1].argmax(-1)
     cache = TransferredCache(prefill(model, ids), broken, num_recompute_tokens=1)
     transfer_first = model(ids[:, -1:], cache=cache).logits[:, -1].argmax(-1)
     assert lost["first_token_agreement_per_item"] == (own_first == transfer_first).double().tolist()
     assert lost["all_tokens_agreement"]["mean"] < 1.0
+
+
+@torch.no_grad()
+def test_greedy_agreement_numeric_reference(model, identity):
+    ids = random_ids(16, 12, seed=11)
+    # float8 rounds coarsely enough to flip some first tokens of this random model: the reference must see it.
+    res = greedy_agreement(model, model, identity, ids, max_new_tokens=4, num_recompute_tokens=1,
+                           reference_dtype=torch.float8_e4m3fn, batch_size=8, num_bootstrap=20, progress=False)  # fmt: skip
+    assert res["all_tokens_agreement"]["mean"] == 1.0  # the exact transfer itself
+    own_first = model(ids).logits[:, -1].argmax(-1)
+    cache = prefill(model, ids[:, :-1])
+    for layer in cache.layers:  # rounded here independently of the library
+        layer.keys = layer.keys.to(torch.float8_e4m3fn).float()
+        layer.values = layer.values.to(torch.float8_e4m3fn).float()
+    rounded_first = model(ids[:, -1:], cache=cache).logits[:, -1].argmax(-1)
+    expected = (own_first == rounded_first).double().tolist()
+    assert 0.0 in expected, "float8 rounding should flip at least one first token here"
+    reference = res["reference"]
+    assert reference["dtype"] == "float8_e4m3fn" and reference["first_token_agreement_per_item"] == expected
+    assert reference["all_tokens_agreement"]["mean"] <= reference["first_token_agreement"]["mean"]
+    # bf16 is the default; a target already computing in it has nothing to round, and None skips the reference.
+    bf16 = tiny_model("qwen3", num_hidden_layers=2, seed=3).to(torch.bfloat16)
+    skipped = greedy_agreement(bf16, bf16, exact_identity_mapper(bf16), ids[:2], max_new_tokens=2, num_bootstrap=0, progress=False)
+    assert "already bfloat16" in skipped["reference"]["skipped"]
+    assert "reference" not in greedy_agreement(model, model, identity, ids[:2], max_new_tokens=2, reference_dtype=None,
+                                               num_bootstrap=0, progress=False)  # fmt: skip
 
 
 def test_transfer_needs_source_and_mapper(model, identity):

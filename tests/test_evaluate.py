@@ -268,6 +268,8 @@ def test_lm_eval_adapter_local_task(tmp_path, qwen3_model, identity_mapper):
 # layer. The fit's content probe (repeated spans, a different task from recall) chooses those 4 layers itself
 # (probe retention -5% with 1-3 exact layers, 97% with 4); with them recall is 81% (retention 1.03) and with 3 it is
 # back at 0.01 retention.
+# These numbers transfer the whole prefix (perplexity) and all but the last prompt token (recall), not the default's
+# last 32 (exact, they would lift every row): the test is about the mapped layers.
 # The computation is deterministic, so the CIs are not run-to-run noise. The floors leave float/thread-count margin
 # and still fail on a RoPE / layer-order / exact-layer bug (retention at or below 0) or a family that stopped
 # reading its context.
@@ -296,20 +298,54 @@ def test_bundled_family_reads_its_context_and_transfers_it():
     mapper = fit_mapper(small, large, calibration, top_k=4, progress=False)
     docs = split_documents((family / "heldout.txt").read_text(encoding="utf-8"), tok.eos_token)
     windows = text_windows([tok(d, verbose=False)["input_ids"] for d in docs], 256, max_windows=64)
-    res = prefix_perplexity(small, large, mapper, windows, diagnostics=False, num_bootstrap=0, progress=False,
-                            num_exact_layers=1)  # fmt: skip
+    mapped = dict(diagnostics=False, num_bootstrap=0, progress=False, num_recompute_tokens=0)
+    res = prefix_perplexity(small, large, mapper, windows, num_exact_layers=1, **mapped)
     assert res["context_gain_nats"] > 0.15, f"the family barely uses its context (measured: 0.261 nats/token): {res}"
     assert res["normalized_retention"] > FAMILY_ONE_EXACT_RETENTION_FLOOR, res
     chosen = mapper.config.num_exact_layers
     assert chosen is not None and 2 <= chosen < 8, mapper.report["exact_layers"]
-    default = prefix_perplexity(small, large, mapper, windows, diagnostics=False, num_bootstrap=0, progress=False)
+    default = prefix_perplexity(small, large, mapper, windows, **mapped)
     assert default["num_exact_layers"] == chosen and default["normalized_retention"] > FAMILY_CHOSEN_RETENTION_FLOOR, default
     items = passage_recall_items(tok, 100, seed=0, distractor_texts=docs)
-    recall = passage_recall(small, large, mapper, items, num_bootstrap=0, progress=False)
+    recall = passage_recall(small, large, mapper, items, num_recompute_tokens=1, num_bootstrap=0, progress=False)
     own, alone = recall["accuracy"]["own"]["mean"], recall["accuracy"]["no_context"]["mean"]
     assert own > 0.6 and alone < 0.1, f"the large model no longer answers from the passage: {recall['accuracy']}"
     # The probe's choice carries over to recall: with it the transfer answers as the target does, with one
     # layer fewer it does not.
     assert recall["retention"] > 0.85, recall["accuracy"]
-    fewer = passage_recall(small, large, mapper, items, num_exact_layers=chosen - 1, num_bootstrap=0, progress=False)
+    fewer = passage_recall(small, large, mapper, items, num_recompute_tokens=1, num_exact_layers=chosen - 1,
+                           num_bootstrap=0, progress=False)  # fmt: skip
     assert fewer["retention"] < 0.5, fewer["accuracy"]
+
+
+def test_pair_with_other_kv_geometry_gets_its_own_exact_layers():
+    # large (2 KV heads x 32) -> small_kv4 (4 KV heads x 16): the mapper reshapes heads, and the fit's content
+    # probe must find this target's own copy layer, layer 1 (small's is layer 3). Measured with exactly this fit
+    # (64 x 256 calibration tokens): probe retention -6% with 1 exact layer, 99% with 2 (its choice); on these 48
+    # held-out spans (context gain 1.94 nats/token) retention 1.00 with 2 exact layers and 0.04 with 1.
+    family = Path(__file__).resolve().parent.parent / "examples" / "family"
+    if not (family / "small_kv4" / "model.safetensors").is_file():
+        pytest.skip("examples/family/small_kv4 not present (python examples/train_family.py --models small_kv4)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_kvtransfer import fit_mapper
+    from hf_kvtransfer.calibration import build_calibration
+    from hf_kvtransfer.content_eval import repeated_span_retention
+    from hf_kvtransfer.tasks import repeated_span_items
+
+    tok = AutoTokenizer.from_pretrained(family / "large")
+    large = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval()
+    small = AutoModelForCausalLM.from_pretrained(family / "small_kv4", dtype=torch.float32).eval()
+    calibration, _ = build_calibration(tok, family / "calibration.txt", num_sequences=64, seq_len=256)
+    mapper = fit_mapper(large, small, calibration, progress=False)
+    source, target = mapper.source_layout, mapper.target_layout
+    assert (source.num_kv_heads, source.head_dim, target.num_kv_heads, target.head_dim) == (2, 32, 4, 16)
+    chosen = mapper.config.num_exact_layers
+    assert chosen is not None and 1 <= chosen < 4, mapper.report["exact_layers"]
+    stream = tok((family / "heldout.txt").read_text(encoding="utf-8"), verbose=False)["input_ids"]
+    items = repeated_span_items(tok, stream, 48, seed=5, prefix_len=256, kind="text")
+    spans = dict(num_recompute_tokens=1, num_bootstrap=0, progress=False)
+    kept = repeated_span_retention(large, small, mapper, items, **spans)
+    assert kept["context_gain"]["mean"] > 1.0 and kept["retention"] > 0.85, kept["nll"]
+    fewer = repeated_span_retention(large, small, mapper, items, num_exact_layers=chosen - 1, reference=kept, **spans)
+    assert fewer["retention"] < 0.5, fewer["nll"]

@@ -86,7 +86,7 @@ def test_fit_records_a_given_number_and_the_cache_uses_it(qwen3_model, calibrati
     mapper.save_pretrained(tmp_path / "m")
     assert "its first 2 of 3 layers" in (tmp_path / "m" / "README.md").read_text()
     ids = random_ids(1, 12, seed=5)
-    cache = TransferredCache(prefill(qwen3_model, ids), mapper)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_recompute_tokens=1)
     assert cache.num_exact_layers == 2
     assert TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=0).num_exact_layers == 0
     # what the cache computes: the target's own layers 0-1 (the fit here maps the model onto itself imperfectly)
@@ -127,14 +127,14 @@ def test_exact_layers_without_prompt_ids_come_from_generate_or_warn(qwen3_model)
     ids = random_ids(1, 10, seed=7)
     src = prefill(qwen3_model, ids)
     bare = tuple((layer.keys, layer.values) for layer in src.layers)  # a legacy cache: no prompt ids recorded
-    without = TransferredCache(bare, mapper, num_exact_layers=2)
+    without = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1)
     assert without.prompt_ids is None
     qwen3_model.generate(ids, cache=without, max_new_tokens=2, do_sample=False)
     own = prefill(qwen3_model, ids[:, :-1])
     for t in range(2):  # generate's sequence gave the ids: the exact layers were computed, not mapped to zero
         torch.testing.assert_close(without.layers[t].keys[:, :, :9], own.layers[t].keys, rtol=1e-5, atol=1e-5)
     # beam search repeats each prompt row: the ids are still generate's, one row per source row
-    beams = TransferredCache(bare, mapper, num_exact_layers=2)
+    beams = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         qwen3_model.generate(ids, cache=beams, max_new_tokens=2, num_beams=2, do_sample=False)
@@ -142,7 +142,7 @@ def test_exact_layers_without_prompt_ids_come_from_generate_or_warn(qwen3_model)
     for t in range(2):
         for row in range(2):
             torch.testing.assert_close(beams.layers[t].keys[row : row + 1, :, :9], own.layers[t].keys, rtol=1e-5, atol=1e-5)
-    direct = TransferredCache(bare, mapper, num_exact_layers=2)
+    direct = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1)
     with pytest.warns(UserWarning, match="mapped, not computed from the prompt"):
         with torch.no_grad():
             qwen3_model(ids[:, -1:], cache=direct)

@@ -97,6 +97,10 @@ def test_eval_command(tmp_path, fitted_mapper):
     for key in ("repeated_span", "passage_recall", "handoff"):
         assert results[key]["num_items"] == 8, key
     assert results["greedy_agreement"]["num_prompts"] == 8
+    # the float32 family gets the bf16 rounding reference beside the transfer's agreement, in the JSON and the table
+    assert results["greedy_agreement"]["reference"]["dtype"] == "bfloat16"
+    assert len(results["greedy_agreement"]["reference"]["all_tokens_agreement_per_item"]) == 8
+    assert "own cache rounded to bfloat16 (numeric reference)" in out
     num_layers = json.loads((FAMILY / "large" / "config.json").read_text())["num_hidden_layers"]
     assert len(results["kv_r2"]["key"]) == len(results["prefix_perplexity"]["attention_cosine"]) == num_layers
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
