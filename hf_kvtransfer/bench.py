@@ -290,7 +290,8 @@ def run_benchmark(
             kwargs = dict(max_new_tokens=1, do_sample=False, pad_token_id=target.config.pad_token_id or 0)
             own = lambda: target.generate(ids, **kwargs)  # noqa: E731
             transferred = lambda: target.generate(  # noqa: E731
-                ids, cache=TransferredCache(source_cache, mapper, num_recompute_tokens=1, compile_rope=compile_rope is True), **kwargs
+                ids, **kwargs,
+                cache=TransferredCache(source_cache, mapper, num_recompute_tokens=1, compile_rope=compile_rope is True),
             )
             _measure(row, "ttft_own_ms", own, device, repeats, warmup)
             step("TTFT own", seq_len)

@@ -37,9 +37,10 @@ STACK_BYTES = 64 * 2**20
 SMALL_MAP_ENTRIES = 2**18
 
 # The prompt's last tokens are prefilled by the target itself unless asked otherwise: the next tokens depend most on
-# the nearest context, so exact keys and values there buy the most fidelity per token of the target's forward. On the bundled family (small -> large,
-# README) 32 tokens raise greedy 16-token agreement with the target's own generation from 14% to 51% on 512-token
-# prompts (first token 82% -> 95%) for +7 ms (9%) of time to first token on 1024 tokens.
+# the nearest context, so exact keys and values there buy the most fidelity per token of the target's forward. On
+# the bundled family (small -> large, README) 32 tokens raise greedy 16-token agreement with the target's own
+# generation from 14% to 51% on 512-token prompts (first token 82% -> 95%) for +7 ms (9%) of time to first token on
+# 1024 tokens.
 DEFAULT_NUM_RECOMPUTE_TOKENS = 32
 
 

@@ -133,8 +133,8 @@ def _lists(per_item: dict[str, np.ndarray]) -> dict[str, list[float]]:
 
 @torch.no_grad()
 def _answer_result(
-    scores: dict[str, dict[str, np.ndarray]], num_recompute_tokens: int | list[int], num_exact_layers: int | None, num_bootstrap: int,
-    seed: int,
+    scores: dict[str, dict[str, np.ndarray]], num_recompute_tokens: int | list[int], num_exact_layers: int | None,
+    num_bootstrap: int, seed: int,
 ) -> dict[str, Any]:
     """What recall and hand-off report alike: accuracy and answer NLL per setting, per item, and the retention."""
     correct = scores["correct"]
@@ -561,7 +561,7 @@ def _agreement(same: torch.Tensor, num_bootstrap: int, seed: int) -> dict[str, A
         "all_tokens_agreement": same.all(-1).double().numpy(),
         "agreeing_tokens": same.long().cumprod(-1).sum(-1).double().numpy(),
     }
-    return {**_summaries(per_item, num_bootstrap, seed), **{f"{name}_per_item": v.tolist() for name, v in per_item.items()}}
+    return {**_summaries(per_item, num_bootstrap, seed), **{f"{k}_per_item": v.tolist() for k, v in per_item.items()}}
 
 
 def _rounded(cache: DynamicCache, dtype: torch.dtype) -> DynamicCache:

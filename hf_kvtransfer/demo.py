@@ -242,8 +242,8 @@ def format_demo(result: dict[str, Any]) -> str:
     t = result["timing"]
     lines.append(
         f"time to the first token on {t['num_tokens']} context tokens: {t['transfer_ms']:.1f} ms from the transferred "
-        f"cache (mapping, {t['num_exact_layers']} exact layer(s), {t['num_recompute_tokens']} recomputed tokens) instead of "
-        f"{t['target_prefill_ms']:.1f} ms for the target's own prefill ({t['speedup']:.1f}x faster; median, "
+        f"cache (mapping, {t['num_exact_layers']} exact layer(s), {t['num_recompute_tokens']} recomputed tokens) "
+        f"instead of {t['target_prefill_ms']:.1f} ms for the target's own prefill ({t['speedup']:.1f}x faster; median, "
         f"{result['torch_threads']} CPU threads)"
     )
     return "\n".join(lines)

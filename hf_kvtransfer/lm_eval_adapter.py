@@ -148,8 +148,8 @@ class KVTransferLM(LM):
 
     def _recompute(self, num_tokens: int) -> int:
         """The recomputed tokens of a context of `num_tokens` tokens: as configured, else the cache's default."""
-        wanted = self.num_recompute_tokens if self.num_recompute_tokens is not None else default_num_recompute_tokens(num_tokens)
-        return min(wanted, num_tokens)
+        wanted = self.num_recompute_tokens
+        return min(wanted if wanted is not None else default_num_recompute_tokens(num_tokens), num_tokens)
 
     def _transferred(self, context_ids: list[int], recompute: int) -> TransferredCache:
         device = next(self.source.parameters()).device

@@ -213,8 +213,8 @@ def multiple_choice(
     used = set()
     bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
     for item in items:
-        requested = num_recompute_tokens if num_recompute_tokens is not None else default_num_recompute_tokens(len(item.context_ids))
-        r = min(requested, len(item.context_ids))
+        n = len(item.context_ids)
+        r = min(num_recompute_tokens if num_recompute_tokens is not None else default_num_recompute_tokens(n), n)
         used.add(r)
         ctx = torch.tensor([item.context_ids])
         n = len(item.choice_ids)
