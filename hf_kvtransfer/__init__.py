@@ -17,7 +17,6 @@ _EXPORTS = {
     "TransferredCache": "cache",
     "capture_kv": "capture",
     "choose_num_exact_layers": "exact_layers",
-    "default_num_recompute_tokens": "cache",
     "prefill": "capture",
     "fit_mapper": "fit",
     "fit_mlp_mapper": "fit",
@@ -25,6 +24,7 @@ _EXPORTS = {
     "FitConfig": "fit_config",
     "MapperHubError": "hub",
     "reduce_mapper_rank": "lowrank",
+    "resolve_num_recompute_tokens": "cache",
     "KVMapper": "mapper",
     "MapperConfig": "mapper",
     "KVLayout": "stats",
@@ -33,7 +33,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from .accumulate import collect_statistics
-    from .cache import TransferredCache, default_num_recompute_tokens
+    from .cache import TransferredCache, resolve_num_recompute_tokens
     from .capture import capture_kv, prefill
     from .exact_layers import choose_num_exact_layers
     from .fit import fit_mapper, fit_mlp_mapper, solve_mapper
@@ -69,10 +69,10 @@ __all__ = [
     "capture_kv",
     "choose_num_exact_layers",
     "collect_statistics",
-    "default_num_recompute_tokens",
     "fit_mapper",
     "fit_mlp_mapper",
     "prefill",
     "reduce_mapper_rank",
+    "resolve_num_recompute_tokens",
     "solve_mapper",
 ]

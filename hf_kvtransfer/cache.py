@@ -44,9 +44,12 @@ SMALL_MAP_ENTRIES = 2**18
 DEFAULT_NUM_RECOMPUTE_TOKENS = 32
 
 
-def default_num_recompute_tokens(num_tokens: int) -> int:
-    """The prompt tokens a `TransferredCache` leaves to the target by default: `DEFAULT_NUM_RECOMPUTE_TOKENS`, but at
-    most half of a short prompt (most of it is still transferred) and at least 1 (`generate` must feed a token)."""
+def resolve_num_recompute_tokens(requested: int | None, num_tokens: int) -> int:
+    """What a caller's `num_recompute_tokens` means for a prompt of `num_tokens`: as given, and None is the default,
+    `DEFAULT_NUM_RECOMPUTE_TOKENS` but at most half of a short prompt (most of it is still transferred) and at least 1
+    (`generate` must feed a token)."""
+    if requested is not None:
+        return requested
     return min(DEFAULT_NUM_RECOMPUTE_TOKENS, max(1, num_tokens // 2))
 
 
@@ -320,7 +323,7 @@ class TransferredCache(DynamicCache):
         attention_mask: `[batch, seq]` mask the source cache was built with (left padding); RoPE is
             stripped and re-applied at the per-row positions `cumsum(mask) - 1`.
         num_recompute_tokens: trailing prompt tokens left for the target to recompute. Default (None):
-            `default_num_recompute_tokens(prompt length)`, i.e. 32, at most half the prompt, at least 1. 1 is the
+            `resolve_num_recompute_tokens(None, prompt length)`, i.e. 32, at most half the prompt, at least 1. 1 is the
             fastest under `generate`; 0 only suits a direct forward of new tokens.
         strict: when the source cache comes from `prefill`, its model's config is compared with the one the
             mapper was fit for; a difference beyond KV shapes warns, or raises with `strict=True`.
@@ -373,8 +376,7 @@ class TransferredCache(DynamicCache):
         if source_config is not None:
             mapper.check_compatible(source_config=source_config, strict=strict)
         sources, length, batch_size = self._read_source(source_cache)
-        if num_recompute_tokens is None:
-            num_recompute_tokens = default_num_recompute_tokens(length)
+        num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, length)
         if not 0 <= num_recompute_tokens <= length:
             raise ValueError(f"num_recompute_tokens must be in [0, {length}] (the cached tokens), got {num_recompute_tokens}")
         self.num_recompute_tokens = num_recompute_tokens

@@ -26,7 +26,7 @@ from huggingface_hub.utils import tqdm
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from .cache import TransferredCache, default_num_recompute_tokens
+from .cache import TransferredCache, resolve_num_recompute_tokens
 from .capture import capture_kv, prefill
 from .content_eval import greedy_agreement, handoff, passage_recall, repeated_span_retention
 from .mapper import KVMapper
@@ -172,8 +172,7 @@ def prefix_perplexity(
     prefix_len = prefix_len if prefix_len is not None else window // 2
     if not 1 <= prefix_len <= window - 2:
         raise ValueError(f"prefix_len must leave >= 2 tokens to score in a {window}-token window, got {prefix_len}")
-    if num_recompute_tokens is None:
-        num_recompute_tokens = default_num_recompute_tokens(prefix_len)
+    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prefix_len)
     if not 0 <= num_recompute_tokens < prefix_len:
         raise ValueError(f"num_recompute_tokens must be in [0, {prefix_len}), got {num_recompute_tokens}")
     r, t = num_recompute_tokens, prefix_len

@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from huggingface_hub.utils import tqdm
 
-from .cache import TransferredCache, default_num_recompute_tokens
+from .cache import TransferredCache, resolve_num_recompute_tokens
 from .capture import prefill
 from .mapper import KVMapper
 from .metrics import REFEED_WARNING
@@ -148,8 +148,7 @@ class KVTransferLM(LM):
 
     def _recompute(self, num_tokens: int) -> int:
         """The recomputed tokens of a context of `num_tokens` tokens: as configured, else the cache's default."""
-        wanted = self.num_recompute_tokens
-        return min(wanted if wanted is not None else default_num_recompute_tokens(num_tokens), num_tokens)
+        return min(resolve_num_recompute_tokens(self.num_recompute_tokens, num_tokens), num_tokens)
 
     def _transferred(self, context_ids: list[int], recompute: int) -> TransferredCache:
         device = next(self.source.parameters()).device

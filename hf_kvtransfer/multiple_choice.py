@@ -15,7 +15,7 @@ import torch
 from huggingface_hub.utils import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from .cache import TransferredCache, default_num_recompute_tokens
+from .cache import TransferredCache, resolve_num_recompute_tokens
 from .capture import prefill
 from .mapper import KVMapper
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
@@ -213,8 +213,7 @@ def multiple_choice(
     used = set()
     bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
     for item in items:
-        n = len(item.context_ids)
-        r = min(num_recompute_tokens if num_recompute_tokens is not None else default_num_recompute_tokens(n), n)
+        r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(item.context_ids)), len(item.context_ids))
         used.add(r)
         ctx = torch.tensor([item.context_ids])
         n = len(item.choice_ids)

@@ -72,11 +72,10 @@ def time_to_first_token(
 
     import torch
 
-    from .cache import TransferredCache, default_num_recompute_tokens
+    from .cache import TransferredCache, resolve_num_recompute_tokens
     from .capture import cache_argument, prefill
 
-    if num_recompute_tokens is None:
-        num_recompute_tokens = default_num_recompute_tokens(input_ids.shape[-1])
+    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, input_ids.shape[-1])
 
     src_cache = prefill(source, input_ids.to(next(source.parameters()).device))
     device = next(target.parameters()).device
@@ -95,8 +94,8 @@ def time_to_first_token(
         transfer = median_ms(time_call(from_transfer, device, repeats)[0])
         own = median_ms(time_call(lambda: target(ids, use_cache=True, **keep), device, repeats)[0])
     return {"num_tokens": int(ids.shape[-1]), "num_recompute_tokens": num_recompute_tokens,
-            "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers), "transfer_ms": transfer, "target_prefill_ms": own,
-            "speedup": own / transfer}  # fmt: skip
+            "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers), "transfer_ms": transfer,
+            "target_prefill_ms": own, "speedup": own / transfer}  # fmt: skip
 
 
 __all__ = ["DEFAULT_SEQ_LENS", "QUICK_SEQ_LENS", "median_ms", "synchronize", "time_call", "time_to_first_token"]
