@@ -14,8 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_kvtransfer import TransferredCache, fit_mapper
-from hf_kvtransfer.calibration import build_calibration
-from hf_kvtransfer.demo import find_family
+from hf_kvtransfer.fitting.calibration import build_calibration
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument(
@@ -25,7 +24,7 @@ parser.add_argument("--num-sequences", type=int, default=64, help="calibration s
 parser.add_argument("--new-tokens", type=int, default=24)
 args = parser.parse_args()
 
-family = find_family(args.family)
+family = Path(args.family)
 tokenizer = AutoTokenizer.from_pretrained(family / "large")
 small = AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval()
 large = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval()

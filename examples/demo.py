@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from hf_kvtransfer.cli import main
+from hf_kvtransfer.commands.cli import main
 
 if __name__ == "__main__":
     family = os.environ.get("HF_KVTRANSFER_FAMILY") or str(Path(__file__).resolve().parent / "family")

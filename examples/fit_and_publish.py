@@ -14,9 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_kvtransfer import KVMapper, collect_statistics, solve_mapper
-from hf_kvtransfer.calibration import build_calibration
-from hf_kvtransfer.demo import find_family
-from hf_kvtransfer.evaluate import prefix_perplexity, split_documents, text_windows
+from hf_kvtransfer.fitting.calibration import build_calibration
+from hf_kvtransfer.evaluation.evaluate import prefix_perplexity, split_documents, text_windows
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument(
@@ -28,7 +27,7 @@ parser.add_argument("--num-sequences", type=int, default=128)
 parser.add_argument("--eval-windows", type=int, default=48)
 args = parser.parse_args()
 
-family = find_family(args.family)
+family = Path(args.family)
 tokenizer = AutoTokenizer.from_pretrained(family / "large")
 source = AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval()
 target = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval()

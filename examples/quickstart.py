@@ -15,8 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
-from hf_kvtransfer.calibration import build_calibration
-from hf_kvtransfer.demo import find_family
+from hf_kvtransfer.fitting.calibration import build_calibration
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument(
@@ -26,7 +25,7 @@ parser.add_argument("--num-sequences", type=int, default=64, help="calibration s
 parser.add_argument("--mapper", help="a fitted mapper (directory or Hub id); default: fit one now")
 args = parser.parse_args()
 
-family = find_family(args.family)
+family = Path(args.family)
 tokenizer = AutoTokenizer.from_pretrained(family / "large")
 # float32: the checkpoints are stored in bf16, which most CPUs run several times slower
 source = AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval()  # the cheap model that read the context

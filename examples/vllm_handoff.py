@@ -64,7 +64,7 @@ def connector_config(role: str, store: str, **extra):
 
     return KVTransferConfig(
         kv_connector="HFKVTransferConnector",
-        kv_connector_module_path="hf_kvtransfer.vllm_connector",
+        kv_connector_module_path="hf_kvtransfer.integrations.vllm_connector",
         kv_role=role,
         kv_connector_extra_config={"store": store, **extra},
     )

@@ -1,7 +1,9 @@
 """hf-kvtransfer: reuse one model's KV cache in another model of the same family instead of re-running prefill.
 
-The public names load on first use (PEP 562), so `import hf_kvtransfer.cli` and `hf-kvtransfer --help` do not
-pay for importing torch and transformers (~5 s); `from hf_kvtransfer import KVMapper` works as usual.
+The public names load on first use (PEP 562), so `hf-kvtransfer --help` does not pay for importing torch and
+transformers (~5 s); `from hf_kvtransfer import KVMapper` works as usual. The subpackages are the layers of the
+library (ARCHITECTURE.md): `core` (the math, the mapper, the cache), `evaluation`, `fitting`, `integrations` (lm-eval,
+vLLM) and `commands` (the CLI).
 """
 
 from __future__ import annotations
@@ -11,37 +13,37 @@ from typing import TYPE_CHECKING
 
 from .version import __version__
 
-# public name -> the module that defines it (also what type checkers and IDEs read, below)
+# The one list of public names: name -> the module that defines it.
 _EXPORTS = {
-    "collect_statistics": "accumulate",
-    "TransferredCache": "cache",
-    "capture_kv": "capture",
-    "choose_num_exact_layers": "exact_layers",
-    "prefill": "capture",
-    "fit_mapper": "fit",
-    "fit_mlp_mapper": "fit",
-    "solve_mapper": "fit",
-    "FitConfig": "fit_config",
-    "MapperHubError": "hub",
-    "reduce_mapper_rank": "lowrank",
-    "resolve_num_recompute_tokens": "cache",
-    "KVMapper": "mapper",
-    "MapperConfig": "mapper",
-    "KVLayout": "stats",
-    "KVStatistics": "stats",
+    "KVLayout": "core.stats",
+    "KVStatistics": "core.stats",
+    "KVMapper": "core.mapper",
+    "MapperConfig": "core.mapper",
+    "MapperHubError": "core.hub",
+    "TransferredCache": "core.cache",
+    "resolve_num_recompute_tokens": "core.cache",
+    "capture_kv": "core.capture",
+    "prefill": "core.capture",
+    "reduce_mapper_rank": "core.lowrank",
+    "FitConfig": "fitting.config",
+    "collect_statistics": "fitting.accumulate",
+    "choose_num_exact_layers": "fitting.exact_layers",
+    "fit_mapper": "fitting.fit",
+    "fit_mlp_mapper": "fitting.fit",
+    "solve_mapper": "fitting.fit",
 }
 
-if TYPE_CHECKING:
-    from .accumulate import collect_statistics
-    from .cache import TransferredCache, resolve_num_recompute_tokens
-    from .capture import capture_kv, prefill
-    from .exact_layers import choose_num_exact_layers
-    from .fit import fit_mapper, fit_mlp_mapper, solve_mapper
-    from .fit_config import FitConfig
-    from .hub import MapperHubError
-    from .lowrank import reduce_mapper_rank
-    from .mapper import KVMapper, MapperConfig
-    from .stats import KVLayout, KVStatistics
+if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORTS
+    from .core.cache import TransferredCache, resolve_num_recompute_tokens
+    from .core.capture import capture_kv, prefill
+    from .core.hub import MapperHubError
+    from .core.lowrank import reduce_mapper_rank
+    from .core.mapper import KVMapper, MapperConfig
+    from .core.stats import KVLayout, KVStatistics
+    from .fitting.accumulate import collect_statistics
+    from .fitting.config import FitConfig
+    from .fitting.exact_layers import choose_num_exact_layers
+    from .fitting.fit import fit_mapper, fit_mlp_mapper, solve_mapper
 
 
 def __getattr__(name: str):
@@ -57,22 +59,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-__all__ = [
-    "FitConfig",
-    "KVLayout",
-    "KVMapper",
-    "KVStatistics",
-    "MapperConfig",
-    "MapperHubError",
-    "TransferredCache",
-    "__version__",
-    "capture_kv",
-    "choose_num_exact_layers",
-    "collect_statistics",
-    "fit_mapper",
-    "fit_mlp_mapper",
-    "prefill",
-    "reduce_mapper_rank",
-    "resolve_num_recompute_tokens",
-    "solve_mapper",
-]
+__all__ = ["__version__", *sorted(_EXPORTS)]

@@ -1,4 +1,4 @@
-"""Tiny models built from configs (no downloads), and the exactly linear model pair of DESIGN §7."""
+"""Tiny models built from configs (no downloads), and an exactly linear model pair (a target storing an invertible per-head transform of the source's KV)."""
 
 from __future__ import annotations
 

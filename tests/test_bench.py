@@ -7,15 +7,16 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from rope_reference import apply_rope
 from conftest import left_pad, random_ids, tiny_model
 from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
-from hf_kvtransfer import cache as cache_module
-from hf_kvtransfer.bench import mapping_flops, prefill_flops, run_benchmark
-from hf_kvtransfer.fit_config import parse_rank_spec
-from hf_kvtransfer.reporting import save_bench_report as save_report
-from hf_kvtransfer.cache import conversion_groups
-from hf_kvtransfer.cli import main
-from hf_kvtransfer.rope import apply_rope, build_rotary_embedding, position_ids_from_mask, rotary_cos_sin, strip_rope
+from hf_kvtransfer.core import cache as cache_module
+from hf_kvtransfer.commands.bench import mapping_flops, prefill_flops, run_benchmark
+from hf_kvtransfer.fitting.config import parse_rank_spec
+from hf_kvtransfer.commands.reporting import save_bench_report as save_report
+from hf_kvtransfer.core.cache import conversion_groups
+from hf_kvtransfer.commands.cli import main
+from hf_kvtransfer.core.rope import build_rotary_embedding, position_ids_from_mask, rotary_cos_sin, strip_rope
 
 
 def _random_mapper(source, target, selected_layers, seed=0, rank=None):

@@ -239,7 +239,7 @@ def test_sliding_window_source_that_dropped_tokens_is_refused():
 
 
 def test_grouped_products_split_and_bf16_mapper(qwen3_model, identity_mapper, grouped_identity_mapper, monkeypatch):
-    from hf_kvtransfer import cache as cache_module
+    from hf_kvtransfer.core import cache as cache_module
 
     ids = random_ids(2, 18, seed=16)
     own = prefill(qwen3_model, ids)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fit_fixtures import make_tokenizer, write_corpus
-from hf_kvtransfer.calibration import build_calibration, iter_documents, sample_hash
+from hf_kvtransfer.fitting.calibration import build_calibration, iter_documents, sample_hash
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_unreadable_datasets_give_clear_errors(tmp_path, tokenizer, monkeypatch)
 
     import datasets
 
-    import hf_kvtransfer.calibration as calibration
+    import hf_kvtransfer.fitting.calibration as calibration
 
     def offline(*args, **kwargs):
         raise ConnectionError("no network")
@@ -96,7 +96,7 @@ def test_hub_dataset_is_streamed_with_config_and_split(tokenizer, monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
     checked = []
-    monkeypatch.setattr("hf_kvtransfer.calibration._check_hub_dataset", checked.append)  # no network in tests
+    monkeypatch.setattr("hf_kvtransfer.fitting.calibration._check_hub_dataset", checked.append)  # no network in tests
     ids, info = build_calibration(tokenizer, "org/corpus", "cfg", "validation", num_sequences=2, seq_len=4)
     assert calls == [("org/corpus", "cfg", "validation", True)] and checked == ["org/corpus"]
     assert ids.tolist() == [[5, 6, 7, 8], [2, 9, 10, 11]]  # EOS (2) between the documents

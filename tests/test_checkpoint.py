@@ -8,7 +8,7 @@ from huggingface_hub import HfApi, hf_hub_download
 from safetensors.torch import load_file, save_file
 
 from hf_kvtransfer import KVMapper, MapperConfig
-from hf_kvtransfer.checkpoint import (
+from hf_kvtransfer.core.checkpoint import (
     INDEX_NAME,
     checkpoint_info,
     load_weights,
@@ -16,7 +16,7 @@ from hf_kvtransfer.checkpoint import (
     save_weights,
     weight_files,
 )
-from hf_kvtransfer.hub import resolve_mapper_dir
+from hf_kvtransfer.core.hub import resolve_mapper_dir
 from transformers import Qwen3Config
 
 
@@ -157,7 +157,7 @@ def test_push_sharded_then_pull_through_the_hub(hub_server, tmp_path):
 
 
 def test_cli_push_sharded_and_info(hub_server, tmp_path, capsys, monkeypatch):
-    from hf_kvtransfer.cli import main
+    from hf_kvtransfer.commands.cli import main
 
     mapper = _mapper(seed=3)
     mapper.save_pretrained(tmp_path / "m")  # one file locally; the push re-saves it sharded

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import hf_kvtransfer.calibration_pass as calibration_pass
+import hf_kvtransfer.fitting.calibration_pass as calibration_pass
 from conftest import exact_identity_mapper, tiny_model
 from fit_fixtures import save_pair, write_corpus
-from hf_kvtransfer import cli
-from hf_kvtransfer.cli import main
+from hf_kvtransfer.commands import cli
+from hf_kvtransfer.commands.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def test_truncated_mapper_is_one_line_in_every_command(command, mappers, pair, t
 
 def test_subprocess_one_line_and_traceback_only_with_hf_debug(mappers):
     _, broken = mappers
-    command = [sys.executable, "-m", "hf_kvtransfer.cli", "info", str(broken)]
+    command = [sys.executable, "-m", "hf_kvtransfer.commands.cli", "info", str(broken)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DEBUG": ""}
     plain = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert plain.returncode == 1 and plain.stdout == ""

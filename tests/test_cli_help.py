@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from hf_kvtransfer import cli
+from hf_kvtransfer.commands import cli
 
 
 def _subcommands() -> dict:
@@ -35,7 +35,7 @@ def test_building_the_parser_imports_neither_torch_nor_transformers():
     from pathlib import Path
 
     code = (
-        "import sys, hf_kvtransfer.cli as c; c.build_parser(); "
+        "import sys, hf_kvtransfer.commands.cli as c; c.build_parser(); "
         "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'numpy') if m in sys.modules))"
     )
     repo = Path(__file__).resolve().parents[1]
@@ -44,6 +44,6 @@ def test_building_the_parser_imports_neither_torch_nor_transformers():
     assert done.stdout.strip() == "[]", f"imported while building the parser: {done.stdout.strip()}"
     # The exports still resolve (lazily) to the real classes.
     import hf_kvtransfer
-    from hf_kvtransfer.mapper import KVMapper
+    from hf_kvtransfer.core.mapper import KVMapper
 
     assert hf_kvtransfer.KVMapper is KVMapper and "KVMapper" in dir(hf_kvtransfer)

@@ -8,9 +8,9 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_kvtransfer import configs
-from hf_kvtransfer.configs import known_config_dict, known_model_ids, load_model_config
-from hf_kvtransfer.rope import build_rotary_embedding, head_dim_of
+from hf_kvtransfer.commands import model_configs as configs
+from hf_kvtransfer.commands.model_configs import known_config_dict, known_model_ids, load_model_config
+from hf_kvtransfer.core.rope import build_rotary_embedding, head_dim_of
 
 EXPECTED_IDS = {
     *(f"Qwen/Qwen3-{s}" for s in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")),

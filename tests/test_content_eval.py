@@ -10,10 +10,10 @@ import torch
 from conftest import VOCAB, exact_identity_mapper, random_ids, scrambled_mapper, tiny_model
 from fit_fixtures import SPECIALS, make_tokenizer
 from hf_kvtransfer import TransferredCache, prefill
-from hf_kvtransfer.cli import main
-from hf_kvtransfer.content_eval import greedy_agreement, handoff, passage_recall, repeated_span_retention
-from hf_kvtransfer.metrics import mean_and_ci, retention_over_items
-from hf_kvtransfer.tasks import HandoffItem, PassageRecallItem, repeated_span_items
+from hf_kvtransfer.commands.cli import main
+from hf_kvtransfer.evaluation.content import greedy_agreement, handoff, passage_recall, repeated_span_retention
+from hf_kvtransfer.evaluation.metrics import mean_and_ci, retention_over_items
+from hf_kvtransfer.evaluation.tasks import HandoffItem, PassageRecallItem, repeated_span_items
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 
 from fit_fixtures import save_pair, write_corpus
 from hf_kvtransfer import KVMapper, KVStatistics
-from hf_kvtransfer.cli import main
+from hf_kvtransfer.commands.cli import main
 
 
 def test_two_ranks_equal_one(tmp_path):
@@ -26,7 +26,7 @@ def test_two_ranks_equal_one(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "hf_kvtransfer.cli", *args(tmp_path / "two", tmp_path / "stats-two")],
+         "-m", "hf_kvtransfer.commands.cli", *args(tmp_path / "two", tmp_path / "stats-two")],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

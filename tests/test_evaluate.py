@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import random_ids, scrambled_mapper
-from hf_kvtransfer.evaluate import kv_r2, multi_turn_drift, prefix_perplexity, split_documents, text_windows
-from hf_kvtransfer.metrics import normalized_retention
-from hf_kvtransfer.multiple_choice import MultipleChoiceItem, build_continuation_task, load_multiple_choice, multiple_choice
-from hf_kvtransfer.reporting import evaluation_markdown as results_to_markdown
-from hf_kvtransfer.reporting import plot_evaluation as plot_results
+from hf_kvtransfer.evaluation.evaluate import kv_r2, multi_turn_drift, prefix_perplexity, split_documents, text_windows
+from hf_kvtransfer.evaluation.metrics import normalized_retention
+from hf_kvtransfer.evaluation.multiple_choice import MultipleChoiceItem, build_continuation_task, load_multiple_choice, multiple_choice
+from hf_kvtransfer.commands.reporting import evaluation_markdown as results_to_markdown
+from hf_kvtransfer.commands.reporting import plot_evaluation as plot_results
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,7 @@ def test_lm_eval_adapter_local_task(tmp_path, qwen3_model, identity_mapper):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from hf_kvtransfer.lm_eval_adapter import KVTransferLM
+    from hf_kvtransfer.integrations.lm_eval_harness import KVTransferLM
 
     g = torch.Generator().manual_seed(5)
     letters = "abcdefghijklmnopqrstuvwxyz"
@@ -278,18 +278,18 @@ FAMILY_CHOSEN_RETENTION_FLOOR = 0.85
 
 
 def test_bundled_family_reads_its_context_and_transfers_it():
-    from hf_kvtransfer.demo import find_family
+    from hf_kvtransfer.commands.demo import find_family
 
     try:
         family = find_family(Path(__file__).resolve().parent.parent / "examples" / "family")
     except FileNotFoundError:
-        pytest.skip("bundled family not in examples/family (python examples/train_family.py --output-dir examples/family)")
+        pytest.skip("bundled family not in examples/family (python research/family_builder/train_family.py --output-dir examples/family)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_kvtransfer import fit_mapper
-    from hf_kvtransfer.calibration import build_calibration
-    from hf_kvtransfer.content_eval import passage_recall
-    from hf_kvtransfer.tasks import passage_recall_items
+    from hf_kvtransfer.fitting.calibration import build_calibration
+    from hf_kvtransfer.evaluation.content import passage_recall
+    from hf_kvtransfer.evaluation.tasks import passage_recall_items
 
     tok = AutoTokenizer.from_pretrained(family / "large")
     small = AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval()
@@ -325,13 +325,13 @@ def test_pair_with_other_kv_geometry_gets_its_own_exact_layers():
     # held-out spans (context gain 1.94 nats/token) retention 1.00 with 2 exact layers and 0.04 with 1.
     family = Path(__file__).resolve().parent.parent / "examples" / "family"
     if not (family / "small_kv4" / "model.safetensors").is_file():
-        pytest.skip("examples/family/small_kv4 not present (python examples/train_family.py --models small_kv4)")
+        pytest.skip("examples/family/small_kv4 not present (python research/family_builder/train_family.py --models small_kv4)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_kvtransfer import fit_mapper
-    from hf_kvtransfer.calibration import build_calibration
-    from hf_kvtransfer.content_eval import repeated_span_retention
-    from hf_kvtransfer.tasks import repeated_span_items
+    from hf_kvtransfer.fitting.calibration import build_calibration
+    from hf_kvtransfer.evaluation.content import repeated_span_retention
+    from hf_kvtransfer.evaluation.tasks import repeated_span_items
 
     tok = AutoTokenizer.from_pretrained(family / "large")
     large = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval()

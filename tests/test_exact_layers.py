@@ -9,17 +9,17 @@ import torch
 
 from conftest import exact_identity_mapper, random_ids
 from hf_kvtransfer import FitConfig, TransferredCache, fit_mapper, prefill
-from hf_kvtransfer.exact_layers import choose_num_exact_layers, probe_stream
-from hf_kvtransfer.mapper import DEFAULT_NUM_EXACT_LAYERS
+from hf_kvtransfer.fitting.exact_layers import choose_num_exact_layers, probe_stream
+from hf_kvtransfer.core.mapper import DEFAULT_NUM_EXACT_LAYERS
 
 
 def _bundled_family():
-    from hf_kvtransfer.demo import find_family
+    from hf_kvtransfer.commands.demo import find_family
 
     try:
         return find_family(Path(__file__).resolve().parent.parent / "examples" / "family")
     except FileNotFoundError:
-        pytest.skip("bundled family not in examples/family (python examples/train_family.py --output-dir examples/family)")
+        pytest.skip("bundled family not in examples/family (python research/family_builder/train_family.py --output-dir examples/family)")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_probe_picks_the_layers_below_and_including_the_broken_one(family_models
     # the mapper's card shows the choice and the probe's table
     from dataclasses import replace
 
-    from hf_kvtransfer.card import render_model_card
+    from hf_kvtransfer.core.card import render_model_card
 
     mapper = _broken_at(model, broken)
     card = str(render_model_card(replace(mapper.config, num_exact_layers=chosen).to_dict(), report={"exact_layers": report}))

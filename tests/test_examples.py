@@ -1,4 +1,4 @@
-"""Smoke tests: every script in examples/ and the `demo` / `eval` commands run offline on the bundled family.
+"""Smoke tests: every script in examples/, the research scripts the docs quote, and the `demo` / `eval` commands run offline on the bundled family.
 
 Each is a fresh process (imports, model loads, a small fit); all of them run in the default suite (about 35 s
 together on 2 idle cores).
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from hf_kvtransfer.demo import find_family
+from hf_kvtransfer.commands.demo import find_family
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
+RESEARCH = ROOT / "research"
 
 try:
     # HF_KVTRANSFER_FAMILY points the examples at another family directory (they read it too).
@@ -26,7 +27,7 @@ except FileNotFoundError:
 pytestmark = pytest.mark.skipif(
     FAMILY is None,
     reason="the bundled model family is not in examples/family (small/ and large/ model.safetensors); "
-    "build it with `python examples/train_family.py --output-dir examples/family`",
+    "build it with `python research/family_builder/train_family.py --output-dir examples/family`",
 )
 
 
@@ -87,7 +88,7 @@ def test_demo_without_arguments(tmp_path):
 def test_eval_command(tmp_path, fitted_mapper):
     pytest.importorskip("matplotlib")
     out = _run([
-        sys.executable, "-m", "hf_kvtransfer.cli", "eval", "--source", str(FAMILY / "small"),
+        sys.executable, "-m", "hf_kvtransfer.commands.cli", "eval", "--source", str(FAMILY / "small"),
         "--target", str(FAMILY / "large"), "--mapper", str(fitted_mapper), "--text", str(FAMILY / "heldout.txt"),
         "--max-windows", "8", "--num-items", "8", "--items", "8", "--turns", "2", "--json", str(tmp_path / "e.json"),
         "--plot", str(tmp_path / "e.png"),
@@ -108,7 +109,7 @@ def test_eval_command(tmp_path, fitted_mapper):
 
 def test_rank_tradeoff(tmp_path):
     pytest.importorskip("matplotlib")
-    _run([sys.executable, str(EXAMPLES / "rank_tradeoff.py"), "--num-sequences", "16", "--windows", "8",
+    _run([sys.executable, str(RESEARCH / "rank_tradeoff" / "rank_tradeoff.py"), "--num-sequences", "16", "--windows", "8",
           "--seq-len", "128", "--repeats", "2", "--specs", "full", "8@bf16", "--output-dir", str(tmp_path)])  # fmt: skip
     report = json.loads((tmp_path / "tradeoff.json").read_text())
     full, low = report["rows"]
@@ -123,7 +124,7 @@ def test_rank_tradeoff(tmp_path):
 
 
 def test_family_context(tmp_path):
-    out = _run([sys.executable, str(EXAMPLES / "family_context.py"), "--family", str(FAMILY), "--models", "small",
+    out = _run([sys.executable, str(RESEARCH / "family_builder" / "family_context.py"), "--family", str(FAMILY), "--models", "small",
                 "--items", "8", "--extra-items", "4", "--windows", "8", "--output", str(tmp_path / "ctx.json")])
     assert "| context gain (nats/token) |" in out
     res = json.loads((tmp_path / "ctx.json").read_text())["models"]["small"]
@@ -132,7 +133,7 @@ def test_family_context(tmp_path):
 
 def test_exact_layers_ablation(tmp_path):
     out = tmp_path / "exact.json"
-    _run([sys.executable, str(EXAMPLES / "exact_layers_ablation.py"), "--windows", "8", "--exact", "0", "1",
+    _run([sys.executable, str(RESEARCH / "exact_layers_ablation" / "exact_layers_ablation.py"), "--windows", "8", "--exact", "0", "1",
           "--num-sequences", "16", "--json", str(out)])  # fmt: skip
     report = json.loads(out.read_text())
     for pair in ("small->large", "large->small"):
@@ -145,7 +146,7 @@ def test_exact_layers_ablation(tmp_path):
 
 
 def test_fidelity_ablation(tmp_path):
-    out = _run([sys.executable, str(EXAMPLES / "fidelity_ablation.py"), "--rows", "default,exact2,exact6", "--items",
+    out = _run([sys.executable, str(RESEARCH / "fidelity_ablation" / "fidelity_ablation.py"), "--rows", "default,exact2,exact6", "--items",
                 "6", "--windows", "6", "--directions", "large-small", "--num-sequences", "4", "--ttft-len", "64",
                 "--json", str(tmp_path / "a.json")])  # fmt: skip
     assert "large-small exact2" in out and "large-small exact6: skipped" in out  # small has 4 layers
@@ -153,7 +154,7 @@ def test_fidelity_ablation(tmp_path):
     assert set(rows) == {"default", "exact2"} and "ppl_diff_ci" in rows["exact2"]
     assert rows["exact2"]["num_exact_layers"] == 2 and isinstance(rows["default"]["num_exact_layers"], int)
     assert all(row["ttft_ms"] > 0 for row in rows.values())
-    out = _run([sys.executable, str(EXAMPLES / "fidelity_ablation.py"), "--rows", "default,recompute8", "--ttft-only",
+    out = _run([sys.executable, str(RESEARCH / "fidelity_ablation" / "fidelity_ablation.py"), "--rows", "default,recompute8", "--ttft-only",
                 "--items", "2", "--windows", "2", "--directions", "large-small", "--num-sequences", "4", "--ttft-len",
                 "64", "--json", str(tmp_path / "t.json")])  # fmt: skip
     rows = json.loads((tmp_path / "t.json").read_text())["directions"]["large-small"]["rows"]

@@ -1,4 +1,4 @@
-"""examples/feature_ablation.py on tiny random models: its baseline must be the library's mapper (selection, weights,
+"""research/feature_ablation/feature_ablation.py on tiny random models: its baseline must be the library's mapper (selection, weights,
 held-out R^2) and its hand-built caches must score like `prefix_perplexity` (the harness's self-tests)."""
 
 import importlib.util
@@ -10,7 +10,7 @@ import pytest
 
 from fit_fixtures import make_tokenizer, save_pair, write_corpus
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "feature_ablation.py"
+EXAMPLE = Path(__file__).resolve().parent.parent / "research" / "feature_ablation" / "feature_ablation.py"
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_lambda_auto_matches_the_library(ablation, pair, tmp_path):
 def test_feature_index_and_shift(ablation):
     import torch
 
-    from hf_kvtransfer.stats import KVLayout
+    from hf_kvtransfer.core.stats import KVLayout
 
     src = KVLayout(3, 2, 4)  # F_s = 8, 24 features per copy
     idx = ablation.feature_index(ablation.VARIANT_SPECS["embed+prev"], [0, 2], src, embed_dim=5)

@@ -14,10 +14,10 @@ from hf_kvtransfer import (
     prefill,
     solve_mapper,
 )
-from hf_kvtransfer.accumulate import accumulate_statistics
-from hf_kvtransfer.fit import solve_mappers
-from hf_kvtransfer.ridge import select_layers, single_source_r2, solve_layer
-from hf_kvtransfer.stats import BlockStatistics, flatten_layers, token_selection
+from hf_kvtransfer.fitting.accumulate import accumulate_statistics
+from hf_kvtransfer.fitting.fit import solve_mappers
+from hf_kvtransfer.core.ridge import select_layers, single_source_r2, solve_layer
+from hf_kvtransfer.core.stats import BlockStatistics, flatten_layers, token_selection
 
 
 def test_linear_pair_selection_r2_and_generation(linear_models):

@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import hf_kvtransfer.calibration_pass as calibrate_module
+import hf_kvtransfer.fitting.calibration_pass as calibrate_module
 from fit_fixtures import make_tokenizer, save_pair, write_corpus
 from hf_kvtransfer import KVMapper, KVStatistics, collect_statistics, solve_mapper
-from hf_kvtransfer.accumulate import read_checkpoint
-from hf_kvtransfer.calibration import build_calibration, sample_hash
-from hf_kvtransfer.cli import main
+from hf_kvtransfer.fitting.accumulate import read_checkpoint
+from hf_kvtransfer.fitting.calibration import build_calibration, sample_hash
+from hf_kvtransfer.commands.cli import main
 
 NUM_SEQUENCES, SEQ_LEN, BATCH = 24, 32, 4
 
@@ -70,7 +70,7 @@ def test_cli_subprocess_fit_matches_in_memory_fit(pair, tmp_path):
     out = tmp_path / "mapper"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "hf_kvtransfer.cli", *_args(pair, out, "--top-k", "2", "--heldout-fraction", "0")],
+        [sys.executable, "-m", "hf_kvtransfer.commands.cli", *_args(pair, out, "--top-k", "2", "--heldout-fraction", "0")],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -122,7 +122,7 @@ def test_default_top_k_on_a_shallower_source_means_every_layer(pair, tmp_path):
 @pytest.mark.parametrize("flag, expected", [(None, torch.float32), ("bfloat16", torch.bfloat16)])
 def test_auto_dtype_is_float32_on_the_cpu(pair, tmp_path, monkeypatch, flag, expected):
     # A bf16 checkpoint (as examples/family is) loads in float32 for a CPU fit unless bf16 is asked for.
-    import hf_kvtransfer.workflow as workflow
+    import hf_kvtransfer.commands.workflow as workflow
 
     source, target, corpus = pair
     bf16_source = tmp_path / "bf16-source"

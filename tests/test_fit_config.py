@@ -8,8 +8,8 @@ import torch
 
 from conftest import random_ids
 from hf_kvtransfer import FitConfig, fit_mapper
-from hf_kvtransfer.cli import build_parser, fit_config_from_args
-from hf_kvtransfer.fit_config import heldout_count, parse_rank_spec, parse_ridge_lambda, parse_top_k, resolve_config
+from hf_kvtransfer.commands.cli import build_parser, fit_config_from_args
+from hf_kvtransfer.fitting.config import heldout_count, parse_rank_spec, parse_ridge_lambda, parse_top_k, resolve_config
 
 
 def test_top_k_has_one_grammar():

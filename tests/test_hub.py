@@ -1,4 +1,4 @@
-"""hf_kvtransfer.hub against a real HTTP server speaking the Hub API (tests/hub_server.py), with raw mapper files.
+"""hf_kvtransfer.core.hub against a real HTTP server speaking the Hub API (tests/hub_server.py), with raw mapper files.
 
 Each test gets its own server and an empty huggingface_hub cache (fixtures in tests/hub_fixtures.py).
 """
@@ -23,7 +23,7 @@ from huggingface_hub.errors import (
 )
 from safetensors.torch import load_file, save_file
 
-from hf_kvtransfer.hub import (
+from hf_kvtransfer.core.hub import (
     MapperAuthError,
     MapperGatedError,
     MapperHubError,

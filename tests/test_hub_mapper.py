@@ -5,8 +5,8 @@ from huggingface_hub import ModelCard
 
 from conftest import random_ids
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
-from hf_kvtransfer.cache import _load_mapper
-from hf_kvtransfer.cli import main
+from hf_kvtransfer.core.cache import _load_mapper
+from hf_kvtransfer.commands.cli import main
 
 
 def test_push_pull_round_trip_and_cache_from_repo_id(hub_server, identity_mapper, qwen3_model):
@@ -33,7 +33,7 @@ def test_push_pull_round_trip_and_cache_from_repo_id(hub_server, identity_mapper
 
 
 def _card_path(repo, hub_server):
-    from hf_kvtransfer.hub import resolve_mapper_dir
+    from hf_kvtransfer.core.hub import resolve_mapper_dir
 
     return resolve_mapper_dir(repo, token=hub_server.write_token) / "README.md"
 

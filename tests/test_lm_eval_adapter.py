@@ -18,7 +18,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm_eval not installed (pip inst
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
-from hf_kvtransfer.lm_eval_adapter import KVTransferLM  # noqa: E402
+from hf_kvtransfer.integrations.lm_eval_harness import KVTransferLM  # noqa: E402
 
 
 @pytest.fixture(scope="module")

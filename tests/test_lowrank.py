@@ -6,8 +6,8 @@ import torch
 
 from conftest import random_ids, tiny_model
 from hf_kvtransfer import KVMapper, TransferredCache, capture_kv, collect_statistics, prefill, solve_mapper
-from hf_kvtransfer.lowrank import allocate_ranks, rank_for_energy, reduce_mapper_rank
-from hf_kvtransfer.stats import flatten_layers, token_selection
+from hf_kvtransfer.core.lowrank import allocate_ranks, rank_for_energy, reduce_mapper_rank
+from hf_kvtransfer.core.stats import flatten_layers, token_selection
 
 LAM = 0.3
 SRC_DIM, TGT_DIM = 2 * 16, 2 * 8  # per-layer feature dims of the pair below
@@ -204,7 +204,7 @@ def _heldout_r2_direct(xs, yt, weight, bias, num_heads):
 
 @pytest.mark.parametrize("spec", [{"rank": 2}, {"energy": 0.9}])
 def test_reduced_rank_mapper_reports_its_own_heldout_r2(pair_stats, spec):
-    from hf_kvtransfer.fit import solve_mappers
+    from hf_kvtransfer.fitting.fit import solve_mappers
 
     source, target, stats, _ = pair_stats
     ids = random_ids(4, 40, seed=11)  # other sequences than the fit's

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import random_ids, tiny_model
 from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
-from hf_kvtransfer.mapper import config_fingerprint
+from hf_kvtransfer.core.mapper import config_fingerprint
 
 
 def test_save_load_round_trip(identity_mapper, qwen3_model, tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from conftest import linear_pair, random_ids
 from hf_kvtransfer import KVMapper, TransferredCache, capture_kv, fit_mapper, fit_mlp_mapper, prefill
-from hf_kvtransfer.mlp import MLPKindMap, mlp_fit_nbytes, train_mlp_map
+from hf_kvtransfer.fitting.mlp import MLPKindMap, mlp_fit_nbytes, train_mlp_map
 from hub_fixtures import hub_server  # noqa: F401
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,9 +9,9 @@ from transformers import Qwen3Config
 
 from conftest import random_ids, tiny_model
 from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
-from hf_kvtransfer.cli import main
-from hf_kvtransfer.plan import plan_transfer
-from hf_kvtransfer.stats import BlockStatistics, KVLayout, KVStatistics
+from hf_kvtransfer.commands.cli import main
+from hf_kvtransfer.commands.plan import plan_transfer
+from hf_kvtransfer.core.stats import BlockStatistics, KVLayout, KVStatistics
 
 
 def _tiny_config(layers, kv_heads, head_dim, heads=4, hidden=64):

@@ -5,10 +5,10 @@ import importlib
 import pytest
 import torch
 
+from rope_reference import apply_rope
 from conftest import ARCHITECTURES, left_pad, random_ids, tiny_model
 from hf_kvtransfer import prefill
-from hf_kvtransfer.rope import (
-    apply_rope,
+from hf_kvtransfer.core.rope import (
     build_rotary_embedding,
     config_from_dict,
     position_ids_from_mask,

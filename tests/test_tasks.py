@@ -1,4 +1,4 @@
-"""hf_kvtransfer.tasks: deterministic, held-out content items (repeated spans, passage recall, hand-off)."""
+"""hf_kvtransfer.evaluation.tasks: deterministic, held-out content items (repeated spans, passage recall, hand-off)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_kvtransfer import tasks
-from hf_kvtransfer.tasks import (
+from hf_kvtransfer.evaluation import tasks
+from hf_kvtransfer.evaluation.tasks import (
     FactGenerator,
     answer_values,
     fact_document,

@@ -57,7 +57,7 @@ def _connector(role: str, store: Path, **extra):
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(kv_connector="HFKVTransferConnector", kv_role=role,
-                            kv_connector_module_path="hf_kvtransfer.vllm_connector",
+                            kv_connector_module_path="hf_kvtransfer.integrations.vllm_connector",
                             kv_connector_extra_config={"store": str(store), **extra})  # fmt: skip
 
 
@@ -131,7 +131,7 @@ def small_to_large(tmp_path_factory, prompts):
     target = _engine(str(FAMILY / "large"), recompute, enable_prefix_caching=False)
     outs["recompute 8"] = _generate(target, requests["extended"])
     # An entry deleted from the store after the engine indexed it is not used (and the engine keeps serving).
-    from hf_kvtransfer.vllm_connector import prompt_key
+    from hf_kvtransfer.integrations.vllm_connector import prompt_key
 
     shutil.rmtree(store / prompt_key(q))
     outs["deleted"] = _generate(target, requests["same"])
@@ -144,7 +144,7 @@ def test_store_holds_the_source_models_own_kv(small_to_large):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hf_kvtransfer.vllm_connector import prompt_key
+    from hf_kvtransfer.integrations.vllm_connector import prompt_key
 
     prompt = small_to_large["prompts"][0]
     entry = small_to_large["store"] / prompt_key(prompt)
@@ -221,7 +221,7 @@ def test_handoff_example_identity_is_exact(tmp_path):
 
 def test_helpers():
     _need_vllm()
-    from hf_kvtransfer.vllm_connector import _local_heads, _slots, prompt_key
+    from hf_kvtransfer.integrations.vllm_connector import _local_heads, _slots, prompt_key
 
     assert prompt_key([1, 2, 3]) == prompt_key((1, 2, 3)) != prompt_key([1, 2, 4])
     assert _slots([7, 3], 126, 130, 128).tolist() == [7 * 128 + 126, 7 * 128 + 127, 3 * 128, 3 * 128 + 1]

@@ -1,0 +1,683 @@
+"""`hf-kvtransfer` command line: thin subcommands over the public API.
+
+Each subcommand registers itself with an `_add_<name>(subparsers)` function listed in `_SUBCOMMANDS`;
+the handler receives the parsed `argparse.Namespace` and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import textwrap
+
+from ..version import __version__
+
+_DEBUG_HINT = "rerun with --debug (or HF_DEBUG=1) for the full traceback"
+
+
+class CLIError(Exception):
+    """A failure the command line reports as `error: <message>` plus `hint: <hint>`, without a traceback."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """Errors a user can act on (bad input, a missing file or repo, the network, a missing optional package):
+    one line plus a hint. Anything else (TypeError, KeyError, ...) is a bug in this library and keeps its traceback."""
+    if isinstance(exc, ImportError):
+        return "pip install" in str(exc)  # ours say what to install; any other is a broken environment or a bug
+    # OSError covers the Hub's errors (MapperHubError and huggingface_hub's HTTP errors) and the file system's.
+    return isinstance(exc, (CLIError, ValueError, OSError))
+
+
+def _example(text: str) -> str:
+    return "example:\n" + textwrap.indent(textwrap.dedent(text).strip(), "  ")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf-kvtransfer` parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="hf-kvtransfer",
+        description="Reuse a source model's KV cache in a target model of the same family (no re-prefill).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_example(
+            """
+            hf-kvtransfer demo --family family
+            hf-kvtransfer info ./mappers/small-to-large
+            """
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"hf-kvtransfer {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks (also HF_DEBUG=1)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def _subparser(subparsers, name: str, help: str, example: str) -> argparse.ArgumentParser:
+    return subparsers.add_parser(
+        name, help=help, description=help, epilog=_example(example), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+# -- subcommands (each: _add_<name> registers, _run_<name> executes) -------------------------------------
+
+_SUBCOMMANDS: list = []
+
+
+def _add_push(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "push",
+        "publish a mapper folder to the Hugging Face Hub (config, weights and model card in one commit)",
+        """
+        hf-kvtransfer push mappers/small-to-large my-org/small-to-large-kv --private
+        hf-kvtransfer push mappers/small-to-large my-org/small-to-large-kv --revision k8
+        """,
+    )
+    p.add_argument("mapper_dir", help="folder written by `KVMapper.save_pretrained` or `hf-kvtransfer fit`")
+    p.add_argument("repo_id", help="Hub repo to create or update, e.g. my-org/qwen3-14b-to-32b-kv")
+    p.add_argument("--private", action="store_true", help="create the repo private (only applies when it is new)")
+    p.add_argument("--revision", help="branch to publish to (created from main if missing)")
+    p.add_argument("--commit-message", help="commit title (default: describes the mapper)")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing directly")
+    p.add_argument("--token", help="Hub token with write access (default: `hf auth login` / HF_TOKEN)")
+    p.add_argument("--max-shard-size", default="5GB", help="weights above this go as shards + index (default 5GB)")
+    p.set_defaults(func=_run_push)
+
+
+def _run_push(args) -> int:
+    from ..core.mapper import KVMapper
+
+    # Loading first validates the folder strictly, and re-rendering the card puts the repo id in its usage snippet.
+    mapper = KVMapper.from_pretrained(args.mapper_dir, local_files_only=True)
+    url = mapper.push_to_hub(
+        args.repo_id,
+        private=args.private or None,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        token=args.token,
+        create_pr=args.create_pr,
+        max_shard_size=args.max_shard_size,
+    )
+    print(url)
+    return 0
+
+
+def _add_info(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "info",
+        "summarise a mapper (local folder or Hub repo): model pair, k, size, fit quality",
+        """
+        hf-kvtransfer info mappers/small-to-large
+        hf-kvtransfer info my-org/small-to-large-kv --revision k8
+        """,
+    )
+    p.add_argument("mapper", help="local mapper folder or Hub repo id")
+    p.add_argument("--revision", help="branch, tag or commit on the Hub")
+    p.add_argument("--token", help="Hub token for private or gated repos")
+    p.add_argument("--json", action="store_true", help="print the full config.json instead of the summary")
+    p.set_defaults(func=_run_info)
+
+
+def _run_info(args) -> int:
+    import json
+
+    from ..core.checkpoint import checkpoint_info, weight_files
+    from ..core.hub import CONFIG_NAME, REPORT_NAME, resolve_mapper_dir
+
+    path = resolve_mapper_dir(args.mapper, revision=args.revision, token=args.token)
+    config = json.loads((path / CONFIG_NAME).read_text())
+    if args.json:
+        print(json.dumps(config, indent=2, sort_keys=True))
+        return 0
+    for weights in weight_files(path):  # describe only weights that load (every shard)
+        _check_weights(weights)
+    report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
+    print(_format_info(config, checkpoint_info(path)["total_size"], report))
+    return 0
+
+
+def _check_weights(weights_path) -> None:
+    """Open a safetensors file as `KVMapper.from_pretrained` would (header and every tensor), without torch:
+    a truncated or corrupt download is an error naming the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights_path), framework="numpy") as f:
+            for name in f.keys():
+                f.get_slice(name)
+    except Exception as exc:  # safetensors raises its own SafetensorError, OSError or ValueError
+        raise ValueError(
+            f"cannot read {weights_path}: {exc} (truncated or corrupt download? delete it and download again)"
+        ) from exc
+
+
+def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -> str:
+    def fp(which: str) -> str:
+        f = config.get(f"{which}_fingerprint", {})
+        name = config.get(f"{which}_model_id") or "?"
+        rev = config.get(f"{which}_revision")
+        return (
+            f"{name}{'@' + rev if rev else ''} ({f.get('model_type')}, {f.get('num_hidden_layers')} layers x "
+            f"{f.get('num_key_value_heads')} KV heads x {f.get('head_dim')})"
+        )
+
+    lines = [
+        f"mapper:      {config.get('mapper_type')} (hf-kvtransfer {config.get('library_version')})",
+        f"source:      {fp('source')}",
+        f"target:      {fp('target')}",
+        f"top_k:       {config.get('top_k')}    ridge_lambda: {config.get('ridge_lambda')}",
+        f"parameters:  {config.get('num_parameters') or 0:,} ({weights_bytes / 2**20:.1f} MiB on disk"
+        + (f", {config['dtype']})" if config.get("dtype") else ")"),
+    ]
+    if config.get("rank"):
+        lines.append("rank:        K/V per target layer " + ", ".join(f"{k}/{v}" for k, v in config["rank"]))
+    from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS
+
+    exact = config.get("num_exact_layers")
+    lines.append(
+        f"exact:       the target computes its first {DEFAULT_NUM_EXACT_LAYERS if exact is None else exact} layer(s) itself"
+        + (" (the default: this mapper records none)" if exact is None else "")
+        + (f"; {(report or {})['exact_layers']['reason']}" if (report or {}).get("exact_layers", {}).get("reason") else "")
+    )
+    calibration = config.get("calibration") or {}
+    if calibration:
+        lines.append("calibration: " + ", ".join(f"{k}={v}" for k, v in sorted(calibration.items()) if v is not None))
+    for label, key in (("fit R^2", "fit_r2"), ("held-out R^2", "heldout_r2")):
+        rk, rv = config.get(f"{key}_key"), config.get(f"{key}_value")
+        if rk and rv:
+            lines.append(
+                f"{label + ':':<13}K mean {sum(rk) / len(rk):.4f} (min {min(rk):.4f}), "
+                f"V mean {sum(rv) / len(rv):.4f} (min {min(rv):.4f})"
+            )
+    for name, value in sorted(((report or {}).get("eval_results") or {}).items()):
+        lines.append(f"eval:        {name} = {value}")
+    return "\n".join(lines)
+
+
+_SUBCOMMANDS += [_add_push, _add_info]
+
+
+# -- eval / demo (evaluate.py, demo.py) ------------------------------------------------------------------
+
+
+def _load_pair(args):
+    from ..core.loading import load_pair
+
+    return load_pair(args.source, args.target, device=args.device, dtype=args.dtype)
+
+
+def _add_eval(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "eval",
+        "measure what a mapper retains: prefix-conditioned perplexity, content tasks (repeated spans, passage "
+        "recall, hand-off, greedy agreement; own / transfer / no context with 95% CIs), multiple choice, diagnostics, "
+        "multi-turn drift",
+        """
+        hf-kvtransfer eval --source family/small --target family/large \\
+            --mapper ./small-to-large --text family/heldout.txt --json eval.json --plot eval.png
+        hf-kvtransfer eval --source family/small --target family/large --mapper ./small-to-large \\
+            --text family/heldout.txt --tasks recall,handoff --items 300
+        """,
+    )
+    p.add_argument("--source", required=True, help="source model id or path")
+    p.add_argument("--target", required=True, help="target model id or path (its tokenizer is used)")
+    p.add_argument("--mapper", required=True, help="source -> target mapper (Hub id or local directory)")
+    p.add_argument("--text", required=True, help="evaluation text file (documents split at lines holding only EOS)")
+    p.add_argument("--tasks", help="comma-separated, from: perplexity, continuation, repeat (repeated spans), recall "
+                   "(passage recall), handoff, agreement (greedy generations), multiple-choice (needs --mc), multi-turn "
+                   "(needs --reverse-mapper); default: every one that applies")
+    p.add_argument("--items", type=int, default=600,
+                   help="items per content task: repeat, recall, handoff, agreement prompts (default 600)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="agreement: tokens generated per prompt (default 16)")
+    p.add_argument("--reverse-mapper", help="target -> source mapper: adds the multi-turn handoff")
+    p.add_argument("--mc", help="multiple-choice JSONL (generic / HellaSwag / ARC / PIQA / WinoGrande fields)")
+    p.add_argument("--mc-limit", type=int, help="score only the first N multiple-choice items")
+    p.add_argument("--prefix-len", type=int, default=128,
+                   help="prefix length T (perplexity windows of 2T tokens, repeated-span prefixes, agreement prompts; "
+                   "default 128)")
+    p.add_argument("--max-windows", type=int, default=256, help="perplexity windows, evenly spaced (default 256)")
+    p.add_argument("--recompute", type=int, default=None,
+                   help="context tokens the target recomputes in every transfer (default: TransferredCache's, 32 or "
+                        "half a shorter context; 0: the whole prefix transferred; recall and agreement: at least 1)")
+    p.add_argument("--exact-layers", type=int, default=None,
+                   help="the target's first layers computed from the prompt's ids in every transfer (default: the "
+                        "mapper's, chosen by its fit; 0 measures the mapper alone)")
+    p.add_argument("--no-continuation", action="store_true", help="skip the continuation task built from --text")
+    p.add_argument("--num-items", type=int, default=200, help="continuation-task items (default 200)")
+    p.add_argument("--context-len", type=int, default=128, help="continuation-task context tokens (default 128)")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: number of turns (default 4)")
+    p.add_argument("--turn-len", type=int, default=64, help="multi-turn: tokens per turn (default 64)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--markdown", help="write the markdown tables here (they are printed either way)")
+    p.add_argument("--plot", help="write a PNG of per-layer cosine / R^2, content tasks and per-turn drift (needs matplotlib)")
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    from ..evaluation.evaluate import evaluate, resolve_tasks
+    from ..core.mapper import KVMapper
+    from ..evaluation.multiple_choice import load_multiple_choice
+    from .reporting import evaluation_markdown, plot_evaluation, pyplot
+
+    if args.plot:
+        pyplot()  # a missing matplotlib fails before the run, not after it
+    if args.items < 1:
+        raise CLIError(f"--items must be >= 1, got {args.items}", "the content tasks default to 600 items")
+    try:  # a mistyped task fails before anything loads
+        resolve_tasks(args.tasks, multiple_choice=bool(args.mc), multi_turn=bool(args.reverse_mapper),
+                      continuation=not args.no_continuation)
+    except ValueError as exc:
+        raise CLIError(str(exc), "e.g. --tasks perplexity,recall,handoff; `hf-kvtransfer eval --help` describes each") from exc
+    # Mappers (small) before models (large): a broken or mistyped one fails at once.
+    mapper = KVMapper.from_pretrained(args.mapper)
+    reverse = KVMapper.from_pretrained(args.reverse_mapper) if args.reverse_mapper else None
+    source, target, tokenizer = _load_pair(args)
+    mapper.check_compatible(source.config, target.config)
+    if reverse is not None:
+        reverse.check_compatible(target.config, source.config)
+    items = load_multiple_choice(args.mc, tokenizer, args.mc_limit) if args.mc else None
+    results = evaluate(
+        source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"), tasks=args.tasks,
+        num_content_items=args.items, max_new_tokens=args.max_new_tokens, prefix_len=args.prefix_len,
+        max_windows=args.max_windows, num_recompute_tokens=args.recompute, num_exact_layers=args.exact_layers,
+        continuation=not args.no_continuation, context_len=args.context_len, num_items=args.num_items,
+        multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,
+        batch_size=args.batch_size, seed=args.seed,
+    )
+    results["config"].update(source=args.source, target=args.target, mapper=args.mapper, text=args.text)
+    table = evaluation_markdown(results)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(table, encoding="utf-8")
+    if args.plot:
+        plot_evaluation(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _add_demo(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "demo",
+        "transfer a prompt's cache from a small model to a large one and compare with the large model's own run "
+        "(offline on the bundled family when run without arguments)",
+        """
+        hf-kvtransfer demo --family family
+        hf-kvtransfer demo --family family --exact-layers 4
+        hf-kvtransfer demo --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --mapper org/qwen3-0.6b-to-1.7b \\
+            --text my_eval.txt
+        """,
+    )
+    p.add_argument("--source", help="source model id or path (default: the bundled family's small model)")
+    p.add_argument("--target", help="target model id or path (default: the bundled family's large model)")
+    p.add_argument("--mapper", help="fitted mapper id or path (default: fit one on --calibration now)")
+    p.add_argument("--family", help="model family directory: small/, large/, calibration.txt, heldout.txt (default: $HF_KVTRANSFER_FAMILY; the repository ships one)")
+    p.add_argument("--calibration", help="text file to fit the mapper on (default: the family's calibration.txt)")
+    p.add_argument("--num-sequences", type=int, default=64, help="calibration sequences (default 64)")
+    p.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (default 256)")
+    p.add_argument("--top-k", default=None, help="source layers per target layer (default: fit_mapper's, 8; 'all')")
+    p.add_argument("--exact-layers", type=int, default=None,
+                   help="the target's first layers computed from the prompt's ids instead of mapped "
+                        "(TransferredCache's num_exact_layers; default: the mapper's, chosen by its fit)")
+    p.add_argument("--prompt", help="prompt text (default: a held-out passage-recall question drawn from --text)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate (default: the answer's length + 2 for a recall question, else 32)")
+    p.add_argument("--text", help="documents to draw recall questions' distractors from (default: the family's heldout.txt)")
+    p.add_argument("--recall-items", type=int, default=200,
+                   help="held-out passage-recall questions behind the retention number (default 200; 0 = skip)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="write the demo's numbers as JSON here")
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .demo import format_demo, run_demo
+
+    from ..core.mapper import KVMapper
+
+    top_k = args.top_k if args.top_k in (None, "all") else int(args.top_k)
+    # A given mapper loads before the models: a broken or mistyped one fails at once.
+    mapper = KVMapper.from_pretrained(args.mapper) if args.mapper else None
+    result = run_demo(
+        args.source, args.target, mapper, family=args.family, prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens, calibration=args.calibration, num_sequences=args.num_sequences,
+        seq_len=args.seq_len, top_k=top_k, num_exact_layers=args.exact_layers, text=args.text,
+        recall_items=args.recall_items, device=args.device,
+    )
+    print(format_demo(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    return 0
+
+
+_SUBCOMMANDS += [_add_demo, _add_eval]
+
+
+# -- fit / solve (workflow.py), options generated from FitConfig ----------------------------------------------
+
+_GROUP_TITLES = {
+    "solve": "what is solved",
+    "data": "calibration data",
+    "fit": "the calibration pass",
+    "exact": "exact layers (the target's first layers it computes itself; chosen after the solve)",
+    "mlp": "MLP mapper (--mapper mlp; paper: 2 x 1024 ReLU units, Adam, MSE)",
+}
+_SOLVE_FIELDS = ("top_k", "ridge_lambda", "refit", "rank", "mapper_dtype")
+
+
+def _add_config_options(parser: argparse.ArgumentParser, names=None) -> None:
+    """One option per `FitConfig` field (its metadata: flag, help, group, choices); unset options keep the
+    dataclass default, so defaults live in one place."""
+    from ..fitting.config import fields_for_cli
+
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields_for_cli(names):
+        meta = f.metadata
+        group = groups.get(meta["group"])
+        if group is None:
+            group = groups[meta["group"]] = parser.add_argument_group(_GROUP_TITLES[meta["group"]])
+        flag = meta["cli"] or "--" + f.name.replace("_", "-")
+        kwargs = {"dest": f.name, "help": meta["help"], "default": argparse.SUPPRESS}
+        kind = str(f.type)
+        if meta.get("invert"):
+            kwargs["action"] = "store_false"
+        elif meta.get("boolean_optional"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind.startswith("bool"):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = int if kind.startswith("int") else float if kind.startswith("float") else str
+            for key in ("choices", "metavar"):
+                if key in meta:
+                    kwargs[key] = meta[key]
+        group.add_argument(flag, **kwargs)
+
+
+def fit_config_from_args(args):
+    """The `FitConfig` of the options given on the command line (dataclass defaults for the rest)."""
+    from ..fitting.config import FIELD_NAMES, FitConfig
+
+    return FitConfig(**{name: value for name, value in vars(args).items() if name in FIELD_NAMES})
+
+
+
+
+def _add_fit(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "fit",
+        "fit a ridge KV mapper from calibration text (paper defaults: FineWeb-Edu, 500 x 1024 tokens, stride 4, "
+        "k=8, lambda=0.01); resumable, distributed under torchrun",
+        """
+        hf-kvtransfer fit --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --output mappers/0.6b-to-1.7b
+        hf-kvtransfer fit --source family/small --target family/large \\
+            --dataset family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 1,2,all \\
+            --output mappers/family
+        torchrun --nproc-per-node 8 -m hf_kvtransfer.commands.cli fit --source Qwen/Qwen3-14B --target Qwen/Qwen3-32B \\
+            --dtype bfloat16 --top-k auto --stats-dir stats/14b-32b --output mappers/14b-to-32b
+        """,
+    )
+    p.add_argument("--source", required=True, help="source model id or local directory")
+    p.add_argument("--target", required=True, help="target model id or local directory")
+    p.add_argument("--output", required=True, help="mapper directory (one subdirectory per k when several)")
+    p.add_argument("--dtype", default="auto", help="model dtype: auto (the checkpoint's on a GPU, float32 on the CPU), float32, bfloat16, float16 "
+                   "(default auto)")
+    p.add_argument("--device-map", help="accelerate device map for both models, e.g. auto or cuda:0")
+    p.add_argument("--source-revision", help="source model revision")
+    p.add_argument("--target-revision", help="target model revision")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--push-to-hub", metavar="REPO", help="also upload the mapper to this Hub repo")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    _add_config_options(p)
+    p.set_defaults(func=_run_fit)
+
+
+def _run_fit(args) -> int:
+    from .workflow import fit_and_save, fit_checkpoint_dir
+
+    config = fit_config_from_args(args)
+    try:
+        results = fit_and_save(
+            args.source, args.target, args.output, config, dtype=args.dtype, device_map=args.device_map,
+            source_revision=args.source_revision, target_revision=args.target_revision,
+            trust_remote_code=args.trust_remote_code, push_to_hub=args.push_to_hub, overwrite=args.overwrite,
+            log=lambda line: print(line, file=sys.stderr),
+        )  # fmt: skip
+    except KeyboardInterrupt as exc:
+        where = fit_checkpoint_dir(args.output, config)
+        saved = sorted(where.glob("checkpoint-*.safetensors")) if where is not None and where.is_dir() else []
+        done = str(exc).split(";")[0].removeprefix("interrupted ") if str(exc).startswith("interrupted after") else ""
+        if saved:
+            args.interrupted_message = (
+                f"interrupted{' ' + done if done else ''}; the statistics so far are checkpointed in {where}\n"
+                "hint: run the same command again to resume from there"
+            )
+        else:
+            args.interrupted_message = "interrupted before a checkpoint was written: running the command again starts over"
+        raise
+    _print_written(results)
+    return 0
+
+
+_SUBCOMMANDS += [_add_fit]
+
+
+def _print_written(results) -> None:
+    def mean(values):
+        return f"{sum(values) / len(values):.4f}" if values else "-"
+
+    for path, mapper in results:
+        c = mapper.config
+        print(
+            f"wrote {path}: k={c.top_k} lambda={c.ridge_lambda:g} fit R^2 K/V {mean(c.fit_r2_key)}/{mean(c.fit_r2_value)}"
+            f" held-out R^2 K/V {mean(c.heldout_r2_key)}/{mean(c.heldout_r2_value)}"
+            + (f" rank {sum(map(sum, c.rank))} total" if c.rank else "")
+            + f", {mapper.num_parameters():,} parameters ({next(mapper.parameters()).dtype})".replace("torch.", "")
+            + f", {mapper.num_exact_layers} of {mapper.target_layout.num_layers} target layers computed exactly"
+        )
+
+
+def _add_solve(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "solve",
+        "solve mappers from statistics a fit kept (--stats-dir): any k, lambda, rank or weight dtype, no models loaded",
+        """
+        hf-kvtransfer fit --source family/small --target family/large \\
+            --dataset family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 4 \\
+            --stats-dir stats/family --output mappers/family-k4
+        hf-kvtransfer solve --stats-dir stats/family --top-k 4 --rank energy=0.99 --mapper-dtype bfloat16 \\
+            --output mappers/family-k4-small
+        """,
+    )
+    p.add_argument("--stats-dir", required=True, help="the --stats-dir of a fit (holds train/ and maybe heldout/)")
+    p.add_argument("--output", required=True, help="mapper directory (one subdirectory per k when several)")
+    _add_config_options(p, _SOLVE_FIELDS)
+    p.add_argument("--push-to-hub", metavar="REPO", help="also upload the mapper to this Hub repo")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.set_defaults(func=_run_solve)
+
+
+def _run_solve(args) -> int:
+    from .workflow import solve_and_save
+
+    results = solve_and_save(
+        args.stats_dir, args.output, fit_config_from_args(args), push_to_hub=args.push_to_hub, overwrite=args.overwrite,
+        log=lambda line: print(line, file=sys.stderr),
+    )  # fmt: skip
+    _print_written(results)
+    return 0
+
+
+_SUBCOMMANDS += [_add_solve]
+
+
+# -- plan (plan.py) ------------------------------------------------------------------------------------------
+
+
+def _add_plan(subparsers) -> None:
+    p = _subparser(
+        subparsers,
+        "plan",
+        "sizes and costs of a mapper from the two configs alone (no weights): parameters and bytes, fit statistics "
+        "(full / two-stage, and which one fit picks here), FLOPs vs the target's prefill, transfer memory",
+        """
+        hf-kvtransfer plan --source Qwen/Qwen3-14B --target Qwen/Qwen3-32B --top-k 8 --seq-len 32768
+        hf-kvtransfer plan --source meta-llama/Llama-3.2-1B --target meta-llama/Llama-3.2-3B --rank 256 --json
+        """,
+    )
+    p.add_argument("--source", required=True, help="Hub id, local model folder or config.json (known families work offline)")
+    p.add_argument("--target", required=True, help="Hub id, local model folder or config.json")
+    p.add_argument("--top-k", type=int, default=8, help="source layers per target layer (default 8)")
+    p.add_argument("--rank", type=int, help="reduced rank of every map (default: full rank)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens transferred, for FLOPs and memory (default 4096)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences transferred at once (default 1)")
+    p.add_argument("--dtype", default="bfloat16", help="mapper weights and KV caches: bfloat16 (default), float16, float32")
+    p.add_argument("--available-memory", type=float, metavar="GIB", help="memory for the fit statistics (default: free RAM)")
+    p.add_argument("--offline", action="store_true", help="never ask the Hub: local paths and the shipped configs only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args) -> int:
+    import json
+
+    from .plan import format_plan, plan_transfer
+
+    plan = plan_transfer(
+        args.source, args.target, top_k=args.top_k, rank=args.rank, seq_len=args.seq_len, dtype=args.dtype,
+        batch_size=args.batch_size, use_hub=not args.offline,
+        available_memory=int(args.available_memory * 2**30) if args.available_memory else None,
+    )  # fmt: skip
+    print(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if args.json else format_plan(plan))
+    return 0
+
+
+_SUBCOMMANDS += [_add_plan]
+
+
+# -- bench (bench.py) ----------------------------------------------------------------------------------------
+
+
+def _add_bench(subparsers) -> None:
+    from ..evaluation import timing as bench  # the default lengths, without importing torch for `--help`
+
+    p = _subparser(
+        subparsers,
+        "bench",
+        "time the transfer (strip + map + re-apply RoPE) against the target's own prefill, TTFT, decode step and "
+        "memory, over sequence lengths; writes bench.json, bench.md and bench.png (runs with OMP_WAIT_POLICY=PASSIVE)",
+        """
+        hf-kvtransfer bench --shapes family --seq-lens 256 1024 4096 --ranks full 16 8 --output-dir bench_out
+        hf-kvtransfer bench --source family/small --target family/large \\
+            --calibration-text family/calibration.txt --ranks full energy=0.99 budget=0.25
+        hf-kvtransfer bench --quick --device cuda      # < 3 minutes on one GPU
+        """,
+    )
+    p.add_argument("--source", help="source model dir / Hub id (default: random models of the family's shapes)")
+    p.add_argument("--target", help="target model dir / Hub id")
+    p.add_argument("--shapes", choices=["family"], default=None,
+                   help="time random-weight models with the bundled family's shapes (no checkpoints needed)")
+    p.add_argument("--mapper", action="append", default=[], metavar="[NAME=]PATH",
+                   help="a saved mapper to time (repeatable); without one, mappers are solved here (see --ranks)")
+    p.add_argument("--statistics", help="saved KVStatistics to solve mappers from (else collected here)")
+    p.add_argument("--calibration-text", help="text file for the statistics (tokenized with --target's tokenizer); "
+                   "default: random tokens, fine for timing")
+    p.add_argument("--calibration-tokens", type=int, default=16384, help="tokens of calibration (default %(default)s)")
+    p.add_argument("--heldout-tokens", type=int, default=0,
+                   help="also report held-out K/V R^2 per mapper (and with bf16-rounded weights) on this many tokens "
+                   "of --heldout-text (default: random tokens); 0 skips (default)")
+    p.add_argument("--heldout-text", help="text file for --heldout-tokens (tokenized with --target's tokenizer)")
+    p.add_argument("--top-k", default="4", help="source layers per target layer for solved mappers (default 4)")
+    p.add_argument("--ranks", nargs="+", default=["full", "16", "8"],
+                   help="mappers to solve: full, an integer rank, energy=0.99, budget=0.25, each optionally with "
+                   "another top-k as kN:SPEC (k1:full) and a weight/compute dtype as SPEC@bf16 (full@bf16); the "
+                   "first one is also used for TTFT and decode (default: full 16 8)")
+    p.add_argument("--seq-lens", type=int, nargs="+", help=f"context lengths (default {' '.join(map(str, bench.DEFAULT_SEQ_LENS))})")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5, quick 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per repeat (default 8)")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model and mapper dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"seq lens {' '.join(map(str, bench.QUICK_SEQ_LENS))}, 3 repeats, 4 decode steps, ranks full 8")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                   help="RoPE through torch.compile for the transfer (TransferredCache.compile_rope): off, on, or "
+                   "both (times each mapper both ways; default off)")
+    p.add_argument("--no-ttft", action="store_true", help="skip time-to-first-token through generate")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode-step comparison")
+    p.add_argument("--output-dir", default="bench_results", help="where bench.json/.md/.png go (default %(default)s)")
+    p.add_argument("--no-reexec", action="store_true",
+                   help="do not re-execute with OMP_WAIT_POLICY=PASSIVE when it is unset (it is recorded either way)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from .bench import reexec_with_passive_omp, run_from_args
+    from .reporting import bench_markdown, save_bench_report
+
+    if not args.no_reexec and args.command_line is not None:
+        # OpenMP reads OMP_WAIT_POLICY when torch loads, i.e. before we get here: re-run with it set.
+        reexec_with_passive_omp("hf_kvtransfer.commands.cli", args.command_line)
+    report = run_from_args(args)
+    paths = save_bench_report(report, args.output_dir)
+    logging.getLogger(__name__).info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    print(bench_markdown(report), end="")
+    print(f"results in {args.output_dir}/bench.{{json,md,png}}")
+    return 0
+
+
+_SUBCOMMANDS += [_add_bench]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # The process's own command line (None when called from Python): what `bench` re-executes itself with.
+    args.command_line = sys.argv[1:] if argv is None else None
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    debug = args.debug or os.environ.get("HF_DEBUG", "").lower() in ("1", "true", "yes")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(getattr(args, "interrupted_message", None) or "interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug or not _is_user_error(exc):
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the exception held
+        print(f"error: {message}", file=sys.stderr)
+        print(f"hint: {getattr(exc, 'hint', None) or _DEBUG_HINT}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

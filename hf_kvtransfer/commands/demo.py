@@ -1,0 +1,249 @@
+"""The README's first command: move a prompt's cache from a small model to a large one and show what changes.
+
+Offline with `family=` (a directory of small/large checkpoints and texts, like the trained Qwen3 family the
+repository ships); with Hub ids (or local paths) for `source` / `target` / `mapper`, the same run on real models.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.cache import TransferredCache
+from ..core.capture import cache_argument, prefill
+from ..evaluation.content import passage_recall
+from ..evaluation.evaluate import split_documents
+from ..fitting.fit import fit_mapper
+from ..core.mapper import KVMapper
+from ..core.loading import load_pair
+from ..evaluation.tasks import passage_recall_items
+from ..evaluation.timing import time_to_first_token
+
+logger = logging.getLogger(__name__)
+
+FAMILY_ENV = "HF_KVTRANSFER_FAMILY"
+DEFAULT_RECALL_ITEMS = 200
+
+
+def find_family(path: str | os.PathLike | None = None) -> Path:
+    """Locate a model family directory (`small/` and `large/` checkpoints, `calibration.txt`, `heldout.txt`):
+    `path`, else `$HF_KVTRANSFER_FAMILY`.
+
+    Raises:
+        FileNotFoundError: with how to point at one (the repository ships a trained family; the wheel does not).
+    """
+    candidate = path or os.environ.get(FAMILY_ENV)
+    if candidate and all((Path(candidate) / name / "model.safetensors").is_file() for name in ("small", "large")):
+        return Path(candidate)
+    where = f"{candidate} has no small/ and large/ checkpoints" if candidate else "no family directory given"
+    raise FileNotFoundError(
+        f"{where}: point --family (or ${FAMILY_ENV}) at a model family directory (small/ and large/ with "
+        "model.safetensors, calibration.txt, heldout.txt; the git repository ships one), or pass --source/--target "
+        "model ids"
+    )
+
+
+def run_demo(
+    source: str | None = None,
+    target: str | None = None,
+    mapper: str | KVMapper | None = None,
+    *,
+    family: str | os.PathLike | None = None,
+    prompt: str | None = None,
+    max_new_tokens: int | None = None,
+    calibration: str | os.PathLike | None = None,
+    num_sequences: int = 64,
+    seq_len: int = 256,
+    top_k: int | str | None = None,
+    num_exact_layers: int | None = None,
+    text: str | os.PathLike | None = None,
+    recall_items: int = DEFAULT_RECALL_ITEMS,
+    timing_tokens: int = 512,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Transfer a prompt's cache source -> target, let the target answer through it, and compare with its own run.
+
+    With no model ids, uses the bundled family (`small` -> `large`) and fits a mapper on its `calibration.txt`.
+    Without `prompt`, the prompt is a held-out passage-recall question (`tasks.passage_recall_items`, distractors
+    from `text`): its answer is only in the passage, so the target can only get it right by *using* the
+    transferred context. The retention number is the same measure over `recall_items` such questions.
+    `num_exact_layers` is `TransferredCache`'s: the target's first layers computed from the prompt's ids (default:
+    the mapper's, which the fit chose with its content probe, `exact_layers.py`).
+
+    Returns:
+        A dict with `prompt`, `answers` (`own`, `transfer`, `no_context` text; with the expected `answer` for a
+        recall question), `recall` (`content_eval.passage_recall`'s result, or None without text), `timing`,
+        `fit_seconds`.
+    """
+    if (source is None) != (target is None):
+        raise ValueError("pass both --source and --target (or neither, for the bundled family)")
+    if source is None:
+        root = find_family(family)
+        source, target = str(root / "small"), str(root / "large")
+        calibration = calibration or root / "calibration.txt"
+        text = text or root / "heldout.txt"
+    src_model, tgt_model, tokenizer = load_pair(source, target, device)
+    result: dict[str, Any] = {"source": source, "target": target}
+
+    start = time.perf_counter()
+    if isinstance(mapper, KVMapper):
+        kv_mapper = mapper
+    elif mapper is not None:
+        kv_mapper = KVMapper.from_pretrained(mapper)
+    else:
+        if calibration is None:
+            raise ValueError("with --source/--target, pass --mapper (a fitted mapper) or --calibration FILE to fit one")
+        # all sequences fit the mapper (no held-out shard: the retention below is measured on other text)
+        fit_options = {} if top_k is None else {"top_k": top_k}
+        kv_mapper = fit_mapper(
+            src_model, tgt_model, calibration, tokenizer=tokenizer, num_sequences=num_sequences, seq_len=seq_len,
+            heldout_fraction=0, progress=progress, **fit_options,
+        )  # fmt: skip
+    kv_mapper.check_compatible(src_model.config, tgt_model.config)
+    result["fit_seconds"] = time.perf_counter() - start
+    result["mapper"] = {"top_k": kv_mapper.config.top_k, "ridge_lambda": kv_mapper.config.ridge_lambda,
+                        "calibration_tokens": kv_mapper.config.calibration.get("num_tokens"),
+                        "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
+                        "target_layers": kv_mapper.target_layout.num_layers,
+                        "exact_layers_probe_retention": (
+                            kv_mapper.report.get("exact_layers", {}).get("min_retention")
+                            if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
+                        )}
+
+    docs = split_documents(Path(text).read_text(encoding="utf-8"), tokenizer.eos_token) if text else []
+    items = (
+        passage_recall_items(tokenizer, recall_items, seed=0, distractor_texts=docs)
+        if docs and recall_items > 0 else []
+    )  # fmt: skip
+    if prompt is None:
+        if not items:
+            raise ValueError("pass --prompt TEXT, or --text FILE to draw passage-recall questions from")
+        item = items[0]
+        prompt_ids, no_context_ids = item.prompt_ids, item.no_passage_prompt_ids
+        result["answer"] = tokenizer.decode(item.answer_ids)
+        # Up to the closing quotes of the answer (a few tokens), unless asked for more.
+        max_new_tokens = max_new_tokens or len(item.answer_ids) + 2
+    else:
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        no_context_ids = None
+        max_new_tokens = max_new_tokens or 32
+    result["prompt"] = tokenizer.decode(prompt_ids)
+    result["prompt_tokens"] = len(prompt_ids)
+
+    input_ids = torch.tensor([prompt_ids], device=device)
+    gen = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+               pad_token_id=tokenizer.eos_token_id)
+
+    def answer(ids: torch.Tensor, **cache) -> list[int]:
+        mask = torch.ones_like(ids)
+        return tgt_model.generate(ids, attention_mask=mask, **cache, **gen)[0, ids.shape[1] :].tolist()
+
+    with torch.no_grad():
+        transferred = TransferredCache(prefill(src_model, input_ids), kv_mapper, num_exact_layers=num_exact_layers)
+        tokens = {"own": answer(input_ids), "transfer": answer(input_ids, **{cache_argument(tgt_model): transferred})}
+        if no_context_ids is not None:
+            tokens["no_context"] = answer(torch.tensor([no_context_ids], device=device))
+    result["answers"] = {name: tokenizer.decode(t) for name, t in tokens.items()}
+    same = 0
+    while same < min(len(tokens["own"]), len(tokens["transfer"])) and tokens["own"][same] == tokens["transfer"][same]:
+        same += 1
+    result["same_tokens"] = {"prefix": same, "of": len(tokens["own"])}
+
+    result["recall"] = (
+        passage_recall(src_model, tgt_model, kv_mapper, items, num_exact_layers=num_exact_layers, num_bootstrap=1000,
+                       progress=progress)
+        if items else None
+    )  # fmt: skip
+    # Timing on a longer context than the prompt, where prefill cost dominates fixed overheads.
+    token_docs = [tokenizer(d, add_special_tokens=False, verbose=False)["input_ids"] for d in docs[:8]]
+    stream = [t for d in token_docs for t in d] or prompt_ids
+    timing_ids = torch.tensor([(stream * (timing_tokens // len(stream) + 1))[:timing_tokens]])
+    result["timing"] = time_to_first_token(src_model, tgt_model, kv_mapper, timing_ids, num_exact_layers=num_exact_layers)
+    result["torch_threads"] = torch.get_num_threads()
+    return result
+
+
+def _short(text: str) -> str:
+    # An answer up to its closing quotes, on one line.
+    text = text.split("``")[0] if "``" in text else text
+    return text.replace("\n", " / ").strip() or "(nothing)"
+
+
+def format_demo(result: dict[str, Any]) -> str:
+    """The demo's report as text (the CLI prints it)."""
+    def tail(text: str, n: int = 300) -> str:
+        text = text.replace("\n", " / ")
+        return text if len(text) <= n else "..." + text[-n:]
+
+    m = result["mapper"]
+    lines = [
+        f"source: {result['source']}",
+        f"target: {result['target']}",
+        f"mapper: top_k={m['top_k']} lambda={m['ridge_lambda']} ({m['calibration_tokens']} calibration tokens; "
+        f"ready in {result['fit_seconds']:.1f} s)",
+        f"exact layers: the target computes its first {m['num_exact_layers']} of {m['target_layers']} layers from the "
+        f"prompt's ids, the rest are mapped"
+        + (f" (the fit's content probe chose the fewest that keep {m['exact_layers_probe_retention']:.0%} of the "
+           "target's copying from its context)" if m.get("exact_layers_probe_retention") else ""),
+        "",
+    ]
+    answers = result["answers"]
+    if "answer" in result:  # a passage-recall question: the answer is in the passage only
+        prompt = result["prompt"]
+        question = prompt[prompt.rindex("Q: "):] if "Q: " in prompt else prompt
+        fact = next((ln for ln in prompt.split("\n") if f"``{result['answer']}``" in ln), "")
+        lines += [
+            f"context ({result['prompt_tokens']} tokens, read by the source only): a passage of made-up API facts, "
+            "unrelated text, then a question. The fact asked about:",
+            f"  {fact.strip()}",
+            f"question: {question.replace(chr(10), ' / ')}",
+            "",
+        ]
+        for name, label in (("own", "target reading the context itself"),
+                            ("transfer", "target on the transferred cache "),
+                            ("no_context", "target without the passage     ")):
+            got = _short(answers[name])
+            lines.append(f"  {label}: {got}  ({'right' if got == result['answer'] else 'wrong'})")
+    else:
+        lines += [
+            f"prompt ({result['prompt_tokens']} tokens): {tail(result['prompt'])}",
+            "",
+            f"target, own prefill        : {answers['own'].replace(chr(10), ' / ')}",
+            f"target, transferred cache  : {answers['transfer'].replace(chr(10), ' / ')}",
+            f"  first {result['same_tokens']['prefix']} of {result['same_tokens']['of']} greedy tokens identical",
+        ]
+    lines.append("")
+    rec = result.get("recall")
+    if rec:
+        acc = {name: 100 * rec["accuracy"][name]["mean"] for name in ("own", "transfer", "no_context")}
+        n = rec["num_items"]
+        if rec["retention"] is None:
+            lines.append(
+                f"recall over {n} held-out questions: {acc['own']:.0f}% right reading the context, {acc['transfer']:.0f}% "
+                f"from the transferred cache, {acc['no_context']:.0f}% without the passage; no retention: "
+                f"{rec['retention_undefined']}"
+            )
+        else:
+            lo, hi = rec["retention_ci"]
+            lines.append(
+                f"recall retention {100 * rec['retention']:.0f}% (95% CI [{100 * lo:.0f}, {100 * hi:.0f}]): over {n} "
+                f"held-out questions the target answered {acc['own']:.0f}% right reading the context itself, "
+                f"{acc['transfer']:.0f}% from the transferred cache and {acc['no_context']:.0f}% without the passage; "
+                f"retention = ({acc['transfer']:.0f} - {acc['no_context']:.0f}) / ({acc['own']:.0f} - {acc['no_context']:.0f})"
+            )
+    else:
+        lines.append("recall retention: not measured (pass --text FILE to draw questions from)")
+    t = result["timing"]
+    lines.append(
+        f"time to the first token on {t['num_tokens']} context tokens: {t['transfer_ms']:.1f} ms from the transferred "
+        f"cache (mapping, {t['num_exact_layers']} exact layer(s), {t['num_recompute_tokens']} recomputed tokens) "
+        f"instead of {t['target_prefill_ms']:.1f} ms for the target's own prefill ({t['speedup']:.1f}x faster; median, "
+        f"{result['torch_threads']} CPU threads)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,331 @@
+"""What a mapper between two models costs, from their configs alone: sizes, fit memory, FLOPs, transfer memory.
+
+Every number comes from the code that does the work, not from a second copy of its formula: statistics sizes from
+`stats.statistics_nbytes` / `stats.block_statistics_nbytes` (what `fit` allocates), mapper parameters from a
+`KVMapper` built on the meta device (no memory), FLOPs from `bench.prefill_flops` / `bench.mapping_flops` (what
+`hf-kvtransfer bench` reports), and the fit's full vs two-stage choice by the rule `accumulate.py` applies.
+
+Example:
+    ```python
+    >>> from hf_kvtransfer.commands.plan import plan_transfer
+    >>> plan = plan_transfer("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", top_k=8, seq_len=32768)
+    >>> plan.mapper_parameters, plan.flop_ratio
+    ```
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig
+
+from .model_configs import load_model_config
+from ..fitting.config import FitConfig, heldout_count
+from ..core.rope import text_config
+from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
+
+__all__ = ["TransferPlan", "plan_transfer", "format_plan"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+# `hf-kvtransfer fit` defaults (FitConfig: the paper's 500 x 1024 tokens, 10% held out; two-stage probe size).
+_FIT_DEFAULTS = {f.name: f.default for f in fields(FitConfig)}
+FIT_NUM_SEQUENCES = _FIT_DEFAULTS["num_sequences"]
+FIT_HELDOUT_FRACTION = _FIT_DEFAULTS["heldout_fraction"]
+FIT_PROBE_TOKENS = _FIT_DEFAULTS["probe_tokens"]
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or bf16/fp16/fp32), got {name!r}")
+    return DTYPES[key]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass
+class TransferPlan:
+    """Costs of mapping `source`'s KV cache into `target`'s with a top-`top_k` ridge mapper.
+
+    Bytes are bytes, FLOPs are 2 x multiply-adds at batch 1; `*_by_dtype` maps a dtype name to bytes.
+    """
+
+    source: str
+    target: str
+    source_layout: dict[str, int]
+    target_layout: dict[str, int]
+    top_k: int
+    rank: int | None
+    seq_len: int
+    batch_size: int
+    dtype: str
+    # mapper
+    mapper_parameters: int
+    mapper_weight_parameters: int  # without the biases: the paper's 2 * L_t * n_kv_t * (k n_kv_s d_s) * d_t at full rank
+    mapper_bytes: int
+    mapper_bytes_by_dtype: dict[str, int]
+    full_rank_parameters: int
+    # fit statistics (float64), one set; the fit keeps `statistics_sets` of them (fit + held-out shard)
+    statistics_bytes_full: int
+    statistics_bytes_two_stage: int
+    statistics_sets: int
+    probe_bytes: int
+    model_parameters: dict[str, int | None]
+    # FLOPs at seq_len
+    prefill_flops: int
+    mapping_flops: int
+    flop_ratio: float
+    # transfer memory at seq_len, batch_size
+    source_cache_bytes: int
+    target_cache_bytes: int
+    transfer_working_bytes: int
+    transfer_working_bytes_max: int  # if every target layer's selection buffer stays alive to the end
+    transfer_peak_bytes: int
+    # what `fit` does by default here
+    available_memory_bytes: int
+    statistics_budget_bytes: int
+    fit_default_mode: str
+    fit_default_statistics_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _as_config(model: str | os.PathLike | PreTrainedConfig, use_hub: bool) -> tuple[str, PreTrainedConfig]:
+    if isinstance(model, PreTrainedConfig):
+        return getattr(model, "_name_or_path", "") or model.model_type, model
+    return os.fspath(model), load_model_config(model, use_hub=use_hub)
+
+
+def planning_mapper(source_config: PreTrainedConfig, target_config: PreTrainedConfig, top_k: int, rank: int | None = None):
+    """A ridge `KVMapper` of the right shapes on the meta device (no memory): each target layer reads `top_k` source
+    layers (which ones does not change any size), `rank` caps each map's rank (None = full)."""
+    from ..core.mapper import KVMapper, MapperConfig
+
+    src, tgt = KVLayout.from_config(source_config), KVLayout.from_config(target_config)
+    if not 1 <= top_k <= src.num_layers:
+        raise ValueError(f"top_k must be in [1, {src.num_layers}] (the source's layers), got {top_k}")
+    ranks = None
+    if rank is not None:
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        r = min(rank, tgt.layer_dim)
+        ranks = [[r, r] for _ in range(tgt.num_layers)]
+    config = MapperConfig(
+        source_config=text_config(source_config).to_dict(),
+        target_config=text_config(target_config).to_dict(),
+        selected_layers=[list(range(top_k)) for _ in range(tgt.num_layers)],
+        top_k=top_k,
+        rank=ranks,
+        mapper_type="ridge" if ranks is None else "lowrank",
+    )
+    with torch.device("meta"):
+        return KVMapper(config)
+
+
+def _model_parameters(config: PreTrainedConfig) -> int | None:
+    """Parameters of the model itself (meta-device instantiation: exact, no memory); None if it cannot be built."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in model.parameters())
+    except Exception:  # an architecture transformers cannot build from the config alone: the plan goes on
+        return None
+
+
+def plan_transfer(
+    source: str | os.PathLike | PreTrainedConfig,
+    target: str | os.PathLike | PreTrainedConfig,
+    *,
+    top_k: int = 8,
+    rank: int | None = None,
+    seq_len: int = 4096,
+    dtype: str | torch.dtype = "bfloat16",
+    batch_size: int = 1,
+    available_memory: int | None = None,
+    num_sequences: int = FIT_NUM_SEQUENCES,
+    heldout_fraction: float = FIT_HELDOUT_FRACTION,
+    probe_tokens: int = FIT_PROBE_TOKENS,
+    use_hub: bool = True,
+) -> TransferPlan:
+    """Sizes, fit memory, FLOPs and transfer memory of a source -> target mapper, from the two configs only.
+
+    Args:
+        source, target: Hub ids, local model folders, `config.json` files or `PreTrainedConfig`s (see
+            `load_model_config`: known families work offline).
+        top_k: source layers read per target layer.
+        rank: reduced rank of every map (None: full rank).
+        seq_len, batch_size: the transfer the FLOPs and memory are computed for.
+        dtype: weight dtype of the mapper and dtype of the KV caches ("bfloat16", "float16", "float32").
+        available_memory: bytes where the fit's statistics would live (default: this machine's available RAM).
+        num_sequences, heldout_fraction, probe_tokens: the fit settings (defaults: `hf-kvtransfer fit`'s).
+        use_hub: False never touches the network.
+
+    Returns:
+        `TransferPlan` (`.to_dict()` for JSON).
+
+    Example:
+        ```python
+        >>> plan = plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", top_k=8, seq_len=4096)
+        >>> plan.fit_default_mode
+        'full'
+        ```
+    """
+    from ..fitting.accumulate import available_memory as _available_memory
+    from .bench import mapper_size, mapping_flops, prefill_flops
+
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
+    weight_dtype = _dtype(dtype)
+    source_name, source_config = _as_config(source, use_hub)
+    target_name, target_config = _as_config(target, use_hub)
+    src, tgt = KVLayout.from_config(source_config), KVLayout.from_config(target_config)
+    notes = []
+    if text_config(source_config).vocab_size != text_config(target_config).vocab_size:
+        notes.append(
+            f"vocabularies differ ({text_config(source_config).vocab_size} vs {text_config(target_config).vocab_size} "
+            "entries): transfer needs the same tokenizer; check that the token ids agree"
+        )
+
+    mapper = planning_mapper(source_config, target_config, top_k, rank)
+    size = mapper_size(mapper)
+    params = size["parameters"]
+    weight_params = sum(p.numel() for name, p in mapper.named_parameters() if not name.endswith("bias"))
+    full = planning_mapper(source_config, target_config, top_k) if rank is not None else mapper
+    by_dtype = {name: params * _itemsize(d) for name, d in DTYPES.items()}
+
+    # Fit statistics: the functions `fit` sizes its own allocations with.
+    stats_full = statistics_nbytes(src, tgt)
+    stats_two_stage = block_statistics_nbytes(src, tgt, top_k)
+    sets = 2 if heldout_count(num_sequences, heldout_fraction) else 1
+    # Two-stage probe: float32 features of `probe_tokens` tokens (keys and values), one kind at a time in float64
+    # with its centered copy while ranking layers (ridge.probe_single_source_r2).
+    width = src.total_dim + tgt.total_dim
+    probe = 2 * probe_tokens * width * 4 + 2 * probe_tokens * width * 8
+
+    available = int(available_memory) if available_memory is not None else _available_memory(torch.device("cpu"))
+    budget = available // 2  # accumulate.py: half the free memory where the statistics live
+    two_stage = stats_full * sets > budget
+    mode = "two-stage" if two_stage else "full"
+    fit_bytes = (stats_two_stage * sets + probe) if two_stage else stats_full * sets
+    if two_stage and fit_bytes > budget:
+        notes.append(
+            f"even two-stage statistics ({fit_bytes / 2**30:.1f} GiB) exceed the budget: fit on a larger machine or "
+            "with a smaller --top-k"
+        )
+
+    # FLOPs at batch 1: the bench functions (prefill = transformer body, as the paper times it).
+    prefill = prefill_flops(target_config, seq_len)["total"]
+    mapping = mapping_flops(mapper, seq_len)
+
+    # Transfer memory: new tensors a TransferredCache allocates (cache.py) at (batch_size, seq_len).
+    cache_item = _itemsize(weight_dtype)
+    feature_item = _itemsize(torch.promote_types(weight_dtype, weight_dtype))
+    tokens = batch_size * seq_len
+    source_cache = 2 * src.total_dim * tokens * cache_item
+    target_cache = 2 * tgt.total_dim * tokens * cache_item
+    from ..core.cache import GROUP_OUT_FEATURES
+
+    group = max(1, GROUP_OUT_FEATURES // tgt.layer_dim)
+    rotary = 4 * 2 * tokens * max(src.head_dim, tgt.head_dim) * 4  # float32 cos/sin, strip and apply
+    rows = 2 * group * tgt.layer_dim * tokens * feature_item  # mapped K and V of one group of target layers
+    selection = 2 * top_k * src.layer_dim * tokens * feature_item  # stripped K and V features of one selection
+    working = selection + rows + rotary
+    # Worst case: every target layer has its own selection and each selection's buffer stays alive while a later
+    # selection still reads one of its source layers (cache.py keeps views into it).
+    working_max = tgt.num_layers * selection + rows + rotary
+
+    return TransferPlan(
+        source=source_name,
+        target=target_name,
+        source_layout=vars(src).copy(),
+        target_layout=vars(tgt).copy(),
+        top_k=top_k,
+        rank=rank,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        dtype=str(weight_dtype).removeprefix("torch."),
+        mapper_parameters=params,
+        mapper_weight_parameters=weight_params,
+        mapper_bytes=params * _itemsize(weight_dtype),
+        mapper_bytes_by_dtype=by_dtype,
+        full_rank_parameters=mapper_size(full)["parameters"],
+        statistics_bytes_full=stats_full,
+        statistics_bytes_two_stage=stats_two_stage,
+        statistics_sets=sets,
+        probe_bytes=probe,
+        model_parameters={"source": _model_parameters(source_config), "target": _model_parameters(target_config)},
+        prefill_flops=prefill,
+        mapping_flops=mapping,
+        flop_ratio=prefill / mapping,
+        source_cache_bytes=source_cache,
+        target_cache_bytes=target_cache,
+        transfer_working_bytes=working,
+        transfer_working_bytes_max=working_max,
+        transfer_peak_bytes=target_cache + working,
+        available_memory_bytes=available,
+        statistics_budget_bytes=budget,
+        fit_default_mode=mode,
+        fit_default_statistics_bytes=fit_bytes,
+        notes=notes,
+    )
+
+
+def _bytes(n: int | float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f}{unit}"
+    return str(n)
+
+
+def format_plan(plan: TransferPlan) -> str:
+    """The plan as a short human-readable report."""
+    s, t = plan.source_layout, plan.target_layout
+    rank = "full rank" if plan.rank is None else f"rank {plan.rank}"
+    dtypes = ", ".join(f"{name} {_bytes(b)}" for name, b in plan.mapper_bytes_by_dtype.items())
+    models = plan.model_parameters
+    lines = [
+        f"source  {plan.source}: {s['num_layers']} layers x {s['num_kv_heads']} KV heads x {s['head_dim']}"
+        + (f" ({_count(models['source'])} parameters)" if models.get("source") else ""),
+        f"target  {plan.target}: {t['num_layers']} layers x {t['num_kv_heads']} KV heads x {t['head_dim']}"
+        + (f" ({_count(models['target'])} parameters)" if models.get("target") else ""),
+        "",
+        f"mapper (top_k={plan.top_k}, {rank}): {plan.mapper_parameters:,} parameters "
+        f"({plan.mapper_weight_parameters:,} weights + biases); {dtypes}",
+        "",
+        "fit statistics (float64):",
+        f"  full:      {_bytes(plan.statistics_bytes_full)} per set, x{plan.statistics_sets}"
+        f"{' (fit + held-out)' if plan.statistics_sets == 2 else ''} = {_bytes(plan.statistics_bytes_full * plan.statistics_sets)}",
+        f"  two-stage: {_bytes(plan.statistics_bytes_two_stage)} per set (at most), x{plan.statistics_sets} + "
+        f"probe {_bytes(plan.probe_bytes)}",
+        f"  fit here:  {plan.fit_default_mode} ({_bytes(plan.fit_default_statistics_bytes)}; budget = half of "
+        f"{_bytes(plan.available_memory_bytes)} available)",
+        "",
+        f"at {plan.seq_len} tokens (batch {plan.batch_size}, {plan.dtype}):",
+        f"  target prefill {plan.prefill_flops / 1e12:,.3f} TFLOP vs transfer {plan.mapping_flops / 1e12:,.3f} TFLOP: "
+        f"ratio {plan.flop_ratio:,.1f}x",
+        f"  transfer memory: target cache {_bytes(plan.target_cache_bytes)} + working "
+        f"{_bytes(plan.transfer_working_bytes)} (up to {_bytes(plan.transfer_working_bytes_max)}) = "
+        f"{_bytes(plan.transfer_peak_bytes)}, next to the mapper {_bytes(plan.mapper_bytes)} and the source cache "
+        f"{_bytes(plan.source_cache_bytes)}",
+    ]
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,296 @@
+"""The model card of a mapper repo, rendered from `hub_cards/mapper_card.md`, its config and its run report."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+LIBRARY_NAME = "hf-kvtransfer"
+CARD_TEMPLATE = "mapper_card.md"
+DEFAULT_LICENSE = "apache-2.0"
+PAPER_URL = "https://arxiv.org/abs/2608.03893"
+# What the Hub accepts as a repo id ("name" or "namespace/name").
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+_DATA_FILE_SUFFIXES = {".json", ".jsonl", ".txt", ".csv", ".tsv", ".parquet", ".arrow", ".gz", ".zst", ".bin"}
+
+
+# -- rendering --------------------------------------------------------------------------------------------------
+
+
+def render_model_card(
+    config: dict, repo_id: str | None = None, report: dict | None = None, checkpoint: dict | None = None
+) -> ModelCard:
+    """Render a mapper's model card from `hub_cards/mapper_card.md`, its `config.json` contents and its run report.
+
+    Metadata: `library_name: hf-kvtransfer`, tags (`kv-cache`, `kv-cache-transfer`, the model families),
+    `base_model` = [source, target] with `base_model_relation: adapter` (a mapper is used together with both
+    models, and the Hub would read two base models as a merge otherwise), the calibration dataset when it is a Hub
+    id, and the license. Missing optional fields are skipped.
+
+    Args:
+        config: the mapper config as a dict (what `config.json` holds).
+        repo_id: the Hub repo the card is for; used in the usage snippet.
+        report: the run report (`fit_report.json`: `eval_results`, `model_selection`, ...), when there is one.
+        checkpoint: `checkpoint.checkpoint_info(folder)` of the saved weights (files, total size), when known.
+
+    Returns:
+        `huggingface_hub.ModelCard`; `.save("README.md")` writes it.
+
+    Example:
+        ```python
+        >>> card = render_model_card(json.load(open("mapper/config.json")), "my-org/qwen3-14b-to-qwen3-32b")
+        >>> card.data.base_model
+        ['Qwen/Qwen3-14B', 'Qwen/Qwen3-32B']
+        ```
+    """
+    source_id, target_id = config.get("source_model_id"), config.get("target_model_id")
+    source_fp, target_fp = config.get("source_fingerprint") or {}, config.get("target_fingerprint") or {}
+    calibration = config.get("calibration") or {}
+    base_models = list(dict.fromkeys(m for m in (source_id, target_id) if _is_hub_id(m)))
+    dataset = calibration.get("dataset")
+    families = [fp.get("model_type") for fp in (source_fp, target_fp) if isinstance(fp.get("model_type"), str)]
+    card_data = ModelCardData(
+        library_name=LIBRARY_NAME,
+        license=config.get("license") or DEFAULT_LICENSE,
+        tags=["kv-cache", "kv-cache-transfer", *families],
+        base_model=base_models or None,
+        base_model_relation="adapter" if base_models else None,
+        datasets=[dataset] if _is_hub_id(dataset) and not _is_data_file(dataset) else None,
+    )
+    return ModelCard.from_template(
+        card_data,
+        template_str=_template_text(),
+        repo_ref=repo_id or "path/to/this/mapper",
+        repo_id=repo_id,
+        title=_title(config),
+        mapper_type=config.get("mapper_type", "ridge"),
+        source=_model_facts(source_id, config.get("source_revision"), source_fp, "SOURCE_MODEL_ID"),
+        target=_model_facts(target_id, config.get("target_revision"), target_fp, "TARGET_MODEL_ID"),
+        fit=_fit_facts(config) + _checkpoint_facts(checkpoint),
+        calibration=_calibration_facts(calibration),
+        exact=_exact_layer_facts(config, (report or {}).get("exact_layers")),
+        layers=_layer_rows(config),
+        top_k=config.get("top_k"),
+        has_revisions=bool(config.get("source_revision") or config.get("target_revision")),
+        has_heldout=bool(config.get("heldout_r2_key") or config.get("heldout_r2_value")),
+        r2_summary=_r2_summary(config),
+        eval_rows=_eval_rows((report or {}).get("eval_results")),
+        selection=_selection_facts((report or {}).get("model_selection")),
+        library_version=config.get("library_version"),
+        paper_url=PAPER_URL,
+    )
+
+
+def _template_text() -> str:
+    try:  # installed (wheel or editable): shipped as the package data of hf_kvtransfer.hub_cards
+        return resources.files("hf_kvtransfer.hub_cards").joinpath(CARD_TEMPLATE).read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
+        # a source checkout on sys.path without installation: the canonical copy is <repo>/hub_cards/
+        return (Path(__file__).resolve().parents[2] / "hub_cards" / CARD_TEMPLATE).read_text(encoding="utf-8")
+
+
+def _is_hub_id(value: Any) -> bool:
+    return (
+        isinstance(value, str)
+        and bool(HUB_ID.match(value))
+        and "--" not in value
+        and ".." not in value
+        and not os.path.exists(value)
+    )
+
+
+def _is_data_file(value: str) -> bool:
+    return Path(value).suffix.lower() in _DATA_FILE_SUFFIXES
+
+
+def _title(config: dict) -> str:
+    names = []
+    for role in ("source", "target"):
+        model_id = config.get(f"{role}_model_id")
+        fingerprint = config.get(f"{role}_fingerprint") or {}
+        names.append(model_id.rstrip("/").rsplit("/", 1)[-1] if model_id else fingerprint.get("model_type") or role)
+    return f"KV-cache mapper {names[0]} → {names[1]}"
+
+
+def _cell(value: Any) -> str:
+    """A Markdown table cell: `-` for missing values, pipes escaped."""
+    if value is None or value == "":
+        return "–"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _number(value: Any, digits: int = 4) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _cell(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.{digits}f}" if 1e-3 <= abs(value) < 1e5 or value == 0 else f"{value:.3g}"
+
+
+def _plain(value: Any) -> str:
+    """Hyper-parameters as written: 1000000.0 -> 1,000,000; 0.001 -> 0.001; lists and strings unchanged."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return f"{value:g}" if isinstance(value, float) else _cell(value)
+
+
+def _model_facts(model_id: str | None, revision: str | None, fingerprint: dict, placeholder: str) -> dict[str, str]:
+    rope = fingerprint.get("rope_parameters") or {}
+    rope_text = None
+    if isinstance(rope, dict) and rope:
+        rope_text = str(rope.get("rope_type", "default"))
+        for key, label in (("rope_theta", "theta"), ("factor", "factor")):
+            if rope.get(key) is not None:
+                rope_text += f", {label}={_plain(rope[key])}"
+    if fingerprint.get("partial_rotary_factor") not in (None, 1, 1.0):
+        rope_text = f"{rope_text or 'default'}, partial={fingerprint['partial_rotary_factor']}"
+    link = f"[{model_id}](https://huggingface.co/{model_id})" if _is_hub_id(model_id) else _cell(model_id)
+    return {
+        "id": model_id or placeholder,
+        "link": link,
+        "revision": _cell(revision),
+        "revision_arg": f', revision="{revision}"' if revision else "",
+        "model_type": _cell(fingerprint.get("model_type")),
+        "layers": _cell(fingerprint.get("num_hidden_layers")),
+        "kv_heads": _cell(fingerprint.get("num_key_value_heads")),
+        "head_dim": _cell(fingerprint.get("head_dim")),
+        "vocab_size": _cell(fingerprint.get("vocab_size")),
+        "rope": _cell(rope_text),
+    }
+
+
+def _fit_facts(config: dict) -> list[tuple[str, str]]:
+    facts = [("Mapper type", _cell(config.get("mapper_type", "ridge")))]
+    if config.get("top_k") is not None:
+        facts.append(("Source layers per target layer (k)", _number(config["top_k"])))
+    if config.get("ridge_lambda") is not None and config.get("mapper_type", "ridge") in ("ridge", "lowrank"):
+        facts.append(("Ridge lambda (on centered data)", _plain(config["ridge_lambda"])))
+    for key, value in (config.get("mlp") or {}).items():
+        facts.append((f"MLP {key.replace('_', ' ')}", _plain(value)))
+    if config.get("rank"):
+        ranks = ", ".join(f"{k}/{v}" for k, v in config["rank"])
+        facts.append(("Reduced rank (key/value per target layer)", ranks))
+    if config.get("num_parameters") is not None:
+        facts.append(("Parameters", _number(config["num_parameters"])))
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(config.get("dtype") or "")
+    if itemsize and config.get("num_parameters") is not None:
+        facts.append(("Weights", f"{config['dtype']}, {config['num_parameters'] * itemsize / 2**20:.2f} MiB"))
+    return facts
+
+
+def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
+    """What `TransferredCache` computes itself with this mapper, and the content probe that chose it."""
+    chosen = config.get("num_exact_layers")
+    num_layers = (config.get("target_fingerprint") or {}).get("num_hidden_layers")
+    facts = []
+    if chosen is not None:
+        facts.append(("Computed by the target (default `num_exact_layers`)", f"its first {chosen} of {num_layers} layers"))
+    if isinstance(probe, dict):
+        if probe.get("reason"):
+            facts.append(("Why", _cell(probe["reason"])))
+        tried = [
+            f"{row['num_exact_layers']}: " + ("n/a" if row.get("retention") is None else f"{100 * row['retention']:.1f}%"
+            + (f" [{100 * row['retention_ci'][0]:.1f}, {100 * row['retention_ci'][1]:.1f}]" if row.get("retention_ci") else ""))
+            for row in probe.get("tried", [])
+        ]  # fmt: skip
+        if tried:
+            facts.append((f"Repeated-span retention by exact layers ({probe.get('num_items')} held-out spans)", "; ".join(tried)))
+    return facts
+
+
+def _checkpoint_facts(checkpoint: dict | None) -> list[tuple[str, str]]:
+    if not checkpoint or not checkpoint.get("files"):
+        return []
+    files = checkpoint["files"]
+    shards = checkpoint.get("num_shards") or 0
+    layout = f"{shards} safetensors shards + index" if shards else ", ".join(files)
+    return [("Checkpoint", f"{checkpoint['total_size'] / 2**20:,.2f} MiB ({checkpoint['total_size']:,} bytes) in {layout}")]
+
+
+def _calibration_facts(calibration: dict) -> list[tuple[str, str]]:
+    labels = {
+        "dataset": "Dataset", "config": "Config", "split": "Split", "text_field": "Text field",
+        "num_sequences": "Sequences", "seq_len": "Tokens per sequence",
+        "stride": "Token stride (every n-th token used)", "num_tokens": "Tokens used for the fit",
+    }  # fmt: skip
+    facts = []
+    for key, label in labels.items():
+        value = calibration.get(key)
+        if value is None:
+            continue
+        if key == "dataset" and _is_hub_id(value) and not _is_data_file(value):
+            value = f"[{value}](https://huggingface.co/datasets/{value})"
+        facts.append((label, _number(value) if key != "dataset" else str(value)))
+    facts.extend((key.replace("_", " ").capitalize(), _cell(v)) for key, v in calibration.items() if key not in labels)
+    return facts
+
+
+def _at(values: Any, i: int) -> str:
+    return _number(values[i]) if isinstance(values, list) and i < len(values) else "–"
+
+
+def _layer_rows(config: dict) -> list[dict[str, str]]:
+    rows = []
+    for t, sources in enumerate(config.get("selected_layers") or []):
+        rows.append({
+            "target": str(t),
+            "sources": ", ".join(str(s) for s in sources) if isinstance(sources, list) else _cell(sources),
+            "r2_key": _at(config.get("fit_r2_key"), t),
+            "r2_value": _at(config.get("fit_r2_value"), t),
+            "heldout_key": _at(config.get("heldout_r2_key"), t),
+            "heldout_value": _at(config.get("heldout_r2_value"), t),
+        })  # fmt: skip
+    return rows
+
+
+def _r2_summary(config: dict) -> str | None:
+    parts = []
+    for key, label in (("fit_r2_key", "fit R² K"), ("fit_r2_value", "fit R² V"),
+                       ("heldout_r2_key", "held-out R² K"), ("heldout_r2_value", "held-out R² V")):  # fmt: skip
+        values = [v for v in config.get(key) or [] if isinstance(v, (int, float)) and math.isfinite(v)]
+        if values:
+            parts.append(f"mean {label} = {sum(values) / len(values):.4f} (min {min(values):.4f})")
+    return "; ".join(parts) or None
+
+
+def _selection_facts(selection: Any) -> list[tuple[str, str]]:
+    """How k / lambda were chosen (from the run report), as card lines."""
+    if not isinstance(selection, dict):
+        return []
+    facts = []
+    if selection.get("metric"):
+        facts.append(("Metric", _cell(selection["metric"])))
+    for key, label in (("top_k_candidates", "k candidates"), ("ridge_lambda_candidates", "Lambda candidates")):
+        if selection.get(key):
+            facts.append((label, ", ".join(_plain(v) for v in selection[key])))
+    for choice in selection.get("chosen") or []:
+        if isinstance(choice, dict):
+            facts.append(("Chosen", f"k = {_plain(choice.get('top_k'))}, lambda = {_plain(choice.get('ridge_lambda'))}"))
+    if selection.get("heldout_tokens") is not None:
+        facts.append(("Held-out tokens", _number(selection["heldout_tokens"])))
+    return facts
+
+
+def _eval_rows(results: Any) -> list[tuple[str, str]]:
+    if not isinstance(results, dict):
+        return []
+    rows = []
+    for name, value in results.items():
+        if isinstance(value, dict):
+            rows.extend((f"{name} / {k}", _number(v)) for k, v in value.items())
+        else:
+            rows.append((str(name), _number(value)))
+    return [(_cell(name), value) for name, value in rows]
+
+
+__all__ = ["render_model_card"]

@@ -1,0 +1,603 @@
+"""Does the target still do what it would have done with its own prefill? Retention, diagnostics, drift.
+
+Every score is reported three ways, side by side (the docs' evaluation protocol):
+
+- **target**: the target model with its own prefill of the context (the ceiling),
+- **transfer**: the context prefilled by the source and mapped into the target's cache,
+- **floor**: the target without the context (perplexity), or chance (multiple choice),
+
+with `retention = transfer / target` and `normalized_retention = (transfer - floor) / (target - floor)`,
+the share of what the context is worth to the target that survives the transfer. Perplexity scores are
+compared in log space (mean negative log-likelihood per token, lower is better), so the normalized
+retention of perplexity is `(nll_floor - nll_transfer) / (nll_floor - nll_target)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from huggingface_hub.utils import tqdm
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+from ..core.cache import TransferredCache, resolve_num_recompute_tokens
+from ..core.capture import capture_kv, prefill
+from .content import greedy_agreement, handoff, passage_recall, repeated_span_retention
+from ..core.mapper import KVMapper
+from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
+from ..core.loading import model_device
+from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
+from .tasks import handoff_items, passage_recall_items, repeated_span_items
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EVAL_TASKS",
+    "evaluate",
+    "kv_r2",
+    "multi_turn_drift",
+    "prefix_perplexity",
+    "resolve_tasks",
+    "split_documents",
+    "text_windows",
+]
+
+def _attention_modules(model: PreTrainedModel) -> list[nn.Module]:
+    body = getattr(model, "base_model", model)
+    layers = getattr(body, "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+        raise ValueError(
+            f"cannot find `layers[i].self_attn` in {type(model).__name__}; attention-output cosine needs a "
+            "transformers decoder with the usual module names"
+        )
+    return [layer.self_attn for layer in layers]
+
+
+class _AttentionRecorder:
+    """Forward hooks that keep each attention module's output `[batch, seq, hidden]` of the last call."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.outputs: list[torch.Tensor | None] = []
+        self._handles = []
+        for idx, module in enumerate(_attention_modules(model)):
+            self.outputs.append(None)
+            self._handles.append(module.register_forward_hook(self._hook(idx)))
+
+    def _hook(self, idx: int) -> Callable:
+        def hook(module, args, output):
+            self.outputs[idx] = (output[0] if isinstance(output, tuple) else output).detach().float()
+
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        out, self.outputs = self.outputs, [None] * len(self.outputs)
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+# -- text -> token windows -------------------------------------------------------------------------------
+
+
+def split_documents(text: str, separator: str | None = "<|endoftext|>") -> list[str]:
+    """Split a text file into documents at lines holding only `separator` (the bundled family's format).
+
+    Without a separator line the whole text is one document.
+    """
+    if separator:
+        docs = [d.strip("\n") for d in text.split(f"\n{separator}\n")]
+        docs = [d for d in docs if d.strip()]
+        if docs:
+            return docs
+    return [text] if text.strip() else []
+
+
+def _tokenize_documents(tokenizer, documents: Sequence[str]) -> list[list[int]]:
+    return [tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"] for doc in documents]
+
+
+def text_windows(token_docs: Sequence[Sequence[int]], window: int, max_windows: int | None = None) -> torch.Tensor:
+    """Non-overlapping `window`-token windows from each document (no window crosses a document boundary).
+
+    Returns:
+        `[num_windows, window]` token ids; with `max_windows`, an evenly spaced subset (deterministic).
+    """
+    rows = [doc[i : i + window] for doc in token_docs for i in range(0, len(doc) - window + 1, window)]
+    if not rows:
+        longest = max((len(d) for d in token_docs), default=0)
+        raise ValueError(
+            f"no document has {window} tokens (longest: {longest}); use a longer text or a smaller --prefix-len"
+        )
+    if max_windows is not None and len(rows) > max_windows:
+        keep = np.linspace(0, len(rows) - 1, max_windows).round().astype(int)
+        rows = [rows[i] for i in keep]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+# -- prefix-conditioned perplexity -----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def prefix_perplexity(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    input_ids: torch.Tensor,
+    prefix_len: int | None = None,
+    num_recompute_tokens: int | None = None,
+    batch_size: int = 8,
+    diagnostics: bool = True,
+    num_bootstrap: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+    num_exact_layers: int | None = None,
+) -> dict[str, Any]:
+    """Prefix-conditioned perplexity (the paper's WikiText-2 protocol) and the diagnostics on the same tokens.
+
+    Each row of `input_ids` is a window of `2 * prefix_len` tokens. The second half is scored by the target
+    (tokens `prefix_len + 1 ..` end, each given everything before it) on top of a cache of the first half:
+
+    - `target`: the target's own prefill of the prefix,
+    - `transfer`: the source's prefill mapped by `mapper` (`TransferredCache`),
+    - `floor`: no prefix at all (the second half alone).
+
+    All three feed the target the same tokens and score the same positions, so they differ only in the cache.
+
+    Args:
+        input_ids: `[num_windows, 2 * prefix_len]` token ids (see `text_windows`).
+        prefix_len: prefix length T (default: half the window).
+        num_recompute_tokens: the last W prefix tokens are recomputed by the target instead of transferred
+            (default: `TransferredCache`'s, 32 or half a shorter prefix; 0: the whole prefix is transferred).
+        num_exact_layers: the target's first layers computed by the target itself (default: the mapper's, as in
+            `TransferredCache`); 0 measures the mapper alone.
+        diagnostics: also compute logit KL / top-1 agreement against the target's own prefill and the
+            per-layer cosine of the target's attention outputs (mapped vs. own KV).
+        num_bootstrap: resamples over windows for the 95% confidence intervals.
+
+    Returns:
+        A dict with `nll` / `perplexity` per setting, `retention`, `normalized_retention` and their `*_ci`,
+        and with diagnostics `logit_kl`, `top1_agreement`, `attention_cosine` (one value per target layer).
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [num_windows, 2 * prefix_len], got shape {list(input_ids.shape)}")
+    num_windows, window = input_ids.shape
+    prefix_len = prefix_len if prefix_len is not None else window // 2
+    if not 1 <= prefix_len <= window - 2:
+        raise ValueError(f"prefix_len must leave >= 2 tokens to score in a {window}-token window, got {prefix_len}")
+    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prefix_len)
+    if not 0 <= num_recompute_tokens < prefix_len:
+        raise ValueError(f"num_recompute_tokens must be in [0, {prefix_len}), got {num_recompute_tokens}")
+    r, t = num_recompute_tokens, prefix_len
+    src_device, tgt_device = model_device(source), model_device(target)
+    nll = {"target": [], "transfer": [], "floor": []}
+    kl_sum, agree_sum, num_tokens = 0.0, 0.0, 0
+    cos_sum: torch.Tensor | None = None
+    recorder = _AttentionRecorder(target) if diagnostics else None
+    bar = tqdm(total=num_windows, desc="prefix perplexity", unit="window", disable=not progress)
+    try:
+        for start in range(0, num_windows, batch_size):
+            ids = input_ids[start : start + batch_size].to(tgt_device)
+            feed, labels = ids[:, t - r :], ids[:, t + 1 :]
+            # Feed position r + j predicts token t + j + 1.
+            own_cache = prefill(target, ids[:, : t - r]) if t - r > 0 else DynamicCache()
+            own_logits = target(feed, cache=own_cache, use_cache=True).logits[:, r:-1].float()
+            own_attn = recorder.take() if recorder else None
+
+            src_cache = prefill(source, ids[:, :t].to(src_device))
+            cache = TransferredCache(src_cache, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=REFEED_WARNING)
+                trans_logits = target(feed, cache=cache, use_cache=True).logits[:, r:-1].float()
+            trans_attn = recorder.take() if recorder else None
+
+            floor_logits = target(ids[:, t:], use_cache=False).logits[:, :-1].float()
+            if recorder:
+                recorder.take()
+
+            for name, logits in (("target", own_logits), ("transfer", trans_logits), ("floor", floor_logits)):
+                token_nll = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # (B, T-1)
+                nll[name].append(token_nll.mean(-1).double().cpu())
+            if diagnostics:
+                own_logp, trans_logp = own_logits.log_softmax(-1), trans_logits.log_softmax(-1)
+                kl_sum += float((own_logp.exp() * (own_logp - trans_logp)).sum(-1).sum())
+                agree_sum += float((own_logits.argmax(-1) == trans_logits.argmax(-1)).sum())
+                num_tokens += labels.numel()
+                # Cosine per token over the fed positions, summed per layer.
+                cos = torch.stack(
+                    [F.cosine_similarity(a[:, r:], b[:, r:], dim=-1).sum() for a, b in zip(own_attn, trans_attn)]
+                ).double().cpu()
+                cos_sum = cos if cos_sum is None else cos_sum + cos
+            bar.update(ids.shape[0])
+    finally:
+        bar.close()
+        if recorder:
+            recorder.remove()
+
+    per_window = {name: torch.cat(v).numpy() for name, v in nll.items()}
+    result: dict[str, Any] = {
+        "num_windows": num_windows,
+        "prefix_len": t,
+        "scored_tokens_per_window": window - t - 1,
+        "num_recompute_tokens": r,
+        "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers),
+        "nll": {name: float(v.mean()) for name, v in per_window.items()},
+        "perplexity": {name: float(np.exp(v.mean())) for name, v in per_window.items()},
+        # per window, for paired comparisons of settings on the same windows
+        "nll_per_window": {name: v.tolist() for name, v in per_window.items()},
+    }
+    result.update(_perplexity_retention(per_window, num_bootstrap, seed))
+    if diagnostics:
+        result["logit_kl"] = kl_sum / num_tokens
+        result["top1_agreement"] = agree_sum / num_tokens
+        result["attention_cosine"] = (cos_sum / (num_windows * (window - t))).tolist()
+    return result
+
+
+def _perplexity_retention(per_window: dict[str, np.ndarray], num_bootstrap: int, seed: int) -> dict[str, Any]:
+    own, trans, floor = per_window["target"], per_window["transfer"], per_window["floor"]
+
+    def retention(idx):
+        # Scores are 1 / perplexity: the ratio of perplexities, target over transfer.
+        return float(np.exp(own[idx].mean() - trans[idx].mean()))
+
+    def normalized(idx):
+        return normalized_retention(-trans[idx].mean(), -own[idx].mean(), -floor[idx].mean())
+
+    every = np.arange(len(own))
+    if own.mean() >= floor.mean():
+        logger.warning(
+            "the target's own prefix does not lower its loss (nll %.4f with prefix vs %.4f without): floor-normalized "
+            "retention is undefined; use longer windows or a model that uses its context",
+            own.mean(),
+            floor.mean(),
+        )
+    return {
+        "context_gain_nats": float(floor.mean() - own.mean()),
+        "retention": retention(every),
+        "retention_ci": bootstrap_ci(retention, len(own), num_bootstrap, seed),
+        "normalized_retention": normalized(every),
+        "normalized_retention_ci": bootstrap_ci(normalized, len(own), num_bootstrap, seed),
+    }
+
+
+# -- K/V R^2 on evaluation tokens ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def kv_r2(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    input_ids: torch.Tensor,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict[str, list[float]]:
+    """Out-of-sample R^2 of the mapped (RoPE-stripped) keys and values against the target's own, per layer.
+
+    Head-averaged like the fit R^2 in the mapper config, on every token of `input_ids`.
+
+    Returns:
+        `{"key": [L_t], "value": [L_t]}`.
+    """
+    tgt = mapper.target_layout
+    sums: dict[str, dict[str, torch.Tensor]] = {}
+    count = 0
+    bar = tqdm(total=input_ids.shape[0], desc="K/V R^2", unit="window", disable=not progress)
+    for start in range(0, input_ids.shape[0], batch_size):
+        ids = input_ids[start : start + batch_size]
+        src_k, src_v = capture_kv(source, ids.to(model_device(source)))
+        tgt_k, tgt_v = capture_kv(target, ids.to(model_device(target)))
+        count += ids.numel()
+        for t, selected in enumerate(mapper.config.selected_layers):
+            # (B, H, T, D) -> (B, T, H*D), layer-major like the fit
+            feats = [torch.cat([s[i].transpose(1, 2).flatten(2) for i in selected], dim=-1) for s in (src_k, src_v)]
+            pred_k, pred_v = mapper(t, feats[0], feats[1])
+            for kind, pred, true in (("key", pred_k, tgt_k[t]), ("value", pred_v, tgt_v[t])):
+                y = true.transpose(1, 2).flatten(0, 1).flatten(1).double().cpu()  # (N, H*D)
+                p = pred.transpose(1, 2).flatten(0, 1).flatten(1).double().cpu()
+                acc = sums.setdefault(f"{kind}{t}", {"sse": 0, "sy": 0, "syy": 0})
+                acc["sse"] = acc["sse"] + ((y - p) ** 2).sum(0)
+                acc["sy"] = acc["sy"] + y.sum(0)
+                acc["syy"] = acc["syy"] + (y * y).sum(0)
+        bar.update(ids.shape[0])
+    bar.close()
+    out: dict[str, list[float]] = {"key": [], "value": []}
+    for kind in out:
+        for t in range(tgt.num_layers):
+            acc = sums[f"{kind}{t}"]
+            sst = (acc["syy"] - acc["sy"] ** 2 / count).reshape(tgt.num_kv_heads, -1).sum(-1)
+            sse = acc["sse"].reshape(tgt.num_kv_heads, -1).sum(-1)
+            out[kind].append(float(torch.where(sst > 0, 1 - sse / sst.clamp_min(1e-30), torch.ones_like(sst)).mean()))
+    return out
+
+
+# -- multi-turn handoff ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def multi_turn_drift(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    reverse_mapper: KVMapper,
+    input_ids: torch.Tensor,
+    num_turns: int = 4,
+    first: str = "source",
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Alternate source and target turn by turn, carrying one cache across every switch, and measure drift.
+
+    The token stream of each row is cut into `num_turns` equal turns. Turn 0 is read by `first`, turn 1 by the
+    other model, and so on; at each switch the whole cache so far (the other model's own turns and what was
+    mapped into it before) is mapped into the next model's cache (`mapper`: source -> target,
+    `reverse_mapper`: target -> source), so errors can accumulate. Each turn's logits are compared with those
+    of the same model reading the whole conversation itself (its standalone prefill).
+
+    Returns:
+        `{"turns": [{"turn", "model", "logit_kl", "top1_agreement", "nll", "nll_standalone"}, ...]}`.
+    """
+    if first not in ("source", "target"):
+        raise ValueError(f"first must be 'source' or 'target', got {first!r}")
+    num_rows, length = input_ids.shape
+    turn_len = length // num_turns
+    if num_turns < 2 or turn_len < 2:
+        raise ValueError(f"need >= 2 turns of >= 2 tokens, got {num_turns} turns from {length} tokens")
+    models = {"source": source, "target": target}
+    mappers = {("source", "target"): mapper, ("target", "source"): reverse_mapper}
+    roles = [first if i % 2 == 0 else ("target" if first == "source" else "source") for i in range(num_turns)]
+    sums = [{"kl": 0.0, "agree": 0.0, "nll": 0.0, "nll_standalone": 0.0, "tokens": 0} for _ in range(num_turns)]
+    bar = tqdm(total=num_rows, desc="multi-turn", unit="conversation", disable=not progress)
+    for start in range(0, num_rows, batch_size):
+        ids = input_ids[start : start + batch_size, : turn_len * num_turns]
+        # Standalone: each model over the whole conversation; causal, so its slice for turn i is what it
+        # would compute with its own prefill of turns 0..i-1.
+        standalone = {
+            role: model(ids.to(model_device(model)), use_cache=False).logits.float().cpu()
+            for role, model in models.items()
+            if role in roles
+        }
+        cache, prev = DynamicCache(), None
+        for i, role in enumerate(roles):
+            model = models[role]
+            if prev is not None and prev != role:
+                # the conversation so far, so the new model computes its exact layers from the ids
+                cache = TransferredCache(
+                    cache, mappers[(prev, role)], num_recompute_tokens=0, input_ids=ids[:, : i * turn_len].to(model_device(model))
+                )
+            chunk = ids[:, i * turn_len : (i + 1) * turn_len].to(model_device(model))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=REFEED_WARNING)
+                logits = model(chunk, cache=cache, use_cache=True).logits.float().cpu()
+            ref = standalone[role][:, i * turn_len : (i + 1) * turn_len]
+            logp, ref_logp = logits.log_softmax(-1), ref.log_softmax(-1)
+            sums[i]["kl"] += float((ref_logp.exp() * (ref_logp - logp)).sum(-1).sum())
+            sums[i]["agree"] += float((logits.argmax(-1) == ref.argmax(-1)).sum())
+            # Next-token loss inside the turn (the last position's label is the next turn's first token).
+            labels = ids[:, i * turn_len + 1 : (i + 1) * turn_len + 1]
+            width = labels.shape[1]
+            sums[i]["nll"] += float(F.cross_entropy(logits[:, :width].transpose(1, 2), labels, reduction="sum"))
+            sums[i]["nll_standalone"] += float(F.cross_entropy(ref[:, :width].transpose(1, 2), labels, reduction="sum"))
+            sums[i]["tokens"] += chunk.numel()
+            sums[i]["scored"] = sums[i].get("scored", 0) + labels.numel()
+            prev = role
+        bar.update(ids.shape[0])
+    bar.close()
+    turns = [
+        {
+            "turn": i,
+            "model": roles[i],
+            "logit_kl": s["kl"] / s["tokens"],
+            "top1_agreement": s["agree"] / s["tokens"],
+            "nll": s["nll"] / s["scored"],
+            "nll_standalone": s["nll_standalone"] / s["scored"],
+        }
+        for i, s in enumerate(sums)
+    ]
+    return {"num_conversations": num_rows, "num_turns": num_turns, "turn_len": turn_len, "turns": turns}
+
+
+# -- everything at once ----------------------------------------------------------------------------------
+
+# The tasks `evaluate` runs, by name (`--tasks` of `hf-kvtransfer eval`). multiple-choice and multi-turn need their
+# inputs (a task file, a reverse mapper); the rest are built from the evaluation text.
+EVAL_TASKS = ("perplexity", "continuation", "repeat", "recall", "handoff", "agreement", "multiple-choice", "multi-turn")
+
+
+def resolve_tasks(
+    tasks: Sequence[str] | str | None,
+    *,
+    multiple_choice: bool = False,
+    multi_turn: bool = False,
+    continuation: bool = True,
+) -> list[str]:
+    """The tasks `evaluate` runs: `tasks` checked (names of `EVAL_TASKS`, a list or a comma-separated string), or
+    by default every task that applies (multiple-choice with a task file, multi-turn with a reverse mapper, the
+    continuation task unless `continuation=False`).
+
+    Raises:
+        ValueError: an unknown name, or multiple-choice / multi-turn asked for without their input.
+    """
+    if tasks is None:
+        return [
+            t for t in EVAL_TASKS
+            if (t != "multiple-choice" or multiple_choice) and (t != "multi-turn" or multi_turn)
+            and (t != "continuation" or continuation)
+        ]  # fmt: skip
+    names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
+    names = [t for t in names if t]
+    unknown = [t for t in names if t not in EVAL_TASKS]
+    if unknown or not names:
+        raise ValueError(f"unknown task(s) {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(EVAL_TASKS)}")
+    if "multiple-choice" in names and not multiple_choice:
+        raise ValueError("the multiple-choice task needs a task file (--mc FILE / multiple_choice_items)")
+    if "multi-turn" in names and not multi_turn:
+        raise ValueError("the multi-turn task needs a target -> source mapper (--reverse-mapper / reverse_mapper)")
+    return [t for t in EVAL_TASKS if t in names]  # one order, whatever order they were asked in
+
+
+def _content_items(tokenizer, documents: list[str], token_docs: list[list[int]], tasks: list[str], num_items: int,
+                   prefix_len: int, seed: int) -> dict[str, Any]:
+    """The items of the content tasks asked for, all built before any model runs: a text or tokenizer they cannot
+    be built from fails at once."""
+    items: dict[str, Any] = {}
+    if "repeat" in tasks:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stream = [t for doc in token_docs for t in list(doc) + ([eos] if eos is not None else [])]
+        items["repeat"] = repeated_span_items(tokenizer, stream, num_items, seed=seed, prefix_len=prefix_len)
+    try:
+        if "recall" in tasks:
+            items["recall"] = passage_recall_items(tokenizer, num_items, seed=seed, distractor_texts=documents)
+        if "handoff" in tasks:
+            items["handoff"] = handoff_items(tokenizer, num_items, seed=seed, distractor_texts=documents)
+    except ValueError as exc:
+        raise ValueError(
+            f"the recall and handoff items cannot be built with this tokenizer: {exc}; leave those tasks out "
+            "with --tasks (e.g. --tasks perplexity,continuation,repeat,agreement)"
+        ) from exc
+    if "agreement" in tasks:
+        items["agreement"] = text_windows(token_docs, prefix_len, num_items)
+    return items
+
+
+def evaluate(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    tokenizer,
+    text: str,
+    *,
+    tasks: Sequence[str] | str | None = None,
+    prefix_len: int = 128,
+    max_windows: int | None = 256,
+    num_recompute_tokens: int | None = None,
+    num_exact_layers: int | None = None,
+    continuation: bool = True,
+    context_len: int = 128,
+    continuation_len: int = 16,
+    num_choices: int = 4,
+    num_items: int = 200,
+    num_content_items: int = 600,
+    max_new_tokens: int = 16,
+    multiple_choice_items: Sequence[MultipleChoiceItem] | None = None,
+    reverse_mapper: KVMapper | None = None,
+    num_turns: int = 4,
+    turn_len: int = 64,
+    max_conversations: int = 32,
+    batch_size: int = 8,
+    num_bootstrap: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the evaluation suite for one (source, target, mapper) on a text: perplexity, tasks, diagnostics.
+
+    Args:
+        tokenizer: the family's tokenizer (source and target share it).
+        text: evaluation text, documents separated by lines holding only the tokenizer's EOS token (the
+            bundled family's `heldout.txt`); otherwise one document.
+        tasks: names from `EVAL_TASKS` (a list or "recall,handoff"); default: every task that applies
+            (`resolve_tasks`).
+        prefix_len: T of the prefix-conditioned perplexity (windows of 2T tokens), also the prefix of the
+            repeated-span items and the prompt length of the greedy-agreement prompts.
+        max_windows: cap on perplexity windows (evenly spaced).
+        num_recompute_tokens: context tokens the target recomputes in every transfer (default: `TransferredCache`'s,
+            32 or half a shorter context; recall, agreement and the choice tasks: at least 1, the target must be fed
+            the prompt's last token).
+        num_exact_layers: the target's first layers it computes itself in every transfer (default: the mapper's,
+            as in `TransferredCache`).
+        continuation: build and score the continuation task from `text` (when `tasks` is None).
+        num_items: continuation-task items.
+        num_content_items: items of each content task (repeat, recall, handoff, agreement prompts); the
+            recall and hand-off distractors are cut from the documents of `text`.
+        max_new_tokens: tokens generated per prompt by the greedy-agreement task.
+        multiple_choice_items: a task to score too (e.g. `load_multiple_choice("hellaswag.jsonl", tok)`).
+        reverse_mapper: a target -> source mapper; enables the multi-turn handoff.
+
+    Returns:
+        A JSON-serializable dict: `prefix_perplexity`, `kv_r2`, `continuation`, `multiple_choice`, `multi_turn`,
+        `repeated_span`, `passage_recall`, `handoff`, `greedy_agreement` (those run) and a `config` block;
+        `reporting.evaluation_markdown` / `plot_evaluation` render it.
+
+    Example:
+        ```python
+        results = evaluate(small, large, mapper, tokenizer, open("heldout.txt").read(), tasks="perplexity,recall")
+        print(evaluation_markdown(results))
+        ```
+    """
+    selected = resolve_tasks(
+        tasks, multiple_choice=bool(multiple_choice_items), multi_turn=reverse_mapper is not None, continuation=continuation
+    )
+    if tasks is not None:
+        ignored = [name for name, given in (("multiple-choice", multiple_choice_items), ("multi-turn", reverse_mapper))
+                   if given and name not in selected]  # fmt: skip
+        if ignored:
+            logger.warning("inputs of %s given but not in tasks: not run", ", ".join(ignored))
+    documents = split_documents(text, getattr(tokenizer, "eos_token", None))
+    docs = _tokenize_documents(tokenizer, documents)
+    results: dict[str, Any] = {
+        "config": {
+            "source": mapper.config.source_model_id,
+            "target": mapper.config.target_model_id,
+            "top_k": mapper.config.top_k,
+            "ridge_lambda": mapper.config.ridge_lambda,
+            "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers),
+            "num_recompute_tokens": "default" if num_recompute_tokens is None else num_recompute_tokens,
+            "num_documents": len(docs),
+            "num_tokens": sum(len(d) for d in docs),
+            "seed": seed,
+            "tasks": selected,
+        }
+    }
+    content = _content_items(tokenizer, documents, docs, selected, num_content_items, prefix_len, seed)
+    common = dict(num_bootstrap=num_bootstrap, seed=seed, progress=progress)
+    exact = dict(num_exact_layers=num_exact_layers)  # the tasks that hand the target a prompt's transferred cache
+    # Recall, agreement and the choice tasks predict from the prompt's last position, which the target must be fed.
+    fed = None if num_recompute_tokens is None else max(1, num_recompute_tokens)
+    if "perplexity" in selected:
+        windows = text_windows(docs, 2 * prefix_len, max_windows)
+        results["prefix_perplexity"] = prefix_perplexity(
+            source, target, mapper, windows, prefix_len, num_recompute_tokens, batch_size, **exact, **common
+        )
+        results["kv_r2"] = kv_r2(source, target, mapper, windows[:, :prefix_len], batch_size, progress=progress)
+    if "continuation" in selected:
+        items = build_continuation_task(docs, context_len, continuation_len, num_choices, num_items, seed=seed)
+        results["continuation"] = multiple_choice(
+            source, target, mapper, items, num_recompute_tokens=fed, desc="continuation task", **common
+        )
+        results["continuation"].update(context_len=context_len, continuation_len=continuation_len)
+    if "repeat" in selected:
+        results["repeated_span"] = repeated_span_retention(
+            source, target, mapper, content["repeat"], num_recompute_tokens=num_recompute_tokens, batch_size=batch_size,
+            **exact, **common,
+        )  # fmt: skip
+    if "recall" in selected:
+        results["passage_recall"] = passage_recall(
+            source, target, mapper, content["recall"], num_recompute_tokens=fed, **exact, **common
+        )
+    if "handoff" in selected:
+        results["handoff"] = handoff(
+            source, target, mapper, content["handoff"], num_recompute_tokens=num_recompute_tokens, **exact, **common
+        )
+    if "agreement" in selected:
+        results["greedy_agreement"] = greedy_agreement(
+            source, target, mapper, content["agreement"], max_new_tokens, num_recompute_tokens=fed,
+            batch_size=batch_size, **exact, **common,
+        )  # fmt: skip
+    if "multiple-choice" in selected:
+        results["multiple_choice"] = multiple_choice(
+            source, target, mapper, multiple_choice_items, num_recompute_tokens=fed, **common
+        )
+    if "multi-turn" in selected:
+        conversations = text_windows(docs, num_turns * turn_len, max_conversations)
+        results["multi_turn"] = multi_turn_drift(
+            source, target, mapper, reverse_mapper, conversations, num_turns, batch_size=batch_size, progress=progress
+        )
+    return results

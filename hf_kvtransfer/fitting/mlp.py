@@ -1,0 +1,465 @@
+"""Nonlinear KV mapper: a small ReLU MLP per (target layer, K|V), by default as a residual on top of ridge.
+
+The paper's MLP variant (two hidden layers of 1,024 ReLU units, Adam, MSE on the stripped targets) recovers
+the pairs where the closed-form ridge map fails. Two changes make it safe to use everywhere:
+
+- residual: `y = ridge(x) + mlp(x)` with the MLP's last layer zero-initialised, so training starts exactly at
+  the ridge solution;
+- early stopping on held-out calibration sequences, with the untrained (= ridge) state as a candidate, so the
+  held-out error is never worse than ridge's. Both errors are recorded per layer in
+  `mapper.report["mlp"]["heldout"]`.
+
+Training needs the features themselves (not just sums, as ridge does): the one calibration pass
+(`accumulate.run_fit_pass`, which also accumulates the ridge statistics) hands every batch to a
+`FeatureCollector` that keeps the stripped features of every `feature_stride`-th token on the host. The memory a
+fit needs is logged before it starts; the training log goes to `mapper.report["mlp"]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+from huggingface_hub.utils import tqdm
+from torch import nn
+from transformers import PreTrainedModel
+
+from .accumulate import run_fit_pass
+from .calibration_pass import CalibrationBatch
+from .config import FitConfig, heldout_count
+from ..core.layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
+from ..core.mapper import KVMapper, MapperConfig
+from ..core.loading import DTYPES, model_device
+from ..core.ridge import cholesky_solve, effective_top_k, feature_index, layer_scores, select_layers, solve_layers
+from ..core.stats import KINDS, KVLayout, flatten_layers, statistics_nbytes, token_selection
+
+logger = logging.getLogger(__name__)
+
+# -- training one map from features ----------------------------------------------------------------------
+
+
+def _ridge_from_features(x: torch.Tensor, y: torch.Tensor, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centered ridge with the sum-Gram lambda (as `ridge.py`), from materialised features; float64."""
+    x, y = x.double(), y.double()
+    mean_x, mean_y = x.mean(0), y.mean(0)
+    xc = x - mean_x
+    weight = cholesky_solve(xc.T @ xc, xc.T @ (y - mean_y), ridge_lambda)  # (F_in, F_out)
+    return weight.T.contiguous(), mean_y - mean_x @ weight
+
+
+@torch.no_grad()
+def _apply_batched(fn, x: torch.Tensor, device, chunk: int = 8192) -> torch.Tensor:
+    return torch.cat([fn(x[i : i + chunk].to(device)) for i in range(0, x.shape[0], chunk)]) if len(x) else x
+
+
+@torch.no_grad()
+def _errors(pred: torch.Tensor, y: torch.Tensor, num_heads: int) -> tuple[float, float]:
+    """(MSE, head-averaged out-of-sample R^2) of `pred` against `y` `[N, heads * head_dim]`."""
+    pred, y = pred.double(), y.double()
+    sse = ((pred - y) ** 2).sum(0).reshape(num_heads, -1).sum(-1)
+    sst = ((y - y.mean(0)) ** 2).sum(0).reshape(num_heads, -1).sum(-1)
+    r2 = torch.where(sst > 0, 1 - sse / sst.clamp_min(1e-30), torch.ones_like(sst))
+    return float(sse.sum() / y.numel()), float(r2.mean())
+
+
+def train_mlp_map(
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    x_heldout: torch.Tensor | None = None,
+    y_heldout: torch.Tensor | None = None,
+    *,
+    num_kv_heads: int = 1,
+    ridge_weight: torch.Tensor | None = None,
+    ridge_bias: torch.Tensor | None = None,
+    ridge_lambda: float = 0.01,
+    residual: bool = True,
+    hidden_size: int = 1024,
+    num_hidden_layers: int = 2,
+    per_head: bool = False,
+    epochs: int = 20,
+    lr: float = 1e-3,
+    batch_size: int = 256,
+    patience: int | None = 5,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    progress_bar=None,
+    description: str = "",
+) -> tuple[MLPKindMap, dict[str, Any]]:
+    """Train one (target layer, K|V) MLP map on features: `x [N, F_in] -> y [N, num_kv_heads * head_dim]`.
+
+    Inputs are standardised per dimension and targets scaled by one number (their RMS deviation), so the
+    loss is the paper's plain MSE, reported as a fraction of the target variance. The scalings are folded
+    into the first and last layers afterwards: the returned module maps raw features to raw targets.
+
+    Args:
+        x_train, y_train: training features and targets.
+        x_heldout, y_heldout: held-out features and targets for early stopping; `None` trains all epochs.
+        ridge_weight, ridge_bias: `[F_out, F_in]`, `[F_out]` ridge solution (the residual base and the
+            baseline that is reported); solved here from the training features when not given.
+        residual: learn `y - ridge(x)` with a zero-initialised last layer (starts at ridge).
+        per_head: one MLP per target KV head (the paper) instead of one per layer and kind.
+        patience: epochs without held-out improvement before stopping (`None`: never stop early).
+        seed: seeds initialisation and shuffling (a private generator; the global RNG is untouched).
+        progress_bar: a tqdm bar to advance by one per epoch (optional).
+
+    Returns:
+        `(module, report)`; `report` has `ridge_mse`, `mlp_mse`, `ridge_r2`, `mlp_r2` (held-out), `train_r2`,
+        `best_epoch` (0 = the initial state, i.e. ridge for a residual map) and `epochs_run`.
+    """
+    device = torch.device(device) if device is not None else x_train.device
+    n, in_features = x_train.shape
+    out_features = y_train.shape[1]
+    if n < 2:
+        raise ValueError(f"need at least 2 training tokens to fit an MLP map, got {n}; feed more calibration data")
+    if ridge_weight is None:
+        ridge_weight, ridge_bias = _ridge_from_features(x_train, y_train, ridge_lambda)
+    ridge_weight = ridge_weight.to(device, torch.float32)
+    ridge_bias = ridge_bias.to(device, torch.float32)
+
+    def ridge(x):
+        return nn.functional.linear(x.float(), ridge_weight, ridge_bias)
+
+    has_heldout = x_heldout is not None and len(x_heldout) > 0
+    # -- normalisation (folded into the weights at the end)
+    x32 = x_train.to(device, torch.float32)
+    y32 = y_train.to(device, torch.float32)
+    mean_x, std_x = x32.mean(0), x32.std(0)
+    # Near-constant input dims (dead heads, padding dims) would blow up the standardisation.
+    std_x = std_x.clamp_min(1e-3 * float(std_x.mean()) + 1e-12)
+    mean_y = y32.mean(0)
+    scale_y = float(((y32 - mean_y) ** 2).mean().sqrt()) or 1.0
+
+    def prepare(x, y):
+        x, y = x.to(device, torch.float32), y.to(device, torch.float32)
+        base = _apply_batched(ridge, x, device) if residual else mean_y
+        return (x - mean_x) / std_x, (y - base) / scale_y
+
+    xn, rn = prepare(x32, y32)
+    del x32
+    if has_heldout:
+        xn_h, rn_h = prepare(x_heldout, y_heldout)
+
+    groups = num_kv_heads if per_head else 1
+    core = MLPKindMap(in_features, out_features, hidden_size, num_hidden_layers, groups=groups, residual=False)
+    generator = torch.Generator().manual_seed(seed)
+    for i, layer in enumerate(core.mlp):
+        layer.reset_parameters(generator, zero=residual and i == len(core.mlp) - 1)
+    core.to(device)
+    optimizer = torch.optim.Adam(core.parameters(), lr=lr)
+
+    @torch.no_grad()
+    def heldout_loss() -> float:
+        core.eval()
+        sq = sum(float(((core(xn_h[i : i + 8192]) - rn_h[i : i + 8192]) ** 2).sum()) for i in range(0, len(xn_h), 8192))
+        core.train()
+        return sq / rn_h.numel()
+
+    best_loss = heldout_loss() if has_heldout else math.inf
+    best_state = {k: v.detach().clone() for k, v in core.state_dict().items()}
+    best_epoch, stale, epochs_run, train_loss = 0, 0, 0, None
+    for epoch in range(1, epochs + 1):
+        order = torch.randperm(n, generator=generator).to(device)
+        total, count = torch.zeros((), device=device), 0
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            loss = nn.functional.mse_loss(core(xn.index_select(0, idx)), rn.index_select(0, idx))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach() * len(idx)  # no per-step host sync on GPU
+            count += len(idx)
+        train_loss, epochs_run = float(total) / count, epoch
+        if has_heldout:
+            loss_h = heldout_loss()
+            if loss_h < best_loss:
+                best_loss, best_epoch, stale = loss_h, epoch, 0
+                best_state = {k: v.detach().clone() for k, v in core.state_dict().items()}
+            else:
+                stale += 1
+        else:
+            best_epoch, best_state = epoch, {k: v.detach().clone() for k, v in core.state_dict().items()}
+        if progress_bar is not None:
+            progress_bar.update(1)
+            progress_bar.set_postfix_str(
+                f"{description} epoch {epoch} train {train_loss:.4f} heldout "
+                f"{loss_h if has_heldout else float('nan'):.4f} best {best_loss:.4f}@{best_epoch}",
+                refresh=False,
+            )
+        if has_heldout and patience is not None and stale >= patience:
+            break
+    if progress_bar is not None and epochs_run < epochs:
+        progress_bar.update(epochs - epochs_run)
+    core.load_state_dict(best_state)
+
+    # -- fold the normalisation into the first and last layers: raw features in, raw targets out
+    module = MLPKindMap(in_features, out_features, hidden_size, num_hidden_layers, groups=groups, residual=residual)
+    module.to(device)
+    with torch.no_grad():
+        first, last = core.mlp[0], core.mlp[-1]
+        for src, dst in zip(core.mlp, module.mlp):
+            dst.weight.copy_(src.weight)
+            dst.bias.copy_(src.bias)
+        w1 = first.weight.double()  # (G, in, h)
+        inv_std = 1 / std_x.double()
+        module.mlp[0].weight.copy_(w1 * inv_std[None, :, None])
+        # (mean/std) @ W1 can be large against b1: fold in float64.
+        module.mlp[0].bias.copy_(first.bias.double() - torch.einsum("i,gih->gh", mean_x.double() * inv_std, w1))
+        # num_hidden_layers >= 1, so the first and the last layer are different modules.
+        module.mlp[-1].weight.copy_(last.weight.double() * scale_y)
+        bias = last.bias.double() * scale_y
+        if not residual:
+            bias = bias + mean_y.double().view(groups, -1)
+        module.mlp[-1].bias.copy_(bias)
+        if residual:
+            module.linear.weight.copy_(ridge_weight)
+            module.linear.bias.copy_(ridge_bias)
+    module.eval()
+
+    report: dict[str, Any] = {"best_epoch": best_epoch, "epochs_run": epochs_run, "train_loss": train_loss}
+    train_pred = _apply_batched(module, x_train, device)
+    report["train_mse"], report["train_r2"] = _errors(train_pred, y_train.to(device), num_kv_heads)
+    if has_heldout:
+        y_h = y_heldout.to(device)
+        report["ridge_mse"], report["ridge_r2"] = _errors(_apply_batched(ridge, x_heldout, device), y_h, num_kv_heads)
+        report["mlp_mse"], report["mlp_r2"] = _errors(_apply_batched(module, x_heldout, device), y_h, num_kv_heads)
+    else:
+        report.update(ridge_mse=None, ridge_r2=None, mlp_mse=None, mlp_r2=None)
+    return module.cpu(), report
+
+
+# -- fitting a whole mapper from a model pair ------------------------------------------------------------
+
+
+def mlp_fit_nbytes(
+    source_layout: KVLayout,
+    target_layout: KVLayout,
+    num_train_tokens: int,
+    num_heldout_tokens: int,
+    top_k: int | None = None,
+    hidden_size: int = 1024,
+    num_hidden_layers: int = 2,
+    per_head: bool = False,
+    batch_size: int = 256,
+    feature_dtype: torch.dtype = torch.float32,
+) -> dict[str, int]:
+    """Bytes an MLP fit needs: captured features (host), ridge statistics (host) and one map's training.
+
+    Returns:
+        `{"features", "statistics", "training", "mapper", "total"}`; `training` is the peak of one
+        (target layer, K|V) map on the training device (standardised features and targets, parameters with
+        gradients and Adam moments, activations).
+    """
+    tokens = num_train_tokens + num_heldout_tokens
+    elt = torch.empty(0, dtype=feature_dtype).element_size()
+    features = tokens * 2 * (source_layout.total_dim + target_layout.total_dim) * elt
+    statistics = statistics_nbytes(source_layout, target_layout)
+    k = top_k or source_layout.num_layers
+    f_in, f_out = k * source_layout.layer_dim, target_layout.layer_dim
+    groups = target_layout.num_kv_heads if per_head else 1
+    sizes = [f_in] + [hidden_size] * num_hidden_layers + [f_out // groups]
+    mlp_params = groups * sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    map_params = mlp_params + f_in * f_out + f_out
+    training = 4 * (
+        2 * tokens * (f_in + f_out)  # raw copy + standardised features and targets
+        + 4 * mlp_params  # weights, gradients, two Adam moments
+        + 3 * batch_size * groups * hidden_size * num_hidden_layers  # activations and their gradients
+    )
+    mapper = 4 * 2 * target_layout.num_layers * map_params
+    return {
+        "features": features,
+        "statistics": statistics,
+        "training": training,
+        "mapper": mapper,
+        "total": features + statistics + training + mapper,
+    }
+
+
+class FeatureCollector:
+    """A `calibration_pass` consumer keeping the stripped features of every `feature_stride`-th real token of each
+    sequence, per shard and kind: `features[part]["key.x"]` is a list of `[tokens, L_s * F_s]` chunks (host)."""
+
+    name = "mlp-features"
+    checkpointable = False
+
+    def __init__(self, feature_stride: int, dtype: torch.dtype = torch.float32):
+        self.feature_stride, self.dtype = feature_stride, dtype
+        self.features: dict[str, dict[str, list[torch.Tensor]]] = {
+            part: {f"{kind}.{side}": [] for kind in KINDS for side in ("x", "y")} for part in ("train", "heldout")
+        }
+
+    def update(self, batch: CalibrationBatch) -> None:
+        sk = batch.source_keys
+        index = token_selection(len(batch.rows), sk[0].shape[2], self.feature_stride, batch.attention_mask, sk[0].device)
+        for kind in KINDS:
+            xs, ys = batch.states(kind)
+            part = self.features[batch.part]
+            part[f"{kind}.x"].append(flatten_layers(xs, index).to("cpu", self.dtype))
+            part[f"{kind}.y"].append(flatten_layers(ys, index.to(ys[0].device)).to("cpu", self.dtype))
+
+    def gather(self, part: str, name: str, columns: torch.Tensor | slice) -> torch.Tensor | None:
+        """The `columns` of one feature matrix (`"key.x"`, ...) of a shard, all tokens, as float32."""
+        chunks = self.features[part][name]
+        if not chunks:
+            return None
+        if isinstance(columns, slice):
+            return torch.cat([c[:, columns] for c in chunks]).float()
+        return torch.cat([c.index_select(1, columns) for c in chunks]).float()
+
+
+def _count_tokens(num_rows: int, seq_len: int, stride: int, mask: torch.Tensor | None) -> int:
+    return int(token_selection(num_rows, seq_len, stride, mask, "cpu").numel()) if num_rows else 0
+
+
+def fit_mlp(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    config: FitConfig,
+    log=None,
+    **mapper_kwargs: Any,
+) -> KVMapper:
+    """Fit an MLP `KVMapper` (`config.mapper_type == "mlp"`; use it through `fit_mapper` / `fit_mlp_mapper`).
+
+    The one calibration pass accumulates the ridge statistics (fit shard: layer selection and the residual
+    base) and, through a `FeatureCollector`, keeps the features of every `config.mlp_feature_stride`-th token
+    (default: `config.stride`) of every sequence. Then, per target layer and K|V, an MLP is trained with Adam on
+    the MSE — by default as a residual on the ridge map, stopped early on the held-out sequences (the last
+    `heldout_fraction` of them), so its held-out error is never worse than ridge's.
+
+    Returns:
+        A float32 `KVMapper` with `config.mapper_type == "mlp"` and `config.mlp` its architecture;
+        `config.fit_r2_*` are the MLP's R^2 on its training tokens, `config.heldout_r2_*` on the held-out ones
+        (which also chose the stopping epoch, so they are slightly optimistic: evaluate on other text).
+        `mapper.report["mlp"]` holds the training settings, the per-layer held-out MSE and R^2 of ridge and of
+        the MLP (`heldout`), token counts, `heldout_sequences`, `memory_bytes` and timings.
+    """
+    started = time.perf_counter()
+    device = torch.device(config.mlp_device) if config.mlp_device else model_device(source)
+    feature_stride = config.mlp_feature_stride or config.stride
+    feature_dtype = DTYPES[config.mlp_feature_dtype]
+    (top_k,), (ridge_lambda,) = config.top_k_values, config.ridge_lambda
+    num_rows, seq_len = input_ids.shape
+    num_heldout = heldout_count(num_rows, config.heldout_fraction)
+    num_train = num_rows - num_heldout
+    mask = attention_mask
+    num_tokens = {
+        "train": _count_tokens(num_train, seq_len, feature_stride, mask[:num_train] if mask is not None else None),
+        "heldout": _count_tokens(num_heldout, seq_len, feature_stride, mask[num_train:] if mask is not None else None),
+    }
+    src_layout, tgt_layout = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
+    top_k = effective_top_k(top_k, src_layout.num_layers)  # as for ridge (`fit.solve_mappers`)
+    memory = mlp_fit_nbytes(
+        src_layout, tgt_layout, num_tokens["train"], num_tokens["heldout"], top_k, config.mlp_hidden_size,
+        config.mlp_num_hidden_layers, config.mlp_per_head, config.mlp_batch_size, feature_dtype,
+    )  # fmt: skip
+    logger.info(
+        "MLP fit needs ~%.1f MiB: features %.1f MiB (%d train + %d held-out tokens, stride %d, %s), statistics "
+        "%.1f MiB, training one map %.1f MiB on %s, mapper %.1f MiB",
+        memory["total"] / 2**20, memory["features"] / 2**20, num_tokens["train"], num_tokens["heldout"],
+        feature_stride, feature_dtype, memory["statistics"] / 2**20, memory["training"] / 2**20, device,
+        memory["mapper"] / 2**20,
+    )  # fmt: skip
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("the MLP mapper trains in one process: run it without torchrun")
+
+    # -- the one pass: ridge statistics (both shards) and the features of every sequence
+    collector = FeatureCollector(feature_stride, feature_dtype)
+    calibration = dict(mapper_kwargs.pop("calibration", None) or {})
+    train, heldout = run_fit_pass(
+        source, target, input_ids, attention_mask, config, consumers=[collector],
+        metadata={"calibration": calibration} if calibration else None, log=log,
+    )  # fmt: skip
+    capture_seconds = time.perf_counter() - started
+
+    # -- ridge: layer selection and the residual base, from the fit shard's statistics
+    selected = select_layers(layer_scores(train, ridge_lambda), top_k)
+    solutions = {kind: solve_layers(train, kind, dict(enumerate(selected)), ridge_lambda) for kind in KINDS}
+
+    calibration.setdefault("num_sequences", num_rows)
+    # num_tokens: the ridge base's training tokens; the MLP's are in mapper.report["mlp"] (train_tokens, ...).
+    calibration.update(stride=config.stride, num_tokens=train.count, num_heldout_sequences=num_heldout)
+    architecture = {
+        **DEFAULT_MLP_CONFIG,
+        "hidden_size": config.mlp_hidden_size,
+        "num_hidden_layers": config.mlp_num_hidden_layers,
+        "residual": config.mlp_residual,
+        "per_head": config.mlp_per_head,
+    }
+    mapper_config = MapperConfig(
+        source_config=train.source_config,
+        target_config=train.target_config,
+        selected_layers=selected,
+        mapper_type="mlp",
+        top_k=top_k if top_k is not None else src_layout.num_layers,
+        ridge_lambda=ridge_lambda,
+        mlp=architecture,
+        calibration=calibration,
+        **mapper_kwargs,
+    )
+
+    # -- train each (target layer, K|V) map
+    report: dict[str, dict[str, list]] = {kind: {} for kind in KINDS}
+    state: dict[str, torch.Tensor] = {}
+    epochs = config.mlp_epochs
+    bar = tqdm(total=tgt_layout.num_layers * 2 * epochs, desc="mlp", unit="epoch", disable=not config.progress)
+    for t, sel in enumerate(selected):
+        columns = feature_index(sel, src_layout.layer_dim)
+        target_columns = slice(t * tgt_layout.layer_dim, (t + 1) * tgt_layout.layer_dim)
+        for kind in KINDS:
+            weight, bias, _ = solutions[kind][t]
+            module, layer_report = train_mlp_map(
+                collector.gather("train", f"{kind}.x", columns), collector.gather("train", f"{kind}.y", target_columns),
+                collector.gather("heldout", f"{kind}.x", columns),
+                collector.gather("heldout", f"{kind}.y", target_columns),
+                num_kv_heads=tgt_layout.num_kv_heads, ridge_weight=weight, ridge_bias=bias,
+                residual=config.mlp_residual, hidden_size=config.mlp_hidden_size,
+                num_hidden_layers=config.mlp_num_hidden_layers, per_head=config.mlp_per_head, epochs=epochs,
+                lr=config.mlp_lr, batch_size=config.mlp_batch_size, patience=config.mlp_patience,
+                seed=config.seed + 2 * t + (kind == "value"), device=device, progress_bar=bar,
+                description=f"layer {t} {kind}",
+            )  # fmt: skip
+            state.update({f"layers.{t}.{kind}.{name}": v for name, v in module.state_dict().items()})
+            for name, value in layer_report.items():
+                report[kind].setdefault(name, []).append(value)
+    bar.close()
+    del collector
+
+    fit_seconds = round(time.perf_counter() - started, 3)
+    r2 = {"fit_r2_key": report["key"]["train_r2"], "fit_r2_value": report["value"]["train_r2"]}
+    if num_heldout:
+        r2.update(heldout_r2_key=report["key"]["mlp_r2"], heldout_r2_value=report["value"]["mlp_r2"])
+        logger.info(
+            "MLP mapper: held-out R^2 key %.4f (ridge %.4f), value %.4f (ridge %.4f), mean over target layers; "
+            "%.1f s",
+            *(sum(report[k][m]) / len(report[k][m]) for k in KINDS for m in ("mlp_r2", "ridge_r2")), fit_seconds,
+        )  # fmt: skip
+    mapper = KVMapper(dataclasses.replace(mapper_config, **r2))
+    mapper.load_state_dict(state)
+    mapper.report = {
+        "mlp": {
+            "epochs": epochs,
+            "lr": config.mlp_lr,
+            "batch_size": config.mlp_batch_size,
+            "patience": config.mlp_patience,
+            "heldout_fraction": config.heldout_fraction,
+            "seed": config.seed,
+            "feature_stride": feature_stride,
+            "train_tokens": num_tokens["train"],
+            "heldout_tokens": num_tokens["heldout"],
+            "heldout_sequences": list(range(num_train, num_rows)),
+            "memory_bytes": memory,
+            "heldout": report,
+        },
+        "timings": {"calibration_seconds": round(capture_seconds, 3), "fit_seconds": fit_seconds},
+    }
+    return mapper.float()
+
+
+__all__ = ["FeatureCollector", "fit_mlp", "mlp_fit_nbytes", "train_mlp_map"]

@@ -1,0 +1,161 @@
+"""The package's layering, read from the code's own imports (an AST walk), so ARCHITECTURE.md cannot drift.
+
+- a module imports only from its own subpackage or from the subpackages below it (`LAYERS`, lowest first);
+- no module imports another module's `_private` names;
+- no import cycle between modules (module-level and function-level imports alike);
+- every subpackage is listed in `LAYERS`, in ARCHITECTURE.md and in pyproject's package list.
+"""
+
+import ast
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "hf_kvtransfer"
+# Lowest first. The top-level modules (`version`, `__init__`, `__main__`) stand outside the layers: `version` may be
+# imported by anyone, `__init__` / `__main__` only re-export.
+LAYERS = ("core", "evaluation", "fitting", "integrations", "commands")
+TOP_LEVEL = {"version", "__init__", "__main__"}
+
+
+def _modules() -> dict[str, Path]:
+    return {".".join(p.relative_to(PACKAGE).with_suffix("").parts): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
+    """(imported module, imported names, line) for every relative or `hf_kvtransfer.` import in a module."""
+    modules = _modules()
+    package = name.split(".")[:-1]  # the package a relative import starts from (for `x.__init__`, x)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                parts = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "hf_kvtransfer":
+                parts = node.module.split(".")[1:]
+            else:
+                continue
+            target = ".".join(parts)
+            names = [a.name for a in node.names]
+            if target in modules or f"{target}.__init__" in modules or not target:
+                # `from .pkg import module` imports a module; `from .module import name` a name of it
+                submodules = [n for n in names if f"{target}.{n}".strip(".") in modules]
+                for n in submodules:
+                    found.append((f"{target}.{n}".strip("."), [], node.lineno))
+                rest = [n for n in names if n not in submodules]
+                if rest and target:
+                    found.append((target if target in modules else f"{target}.__init__", rest, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("hf_kvtransfer."):
+                    found.append((alias.name.split(".", 1)[1], [], node.lineno))
+    return found
+
+
+def _layer(module: str) -> str | None:
+    head = module.split(".")[0]
+    return head if head in LAYERS else None
+
+
+def test_every_module_sits_in_a_layer():
+    strays = [m for m in _modules() if _layer(m) is None and m not in TOP_LEVEL]
+    assert not strays, f"modules outside the layers {LAYERS}: {strays}; move them into a subpackage"
+
+
+def test_modules_import_only_their_own_layer_or_lower():
+    violations = []
+    for name, path in _modules().items():
+        mine = _layer(name)
+        for target, _, line in _imports(name, path):
+            theirs = _layer(target)
+            if theirs is None or name in TOP_LEVEL and name != "version":
+                continue  # `version`, or the package root re-exporting
+            if mine is None or LAYERS.index(theirs) > LAYERS.index(mine):
+                violations.append(f"{path.relative_to(ROOT)}:{line} ({mine}) imports {target} ({theirs})")
+    assert not violations, "imports from a higher layer:\n" + "\n".join(violations)
+
+
+def test_no_private_name_crosses_modules():
+    violations = [
+        f"{path.relative_to(ROOT)}:{line} imports {n} from {target}"
+        for name, path in _modules().items()
+        for target, names, line in _imports(name, path)
+        for n in names
+        if n.startswith("_") and not n.startswith("__") and target != name
+    ]
+    assert not violations, "private names imported across modules:\n" + "\n".join(violations)
+
+
+def test_no_import_cycle():
+    graph = {name: {t for t, _, _ in _imports(name, path) if t != name} for name, path in _modules().items()}
+    graph = {name: {t for t in targets if t in graph and not t.endswith("__init__")} for name, targets in graph.items()}
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_layers_are_documented_and_packaged():
+    subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    assert sorted(LAYERS) == subpackages
+    doc = (ROOT / "ARCHITECTURE.md").read_text()
+    for layer in LAYERS:
+        assert f"`{layer}/`" in doc, f"ARCHITECTURE.md does not describe {layer}/"
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    missing = [f"hf_kvtransfer.{layer}" for layer in LAYERS if f"hf_kvtransfer.{layer}" not in packages]
+    assert not missing, f"pyproject.toml [tool.setuptools] packages lacks {missing}: they would not be installed"
+
+
+def test_subpackages_say_what_they_are():
+    for layer in LAYERS:
+        doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 15, f"hf_kvtransfer/{layer}/__init__.py needs a one-paragraph docstring"
+
+
+def test_public_names_are_listed_once_and_importable():
+    import hf_kvtransfer
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    typed = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level
+        for alias in node.names
+        if node.module != "version"
+    }
+    assert typed == set(hf_kvtransfer._EXPORTS), "the TYPE_CHECKING imports and _EXPORTS name different things"
+    for name in hf_kvtransfer.__all__:
+        assert getattr(hf_kvtransfer, name) is not None
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_the_checker_catches_an_upward_import(layer, tmp_path, monkeypatch):
+    """The walk must see an import from a higher layer (guards the checker itself)."""
+    higher = LAYERS[LAYERS.index(layer) + 1 :]
+    if not higher:
+        pytest.skip("the top layer has nothing above it")
+    fake = tmp_path / "hf_kvtransfer"
+    for sub in LAYERS:
+        (fake / sub).mkdir(parents=True)
+        (fake / sub / "__init__.py").write_text('"""x"""\n')
+        (fake / sub / "thing.py").write_text("X = 1\n")
+    (fake / layer / "bad.py").write_text(f"from ..{higher[0]}.thing import X\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    name = f"{layer}.bad"
+    targets = [t for t, _, _ in _imports(name, fake / layer / "bad.py")]
+    assert f"{higher[0]}.thing" in targets
