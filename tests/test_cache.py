@@ -55,13 +55,24 @@ def test_left_padded_batch(qwen3_model, mapper):
     assert _max_logit_diff(out, ref) < 1e-4
 
 
-def test_left_padding_without_mask_in_transfer_is_detectably_wrong(qwen3_model, identity_mapper):
-    # The mask matters: stripping at unpadded positions gives different logits (guards the test above).
+def test_left_padding_without_mask_in_prefill_is_refused_before_output(qwen3_model, identity_mapper):
+    # The mask matters: a source cache built without it holds the pads at other positions (and attended by the
+    # real tokens), so the target given the mask would answer differently from its own run: refused, not answered.
+    ids, mask = left_pad(random_ids(2, 20, seed=4), [20, 8])
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1)
+    with pytest.raises(ValueError, match="pass the same attention_mask to `prefill` as to the target"):
+        qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
+    with pytest.raises(ValueError, match="differs from the mask the source cache was built with"):
+        TransferredCache(prefill(qwen3_model, ids), identity_mapper, attention_mask=mask)
+
+
+def test_mask_given_to_prefill_and_generate_only_is_the_targets_own(qwen3_model, identity_mapper):
+    # issue 23: the mask reached prefill and generate but not TransferredCache; prefill records it on its cache.
     ids, mask = left_pad(random_ids(2, 20, seed=4), [20, 8])
     ref = qwen3_model.generate(ids, attention_mask=mask, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), identity_mapper, num_recompute_tokens=1)
     out = qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
-    assert _max_logit_diff(out, ref) > 1e-3
+    assert torch.equal(out.sequences, ref.sequences) and _max_logit_diff(out, ref) < 1e-3
 
 
 def test_beam_search_expands_lazily(qwen3_model, mapper):

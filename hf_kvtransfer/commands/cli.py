@@ -34,6 +34,18 @@ def _is_user_error(exc: BaseException) -> bool:
     return isinstance(exc, (CLIError, ValueError, OSError))
 
 
+def _says_everything(exc: BaseException) -> bool:
+    """Whether an error's one line is all there is to know: this library raised it (its messages say what is wrong
+    and what to pass). An error raised inside another library keeps the `--debug` hint: its traceback may say more."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package + os.sep)
+
+
 def _example(text: str) -> str:
     return "example:\n" + textwrap.indent(textwrap.dedent(text).strip(), "  ")
 
@@ -46,24 +58,36 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_example(
             """
-            hf-kvtransfer demo --family family
-            hf-kvtransfer info ./mappers/small-to-large
+            hf-kvtransfer demo
+            hf-kvtransfer fit --source examples/family/small --target examples/family/large \\
+                --dataset examples/family/calibration.txt --output mappers/family
+            hf-kvtransfer info mappers/family
             """
         ),
     )
     parser.add_argument("--version", action="version", version=f"hf-kvtransfer {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks (also HF_DEBUG=1)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    _add_global_options(parser, False)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(subparsers)
     return parser
 
 
+def _add_global_options(parser: argparse.ArgumentParser, default) -> None:
+    # On the main parser (default False) and on every subcommand (default SUPPRESS, so that a flag given before the
+    # subcommand is not reset by the subparser's default): `--debug` works before or after the subcommand.
+    parser.add_argument("--debug", action="store_true", default=default, help="show full tracebacks (also HF_DEBUG=1)")
+    parser.add_argument("-v", "--verbose", action="store_true", default=default, help="log progress details")
+
+
 def _subparser(subparsers, name: str, help: str, example: str) -> argparse.ArgumentParser:
-    return subparsers.add_parser(
-        name, help=help, description=help, epilog=_example(example), formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    # argparse %-formats a subcommand's `help` (for %(default)s): a literal % must be doubled ("95% CIs").
+    p = subparsers.add_parser(
+        name, help=help.replace("%", "%%"), description=help, epilog=_example(example),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    _add_global_options(p, argparse.SUPPRESS)
+    return p
 
 
 # -- subcommands (each: _add_<name> registers, _run_<name> executes) -------------------------------------
@@ -77,8 +101,8 @@ def _add_push(subparsers) -> None:
         "push",
         "publish a mapper folder to the Hugging Face Hub (config, weights and model card in one commit)",
         """
-        hf-kvtransfer push mappers/small-to-large my-org/small-to-large-kv --private
-        hf-kvtransfer push mappers/small-to-large my-org/small-to-large-kv --revision k8
+        hf-kvtransfer push mappers/family my-org/family-kv --private
+        hf-kvtransfer push mappers/family my-org/family-kv --revision k8
         """,
     )
     p.add_argument("mapper_dir", help="folder written by `KVMapper.save_pretrained` or `hf-kvtransfer fit`")
@@ -116,8 +140,8 @@ def _add_info(subparsers) -> None:
         "info",
         "summarise a mapper (local folder or Hub repo): model pair, k, size, fit quality",
         """
-        hf-kvtransfer info mappers/small-to-large
-        hf-kvtransfer info my-org/small-to-large-kv --revision k8
+        hf-kvtransfer info mappers/family
+        hf-kvtransfer info my-org/family-kv --revision k8
         """,
     )
     p.add_argument("mapper", help="local mapper folder or Hub repo id")
@@ -130,34 +154,20 @@ def _add_info(subparsers) -> None:
 def _run_info(args) -> int:
     import json
 
-    from ..core.checkpoint import checkpoint_info, weight_files
+    from ..core.checkpoint import checkpoint_info
     from ..core.hub import CONFIG_NAME, REPORT_NAME, resolve_mapper_dir
+    from ..core.mapper import KVMapper
 
     path = resolve_mapper_dir(args.mapper, revision=args.revision, token=args.token)
     config = json.loads((path / CONFIG_NAME).read_text())
     if args.json:
         print(json.dumps(config, indent=2, sort_keys=True))
         return 0
-    for weights in weight_files(path):  # describe only weights that load (every shard)
-        _check_weights(weights)
+    # Describe only a mapper that loads: opened as `from_pretrained` opens it (every shard, shapes, finite values).
+    KVMapper.from_pretrained(str(path), local_files_only=True)
     report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
     print(_format_info(config, checkpoint_info(path)["total_size"], report))
     return 0
-
-
-def _check_weights(weights_path) -> None:
-    """Open a safetensors file as `KVMapper.from_pretrained` would (header and every tensor), without torch:
-    a truncated or corrupt download is an error naming the file."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(weights_path), framework="numpy") as f:
-            for name in f.keys():
-                f.get_slice(name)
-    except Exception as exc:  # safetensors raises its own SafetensorError, OSError or ValueError
-        raise ValueError(
-            f"cannot read {weights_path}: {exc} (truncated or corrupt download? delete it and download again)"
-        ) from exc
 
 
 def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -> str:
@@ -223,10 +233,10 @@ def _add_eval(subparsers) -> None:
         "recall, hand-off, greedy agreement; own / transfer / no context with 95% CIs), multiple choice, diagnostics, "
         "multi-turn drift",
         """
-        hf-kvtransfer eval --source family/small --target family/large \\
-            --mapper ./small-to-large --text family/heldout.txt --json eval.json --plot eval.png
-        hf-kvtransfer eval --source family/small --target family/large --mapper ./small-to-large \\
-            --text family/heldout.txt --tasks recall,handoff --items 300
+        hf-kvtransfer eval --source examples/family/small --target examples/family/large \\
+            --mapper mappers/family --text examples/family/heldout.txt --json eval.json --plot eval.png
+        hf-kvtransfer eval --source examples/family/small --target examples/family/large --mapper mappers/family \\
+            --text examples/family/heldout.txt --tasks recall,handoff --items 300
         """,
     )
     p.add_argument("--source", required=True, help="source model id or path")
@@ -322,16 +332,18 @@ def _add_demo(subparsers) -> None:
         "transfer a prompt's cache from a small model to a large one and compare with the large model's own run "
         "(offline on the bundled family when run without arguments)",
         """
-        hf-kvtransfer demo --family family
-        hf-kvtransfer demo --family family --exact-layers 4
-        hf-kvtransfer demo --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --mapper org/qwen3-0.6b-to-1.7b \\
-            --text my_eval.txt
+        hf-kvtransfer demo
+        hf-kvtransfer demo --family examples/family --exact-layers 4
+        hf-kvtransfer demo --source examples/family/small --target examples/family/large --mapper mappers/family \\
+            --text examples/family/heldout.txt
+        hf-kvtransfer demo --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --mapper my-org/qwen3-0.6b-to-1.7b-kv \\
+            --text examples/family/heldout.txt
         """,
     )
     p.add_argument("--source", help="source model id or path (default: the bundled family's small model)")
     p.add_argument("--target", help="target model id or path (default: the bundled family's large model)")
     p.add_argument("--mapper", help="fitted mapper id or path (default: fit one on --calibration now)")
-    p.add_argument("--family", help="model family directory: small/, large/, calibration.txt, heldout.txt (default: $HF_KVTRANSFER_FAMILY; the repository ships one)")
+    p.add_argument("--family", help="model family directory: small/, large/, calibration.txt, heldout.txt (default: $HF_KVTRANSFER_FAMILY, else examples/family, which the repository ships)")
     p.add_argument("--calibration", help="text file to fit the mapper on (default: the family's calibration.txt)")
     p.add_argument("--num-sequences", type=int, default=64, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (default 256)")
@@ -433,9 +445,9 @@ def _add_fit(subparsers) -> None:
         "k=8, lambda=0.01); resumable, distributed under torchrun",
         """
         hf-kvtransfer fit --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --output mappers/0.6b-to-1.7b
-        hf-kvtransfer fit --source family/small --target family/large \\
-            --dataset family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 1,2,all \\
-            --output mappers/family
+        hf-kvtransfer fit --source examples/family/small --target examples/family/large \\
+            --dataset examples/family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 1,2,all \\
+            --output mappers/family-k
         torchrun --nproc-per-node 8 -m hf_kvtransfer.commands.cli fit --source Qwen/Qwen3-14B --target Qwen/Qwen3-32B \\
             --dtype bfloat16 --top-k auto --stats-dir stats/14b-32b --output mappers/14b-to-32b
         """,
@@ -506,8 +518,8 @@ def _add_solve(subparsers) -> None:
         "solve",
         "solve mappers from statistics a fit kept (--stats-dir): any k, lambda, rank or weight dtype, no models loaded",
         """
-        hf-kvtransfer fit --source family/small --target family/large \\
-            --dataset family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 4 \\
+        hf-kvtransfer fit --source examples/family/small --target examples/family/large \\
+            --dataset examples/family/calibration.txt --num-sequences 128 --seq-len 256 --top-k 4 \\
             --stats-dir stats/family --output mappers/family-k4
         hf-kvtransfer solve --stats-dir stats/family --top-k 4 --rank energy=0.99 --mapper-dtype bfloat16 \\
             --output mappers/family-k4-small
@@ -592,8 +604,8 @@ def _add_bench(subparsers) -> None:
         "memory, over sequence lengths; writes bench.json, bench.md and bench.png (runs with OMP_WAIT_POLICY=PASSIVE)",
         """
         hf-kvtransfer bench --shapes family --seq-lens 256 1024 4096 --ranks full 16 8 --output-dir bench_out
-        hf-kvtransfer bench --source family/small --target family/large \\
-            --calibration-text family/calibration.txt --ranks full energy=0.99 budget=0.25
+        hf-kvtransfer bench --source examples/family/small --target examples/family/large \\
+            --calibration-text examples/family/calibration.txt --ranks full energy=0.99 budget=0.25
         hf-kvtransfer bench --quick --device cuda      # < 3 minutes on one GPU
         """,
     )
@@ -674,8 +686,12 @@ def main(argv: list[str] | None = None) -> int:
         if debug or not _is_user_error(exc):
             raise
         message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the exception held
+        if hasattr(args, "token"):  # the library's "pass token=" is this command's --token
+            message = message.replace("pass token=", "pass --token")
         print(f"error: {message}", file=sys.stderr)
-        print(f"hint: {getattr(exc, 'hint', None) or _DEBUG_HINT}", file=sys.stderr)
+        hint = getattr(exc, "hint", None) or (None if _says_everything(exc) else _DEBUG_HINT)
+        if hint:
+            print(f"hint: {hint}", file=sys.stderr)
         return 1
 
 

@@ -27,20 +27,25 @@ from ..evaluation.timing import time_to_first_token
 logger = logging.getLogger(__name__)
 
 FAMILY_ENV = "HF_KVTRANSFER_FAMILY"
+# Where the git repository keeps its trained family, relative to the repository root (the working directory).
+REPO_FAMILY = Path("examples") / "family"
 DEFAULT_RECALL_ITEMS = 200
 
 
 def find_family(path: str | os.PathLike | None = None) -> Path:
     """Locate a model family directory (`small/` and `large/` checkpoints, `calibration.txt`, `heldout.txt`):
-    `path`, else `$HF_KVTRANSFER_FAMILY`.
+    `path`, else `$HF_KVTRANSFER_FAMILY`, else `examples/family` when the working directory holds it (the
+    repository root).
 
     Raises:
         FileNotFoundError: with how to point at one (the repository ships a trained family; the wheel does not).
     """
-    candidate = path or os.environ.get(FAMILY_ENV)
+    candidate = path or os.environ.get(FAMILY_ENV) or (REPO_FAMILY if REPO_FAMILY.is_dir() else None)
     if candidate and all((Path(candidate) / name / "model.safetensors").is_file() for name in ("small", "large")):
         return Path(candidate)
-    where = f"{candidate} has no small/ and large/ checkpoints" if candidate else "no family directory given"
+    where = f"{candidate} has no small/ and large/ checkpoints" if candidate else (
+        f"no family directory given (and no {REPO_FAMILY} here)"
+    )
     raise FileNotFoundError(
         f"{where}: point --family (or ${FAMILY_ENV}) at a model family directory (small/ and large/ with "
         "model.safetensors, calibration.txt, heldout.txt; the git repository ships one), or pass --source/--target "
@@ -109,6 +114,9 @@ def run_demo(
     result["fit_seconds"] = time.perf_counter() - start
     result["mapper"] = {"top_k": kv_mapper.config.top_k, "ridge_lambda": kv_mapper.config.ridge_lambda,
                         "calibration_tokens": kv_mapper.config.calibration.get("num_tokens"),
+                        # what the fit's progress bar counts: every token of every sequence, through both models
+                        "calibration_tokens_read": _tokens_read(kv_mapper.config.calibration),
+                        "calibration_stride": kv_mapper.config.calibration.get("stride"),
                         "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
                         "target_layers": kv_mapper.target_layout.num_layers,
                         "exact_layers_probe_retention": (
@@ -169,10 +177,23 @@ def run_demo(
     return result
 
 
+def _tokens_read(calibration: dict) -> int | None:
+    sequences, seq_len = calibration.get("num_sequences"), calibration.get("seq_len")
+    return sequences * seq_len if sequences and seq_len else None
+
+
 def _short(text: str) -> str:
     # An answer up to its closing quotes, on one line.
     text = text.split("``")[0] if "``" in text else text
     return text.replace("\n", " / ").strip() or "(nothing)"
+
+
+def _calibration_tokens(m: dict[str, Any]) -> str:
+    """The calibration tokens as the fit's progress bar counts them, and how many of them the fit used."""
+    read, used, stride = m.get("calibration_tokens_read"), m.get("calibration_tokens"), m.get("calibration_stride")
+    if read is None or read == used:
+        return f"{used} calibration tokens"
+    return f"{read} calibration tokens, every {stride}th fit: {used}" if stride else f"{read} calibration tokens, {used} fit"
 
 
 def format_demo(result: dict[str, Any]) -> str:
@@ -185,7 +206,7 @@ def format_demo(result: dict[str, Any]) -> str:
     lines = [
         f"source: {result['source']}",
         f"target: {result['target']}",
-        f"mapper: top_k={m['top_k']} lambda={m['ridge_lambda']} ({m['calibration_tokens']} calibration tokens; "
+        f"mapper: top_k={m['top_k']} lambda={m['ridge_lambda']} ({_calibration_tokens(m)}; "
         f"ready in {result['fit_seconds']:.1f} s)",
         f"exact layers: the target computes its first {m['num_exact_layers']} of {m['target_layers']} layers from the "
         f"prompt's ids, the rest are mapped"
@@ -231,11 +252,14 @@ def format_demo(result: dict[str, Any]) -> str:
             )
         else:
             lo, hi = rec["retention_ci"]
+            # The ratio of the counts of right answers (not of the rounded percentages): the printed arithmetic holds.
+            right = {name: round(rec["accuracy"][name]["mean"] * n) for name in acc}
             lines.append(
                 f"recall retention {100 * rec['retention']:.0f}% (95% CI [{100 * lo:.0f}, {100 * hi:.0f}]): over {n} "
                 f"held-out questions the target answered {acc['own']:.0f}% right reading the context itself, "
                 f"{acc['transfer']:.0f}% from the transferred cache and {acc['no_context']:.0f}% without the passage; "
-                f"retention = ({acc['transfer']:.0f} - {acc['no_context']:.0f}) / ({acc['own']:.0f} - {acc['no_context']:.0f})"
+                f"retention = ({right['transfer']} - {right['no_context']}) / ({right['own']} - {right['no_context']}) "
+                f"right answers of {n}"
             )
     else:
         lines.append("recall retention: not measured (pass --text FILE to draw questions from)")
@@ -244,6 +268,6 @@ def format_demo(result: dict[str, Any]) -> str:
         f"time to the first token on {t['num_tokens']} context tokens: {t['transfer_ms']:.1f} ms from the transferred "
         f"cache (mapping, {t['num_exact_layers']} exact layer(s), {t['num_recompute_tokens']} recomputed tokens) "
         f"instead of {t['target_prefill_ms']:.1f} ms for the target's own prefill ({t['speedup']:.1f}x faster; median, "
-        f"{result['torch_threads']} CPU threads)"
+        f"{result['torch_threads']} CPU thread{'' if result['torch_threads'] == 1 else 's'})"
     )
     return "\n".join(lines)

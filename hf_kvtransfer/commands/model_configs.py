@@ -167,7 +167,11 @@ def load_model_config(
         except (OSError, ValueError) as exc:  # not found, gated, network down, not a transformers repo
             hub_error = exc
     if known is not None:
-        logger.info("using the shipped config of %s (Hub: %s)", name, " ".join(str(hub_error).split())[:200])
+        # A warning, not info: the plan's numbers then come from the architecture shipped here, not from the Hub.
+        logger.warning(
+            "using the config of %s shipped with hf-kvtransfer (the Hub did not provide it: %s)",
+            name, " ".join(str(hub_error).split())[:200],
+        )  # fmt: skip
         config = _config_from_dict(known, f"shipped config of {name}")
         config._name_or_path = name
         return config

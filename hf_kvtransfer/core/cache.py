@@ -19,7 +19,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from .caller import CallerInputs, check_prompt, first_difference
+from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
 from .exact import own_prefix
 from .mapper import KVMapper
@@ -60,6 +60,33 @@ def _source_layers(source_cache: Cache | tuple) -> list[tuple[torch.Tensor | Non
 
 
 
+def _prompt_mask(given: torch.Tensor | None, source_cache, batch_size: int, length: int) -> torch.Tensor | None:
+    """The mask of the source cache's tokens: the one given, else the one `prefill` recorded (`prompt_attention_mask`);
+    a given mask that is not the recorded one would place the tokens at other positions than the source did."""
+    if given is not None and (given.ndim != 2 or given.shape[0] != batch_size or given.shape[-1] < length):
+        raise ValueError(
+            f"attention_mask has shape {list(given.shape)} but the source cache holds {length} tokens x batch "
+            f"{batch_size}; pass the [batch, seq] mask the source cache was built with"
+        )
+    if not hasattr(source_cache, "prompt_attention_mask"):  # not from `prefill`: the caller's word
+        return given
+    recorded = source_cache.prompt_attention_mask
+    if given is None:
+        return recorded
+    ones = torch.ones(batch_size, length, dtype=torch.long)
+    a = given[:, :length].to("cpu", torch.long)
+    b = ones if recorded is None else recorded[:, :length].to("cpu", torch.long)
+    if not torch.equal(a, b):
+        where = (a != b).nonzero()[0].tolist()
+        built = "without a mask (no padding)" if recorded is None else "with another attention_mask"
+        raise ValueError(
+            f"attention_mask differs from the mask the source cache was built with (first at row {where[0]}, position "
+            f"{where[1]}): `prefill` ran {built}; pass the same attention_mask to `prefill` and here (or none here: "
+            "the one `prefill` recorded is used)"
+        )
+    return given
+
+
 class TransferredCache(DynamicCache):
     """The target model's KV cache, converted from the source model's cache one layer at a time.
 
@@ -80,7 +107,8 @@ class TransferredCache(DynamicCache):
             It is never modified.
         mapper: a `KVMapper`, or a Hub repo id / local path of one (loaded once per process).
         attention_mask: `[batch, seq]` mask the source cache was built with (left padding); RoPE is
-            stripped and re-applied at the per-row positions `cumsum(mask) - 1`.
+            stripped and re-applied at the per-row positions `cumsum(mask) - 1`. Default: the mask `prefill`
+            recorded on its cache (a different one is an error); the target must be given the same mask.
         num_recompute_tokens: trailing prompt tokens left for the target to recompute. Default (None):
             `resolve_num_recompute_tokens(None, prompt length)`, i.e. 32, at most half the prompt, at least 1. 1 is the
             fastest under `generate`; 0 only suits a direct forward of new tokens.
@@ -133,6 +161,7 @@ class TransferredCache(DynamicCache):
         if source_config is not None:
             mapper.check_compatible(source_config=source_config, strict=strict)
         sources, length, batch_size = self._read_source(source_cache)
+        attention_mask = _prompt_mask(attention_mask, source_cache, batch_size, length)
         num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, length)
         if not 0 <= num_recompute_tokens <= length:
             raise ValueError(f"num_recompute_tokens must be in [0, {length}] (the cached tokens), got {num_recompute_tokens}")
@@ -284,6 +313,7 @@ class TransferredCache(DynamicCache):
             self._transfer = None
             return
         check_prompt(caller, self.prompt_ids, held, fed.shape[-1], self.num_recompute_tokens)
+        check_mask(caller, self._transfer.attention_mask, held)
         if self._exact_pending and held > 0 and caller.model is not None:
             prompt = self.prompt_ids
             rows = caller.sequence.shape[0]

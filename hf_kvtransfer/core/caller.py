@@ -17,12 +17,14 @@ class CallerInputs:
 
     `forward_ids` are the token ids of the running model forward; `sequence` the ids of the nearest caller of that
     forward that is not a forward (generate's decoding loop: the whole sequence so far), or the forward's own ids when
-    it was called directly; `mask_length` the length of the 2D attention mask given, if any.
+    it was called directly; `mask_length` the length of the 2D attention mask given, if any; `mask` that mask
+    (generate's, covering its whole sequence, or a direct forward's; None: no mask, i.e. no padding).
     """
 
     model: PreTrainedModel | None = None
     forward_ids: torch.Tensor | None = None
     mask_length: int | None = None
+    mask: torch.Tensor | None = None
     sequence: torch.Tensor | None = None
     direct: bool = True  # no enclosing generate-like call: the forward was called by the user
 
@@ -56,14 +58,16 @@ class CallerInputs:
                     mask = local.get("attention_mask")
                     found.forward_ids = ids
                     found.mask_length = mask.shape[-1] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+                    found.mask = mask if found.mask_length is not None else None
                 elif frame.f_code.co_name != "forward":
                     found.direct = False
                     found.sequence = ids
                     # generate drops an all-ones mask before the forward but remembers its length
                     model_kwargs, config = local.get("model_kwargs"), local.get("generation_config")
                     mask = model_kwargs.get("attention_mask") if isinstance(model_kwargs, dict) else None
+                    found.mask = None
                     if isinstance(mask, torch.Tensor) and mask.ndim == 2:
-                        found.mask_length = mask.shape[-1]
+                        found.mask_length, found.mask = mask.shape[-1], mask
                     elif getattr(config, "_mask_length", -1) > 0:
                         found.mask_length = config._mask_length
                     break
@@ -120,6 +124,34 @@ def check_prompt(
             f"the target's input_ids differ from the prompt this cache was built for (first at position {where}); "
             "build a TransferredCache from the source's cache of this prompt (one cache per prompt)"
         )
+
+
+def check_mask(caller: CallerInputs, cache_mask: torch.Tensor | None, held: int) -> None:
+    """The mask the target is given must be the one the cache's tokens were computed with, over those tokens (None:
+    no padding): with another, the target would read them at other positions or attend other tokens than the source
+    did. Raises `ValueError` saying what to pass otherwise."""
+    given = caller.mask
+    if held == 0 or (given is None and cache_mask is None):
+        return
+    if given is not None and given.shape[-1] < held:
+        return  # a mask of the new tokens only: not ours to read (transformers refuses or pads it)
+    rows = given.shape[0] if given is not None else caller.forward_ids.shape[0]
+    seen = given[:, :held] if given is not None else torch.ones(rows, held, dtype=torch.long)
+    ours = cache_mask[:, :held] if cache_mask is not None else torch.ones(1, held, dtype=torch.long)
+    if cache_mask is None or ours.shape[0] != seen.shape[0] and seen.shape[0] % ours.shape[0] == 0:
+        ours = ours.repeat_interleave(seen.shape[0] // ours.shape[0], dim=0)
+    if ours.shape != seen.shape or torch.equal(ours.to(seen.device, torch.long), seen.long()):
+        return  # another batch is reported when the layers are converted
+    if cache_mask is None:
+        raise ValueError(
+            "the target's attention_mask (given, or inferred by generate from pad tokens) has padding, but this cache's "
+            "tokens were computed without a mask; pass the same attention_mask to `prefill` as to the target"
+        )
+    raise ValueError(
+        "the target is given another attention_mask than the one this cache's tokens were computed with "
+        f"({'none' if given is None else 'it differs over the cached tokens'}); pass the same attention_mask to the "
+        "target (generate / forward) as to `prefill`"
+    )
 
 
 def _feeds_prompt_tail(fed: torch.Tensor, prompt_ids: torch.Tensor, held: int) -> bool:

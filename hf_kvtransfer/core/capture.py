@@ -38,7 +38,8 @@ def prefill(
 
     Returns:
         The filled `DynamicCache` (keys are stored with RoPE applied, as transformers stores them). It also records
-        `source_model_config` and `prompt_ids` (all the ids it holds), which `TransferredCache` checks.
+        `source_model_config`, `prompt_ids` (all the ids it holds) and `prompt_attention_mask` (their mask, None
+        without padding), which `TransferredCache` checks and reads.
 
     Example:
         ```python
@@ -70,6 +71,12 @@ def prefill(
     # Lets TransferredCache check that the mapper was fit for this source model (a config is small) and that the
     # target is later given the same prompt.
     cache.source_model_config = model.config
+    # The mask of every token held (None: no padding), which TransferredCache reads when it is given none.
+    previous_mask = getattr(cache, "prompt_attention_mask", None)
+    if attention_mask is not None or past == 0 or previous_mask is None:
+        cache.prompt_attention_mask = attention_mask
+    else:  # continued without a mask: the new tokens are real
+        cache.prompt_attention_mask = torch.cat([previous_mask.to(device), previous_mask.new_ones(batch_size, seq_len)], -1)
     previous = getattr(cache, "prompt_ids", None)
     if past == 0:
         cache.prompt_ids = input_ids

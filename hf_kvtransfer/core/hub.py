@@ -167,16 +167,20 @@ def resolve_mapper_dir(
         library_name=LIBRARY_NAME,
         library_version=_library_version(),
     )
-    with _hub_errors(repo_id, revision, token=token, offline=offline):
-        # config.json alone first: a mistyped id that names a model must not start a multi-GB download.
-        snapshot = Path(snapshot_download(revision=revision, allow_patterns=[CONFIG_NAME], **download))
-        hint = lambda: _repo_files_hint(repo_id, snapshot.name, cache_dir)  # noqa: E731
-        _check_mapper_config(snapshot / CONFIG_NAME, where, hint)
-        # The rest from the commit the config came from (a push in between cannot pair it with other weights).
-        pinned = snapshot.name if _COMMIT_HASH.match(snapshot.name) else revision
-        # Weights: model.safetensors, or the shard index and every shard (checkpoint.WEIGHT_PATTERNS).
-        patterns = [*WEIGHT_PATTERNS, CARD_NAME, REPORT_NAME]
-        snapshot = Path(snapshot_download(revision=pinned, allow_patterns=patterns, **download))
+    try:
+        with _hub_errors(repo_id, revision, token=token, offline=offline):
+            # config.json alone first: a mistyped id that names a model must not start a multi-GB download.
+            snapshot = Path(snapshot_download(revision=revision, allow_patterns=[CONFIG_NAME], **download))
+            hint = lambda: _repo_files_hint(repo_id, snapshot.name, cache_dir)  # noqa: E731
+            _check_mapper_config(snapshot / CONFIG_NAME, where, hint)
+            # The rest from the commit the config came from (a push in between cannot pair it with other weights).
+            pinned = snapshot.name if _COMMIT_HASH.match(snapshot.name) else revision
+            # Weights: model.safetensors, or the shard index and every shard (checkpoint.WEIGHT_PATTERNS).
+            patterns = [*WEIGHT_PATTERNS, CARD_NAME, REPORT_NAME]
+            snapshot = Path(snapshot_download(revision=pinned, allow_patterns=patterns, **download))
+    except (MapperNotFoundError, MapperOfflineError) as exc:
+        # Not on the Hub (or no Hub): the name was perhaps a local path with a typo; say that there is none either.
+        raise type(exc)(f"{missing_local_path_message(name, bare=True)}, and {exc}") from exc.__cause__
     _check_mapper_folder(snapshot, where, hint)
     return snapshot
 
@@ -223,8 +227,9 @@ def _repo_files_hint(repo_id: str, commit: str, cache_dir) -> str:
 
 def _looks_like_path(name: str) -> bool:
     """Whether a name that is not an existing path is still meant as one (never sent to the Hub): it is
-    explicit (./x, ../x, /x, ~/x), has a `.`/`..` segment or more than one `/`, or its parent folder exists
-    here (`mappers/typo` next to a `mappers/` folder is a typo, not a Hub repo)."""
+    explicit (./x, ../x, /x, ~/x), has a `.`/`..` segment or more than one `/`. Any other `org/name` is a Hub repo
+    id, even next to a local `org/` folder (models downloaded under `./Qwen/...`); when the Hub does not have it
+    either, the error says that no such local directory exists."""
     parts = name.replace("\\", "/").split("/")
     return (
         os.path.isabs(name)
@@ -232,18 +237,20 @@ def _looks_like_path(name: str) -> bool:
         or any(p in (".", "..") for p in parts)
         or name.count("/") > 1
         or "\\" in name
-        or (len(parts) == 2 and Path(parts[0]).is_dir())
     )
 
 
-def missing_local_path_message(name: str, what: str = "local directory") -> str:
-    """"local directory X does not exist" and, when its parent exists, what that parent holds."""
+def missing_local_path_message(name: str, what: str = "local directory", bare: bool = False) -> str:
+    """"local directory X does not exist" and, when its parent exists, what that parent holds (`bare`: without the
+    advice that follows, for a message that goes on)."""
     parent = Path(name).expanduser().parent
     message = f"{what} {name} does not exist"
     if str(parent) not in ("", ".") and parent.is_dir():
         entries = sorted(p.name for p in parent.iterdir() if not p.name.startswith("."))
         shown = ", ".join(entries[:8]) + (", ..." if len(entries) > 8 else "")
         message += f" ({parent} holds: {shown or 'nothing'})"
+    if bare:
+        return message
     if not HUB_ID.match(name):
         return message + " and it is not a valid Hub repo id either (org/name); check the path"
     return message + "; check the path (a Hub repo id looks like org/name)"
@@ -253,6 +260,16 @@ def is_missing_local_path(name: str | os.PathLike) -> bool:
     """A name meant as a local path (see `_looks_like_path`) where nothing exists: report it, never ask the Hub."""
     name = os.fspath(name)
     return not Path(name).expanduser().exists() and (_looks_like_path(name) or not HUB_ID.match(name))
+
+
+def is_offline_mode() -> bool:
+    """Offline mode as huggingface_hub means it, read when called (`HF_HUB_OFFLINE` set after import counts too)."""
+    return _offline_mode()
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a connection-level failure: the Hub could not be reached."""
+    return any(isinstance(e, _transport_errors()) for e in _causes(exc))
 
 
 def _offline_mode() -> bool:

@@ -73,14 +73,62 @@ def _check_local(name, which: str) -> None:
             raise FileNotFoundError(missing_local_path_message(os.fspath(name), f"{which} model: local directory"))
 
 
+def _hub_model_check(name, which: str, revision: str | None) -> bool:
+    """Ask the Hub once about a model id before transformers does: a mistyped id fails at once (transformers'
+    downloads retry for ~30 s when the Hub cannot be reached, and a missing repo only after several requests).
+
+    Returns whether the Hub was unreachable (then load from the local cache only: no retries). Raises
+    `FileNotFoundError` naming the id when the Hub has no such repo or revision.
+    """
+    if not isinstance(name, (str, os.PathLike)) or os.path.exists(os.path.expanduser(os.fspath(name))):
+        return False
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    from .hub import is_offline_mode, is_transport_error, missing_local_path_message
+
+    if is_offline_mode():
+        return False
+    name = os.fspath(name)
+    try:
+        HfApi().model_info(name, revision=revision)  # one request, never retried
+    except GatedRepoError:
+        return False  # transformers says how to get access
+    except RepositoryNotFoundError as exc:
+        raise FileNotFoundError(
+            f"{missing_local_path_message(name, f'{which} model: local directory', bare=True)}, and the Hub "
+            f"({constants.ENDPOINT}) has no model repo {name!r}: check the id for typos; if the repo is private, "
+            "run `hf auth login` with an account that can read it"
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise FileNotFoundError(f"{which} model {name!r} has no revision {revision!r} on the Hub") from exc
+    except Exception as exc:  # noqa: BLE001 - anything else is transformers' to report, except an unreachable Hub
+        return is_transport_error(exc)
+    return False
+
+
+def _unreachable_error(name, what: str, exc: Exception) -> OSError:
+    from huggingface_hub import constants
+
+    return OSError(
+        f"could not reach the Hub at {constants.ENDPOINT} to fetch the {what} {os.fspath(name)!r}, and it is "
+        "not in the local cache: check your network connection (or HF_ENDPOINT), or pass a local model directory"
+    )
+
+
 def load_tokenizer(name: str, which: str = "model", revision: str | None = None, trust_remote_code: bool = False):
     """`AutoTokenizer.from_pretrained`, with an error that names the model the tokenizer was for."""
     from transformers import AutoTokenizer
 
     _check_local(name, which)
+    unreachable = _hub_model_check(name, which, revision)
     try:
-        return AutoTokenizer.from_pretrained(str(name), revision=revision, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(
+            str(name), revision=revision, trust_remote_code=trust_remote_code, **({"local_files_only": True} if unreachable else {})
+        )
     except Exception as exc:  # transformers raises OSError/ValueError/EnvironmentError variants
+        if unreachable:
+            raise _unreachable_error(name, f"{which} tokenizer", exc) from exc
         raise OSError(f"could not load the {which} tokenizer from {str(name)!r}: {exc}") from exc
 
 
@@ -105,7 +153,10 @@ def load_model(
     _check_local(name, which)
     if device is not None and device_map is None:
         check_device(device)  # before a download or a load that would be wasted
+    unreachable = _hub_model_check(name, which, revision)
     kwargs: dict[str, Any] = {"revision": revision, "dtype": parse_dtype(dtype, allow_auto=True)}
+    if unreachable:
+        kwargs["local_files_only"] = True  # the cache or a clear error, not 30 s of retries
     if trust_remote_code:
         kwargs["trust_remote_code"] = True
     if device_map is not None:
@@ -113,6 +164,8 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(str(name), **kwargs)
     except Exception as exc:
+        if unreachable:
+            raise _unreachable_error(name, f"{which} model", exc) from exc
         raise OSError(f"could not load the {which} model from {str(name)!r}: {exc}") from exc
     if device is not None and device_map is None:
         model = model.to(check_device(device))

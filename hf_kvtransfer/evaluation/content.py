@@ -175,6 +175,7 @@ def repeated_span_retention(
     seed: int = 0,
     progress: bool = True,
     reference: dict[str, Any] | None = None,
+    desc: str = "repeated spans",
 ) -> dict[str, Any]:
     """NLL of a span repeated from the prefix: own prefill vs. transfer vs. the first occurrence replaced.
 
@@ -195,6 +196,7 @@ def repeated_span_retention(
         num_bootstrap, seed: bootstrap resamples over items for the 95% intervals.
         reference: an earlier result of this function on the same items with the same `num_recompute_tokens`: its
             own and no-context NLLs are reused instead of recomputed (they do not depend on the transfer).
+        desc: the progress bar's label (the fit's content probe names what it is trying).
 
     Returns:
         `nll` (`{"mean", "ci"}` per setting, nats per repeated token), `nll_per_item` (per setting, same item
@@ -228,7 +230,7 @@ def repeated_span_retention(
         nll[name] = np.asarray(reference["nll_per_item"][name], dtype=np.float64)
         if nll[name].shape != (len(items),) or reference.get("num_recompute_tokens") != _recorded(used):
             raise ValueError("reference must be a result of repeated_span_retention on the same items and num_recompute_tokens")
-    bar = tqdm(total=len(items), desc="repeated spans", unit="item", disable=not progress)
+    bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
     for rows in _groups([(len(it.prefix_ids), len(it.continuation_ids)) for it in items], batch_size):
         batch = [items[i] for i in rows]
         prefix = _ids([it.prefix_ids for it in batch], target)  # (B, T)

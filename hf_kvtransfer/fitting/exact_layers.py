@@ -115,7 +115,7 @@ def choose_num_exact_layers(
         nonlocal baseline
         r = repeated_span_retention(
             source, target, mapper, items, num_recompute_tokens=1, num_exact_layers=k, progress=progress,
-            reference=baseline,
+            reference=baseline, desc=f"exact-layers probe: {k} of {num_layers} layers exact",
         )  # fmt: skip
         baseline = baseline or r
         report["tried"].append({"num_exact_layers": k, "retention": r["retention"], "retention_ci": r["retention_ci"]})
