@@ -311,9 +311,13 @@ class TransferredCache(DynamicCache):
             )
             self._pending.clear()
             self._transfer = None
+            self._keep_prompt(fed.shape[-1])
             return
         check_prompt(caller, self.prompt_ids, held, fed.shape[-1], self.num_recompute_tokens)
         check_mask(caller, self._transfer.attention_mask, held)
+        # From here the cache holds what this forward is fed: a later turn continues that, not the rest of the prompt
+        # (generate on a prefix of the prompt goes on with its own tokens).
+        self._keep_prompt(held + fed.shape[-1])
         if self._exact_pending and held > 0 and caller.model is not None:
             prompt = self.prompt_ids
             rows = caller.sequence.shape[0]
@@ -455,6 +459,10 @@ class TransferredCache(DynamicCache):
         return self
 
     # -- cache operations that must also act on what is not converted yet -----------------------------
+    def _keep_prompt(self, length: int) -> None:
+        if self.prompt_ids is not None and self.prompt_ids.shape[-1] > length:
+            self.prompt_ids = self.prompt_ids[:, :length]
+
     def _map_prompt(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.prompt_ids is not None:
             self.prompt_ids = fn(self.prompt_ids)

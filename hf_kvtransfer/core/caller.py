@@ -94,6 +94,16 @@ def check_prompt(
     follow. Raises `ValueError` saying what to pass otherwise."""
     only_new = caller.sequence.shape[-1] == fed_length and caller.mask_length == held + fed_length
     if only_new:
+        total = prompt_ids.shape[-1] if prompt_ids is not None else held
+        count = min(fed_length, total - held)
+        if count > 0 and first_difference(caller.sequence[:, :count], prompt_ids[:, held : held + count]) is not None:
+            # Only new tokens, but the cache leaves the prompt's last tokens to the target: they were not fed.
+            raise ValueError(
+                f"this cache holds the first {held} of the prompt's {total} tokens and leaves the last {total - held} "
+                f"to the target (num_recompute_tokens={num_recompute_tokens}), but only new tokens were fed; pass the "
+                "whole conversation so far (the prompt, then the new tokens), or build the cache with "
+                "num_recompute_tokens=0 to feed only new tokens"
+            )
         return
     sequence = caller.sequence if not caller.direct else None
     if sequence is not None and sequence.shape[-1] < held:
