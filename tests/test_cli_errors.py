@@ -107,13 +107,14 @@ def test_bench_on_cuda_without_cuda_is_one_line(capsys):
 # -- c. local paths are never sent to the Hub ------------------------------------------------------------
 
 
-def test_mistyped_local_mapper_folder_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, capsys, hub_server):
+def test_mistyped_local_mapper_folder_says_there_is_none(tmp_path, monkeypatch, capsys, hub_server):
+    # `org/name` is a Hub id even next to a folder `org/` (issue 23); when the Hub has no such repo either, the line
+    # says that there is no local directory of that name and what the folder holds.
     (tmp_path / "mappers" / "small-to-large").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     code = main(["info", "mappers/does-not-exist"])
     line = assert_one_line(code, capsys.readouterr().err, "local directory mappers/does-not-exist does not exist")
-    assert "small-to-large" in line  # what is there instead
-    assert hub_server.requests == []  # never asked
+    assert "small-to-large" in line and "not found on the Hub" in line  # what is there instead, and the Hub's answer
 
 
 @pytest.mark.parametrize("name", ["./nope", "../nope", "nope/./x", "~/no-such-model-dir", "not a hub id"])
@@ -215,3 +216,107 @@ def test_only_user_errors_are_one_line(exc, user_error, mappers, monkeypatch, ca
     else:
         with pytest.raises(type(exc)):
             main(["info", str(mappers[0])])
+
+
+# -- issue 23: the same contract on bad files and paths, table-driven ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bad_mappers(mappers, tmp_path_factory):
+    """Broken copies of a good mapper folder: NaN weights, no config.json; and a mapper for another model pair."""
+    from safetensors.torch import load_file, save_file
+
+    good, _ = mappers
+    root = tmp_path_factory.mktemp("bad")
+    shutil.copytree(good, root / "nan")
+    weights = load_file(root / "nan" / "model.safetensors")
+    save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()}, root / "nan" / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    shutil.copytree(good, root / "no-config")
+    (root / "no-config" / "config.json").unlink()
+    exact_identity_mapper(tiny_model("qwen3", num_hidden_layers=3)).save_pretrained(root / "other-pair")
+    return root
+
+
+BAD_INPUTS = {
+    # case: (argv builder, names builder, hub: "server" | "down")
+    "truncated weights": (lambda f: ["info", str(f["broken"])], lambda f: [str(f["broken"] / "model.safetensors"), "truncated"], "down"),
+    "NaN weights (info)": (lambda f: ["info", str(f["nan"])], lambda f: [str(f["nan"]), "non-finite"], "down"),
+    "NaN weights (demo)": (
+        lambda f: ["demo", "--source", str(f["source"]), "--target", str(f["target"]), "--mapper", str(f["nan"])],
+        lambda f: [str(f["nan"]), "non-finite"], "down",
+    ),
+    "missing config.json": (lambda f: ["info", str(f["no-config"])], lambda f: [str(f["no-config"]), "config.json"], "down"),
+    "wrong pair": (
+        lambda f: ["eval", "--source", str(f["source"]), "--target", str(f["target"]), "--mapper", str(f["other-pair"]),
+                   "--text", str(f["corpus"])],
+        lambda f: ["num_hidden_layers"], "down",
+    ),
+    "mapper path typo": (lambda f: ["info", "./mappers/smal-to-large"], lambda f: ["./mappers/smal-to-large", "does not exist"], "down"),
+    "model path typo": (
+        lambda f: ["demo", "--source", str(f["source"]) + "-typo", "--target", str(f["target"])],
+        lambda f: [str(f["source"]) + "-typo", "does not exist"], "down",
+    ),
+    "Hub id shadowed by a folder, Hub has none": (
+        lambda f: ["info", "mappers/typo"], lambda f: ["mappers/typo", "local directory", "not found on the Hub"], "server",
+    ),
+    "Hub id shadowed by a folder, no network": (
+        lambda f: ["info", "mappers/typo"], lambda f: ["mappers/typo", "local directory", "could not reach the Hub"], "down",
+    ),
+    "mistyped model id": (
+        lambda f: ["demo", "--source", "someone/no-such-model", "--target", str(f["target"])],
+        lambda f: ["someone/no-such-model", "has no model repo"], "server",
+    ),
+    "model id, no network": (
+        lambda f: ["demo", "--source", "someone/no-such-model", "--target", str(f["target"])],
+        lambda f: ["someone/no-such-model", "could not reach the Hub"], "down",
+    ),
+    "push without a token": (lambda f: ["push", str(f["good"]), "someone/m"], lambda f: ["--token"], "server"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_files_and_paths_are_one_line_naming_them(case, mappers, bad_mappers, pair, tmp_path, monkeypatch, capsys, request):
+    argv_of, names_of, hub = BAD_INPUTS[case]
+    request.getfixturevalue("hub_server" if hub == "server" else "unreachable_hub")
+    (tmp_path / "mappers" / "small-to-large").mkdir(parents=True)  # a folder that shadows mappers/... Hub ids
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_DEBUG", raising=False)
+    good, broken = mappers
+    source, target, corpus = pair
+    files = {"good": good, "broken": broken, "source": source, "target": target, "corpus": corpus,
+             **{p.name: p for p in bad_mappers.iterdir()}}  # fmt: skip
+    start = time.perf_counter()
+    code = main(argv_of(files))
+    out, err = capsys.readouterr()
+    assert_one_line(code, err, *names_of(files))
+    assert "MiB on disk" not in out  # never a summary of what does not load
+    assert time.perf_counter() - start < 30, "retried instead of failing fast"
+
+
+def test_a_mistyped_model_id_asks_the_hub_once(pair, tmp_path, monkeypatch, capsys, hub_server):
+    # was: three requests, and ~30 s of retries when the Hub cannot be reached
+    _, target, _ = pair
+    monkeypatch.chdir(tmp_path)
+    code = main(["demo", "--source", "someone/no-such-model", "--target", str(target)])
+    assert_one_line(code, capsys.readouterr().err, "someone/no-such-model")
+    assert [path for _, path, _ in hub_server.requests] == ["/api/models/someone/no-such-model"]
+
+
+def test_a_hub_id_next_to_a_folder_of_its_org_goes_to_the_hub(mappers, tmp_path, monkeypatch, hub_server):
+    from hf_kvtransfer import KVMapper
+
+    good, _ = mappers
+    repo = f"{hub_server.org}/family-kv"
+    KVMapper.from_pretrained(good).push_to_hub(repo, token=hub_server.write_token)
+    (tmp_path / hub_server.org / "some-model").mkdir(parents=True)  # e.g. models downloaded under ./Qwen/...
+    monkeypatch.chdir(tmp_path)
+    loaded = KVMapper.from_pretrained(repo)
+    assert loaded.config.selected_layers == KVMapper.from_pretrained(good).config.selected_layers
+
+
+def test_plan_says_when_it_falls_back_to_the_shipped_configs(capsys, caplog, unreachable_hub):
+    with caplog.at_level("WARNING"):
+        assert main(["plan", "--source", "Qwen/Qwen3-0.6B", "--target", "Qwen/Qwen3-1.7B"]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("Qwen/Qwen3-0.6B shipped with hf-kvtransfer" in w for w in warned), warned

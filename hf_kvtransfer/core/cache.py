@@ -311,13 +311,13 @@ class TransferredCache(DynamicCache):
             )
             self._pending.clear()
             self._transfer = None
-            self._keep_prompt(fed.shape[-1])
+            self._keep_prompt(fed.shape[-1] if caller.direct else caller.sequence.shape[-1])
             return
         check_prompt(caller, self.prompt_ids, held, fed.shape[-1], self.num_recompute_tokens)
         check_mask(caller, self._transfer.attention_mask, held)
-        # From here the cache holds what this forward is fed: a later turn continues that, not the rest of the prompt
-        # (generate on a prefix of the prompt goes on with its own tokens).
-        self._keep_prompt(held + fed.shape[-1])
+        # From here the cache holds what the target is given: a later turn continues that, not the rest of the prompt
+        # (generate on a prefix of the prompt goes on with its own tokens; assisted decoding's drafts are not given).
+        self._keep_prompt(held + fed.shape[-1] if caller.direct else max(caller.sequence.shape[-1], held))
         if self._exact_pending and held > 0 and caller.model is not None:
             prompt = self.prompt_ids
             rows = caller.sequence.shape[0]

@@ -141,6 +141,13 @@ def check_mask(caller: CallerInputs, cache_mask: torch.Tensor | None, held: int)
     no padding): with another, the target would read them at other positions or attend other tokens than the source
     did. Raises `ValueError` saying what to pass otherwise."""
     given = caller.mask
+    if given is not None and given.ndim == 2 and not bool(given.bool().any(dim=-1).all()):
+        row = int((~given.bool().any(dim=-1)).nonzero()[0])
+        # Such a row's next token comes from attending to nothing: no answer to reproduce (nor a meaningful one).
+        raise ValueError(
+            f"row {row} of the target's input is all padding (its attention_mask has no 1); pass at least one real "
+            "token per row, or drop the row"
+        )
     if held == 0 or (given is None and cache_mask is None):
         return
     if given is not None and given.shape[-1] < held:

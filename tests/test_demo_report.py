@@ -1,0 +1,70 @@
+"""What the demo prints adds up (issue 23): the retention beside the counts it is computed from, the calibration
+tokens the fit's progress bar counts, "1 CPU thread"; and the fit's content-probe bars say what they try."""
+
+import re
+
+import torch
+
+from hf_kvtransfer.commands.demo import format_demo
+
+
+def _result(threads: int) -> dict:
+    n = 200
+    acc = {"own": 159 / n, "transfer": 161 / n, "no_context": 0.0}  # 79.5% and 80.5%: both print as "80"
+    return {
+        "source": "s", "target": "t", "fit_seconds": 1.0, "prompt": "p", "prompt_tokens": 3,
+        "mapper": {"top_k": 8, "ridge_lambda": 0.01, "calibration_tokens": 4096, "calibration_tokens_read": 16384,
+                   "calibration_stride": 4, "num_exact_layers": 1, "target_layers": 8},
+        "answers": {"own": "a", "transfer": "a"}, "same_tokens": {"prefix": 1, "of": 1},
+        "recall": {"num_items": n, "accuracy": {k: {"mean": v} for k, v in acc.items()},
+                   "retention": (acc["transfer"] - acc["no_context"]) / (acc["own"] - acc["no_context"]),
+                   "retention_ci": [0.95, 1.05]},
+        "timing": {"num_tokens": 512, "transfer_ms": 1.0, "num_exact_layers": 1, "num_recompute_tokens": 32,
+                   "target_prefill_ms": 2.0, "speedup": 2.0},
+        "torch_threads": threads,
+    }  # fmt: skip
+
+
+def test_the_retention_is_printed_beside_the_counts_it_is_computed_from():
+    text = format_demo(_result(1))
+    line = next(ln for ln in text.splitlines() if ln.startswith("recall retention"))
+    shown = int(re.search(r"recall retention (\d+)%", line).group(1))
+    a, b, c, d = map(int, re.search(r"\((\d+) - (\d+)\) / \((\d+) - (\d+)\)", line).groups())
+    assert shown == round(100 * (a - b) / (c - d)) == 101, line
+
+
+def test_calibration_tokens_count_what_the_progress_bar_counts_and_threads_agree():
+    text = format_demo(_result(1))
+    assert "16384 calibration tokens, every 4th fit: 4096" in text
+    assert "1 CPU thread)" in text and "1 CPU threads" not in text
+    assert "4 CPU threads)" in format_demo(_result(4))
+
+
+def test_the_content_probe_bars_say_what_they_try(monkeypatch):
+    import hf_kvtransfer.fitting.exact_layers as exact_layers
+
+    labels = []
+
+    def fake(*args, num_exact_layers, desc="repeated spans", **kwargs):
+        labels.append(desc)
+        return {"retention": 1.0, "retention_ci": [1.0, 1.0], "context_gain": {"mean": 1.0, "ci": [0.5, 1.5]}}
+
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake)
+
+    class Layout:
+        num_layers = 4
+
+    class Mapper:
+        target_layout = Layout()
+
+    class Config:
+        def get_text_config(self):
+            return self
+
+        vocab_size = 96
+
+    class Target:
+        config = Config()
+
+    exact_layers.choose_num_exact_layers(None, Target(), Mapper(), torch.randint(3, 96, (4000,)).tolist())
+    assert labels and all(label.startswith("exact-layers probe: ") and "of 4 layers exact" in label for label in labels), labels
