@@ -29,6 +29,7 @@ _EXPORTS = {
     "collect_statistics": "fitting.accumulate",
     "choose_num_exact_layers": "fitting.exact_layers",
     "fit_mapper": "fitting.fit",
+    "fit_mappers": "fitting.fit",
     "fit_mlp_mapper": "fitting.fit",
     "solve_mapper": "fitting.fit",
 }
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORT
     from .fitting.accumulate import collect_statistics
     from .fitting.config import FitConfig
     from .fitting.exact_layers import choose_num_exact_layers
-    from .fitting.fit import fit_mapper, fit_mlp_mapper, solve_mapper
+    from .fitting.fit import fit_mapper, fit_mappers, fit_mlp_mapper, solve_mapper
 
 
 def __getattr__(name: str):

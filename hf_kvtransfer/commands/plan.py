@@ -24,6 +24,7 @@ from transformers import PreTrainedConfig
 
 from .model_configs import load_model_config
 from ..fitting.config import FitConfig, heldout_count
+from ..core.mapper_types import LOWRANK, RIDGE
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 
@@ -126,7 +127,7 @@ def planning_mapper(source_config: PreTrainedConfig, target_config: PreTrainedCo
         selected_layers=[list(range(top_k)) for _ in range(tgt.num_layers)],
         top_k=top_k,
         rank=ranks,
-        mapper_type="ridge" if ranks is None else "lowrank",
+        mapper_type=RIDGE if ranks is None else LOWRANK,
     )
     with torch.device("meta"):
         return KVMapper(config)
