@@ -23,15 +23,19 @@ _CODE_SPAN = re.compile(r"`([^`\n]+)`")
 _BRACES = re.compile(r"\{([^{}]*)\}")
 
 
+def _tracked() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [name for name in out.decode().split("\0") if name]
+
+
 def _pages() -> list[Path]:
-    pages = sorted((ROOT / "docs").rglob("*.md"))
-    pages += sorted(p for p in ROOT.rglob("README.md") if ".git" not in p.parts and "site" not in p.parts)
-    return [p for p in pages if _tracked_or_new(p)]
-
-
-def _tracked_or_new(path: Path) -> bool:
-    parts = path.relative_to(ROOT).parts
-    return not any(part.startswith(".") or part in {"node_modules", "build", "dist"} for part in parts)
+    """The docs pages and the repository's READMEs (tracked ones: a fitted mapper's model card is not a page)."""
+    pages = set((ROOT / "docs").rglob("*.md"))
+    pages |= {ROOT / name for name in _tracked() if Path(name).name == "README.md"}
+    return sorted(p for p in pages if p.is_file())
 
 
 def _expand(path: str) -> list[str]:
@@ -79,13 +83,13 @@ def test_named_repo_paths_exist(page: Path):
 
 
 def test_no_tracked_text_points_outside_the_repository():
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    files = _tracked()
     if not files:
         pytest.skip("not a git checkout")
     offenders = []
-    for name in files.decode().split("\0"):
+    for name in files:
         path = ROOT / name
-        if not name or not path.is_file() or path.stat().st_size > 5_000_000:
+        if not path.is_file() or path.stat().st_size > 5_000_000:
             continue
         data = path.read_bytes()
         if b"\0" in data[:8192]:  # binary
