@@ -1,7 +1,7 @@
 """hf-kvtransfer: reuse one model's KV cache in another model of the same family instead of re-running prefill.
 
 The public names load on first use (PEP 562), so `hf-kvtransfer --help` does not pay for importing torch and
-transformers (~5 s); `from hf_kvtransfer import KVMapper` works as usual. The subpackages are the layers of the
+transformers (seconds); `from hf_kvtransfer import KVMapper` works as usual. The subpackages are the layers of the
 library (ARCHITECTURE.md): `core` (the math, the mapper, the cache), `evaluation`, `fitting`, `integrations` (lm-eval,
 vLLM) and `commands` (the CLI).
 """

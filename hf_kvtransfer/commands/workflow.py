@@ -193,8 +193,8 @@ def fit_and_save(
         if device_map is None and torch.cuda.is_available():
             device_map = {"": local_rank if world > 1 else torch.cuda.current_device()}
         if torch_dtype == "auto" and device_map is None:
-            # On the CPU "auto" means float32: most CPUs run bf16 matmuls several times slower than float32 (a
-            # bf16 checkpoint such as examples/family took ~4x longer to fit), and the statistics lose precision.
+            # On the CPU "auto" means float32: most CPUs have no bf16 matrix units and run bf16 matmuls several
+            # times slower than float32, and features in bf16 would lose precision in the statistics.
             torch_dtype = torch.float32
         # Cheap checks first (tokenizers, data), so a typo fails before two large models are loaded.
         src_tok = load_tokenizer(str(source), "source", source_revision, trust_remote_code)

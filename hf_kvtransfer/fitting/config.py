@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-# No torch at import: `hf-kvtransfer --help` builds its options from this module's fields (torch loads in ~5 s).
+# No torch at import: `hf-kvtransfer --help` builds its options from this module's fields (importing torch takes seconds).
 from ..core.mapper_types import MLP, RIDGE
 from .calibration import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, DEFAULT_SPLIT, DEFAULT_TEXT_FIELD
 

@@ -1,4 +1,4 @@
-"""Issue 12's ablation table: what moves the transfer's fidelity on the bundled family, each row against the
+"""The fidelity ablation: what moves the transfer's fidelity on the bundled family, each row against the
 defaults (`fit_mapper(...)` + `TransferredCache(src_cache, mapper)`), paired on the same held-out items.
 
     OMP_WAIT_POLICY=PASSIVE python research/fidelity_ablation/fidelity_ablation.py --json research/fidelity_ablation/results/fidelity_ablation.json
