@@ -27,7 +27,7 @@ import torch
 from .mapper_types import LOWRANK, RIDGE
 from .mapper import KVMapper, MapperConfig
 from .ridge import (
-    centered,
+    centered_statistics,
     heldout_head_r2,
     head_system,
     feature_index,
@@ -215,7 +215,7 @@ def reduced_rank_heldout_r2(
     num_heads = train.target_layout.num_kv_heads
     out = {}
     for kind in KINDS:
-        hc = centered(heldout, kind)
+        hc = centered_statistics(heldout, kind)
         out[f"heldout_r2_{kind}"] = [
             heldout_head_r2(head_system(heldout, hc, kind, t, selected_layers[t]), heldout.count, (up @ down).T, bias, num_heads)
             for t, (down, up, bias, _) in sorted(factors[kind].items())
