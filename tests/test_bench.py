@@ -224,6 +224,9 @@ def test_cli_bench_runs_and_writes_results(tmp_path, capsys, monkeypatch):
     first = out.splitlines()[0]  # printed before the timing
     assert first.startswith(f"time to first token at the mapper's defaults: {DEFAULT_NUM_EXACT_LAYERS} of 8 target layers exact")
     assert "beside it, all mapped: 0 exact layers" in first and "| 64 |" in out
+    # More exact layers than the target has: one line before any timing.
+    assert main(["bench", "--no-reexec", "--exact-layers", "9", "--ranks", "full", "--calibration-tokens", "512"]) == 1
+    assert "exact_layers must be in [0, 8] (the target's layers), got 9" in capsys.readouterr().err
 
 
 def test_cli_builds_the_bench_config_without_guessing_defaults(tmp_path, monkeypatch):

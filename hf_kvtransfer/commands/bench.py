@@ -612,6 +612,10 @@ def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> d
                 "a fitted mapper records its own (--mapper), or set --exact-layers"
             )
     first = next(iter(mappers.values()))
+    if config.exact_layers is not None and config.exact_layers > len(first.layers):
+        raise ValueError(
+            f"exact_layers must be in [0, {len(first.layers)}] (the target's layers), got {config.exact_layers}"
+        )
     if origin is None:
         origin = origin_of_exact_layers(first, config.exact_layers)
     quality = None

@@ -199,10 +199,13 @@ def first_token_flops(
 ) -> dict[str, int]:
     """FLOPs to the target's first token for a `seq_len`-token prompt whose source cache is at hand, batch 1, by
     part, as `TransferredCache` computes it: the target's first `num_exact_layers` layers over the transferred
-    tokens (`seq_len - num_recompute_tokens`; `bench.exact_layers_flops`), the maps of the other layers over them (plus what reading
-    `residual_positions` positions of the target's residual stream adds: `residual_inputs_cost`), and the last
-    `num_recompute_tokens` tokens through every layer, attending to the rest; beside it the target's own prefill.
-    Transformer bodies (no LM head), as `bench.prefill_flops` counts them.
+    tokens (`seq_len - num_recompute_tokens`; `bench.exact_layers_flops`), the maps of the other layers over them,
+    and the last `num_recompute_tokens` tokens through every layer, attending to the rest; beside it the target's own
+    prefill. Transformer bodies (no LM head), as `bench.prefill_flops` counts them.
+
+    With `residual_positions`, the maps also read that many positions of the target's residual stream after the
+    last exact layer (`residual_inputs_cost`); the exact pass must then run that layer whole (its attention and MLP,
+    which the pass skips when only keys and values are needed), counted in `exact_layers`.
 
     Returns:
         `{"own_prefill", "exact_layers", "mapping", "residual_inputs", "recompute", "total"}` (total: the transfer).
@@ -220,7 +223,11 @@ def first_token_flops(
     mapping = mapping_flops(mapper, transferred) * mapped // layers
     parts = {
         "own_prefill": prefill_flops(target_config, seq_len)["total"],
-        "exact_layers": exact_layers_flops(target_config, transferred, num_exact_layers),
+        "exact_layers": (
+            prefill_flops(target_config, transferred, num_layers=num_exact_layers)["total"]
+            if residual_positions
+            else exact_layers_flops(target_config, transferred, num_exact_layers)
+        ),
         "mapping": mapping,
         "residual_inputs": residual_inputs_cost(target_config, residual_positions, mapped, transferred, rank)["flops"],
         "recompute": prefill_flops(target_config, num_recompute_tokens, context_len=transferred)["total"],
@@ -469,12 +476,14 @@ def _first_token_lines(plan: TransferPlan) -> list[str]:
     ]
     if plan.residual_positions:
         r = plan.first_token_flops_residual
-        added = r["residual_inputs"]
+        added = r["total"] - f["total"]
+        growth = 100 * plan.residual_parameters / plan.mapper_parameters
         lines += [
             f"  maps also reading the target's residual stream ({plan.residual_positions} positions x "
             f"{plan.residual_input_features // plan.residual_positions} per mapped layer): "
-            f"+{plan.residual_parameters:,} mapper parameters (+{100 * plan.residual_parameters / plan.mapper_parameters:.0f}%), "
-            f"+{tflop(added)} (= {added / plan.target_layer_flops:.2f} target layers' prefill): "
+            f"+{plan.residual_parameters:,} mapper parameters (+{growth:.0f}%); +{tflop(added)} = "
+            f"{added / plan.target_layer_flops:.2f} target layers' prefill (the wider maps "
+            f"{tflop(r['residual_inputs'])}, the last exact layer run whole {tflop(r['exact_layers'] - f['exact_layers'])}): "
             f"{plan.first_token_flop_ratio_residual:,.1f}x fewer than the prefill",
         ]  # fmt: skip
     return lines

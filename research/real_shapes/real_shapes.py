@@ -70,6 +70,8 @@ def costs_at_scale(seq_lens, exact_layers, residual_positions, ranks, top_k: int
                             "own_prefill_flops": f["own_prefill"], "target_layer_flops": plan.target_layer_flops,
                             "exact_layers_flops": f["exact_layers"], "mapping_flops": f["mapping"],
                             "recompute_flops": f["recompute"], "residual_flops": r["residual_inputs"],
+                            "residual_exact_layer_flops": r["exact_layers"] - f["exact_layers"],
+                            "residual_added_flops": r["total"] - f["total"],
                             "first_token_flop_ratio": plan.first_token_flop_ratio,
                             "first_token_flop_ratio_residual": plan.first_token_flop_ratio_residual,
                         })  # fmt: skip
@@ -85,7 +87,7 @@ def costs_markdown(report: dict) -> str:
         lines += [
             f"**{pair['source']} -> {pair['target']}** (top_k={report['top_k']}, {pair['target_layers']} target layers; "
             "FLOPs to the first token of a T-token prompt, batch 1, transformer bodies; shares of the target's own "
-            "prefill)",
+            "prefill; + FLOPs: the wider maps and the last exact layer run whole, whose output the maps read)",
             "",
             "| T | rank | exact layers | exact layers' share | maps' share | recomputed tokens' share | residual "
             "positions | + mapper parameters | + FLOPs (target layers' worth) | prefill / transfer: K/V only -> with "
@@ -99,7 +101,7 @@ def costs_markdown(report: dict) -> str:
                 f"+{row['residual_parameters'] / 1e9:.2f}B (+{100 * row['residual_parameters'] / row['mapper_parameters']:.0f}%)"
                 if row["residual_positions"] else "-"
             )  # fmt: skip
-            flops = f"{row['residual_flops'] / row['target_layer_flops']:.2f}" if row["residual_positions"] else "-"
+            flops = f"{row['residual_added_flops'] / row['target_layer_flops']:.2f}" if row["residual_positions"] else "-"
             lines.append(
                 f"| {row['seq_len']} | {rank} | {row['num_exact_layers']} | {100 * row['exact_layers_flops'] / own:.2f}% "
                 f"| {100 * row['mapping_flops'] / own:.2f}% | {100 * row['recompute_flops'] / own:.2f}% "
