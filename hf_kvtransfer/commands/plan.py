@@ -27,14 +27,13 @@ from transformers import PreTrainedConfig
 
 from .model_configs import load_model_config
 from ..fitting.config import FitConfig, heldout_count
+from ..core.loading import DTYPES, parse_dtype
 from ..core.mapper_types import LOWRANK, RIDGE
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 
 __all__ = ["TransferPlan", "first_token_flops", "format_plan", "plan_transfer", "residual_inputs_cost"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 # `hf-kvtransfer fit` defaults (FitConfig: the paper's 500 x 1024 tokens, 10% held out; two-stage probe size).
 _FIT_DEFAULTS = {f.name: f.default for f in fields(FitConfig)}
 FIT_NUM_SEQUENCES = _FIT_DEFAULTS["num_sequences"]
@@ -43,12 +42,7 @@ FIT_PROBE_TOKENS = _FIT_DEFAULTS["probe_tokens"]
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    key = _ALIASES.get(str(name).lower(), str(name).lower())
-    if key not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or bf16/fp16/fp32), got {name!r}")
-    return DTYPES[key]
+    return parse_dtype(name if isinstance(name, torch.dtype) else str(name).lower())
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -303,7 +297,7 @@ def plan_transfer(
     params = size["parameters"]
     weight_params = sum(p.numel() for name, p in mapper.named_parameters() if not name.endswith("bias"))
     full = planning_mapper(source_config, target_config, top_k) if rank is not None else mapper
-    by_dtype = {name: params * _itemsize(d) for name, d in DTYPES.items()}
+    by_dtype = {name: params * _itemsize(DTYPES[name]) for name in ("float32", "bfloat16", "float16")}
 
     # Fit statistics: the functions `fit` sizes its own allocations with.
     stats_full = statistics_nbytes(src, tgt)
