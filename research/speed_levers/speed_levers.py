@@ -23,7 +23,7 @@ Variant spec: NAME:key=val;key=val (keys below; defaults = every mapped layer re
   plain=2,3      layers whose K/V are the target's own projections of the residual entering J (no fit)
   zero=2,4       layers whose K/V are the calibration mean (no inputs, no MACs)
 
-Example (from the repo root, about 3 minutes on one thread):
+Example (from the repo root, about 30 seconds on one thread):
   OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/speed_levers/speed_levers.py \
       --source small --target large --n-cal 32 --n-win 50 --ttft-repeats 3 \
       --variant 'full:' --variant 'r23:res=2,3' --out /tmp/speed_demo.json
