@@ -10,11 +10,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from rope_reference import apply_rope
 from conftest import left_pad, random_ids, tiny_model
 from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
-from hf_kvtransfer.core import cache as cache_module
+from hf_kvtransfer.core import conversion as conversion_module
 from hf_kvtransfer.commands.bench import mapping_flops, prefill_flops, run_benchmark
 from hf_kvtransfer.fitting.config import parse_rank_spec
 from hf_kvtransfer.commands.reporting import save_bench_report as save_report
-from hf_kvtransfer.core.cache import conversion_groups
+from hf_kvtransfer.core.conversion import conversion_groups
 from hf_kvtransfer.commands.cli import main
 from hf_kvtransfer.core.rope import build_rotary_embedding, position_ids_from_mask, rotary_cos_sin, strip_rope
 
@@ -61,7 +61,7 @@ def _reference_conversion(source, target, cache, mapper, mask, length):
 @pytest.mark.parametrize("selected", [[[0, 2], [1, 2], [0, 2]], [[0, 1, 2]] * 3, [[1], [2, 0], [2]]])
 @pytest.mark.parametrize("rank", [None, [[3, 5], [1, 2], [7, 4]], [[30, 20], [32, 25], [28, 32]]], ids=["full", "factored", "dense"])
 def test_fast_conversion_matches_plain_reference(arch, selected, rank, monkeypatch):
-    monkeypatch.setattr(cache_module, "SMALL_MAP_ENTRIES", 0)  # tiny maps would always be taken densely
+    monkeypatch.setattr(conversion_module, "SMALL_MAP_ENTRIES", 0)  # tiny maps would always be taken densely
     source = tiny_model(arch, num_hidden_layers=3, seed=3)
     target = tiny_model(arch, num_hidden_layers=3, seed=4)
     mapper = _random_mapper(source, target, selected, rank=rank)
@@ -123,7 +123,7 @@ def test_flop_formulas_match_torch_flop_counter(monkeypatch):
     assert counter.get_total_flops() == flops["projections"] + flops["lm_head"] + full_square
 
     # Full rank; reduced rank taken factored (small ranks) and densely (ranks near full: cheaper as one product).
-    monkeypatch.setattr(cache_module, "SMALL_MAP_ENTRIES", 0)  # tiny maps would always be taken densely
+    monkeypatch.setattr(conversion_module, "SMALL_MAP_ENTRIES", 0)  # tiny maps would always be taken densely
     for selected, rank in (([[0, 2], [1, 2]], None), ([[0, 1, 2], [2]], [[3, 5], [1, 2]]), ([[0, 1], [0, 1]], [[32, 30], [31, 32]])):
         config = MapperConfig(
             source.config.to_dict(), target.config.to_dict(), selected, mapper_type="lowrank" if rank else "ridge", rank=rank

@@ -239,13 +239,13 @@ def test_sliding_window_source_that_dropped_tokens_is_refused():
 
 
 def test_grouped_products_split_and_bf16_mapper(qwen3_model, identity_mapper, grouped_identity_mapper, monkeypatch):
-    from hf_kvtransfer.core import cache as cache_module
+    from hf_kvtransfer.core import conversion as conversion_module
 
     ids = random_ids(2, 18, seed=16)
     own = prefill(qwen3_model, ids)
     grouped = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
     # One layer per product (what a big model gets): the same numbers.
-    monkeypatch.setattr(cache_module, "GROUP_OUT_FEATURES", 1)
+    monkeypatch.setattr(conversion_module, "GROUP_OUT_FEATURES", 1)
     single = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
     for a, b, ref in zip(grouped.layers, single.layers, own.layers):
         assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5

@@ -147,3 +147,48 @@ def test_exact_layers_without_prompt_ids_come_from_generate_or_warn(qwen3_model)
         with torch.no_grad():
             qwen3_model(ids[:, -1:], cache=direct)
     assert direct.layers[0].keys[:, :, :9].abs().max() == 0  # mapped (to zero), as the warning says
+
+
+def test_no_getter_runs_the_exact_layers_forward(qwen3_model, monkeypatch):
+    """`get_seq_length` / `get_mask_sizes` only read and check; the exact layers run inside the first layer's update."""
+    import inspect
+
+    from hf_kvtransfer.core import cache as cache_module
+
+    calls = []
+    real = cache_module.own_prefix
+
+    def recording(*args, **kwargs):
+        calls.append({frame.function for frame in inspect.stack()})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "own_prefix", recording)
+    mapper = exact_identity_mapper(qwen3_model)
+    ids = random_ids(2, 12, seed=3)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=1)
+    out = qwen3_model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+    own = qwen3_model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, own)
+    assert len(calls) == 1, "the exact layers must be computed exactly once"
+    assert not calls[0] & {"get_seq_length", "get_mask_sizes"}, f"ran from a getter: {calls[0]}"
+    assert "update" in calls[0]
+
+
+def test_compute_exact_layers_explicitly_matches_the_targets_own_prefill(qwen3_model):
+    mapper = exact_identity_mapper(qwen3_model)
+    with torch.no_grad():  # layers 0-1 map to zero: only computing them gives the target's own keys there
+        for layer in mapper.layers[:2]:
+            layer.key.weight.zero_()
+            layer.value.weight.zero_()
+    ids = random_ids(1, 10, seed=5)
+    src = prefill(qwen3_model, ids)
+    own = prefill(qwen3_model, ids[:, :-1])
+    cache = TransferredCache(src, mapper, num_exact_layers=2, num_recompute_tokens=1)
+    cache.compute_exact_layers(qwen3_model).convert_all()
+    assert cache.num_pending_layers == 0
+    for t in range(2):
+        torch.testing.assert_close(cache.layers[t].keys, own.layers[t].keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.layers[t].values, own.layers[t].values, rtol=1e-5, atol=1e-5)
+    bare = tuple((layer.keys, layer.values) for layer in src.layers)  # no prompt ids known
+    with pytest.raises(ValueError, match="needs the prompt's ids: pass `input_ids=`"):
+        TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1).compute_exact_layers(qwen3_model)

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from huggingface_hub.utils import tqdm
 
-from ..core.cache import TransferredCache, conversion_groups
+from ..core.cache import TransferredCache
+from ..core.conversion import conversion_groups
 from ..core.capture import prefill
 from ..evaluation.evaluate import kv_r2
 from ..fitting.accumulate import collect_statistics
@@ -134,7 +135,7 @@ def prefill_flops(config, seq_len: int, logits: bool = False) -> dict[str, int]:
 
 def mapping_flops(mapper: KVMapper, seq_len: int) -> int:
     """FLOPs of mapping `seq_len` tokens through every target layer (keys and values), batch 1, as
-    `TransferredCache` computes them (`cache.conversion_groups`): affine maps cost their dense or factored
+    `TransferredCache` computes them (`conversion.conversion_groups`): affine maps cost their dense or factored
     multiply-adds as they are taken (a dense reduced-rank map includes forming `up @ down`); nonlinear
     maps are counted as one multiply-add per parameter and token."""
     total = 0

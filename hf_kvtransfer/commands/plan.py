@@ -235,7 +235,7 @@ def plan_transfer(
     tokens = batch_size * seq_len
     source_cache = 2 * src.total_dim * tokens * cache_item
     target_cache = 2 * tgt.total_dim * tokens * cache_item
-    from ..core.cache import GROUP_OUT_FEATURES
+    from ..core.conversion import GROUP_OUT_FEATURES
 
     group = max(1, GROUP_OUT_FEATURES // tgt.layer_dim)
     rotary = 4 * 2 * tokens * max(src.head_dim, tgt.head_dim) * 4  # float32 cos/sin, strip and apply

@@ -1,0 +1,129 @@
+"""What the target was fed, for a `TransferredCache` that must never give a silently wrong answer: the caller's
+token ids, mask and model read off the call stack (the one place that does), and the check that they continue the
+prompt the cache was built for."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+
+@dataclass
+class CallerInputs:
+    """What the model calling the cache was given, read off the call stack (a cache only sees key/value states).
+
+    `forward_ids` are the token ids of the running model forward; `sequence` the ids of the nearest caller of that
+    forward that is not a forward (generate's decoding loop: the whole sequence so far), or the forward's own ids when
+    it was called directly; `mask_length` the length of the 2D attention mask given, if any.
+    """
+
+    model: PreTrainedModel | None = None
+    forward_ids: torch.Tensor | None = None
+    mask_length: int | None = None
+    sequence: torch.Tensor | None = None
+    direct: bool = True  # no enclosing generate-like call: the forward was called by the user
+
+    @classmethod
+    def from_stack(cls, max_frames: int = 64) -> "CallerInputs":
+        """Read the nearest model forward and its caller off the stack, starting two frames above this call (the
+        cache method that asks, and the model code that called it).
+
+        Why the stack: a `Cache` is handed key/value states and a layer index, never the token ids, the attention
+        mask or the model, and transformers has no supported hook that gives a cache those before the first layer
+        runs (`generate` builds positions and masks from `get_seq_length` / `get_mask_sizes` first). Reading them
+        is what lets the cache refuse input that does not continue its prompt instead of answering wrongly, and take
+        the prompt ids for its exact layers from `generate`'s own sequence. Relies on the local names `self`,
+        `input_ids`, `attention_mask`, `model_kwargs`, `generation_config` of `PreTrainedModel.forward` /
+        `generate` (checked on transformers 5.19 and 5.24). Finding nothing (another calling convention, a
+        compiled graph) returns an empty `CallerInputs`: the checks are then skipped, never guessed.
+        """
+        found = cls()
+        frame = sys._getframe(2)
+        for _ in range(max_frames):
+            if frame is None:
+                break
+            local = frame.f_locals
+            owner, ids = local.get("self"), local.get("input_ids")
+            if isinstance(owner, PreTrainedModel) and isinstance(ids, torch.Tensor) and ids.ndim == 2:
+                if ids.is_floating_point():
+                    break
+                if found.forward_ids is None:
+                    if frame.f_code.co_name != "forward":
+                        return cls()  # asked from generate itself, before any forward: nothing fed yet
+                    mask = local.get("attention_mask")
+                    found.forward_ids = ids
+                    found.mask_length = mask.shape[-1] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+                elif frame.f_code.co_name != "forward":
+                    found.direct = False
+                    found.sequence = ids
+                    # generate drops an all-ones mask before the forward but remembers its length
+                    model_kwargs, config = local.get("model_kwargs"), local.get("generation_config")
+                    mask = model_kwargs.get("attention_mask") if isinstance(model_kwargs, dict) else None
+                    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+                        found.mask_length = mask.shape[-1]
+                    elif getattr(config, "_mask_length", -1) > 0:
+                        found.mask_length = config._mask_length
+                    break
+                found.model, found.sequence = owner, ids
+            frame = frame.f_back
+        return found
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """First column where `[batch, n]` id tensors differ (rows of `a` may be `b`'s repeated, as beams are)."""
+    if a.shape[0] != b.shape[0]:
+        if a.shape[0] % b.shape[0]:
+            return None  # another batch: reported when the layers are converted
+        a = a.reshape(b.shape[0], a.shape[0] // b.shape[0], -1)[:, 0]
+    differs = (a.to(b.device) != b).any(dim=0).nonzero()
+    return int(differs[0]) if differs.numel() else None
+
+
+def check_prompt(
+    caller: CallerInputs, prompt_ids: torch.Tensor | None, held: int, fed_length: int, num_recompute_tokens: int
+) -> None:
+    """The input must continue the prompt a cache holding `held` tokens was built for: generate's sequence starts with
+    it (or only new tokens are passed, with a mask covering the cached ones); a direct forward feeds the tokens that
+    follow. Raises `ValueError` saying what to pass otherwise."""
+    only_new = caller.sequence.shape[-1] == fed_length and caller.mask_length == held + fed_length
+    if only_new:
+        return
+    sequence = caller.sequence if not caller.direct else None
+    if sequence is not None and sequence.shape[-1] < held:
+        raise ValueError(
+            f"input_ids hold {sequence.shape[-1]} tokens but this cache already holds {held}; pass the whole "
+            "conversation so far (the cached tokens, then the new ones), or only the new tokens together with an "
+            "attention_mask covering the cached ones"
+        )
+    if prompt_ids is None:
+        return
+    if sequence is not None:
+        count = min(sequence.shape[-1], prompt_ids.shape[-1])
+        where = first_difference(sequence[:, :count], prompt_ids[:, :count])
+    else:  # a direct forward: its tokens sit at positions held, held + 1, ...
+        count = max(min(fed_length, prompt_ids.shape[-1] - held), 0)
+        where = first_difference(caller.forward_ids[:, :count], prompt_ids[:, held : held + count])
+        where = None if where is None else held + where
+    if where is not None and sequence is None and _feeds_prompt_tail(caller.forward_ids, prompt_ids, held):
+        total = prompt_ids.shape[-1]
+        raise ValueError(
+            f"this cache holds the first {held} of the prompt's {total} tokens and leaves the last {total - held} "
+            f"to the target (num_recompute_tokens={num_recompute_tokens}), but the forward was fed only the "
+            f"last {fed_length}; feed `input_ids[:, {held}:]`, i.e. `input_ids[:, -cache.num_recompute_tokens:]` "
+            "(generate does this by itself), or build the cache with num_recompute_tokens=1"
+        )
+    if where is not None:
+        raise ValueError(
+            f"the target's input_ids differ from the prompt this cache was built for (first at position {where}); "
+            "build a TransferredCache from the source's cache of this prompt (one cache per prompt)"
+        )
+
+
+def _feeds_prompt_tail(fed: torch.Tensor, prompt_ids: torch.Tensor, held: int) -> bool:
+    """Whether a direct forward was fed the prompt's last tokens but fewer than the cache left to the target
+    (code written for one recomputed token, given a cache that leaves more)."""
+    total, count = prompt_ids.shape[-1], fed.shape[-1]
+    return held + count < total and first_difference(fed, prompt_ids[:, total - count :]) is None

@@ -1,0 +1,47 @@
+"""The target's own keys and values of its first layers, computed from the prompt ids (a `TransferredCache`'s
+exact layers): a forward of the target's body that stops as soon as the last layer asked for has stored its K/V."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .capture import cache_argument
+
+class StopForward(Exception):
+    """Raised by `PrefixCache` to end a forward once the layers it needs have stored their keys and values."""
+
+
+class PrefixCache(DynamicCache):
+    """Keeps what the first `num_layers` layers of a forward store, then stops the forward (its later layers and the
+    logits are never computed)."""
+
+    def __init__(self, num_layers: int):
+        super().__init__()
+        self.num_layers = num_layers
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == self.num_layers - 1:
+            raise StopForward
+        return out
+
+
+@torch.no_grad()
+def own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids, num_layers: int):
+    """The keys and values `model` itself computes for its first `num_layers` layers: `[(keys, values)]`, each
+    `[batch, kv_heads, seq, head_dim]`. Costs those layers' share of a prefill (for one layer: its K/V projections)."""
+    body = model.base_model if hasattr(model, "base_model") else model
+    device = model.get_input_embeddings().weight.device
+    cache = PrefixCache(num_layers)
+    try:
+        body(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device) if attention_mask is not None else None,
+            position_ids=position_ids.to(device),
+            use_cache=True,
+            **{cache_argument(body): cache},
+        )
+    except StopForward:
+        pass
+    return [(layer.keys, layer.values) for layer in cache.layers[:num_layers]]
