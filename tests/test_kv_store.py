@@ -229,8 +229,11 @@ def test_lmcache_store_round_trip_through_the_documented_api():
     assert isinstance(store, KVStore)
     ids = list(range(100, 140))  # 2.5 chunks of 16
     store.put(ids, _tensors(ids), INFO)
-    assert store.contains(ids) and store.lookup(ids + [5, 6]) == 40
-    assert store.lookup(ids[:20] + [0] * 30) == 16  # a prefix found in whole chunks
+    assert store.contains(ids) and store.lookup(ids) == 40
+    # A longer sequence finds the stored one in whole chunks (its last, partial chunk is keyed by all 40 tokens).
+    assert store.lookup(ids + [5, 6]) == 32
+    assert store.lookup(ids[:20] + [0] * 30) == 16
+    torch.testing.assert_close(store.get(ids[:32]).shards[0]["key.2"], _tensors(ids[:32])["key.2"])
     got = store.get(ids)
     assert got.info["kv_shape"] == INFO["kv_shape"]
     for name, tensor in _tensors(ids).items():
