@@ -180,7 +180,8 @@ class FakeLMCacheEngine:
     """What LMCache documents of `LMCacheEngine`: tokens cut into `chunk_size` chunks, each keyed by the hash of the
     prefix up to its end; `store(tokens, **kwargs)` copies each chunk out through the GPU connector's `from_gpu`,
     `retrieve(tokens, **kwargs)` back through `to_gpu` and returns a bool mask of the tokens found; `lookup(tokens)`
-    is the length of the stored prefix, in whole chunks (plus a last partial chunk, which LMCache stores too)."""
+    is the length of the stored prefix, in whole chunks. A last partial chunk is not stored (LMCache's
+    `save_unfull_chunk` default)."""
 
     def __init__(self, gpu_connector, chunk_size: int = 16, dtype=torch.float32, max_chunks: int | None = None):
         self.connector, self.chunk_size, self.dtype, self.max_chunks = gpu_connector, chunk_size, dtype, max_chunks
@@ -193,6 +194,8 @@ class FakeLMCacheEngine:
 
     def store(self, tokens: torch.Tensor, mask=None, **kwargs) -> None:
         for start, end, key in self._keys(tokens):
+            if end - start < self.chunk_size:
+                break
             obj = _MemoryObj(self.connector.get_shape(end - start), self.dtype)
             self.connector.from_gpu(obj, start, end, **kwargs)
             self.chunks[key] = obj
@@ -227,18 +230,35 @@ def _lmcache_store(**engine_kwargs):
 def test_lmcache_store_round_trip_through_the_documented_api():
     store, _ = _lmcache_store()
     assert isinstance(store, KVStore)
-    ids = list(range(100, 140))  # 2.5 chunks of 16
+    ids = list(range(100, 148))  # 3 chunks of 16
     store.put(ids, _tensors(ids), INFO)
-    assert store.contains(ids) and store.lookup(ids) == 40
-    # A longer sequence finds the stored one in whole chunks (its last, partial chunk is keyed by all 40 tokens).
-    assert store.lookup(ids + [5, 6]) == 32
-    assert store.lookup(ids[:20] + [0] * 30) == 16
-    torch.testing.assert_close(store.get(ids[:32]).shards[0]["key.2"], _tensors(ids[:32])["key.2"])
+    assert store.contains(ids) and store.lookup(ids + [5, 6]) == 48
+    assert store.lookup(ids[:40]) == 32 and store.lookup(ids[:20] + [0] * 30) == 16  # prefixes in whole chunks
     got = store.get(ids)
     assert got.info["kv_shape"] == INFO["kv_shape"]
     for name, tensor in _tensors(ids).items():
         torch.testing.assert_close(got.shards[0][name], tensor)
-    assert store.get(ids[:-1]) is None  # the last chunk of 39 tokens is keyed differently: not stored
+    torch.testing.assert_close(store.get(ids[:32]).shards[0]["key.2"], _tensors(ids[:32])["key.2"])
+    assert store.get(ids[:40]) is None  # its last 8 tokens are not a stored chunk
+    odd = list(range(500, 540))  # 2.5 chunks: the last half chunk is not stored
+    store.put(odd, _tensors(odd), INFO)
+    assert store.lookup(odd) == 32 and not store.contains(odd)
+
+
+@pytest.mark.vllm
+def test_real_lmcache_engine_when_installed():
+    """The same through LMCache's own engine (CPU memory backend), where LMCache is installed: the vLLM environment
+    (`.ci/vllm` installs it there; marked `vllm` so it runs there)."""
+    pytest.importorskip("lmcache.v1.cache_engine", reason="LMCache is not installed")
+    from hf_kvtransfer.integrations.kv_store import build_lmcache_store
+
+    store = build_lmcache_store("test-real", LAYERS, HEADS, DIM, {"chunk_size": 16, "max_local_cpu_size": 0.05})
+    ids = list(range(300, 348))
+    store.put(ids, _tensors(ids), INFO)
+    assert store.lookup(ids + [1]) == 48 and store.lookup(ids[:40]) == 32
+    for name, tensor in _tensors(ids).items():
+        torch.testing.assert_close(store.get(ids).shards[0][name], tensor)
+    assert store.get(list(range(900, 948))) is None
 
 
 def test_lmcache_store_evicted_chunk_is_a_miss():

