@@ -259,6 +259,9 @@ def test_real_lmcache_engine_when_installed():
     for name, tensor in _tensors(ids).items():
         torch.testing.assert_close(store.get(ids).shards[0][name], tensor)
     assert store.get(list(range(900, 948))) is None
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    LMCacheEngineBuilder.destroy("hf-kvtransfer-test-real")  # now, not at exit (after pytest closed its streams)
 
 
 def test_lmcache_store_evicted_chunk_is_a_miss():

@@ -1,15 +1,19 @@
-"""The vLLM KV connector (`hf_kvtransfer/vllm_connector.py`) in real vLLM engines, against independent references.
+"""The vLLM KV connector (`hf_kvtransfer/integrations/vllm_connector.py`) in real vLLM engines, against independent
+references.
 
-- exactness: `examples/vllm_handoff.py --identity` (source = target = large through an identity mapper) must give
-  the same greedy tokens as the same engine without the connector, with the matched prefill reported as cached;
-- the KV the source engine stores equals the source model's own KV computed by transformers;
-- small -> large: the target engine's first-token log-probabilities equal those of transformers' large model
-  running on a `TransferredCache` of transformers' small model with the same mapper;
-- keying: only an exact stored prefix is used, never more than all but the last prompt token.
+- the KV the source engine stores equals the source model's own KV computed by transformers; its replies are stored
+  with their prompts (ended by length, and at a stop token);
+- parity: the target engine's first-token log-probabilities equal those of transformers' large model on a
+  `TransferredCache` of transformers' small model with the same mapper and settings: the defaults (the mapper's
+  exact layers computed, the library's recomputed tokens), 8 recomputed tokens, and `allow_lossy`;
+- keying: only an exact stored prefix is used, `matched - num_recompute_tokens` reported as cached; a corrupted
+  entry is recomputed (the output equals the engine's own);
+- start-up: refusals that name the fix, and the fallback for a mapper that computes every layer exactly;
+- exactness: `examples/vllm_handoff.py --identity` gives the same greedy tokens as the engine without the connector.
 
-Marked `vllm`: the default run deselects them and never imports vLLM. In the vLLM environment (`.ci/run` builds
-it in `.venv-vllm`): `.venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_connector.py` (~6 min on 2 cores,
-most of it starting five engines).
+Marked `vllm`: the default run deselects them and never imports vLLM. In the vLLM environment (`.ci/vllm` builds
+it in `.venv-vllm`): `.venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_connector.py` (~3 min on 2 cores,
+most of it starting engines).
 """
 
 from __future__ import annotations
@@ -253,8 +257,9 @@ def test_corrupted_entry_is_recomputed_never_mapped(small_to_large):
     assert not outs["corrupted entry left"]
 
 
-@pytest.mark.skip(reason="open: the source engine's saves do not reach LMCache's engine inside vLLM (a put through "
-                  "the same LMCache instance from the test process does, and the target then maps it)")
+@pytest.mark.skip(reason="needs engines in separate processes and a remote LMCache backend: in one process, two live "
+                  "engines share vLLM's one worker-side connector (the source's saves reach the target's), and an "
+                  "engine started after LMCache is imported fails vLLM's kernel-override scan")
 def test_lmcache_store_backend(tmp_path, prompts):
     """store_backend='lmcache': the source engine stores through LMCache's engine (CPU memory backend, one process
     here), the target engine finds the prompt in whole LMCache chunks and matches transformers at that length."""
