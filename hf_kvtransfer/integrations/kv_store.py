@@ -249,7 +249,8 @@ class FileKVStore:
                 except ValueError as exc:
                     raise ValueError(f"{shard_name(r, world)}: {exc}") from exc
         except ValueError as exc:
-            logger.warning("hf-kvtransfer store: entry %s is corrupted (%s); removed, the engine computes it", key[:12], exc)
+            logger.warning("hf-kvtransfer store: entry %s is corrupted (%s); removed, the engine computes it",
+                           key[:12], exc)  # fmt: skip
             self._remove(key)
             return None
         try:
@@ -457,7 +458,9 @@ def build_lmcache_store(name: str, num_layers: int, num_kv_heads: int, head_dim:
         from lmcache.v1.gpu_connector import GPUConnectorInterface
         from lmcache.v1.metadata import LMCacheMetadata
     except ImportError as exc:
-        raise ImportError(f"store_backend='lmcache' needs LMCache (tested with 0.5.6 on CPU): {LMCACHE_INSTALL}") from exc
+        raise ImportError(
+            f"store_backend='lmcache' needs LMCache (tested with 0.5.6 on CPU): {LMCACHE_INSTALL}"
+        ) from exc
     settings = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 5.0, **(config or {})}
     metadata = LMCacheMetadata(
         model_name=name, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0, kv_dtype=torch.float32,

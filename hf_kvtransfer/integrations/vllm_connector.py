@@ -98,7 +98,8 @@ DEFAULT_STORE_MAX_BYTES = 8 * 2**30
 _ROLES = ("source", "target", "both")
 _SHAPE_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
 _KNOWN_KEYS = {"store", "store_max_bytes", "store_backend", "lmcache_config", "mapper", "mapper_revision",
-               "num_exact_layers", "num_recompute_tokens", "recompute_tokens", "allow_lossy", "min_tokens", "role"}  # fmt: skip
+               "num_exact_layers", "num_recompute_tokens", "recompute_tokens", "allow_lossy", "min_tokens",
+               "role"}  # fmt: skip
 
 
 class ConnectorConfigError(ValueError):
@@ -250,7 +251,9 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         default = {"kv_producer": "source", "kv_consumer": "target"}.get(kv_role, "both")
         self.engine_role = extra.get("role", default)
         if self.engine_role not in _ROLES:
-            raise ConnectorConfigError(f"kv_connector_extra_config['role'] must be one of {_ROLES}, got {self.engine_role!r}")
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config['role'] must be one of {_ROLES}, got {self.engine_role!r}"
+            )
         self.saves_kv = self.engine_role in ("source", "both")
         self.loads_kv = self.engine_role in ("target", "both")
         self.min_tokens = int(extra.get("min_tokens", 1))
@@ -377,7 +380,9 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             return 0 if self.allow_lossy else recorded
         requested = int(requested)
         if not 0 <= requested <= num_target:
-            raise ConnectorConfigError(f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {requested}")
+            raise ConnectorConfigError(
+                f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {requested}"
+            )
         if requested < recorded and not self.allow_lossy:
             raise ConnectorConfigError(
                 f"num_exact_layers={requested} is fewer than the {recorded} exact layers mapper {self.mapper_id} needs "
@@ -547,7 +552,8 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
             tokens = list(request.all_token_ids[:computed])
             if computed > request.num_prompt_tokens and not self.store.contains(tokens):
-                self._finish_saves.append(_Save(req_id=req_id, token_ids=tokens, block_ids=list(block_ids), finished=True))
+                save = _Save(req_id=req_id, token_ids=tokens, block_ids=list(block_ids), finished=True)
+                self._finish_saves.append(save)
                 delay = True
         self._forget(req_id)
         return delay, None
@@ -612,7 +618,8 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         out = []
         for s in range(num_layers):
             # (T, H_local, D) per rank -> (1, H, T, D)
-            k, v = (torch.cat([shard[f"{kind}.{s}"][:length] for shard in stored.shards], dim=1) for kind in ("key", "value"))
+            k, v = (torch.cat([shard[f"{kind}.{s}"][:length] for shard in stored.shards], dim=1)
+                    for kind in ("key", "value"))  # fmt: skip
             if k.shape[1] > num_heads:  # heads replicated over more ranks than there are heads
                 k, v = (t[:, :: t.shape[1] // num_heads] for t in (k, v))
             out.append(tuple(t.transpose(0, 1).unsqueeze(0).to(device) for t in (k, v)))
@@ -667,7 +674,8 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             try:
                 self._save(save, layers, rank)
             except Exception:  # a dropped save is a later miss, never wrong output
-                logger.exception("hf-kvtransfer: could not store %d tokens of request %s", len(save.token_ids), save.req_id)
+                logger.exception("hf-kvtransfer: could not store %d tokens of request %s",
+                                 len(save.token_ids), save.req_id)  # fmt: skip
             finally:
                 if save.finished:
                     self._finished_sending.add(save.req_id)
@@ -682,7 +690,8 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             s = self._layer_index(name)
             tensors[f"key.{s}"], tensors[f"value.{s}"] = keys.cpu().contiguous(), values.cpu().contiguous()
         if len(tensors) != 2 * self.kv_shape["num_hidden_layers"]:
-            raise ValueError(f"found {len(tensors) // 2} attention layers, expected {self.kv_shape['num_hidden_layers']}")
+            expected = self.kv_shape["num_hidden_layers"]
+            raise ValueError(f"found {len(tensors) // 2} attention layers, expected {expected}")
         info = {
             "kv_shape": self.kv_shape,
             "model": getattr(self.model_config, "_name_or_path", None),
