@@ -438,6 +438,11 @@ class LMCacheKVStore:
 LMCACHE_INSTALL = "pip install --no-deps lmcache sortedcontainers aiofile caio"
 
 
+def _destroy_lmcache_engine(builder, instance_id: str) -> None:
+    if builder.get(instance_id) is not None:  # not closed by its user already
+        builder.destroy(instance_id)
+
+
 def build_lmcache_store(name: str, num_layers: int, num_kv_heads: int, head_dim: int,
                         config: dict[str, Any] | None = None) -> LMCacheKVStore:  # fmt: skip
     """An `LMCacheKVStore` on an LMCache engine of this process, one per `name` (the source model's namespace).
@@ -477,7 +482,7 @@ def build_lmcache_store(name: str, num_layers: int, num_kv_heads: int, head_dim:
         engine.post_init()
         # LMCache's engine runs non-daemon threads: close it before the interpreter waits for them at exit (atexit
         # would run after that wait).
-        threading._register_atexit(LMCacheEngineBuilder.destroy, instance_id)
+        threading._register_atexit(_destroy_lmcache_engine, LMCacheEngineBuilder, instance_id)
     info = {"kv_shape": {"num_hidden_layers": num_layers, "num_key_value_heads": num_kv_heads, "head_dim": head_dim}}
     return LMCacheKVStore(engine, num_layers, num_kv_heads, head_dim, torch.float32, info)
 
