@@ -412,11 +412,12 @@ def test_tensor_parallel_identity_is_exact(tmp_path, source_tp, target_tp):
                           env=env, capture_output=True, text=True, timeout=1500)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    shards = sorted(p.name for p in (tmp_path / "store").glob("*/kv-rank*.safetensors"))
-    assert len(shards) == 2 * source_tp and all(f"-of-{source_tp}." in name for name in shards)
+    # Two prompts, each stored alone and with its 16-token reply, one shard per source rank.
+    shards = sorted(p.name for p in (tmp_path / "store").glob("*/*/kv-rank*.safetensors"))
+    assert len(shards) == 4 * source_tp and all(f"-of-{source_tp}." in name for name in shards)
     for with_connector, plain in zip(result["connector"], result["plain"]):
         assert with_connector["tokens"] == plain["tokens"]
-        assert with_connector["cached"] == 300 and plain["cached"] == 0
+        assert with_connector["cached"] == 300 + 16 - 1 - R and plain["cached"] == 0
 
 
 # Engines with tensor parallelism run as subprocesses, so they get a script with a __main__ guard.
