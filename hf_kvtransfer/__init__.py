@@ -1,7 +1,7 @@
 """hf-kvtransfer: reuse one model's KV cache in another model of the same family instead of re-running prefill.
 
 The public names load on first use (PEP 562), so `hf-kvtransfer --help` does not pay for importing torch and
-transformers (~5 s); `from hf_kvtransfer import KVMapper` works as usual. The subpackages are the layers of the
+transformers (seconds); `from hf_kvtransfer import KVMapper` works as usual. The subpackages are the layers of the
 library (ARCHITECTURE.md): `core` (the math, the mapper, the cache), `evaluation`, `fitting`, `integrations` (lm-eval,
 vLLM) and `commands` (the CLI).
 """
@@ -29,6 +29,7 @@ _EXPORTS = {
     "collect_statistics": "fitting.accumulate",
     "choose_num_exact_layers": "fitting.exact_layers",
     "fit_mapper": "fitting.fit",
+    "fit_mappers": "fitting.fit",
     "fit_mlp_mapper": "fitting.fit",
     "solve_mapper": "fitting.fit",
 }
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORT
     from .fitting.accumulate import collect_statistics
     from .fitting.config import FitConfig
     from .fitting.exact_layers import choose_num_exact_layers
-    from .fitting.fit import fit_mapper, fit_mlp_mapper, solve_mapper
+    from .fitting.fit import fit_mapper, fit_mappers, fit_mlp_mapper, solve_mapper
 
 
 def __getattr__(name: str):

@@ -2,6 +2,7 @@
 benchmark's report (no timed assertions)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,12 +12,18 @@ from rope_reference import apply_rope
 from conftest import left_pad, random_ids, tiny_model
 from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
 from hf_kvtransfer.core import conversion as conversion_module
-from hf_kvtransfer.commands.bench import mapping_flops, prefill_flops, run_benchmark
+from hf_kvtransfer.commands import bench as bench_module
+from hf_kvtransfer.commands.bench import BenchConfig, mapping_flops, prefill_flops, run_benchmark
+from hf_kvtransfer.core.mapper import DEFAULT_NUM_EXACT_LAYERS
+from hf_kvtransfer.evaluation.timing import QUICK_SEQ_LENS
 from hf_kvtransfer.fitting.config import parse_rank_spec
 from hf_kvtransfer.commands.reporting import save_bench_report as save_report
 from hf_kvtransfer.core.conversion import conversion_groups
 from hf_kvtransfer.commands.cli import main
 from hf_kvtransfer.core.rope import build_rotary_embedding, position_ids_from_mask, rotary_cos_sin, strip_rope
+
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _random_mapper(source, target, selected_layers, seed=0, rank=None):
@@ -153,37 +160,136 @@ def test_parse_rank_spec():
         parse_rank_spec("full@int4")
 
 
-def test_run_benchmark_report_and_files(tmp_path):
+def test_run_benchmark_report_and_files(tmp_path, monkeypatch):
     source = tiny_model("qwen3", num_hidden_layers=2, seed=3)
     target = tiny_model("qwen3", num_hidden_layers=3, seed=4)
     mappers = {"a": _random_mapper(source, target, [[0, 1]] * 3), "b": _random_mapper(source, target, [[1]] * 3)}
-    report = run_benchmark(source, target, mappers, seq_lens=[8, 16], repeats=1, warmup=0, decode_steps=2, progress=False)
-    assert [r["seq_len"] for r in report["results"]] == [8, 16]
+    mappers["a"].config.num_exact_layers = 2  # as a fit's content probe records it
+    calls = []
+    real_timer = bench_module.time_to_first_token
+
+    def timer(*args, **kwargs):  # the one timer, called as the bench calls it; what it used is in its result
+        result = real_timer(*args, **kwargs)
+        calls.append((kwargs["num_exact_layers"], kwargs["num_recompute_tokens"], result))
+        return result
+
+    monkeypatch.setattr(bench_module, "time_to_first_token", timer)
+    report = run_benchmark(source, target, mappers, seq_lens=[8, 80], repeats=1, warmup=0, decode_steps=2, progress=False)
+    assert [r["seq_len"] for r in report["results"]] == [8, 80]
+    # Per length: the mapper's defaults (its 2 exact layers, the cache's recomputed tokens), then all mapped.
+    assert [(c[0], c[1]) for c in calls] == [(None, None), (0, 1)] * 2
+    assert [(c[2]["num_exact_layers"], c[2]["num_recompute_tokens"]) for c in calls] == [(2, 4), (0, 1), (2, 32), (0, 1)]
     for row in report["results"]:
         assert set(row["transfer"]) == {"a", "b"}
         for entry in row["transfer"].values():
             assert entry["ms"] > 0 and entry["speedup_vs_body"] == pytest.approx(row["prefill_body_ms"] / entry["ms"])
             assert entry["peak_bytes"] > 0
-        assert row["decode_own_ms"] > 0 and row["ttft_transfer_ms"] > 0
+        assert row["decode_own_ms"] > 0 and row["ttft_defaults_ms"] > 0 and row["ttft_all_mapped_ms"] > 0
+        assert row["ttft_defaults_speedup"] == pytest.approx(row["ttft_own_ms"] / row["ttft_defaults_ms"])
+        assert row["ttft_all_mapped_speedup"] == pytest.approx(row["ttft_own_ms"] / row["ttft_all_mapped_ms"])
+        assert row["ttft_defaults_num_exact_layers"] == 2
+    assert [r["ttft_defaults_num_recompute_tokens"] for r in report["results"]] == [4, 32]  # at most half the prompt
+    settings = report["settings"]
+    assert settings["ttft_defaults"]["num_exact_layers"] == 2 and settings["ttft_all_mapped"]["num_exact_layers"] == 0
+    assert settings["ttft_defaults"]["exact_layers_origin"] == "recorded by the mapper's fit"
     assert report["mappers"]["b"]["parameters"] < report["mappers"]["a"]["parameters"]
     assert report["environment"]["torch_num_threads"] == torch.get_num_threads()
     paths = save_report(report, tmp_path)
-    assert json.loads(paths["json"].read_text())["results"][1]["seq_len"] == 16
+    assert json.loads(paths["json"].read_text())["results"][1]["seq_len"] == 80
     table = paths["markdown"].read_text()
-    assert "| 16 |" in table and "OMP_WAIT_POLICY" in table
+    assert "| 80 |" in table and "OMP_WAIT_POLICY" in table
+    said = "**at the mapper's defaults**, 2 of 3 target layers exact (recorded by the mapper's fit), 4/32 recomputed tokens"
+    assert said + " by prompt length (TransferredCache's default: 32" in table
+    assert "all mapped: 0 exact layers, 1 recomputed token" in table and "TTFT all mapped ms (x faster; lossy)" in table
     assert paths["plot"].stat().st_size > 1000
 
 
-def test_cli_bench_runs_and_writes_results(tmp_path, capsys):
+def test_cli_bench_runs_and_writes_results(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # with no --source/--target: random weights of the bundled family's configs
+    monkeypatch.delenv("HF_KVTRANSFER_FAMILY", raising=False)
     code = main([
-        "bench", "--no-reexec", "--seq-lens", "32", "--repeats", "1", "--warmup", "0", "--decode-steps", "1",
+        "bench", "--no-reexec", "--seq-lens", "64", "--repeats", "1", "--warmup", "0", "--decode-steps", "1",
         "--ranks", "full", "4", "--calibration-tokens", "1024", "--output-dir", str(tmp_path),
     ])  # fmt: skip
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["results"][0]["transfer"]) == {"k=4 full", "k=4 4"}
-    assert report["mappers"]["k=4 4"]["rank"] == [[4, 4]] * 8
-    assert "| 32 |" in capsys.readouterr().out
+    large = json.loads((REPO / "examples" / "family" / "large" / "config.json").read_text())
+    assert report["mappers"]["k=4 4"]["rank"] == [[4, 4]] * large["num_hidden_layers"]
+    # Solved here: no content probe, so the cache's default for a mapper that records none, said as such.
+    defaults = report["settings"]["ttft_defaults"]
+    assert defaults["num_exact_layers"] == DEFAULT_NUM_EXACT_LAYERS and "without a content probe" in defaults["exact_layers_origin"]
+    assert report["settings"]["config"]["random_weights"] is True
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]  # printed before the timing
+    assert first.startswith(f"time to first token at the mapper's defaults: {DEFAULT_NUM_EXACT_LAYERS} of 8 target layers exact")
+    assert "beside it, all mapped: 0 exact layers" in first and "| 64 |" in out
+    # More exact layers than the target has: one line before any timing.
+    assert main(["bench", "--no-reexec", "--exact-layers", "9", "--ranks", "full", "--calibration-tokens", "512"]) == 1
+    assert "exact_layers must be in [0, 8] (the target's layers), got 9" in capsys.readouterr().err
+
+
+def test_cli_builds_the_bench_config_without_guessing_defaults(tmp_path, monkeypatch):
+    """The CLI passes what was given and nothing else: --quick no longer overrides an explicit --ranks that happens
+    to equal the default, and BenchConfig holds every default."""
+    import argparse
+
+    from hf_kvtransfer.commands import cli
+
+    def config(*argv):
+        args = cli.build_parser().parse_args(["bench", *argv])
+        return cli._bench_config(args)
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("HF_KVTRANSFER_FAMILY", raising=False)
+    plain = config()
+    assert plain == BenchConfig("examples/family/small", "examples/family/large", random_weights=True)
+    assert plain.ranks == ("full", "16", "8") and plain.exact_layers is None and plain.recompute_tokens is None
+    quick = config("--quick", "--ranks", "full", "16", "8", "--repeats", "7")
+    assert quick.ranks == ("full", "16", "8") and quick.repeats == 7 and quick.seq_lens == QUICK_SEQ_LENS
+    assert quick.decode_steps == 4
+    given = config("--source", "a", "--target", "b", "--mapper", "m1", "--mapper", "x=m2", "--exact-layers", "3",
+                   "--recompute-tokens", "8", "--no-ttft", "--top-k", "all")  # fmt: skip
+    assert given == BenchConfig("a", "b", mappers=("m1", "x=m2"), exact_layers=3, recompute_tokens=8, ttft=False, top_k="all")
+    with pytest.raises(cli.CLIError, match="both --source and --target"):
+        config("--source", "a")
+    monkeypatch.chdir(tmp_path)  # no family here
+    with pytest.raises(cli.CLIError, match="no model family at examples/family"):
+        config()
+    assert isinstance(cli.build_parser().parse_args(["bench"]), argparse.Namespace)
+    with pytest.raises(ValueError, match="recompute_tokens must be >= 1"):
+        BenchConfig("a", "b", recompute_tokens=0)
+    with pytest.raises(ValueError, match="drop --random-weights"):
+        BenchConfig("a", "b", random_weights=True, mappers=("m",))
+
+
+def test_prefill_flops_of_exact_layers_and_recomputed_tokens_match_torch_flop_counter():
+    """`prefill_flops(num_layers=, context_len=)` (what plan counts for the exact layers and the recomputed tokens)
+    against torch's counter on a truncated model and on a forward over a cache."""
+    target = tiny_model("qwen3", num_hidden_layers=4, seed=4)
+    cfg, seq, context = target.config, 12, 20
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    ids = random_ids(1, context + seq, seed=7)
+    # The first 2 layers: a copy of the model cut to them.
+    import copy
+
+    cut = copy.deepcopy(target)
+    cut.model.layers = cut.model.layers[:2]
+    with FlopCounterMode(display=False) as counter:
+        cut.model(ids[:, :seq])
+    flops = prefill_flops(cfg, seq, num_layers=2)
+    square = 2 * 2 * 2 * q_dim * seq * seq  # eager attention computes the full square; the formula the triangle
+    triangle = 2 * 2 * 2 * q_dim * (seq * (seq + 1) // 2)
+    assert counter.get_total_flops() == flops["total"] - triangle + square
+    # `seq` new tokens on a cache of `context`: every layer, attending to the context and causally to themselves.
+    cache = prefill(target, ids[:, :context])
+    with FlopCounterMode(display=False) as counter:
+        target.model(ids[:, context:], cache=cache, use_cache=True)
+    flops = prefill_flops(cfg, seq, context_len=context)
+    layers = cfg.num_hidden_layers
+    rectangle = 2 * layers * 2 * q_dim * seq * (context + seq)
+    causal = 2 * layers * 2 * q_dim * (seq * context + seq * (seq + 1) // 2)
+    assert counter.get_total_flops() == flops["total"] - causal + rectangle
 
 
 @pytest.mark.slow

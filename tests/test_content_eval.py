@@ -242,8 +242,14 @@ def test_eval_cli_recall(tmp_path, capsys):
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "| passage recall accuracy | 4 |" in printed
+    # What the transfers computed themselves: said first, and in the table and the JSON.
+    said = "every transfer with 1 of 2 target layers exact (TransferredCache's default for a mapper that records none)"
+    assert printed.splitlines()[0].startswith(f"eval: {said}")
+    assert "Every transfer: 1 of 2 target layers exact" in printed
     results = json.loads(out.read_text())
     assert results["config"]["tasks"] == ["recall"] and "prefix_perplexity" not in results
+    assert results["config"]["num_exact_layers"] == 1 and results["config"]["num_target_layers"] == 2
+    assert results["config"]["num_recompute_tokens_used"] == {"passage_recall": results["passage_recall"]["num_recompute_tokens"]}
     recall = results["passage_recall"]
     assert recall["num_items"] == 4 and recall["correct_per_item"]["transfer"] == recall["correct_per_item"]["own"]
     assert (tmp_path / "eval.png").read_bytes()[:4] == b"\x89PNG"

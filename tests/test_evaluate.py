@@ -114,6 +114,20 @@ def test_multiple_choice_matches_plain_scoring(qwen3_model, identity_mapper, bro
     assert res3["acc"]["target"] == res["acc"]["target"]
 
 
+def test_multiple_choice_computes_the_exact_layers_it_is_given(qwen3_model, broken_mapper):
+    """`num_exact_layers` reaches the transfer (eval's --exact-layers): with every layer exact, even a mapper that
+    loses everything scores as the target's own prefill, and the result says what it used."""
+    docs = [random_ids(1, 200, seed=s)[0].tolist() for s in range(6)]
+    items = build_continuation_task(docs, context_len=24, continuation_len=6, num_items=16)
+    layers = qwen3_model.config.num_hidden_layers
+    res = multiple_choice(qwen3_model, qwen3_model, broken_mapper, items, num_bootstrap=0, progress=False,
+                          num_exact_layers=layers)  # fmt: skip
+    assert res["acc"]["transfer"] == res["acc"]["target"] and res["num_exact_layers"] == layers
+    default = multiple_choice(qwen3_model, qwen3_model, broken_mapper, items, num_bootstrap=0, progress=False)
+    assert default["num_exact_layers"] == broken_mapper.num_exact_layers < layers
+    assert default["acc"]["transfer"] != default["acc"]["target"]  # so the first check can fail
+
+
 def test_continuation_task_structure():
     docs = [list(range(1000 * d, 1000 * d + 300)) for d in range(5)]
     items = build_continuation_task(docs, context_len=20, continuation_len=5, num_choices=4, num_items=30, gap=2, seed=1)

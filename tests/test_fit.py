@@ -6,6 +6,7 @@ import torch
 
 from conftest import random_ids, tiny_model
 from hf_kvtransfer import (
+    KVMapper,
     KVStatistics,
     TransferredCache,
     capture_kv,
@@ -299,3 +300,15 @@ def test_float32_products_with_chan_merge_stay_close_to_float64(mismatched_pair)
             for name in ("gram", "cross", "var_y"):
                 scale = ca[name].abs().max().item()
                 torch.testing.assert_close(cb[name], ca[name], rtol=0, atol=2e-6 * scale)
+
+
+def test_fit_mapper_returns_one_mapper_and_points_to_fit_mappers_for_several(qwen3_model, calibration_ids):
+    from hf_kvtransfer import fit_mappers
+
+    with pytest.raises(ValueError, match=r"use fit_mappers\(\.\.\.\)"):
+        fit_mapper(qwen3_model, qwen3_model, calibration_ids, top_k="1,all", progress=False, num_exact_layers=1)
+    several = fit_mappers(qwen3_model, qwen3_model, calibration_ids, top_k="1,all", progress=False, num_exact_layers=1)
+    one = fit_mapper(qwen3_model, qwen3_model, calibration_ids, top_k=1, progress=False, num_exact_layers=1)
+    assert sorted(several) == ["k1", "kall"] and isinstance(one, KVMapper)
+    for kind in ("key", "value"):  # the same pass and solve: the k=1 mapper is the same either way
+        torch.testing.assert_close(several["k1"].layers[0].linear_parts(kind).up, one.layers[0].linear_parts(kind).up)

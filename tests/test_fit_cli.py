@@ -233,13 +233,13 @@ def test_auto_picks_the_best_held_out_candidate(pair, tmp_path):
 
 
 def test_fit_mapper_takes_the_cli_options_in_python(pair, tmp_path):
-    from hf_kvtransfer import fit_mapper
+    from hf_kvtransfer import fit_mappers
 
     source, target, corpus = pair
     assert main(_args(pair, tmp_path / "cli", "--top-k", "1,all", "--heldout-fraction", "0.25")) == 0
     src = AutoModelForCausalLM.from_pretrained(source).eval()
     tgt = AutoModelForCausalLM.from_pretrained(target).eval()
-    mappers = fit_mapper(
+    mappers = fit_mappers(
         src, tgt, corpus, tokenizer=make_tokenizer(), num_sequences=NUM_SEQUENCES, seq_len=SEQ_LEN, batch_size=BATCH,
         top_k="1,all", heldout_fraction=0.25, checkpoint_dir=tmp_path / "ckpt", progress=False,
     )  # fmt: skip

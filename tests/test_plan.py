@@ -10,7 +10,7 @@ from transformers import Qwen3Config
 from conftest import random_ids, tiny_model
 from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
 from hf_kvtransfer.commands.cli import main
-from hf_kvtransfer.commands.plan import plan_transfer
+from hf_kvtransfer.commands.plan import format_plan, plan_transfer
 from hf_kvtransfer.core.stats import BlockStatistics, KVLayout, KVStatistics
 
 
@@ -107,3 +107,86 @@ def test_cli_json(capsys):
     assert out["mapper_weight_parameters"] == _paper_parameters(28, 8, 128, 8, 8, 128)
     assert main(["plan", "--source", "Qwen/Qwen3-0.6B", "--target", "Qwen/Qwen3-1.7B", "--offline", "--top-k", "99"]) == 1
     assert "top_k must be in [1, 28]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rank", [None, 6])
+@pytest.mark.parametrize("positions", [1, 2, 3])
+def test_residual_inputs_cost_equals_layer_maps_built_with_the_extra_inputs(rank, positions):
+    """What P positions of the target's residual stream add to a mapper: the parameters of the library's own layer
+    maps built with `P x hidden` more input features, and the FLOPs torch counts when they are applied."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_kvtransfer.commands.plan import residual_inputs_cost
+    from hf_kvtransfer.core.layer_maps import LowRankLayerMap, RidgeLayerMap
+
+    src, tgt = KVLayout.from_config(SOURCE), KVLayout.from_config(TARGET)
+    base_in, extra_in, out = 2 * src.layer_dim, positions * TARGET.hidden_size, tgt.layer_dim
+    build = (lambda f: RidgeLayerMap(f, out)) if rank is None else (lambda f: LowRankLayerMap(f, out, rank, rank))
+    plain, wider = build(base_in), build(base_in + extra_in)
+    mapped, tokens = 3, 11  # e.g. 5 target layers, 2 of them exact
+
+    def count(layer_map, features):
+        x = torch.randn(tokens, features)
+        with FlopCounterMode(display=False) as counter:
+            layer_map.key(x), layer_map.value(x)
+        return counter.get_total_flops()
+
+    cost = residual_inputs_cost(TARGET, positions, mapped, tokens, rank=rank)
+    assert cost["input_features"] == extra_in
+    assert cost["parameters"] == mapped * (sum(p.numel() for p in wider.parameters()) - sum(p.numel() for p in plain.parameters()))
+    assert cost["flops"] == mapped * (count(wider, base_in + extra_in) - count(plain, base_in))
+    assert residual_inputs_cost(TARGET, 0, mapped, tokens)["parameters"] == 0
+
+
+@pytest.mark.parametrize("exact,recompute", [(0, 1), (1, 4), (2, 5), (4, 3)])
+def test_first_token_flops_equal_a_real_transfer_under_torch_flop_counter(exact, recompute):
+    """The FLOPs to the first token that plan reports (exact layers, maps, recomputed tokens) against torch's count of
+    the target's first forward on a real `TransferredCache` (it computes the exact layers and maps the rest)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_kvtransfer.commands.plan import first_token_flops, planning_mapper
+
+    source, target = tiny_model("qwen3", num_hidden_layers=3, seed=1), tiny_model("qwen3", num_hidden_layers=4, seed=2)
+    cfg, seq = target.config, 24
+    mapper = KVMapper(MapperConfig(source.config.to_dict(), cfg.to_dict(), [[0, 2]] * 4, top_k=2))
+    ids = random_ids(1, seq, seed=3)
+    cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=recompute, num_exact_layers=exact)
+    with FlopCounterMode(display=False) as counter:
+        target(ids[:, -recompute:], cache=cache, use_cache=True, logits_to_keep=1)
+    got = first_token_flops(cfg, planning_mapper(source.config, cfg, 2), seq, num_exact_layers=exact,
+                            num_recompute_tokens=recompute)  # fmt: skip
+    # Eager attention computes full squares / rectangles where the formula counts the causal part; the LM head of
+    # the last position is outside the transformer body the formula counts.
+    q = 2 * 2 * cfg.num_attention_heads * cfg.head_dim
+    held = seq - recompute
+    exact_full = max(exact - 1, 0)  # the exact pass stops at the last exact layer's cache update
+    eager = q * exact_full * (held * held - held * (held + 1) // 2)
+    eager += q * cfg.num_hidden_layers * (recompute * seq - (recompute * held + recompute * (recompute + 1) // 2))
+    lm_head = 2 * cfg.hidden_size * cfg.vocab_size
+    assert counter.get_total_flops() == got["total"] + eager + lm_head
+    assert got["total"] == got["exact_layers"] + got["mapping"] + got["recompute"] and got["residual_inputs"] == 0
+
+
+def test_plan_reports_the_first_token_and_residual_inputs_at_scale():
+    from hf_kvtransfer.commands.bench import prefill_flops
+    from hf_kvtransfer.commands.model_configs import load_model_config as target_config
+
+    for source, target, layers, hidden in (("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", 64, 5120),
+                                           ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", 80, 8192)):  # fmt: skip
+        plan = plan_transfer(source, target, top_k=8, seq_len=4096, use_hub=False, num_exact_layers=4,
+                             residual_positions=2, available_memory=2**40)  # fmt: skip
+        assert plan.num_exact_layers == 4 and plan.num_recompute_tokens == 32
+        # Full rank, K and V: 2 positions x hidden more inputs per map, on the 60 / 76 mapped layers.
+        assert plan.residual_parameters == 2 * (layers - 4) * 2 * hidden * 8 * 128
+        f, r = plan.first_token_flops, plan.first_token_flops_residual
+        assert r["residual_inputs"] == 2 * (4096 - 32) * plan.residual_parameters
+        # The residual after the last exact layer: that layer runs whole (the K/V-only pass stops at its cache update).
+        assert r["exact_layers"] == prefill_flops(target_config(target, use_hub=False), 4096 - 32, num_layers=4)["total"] > f["exact_layers"]
+        assert r["total"] - f["total"] == r["residual_inputs"] + r["exact_layers"] - f["exact_layers"]
+        assert f["own_prefill"] == plan.prefill_flops
+        assert plan.first_token_flop_ratio == pytest.approx(f["own_prefill"] / f["total"])
+        text = format_plan(plan)
+        assert "to the first token of a 4096-token prompt (4 of" in text and "residual stream (2 positions x" in text
+        assert "the last exact layer run whole" in text
+    with pytest.raises(ValueError, match="num_exact_layers must be in"):
+        plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", use_hub=False, num_exact_layers=99)

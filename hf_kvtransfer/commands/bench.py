@@ -2,26 +2,32 @@
 
 For each sequence length: (a) the target's own prefill (transformer body, as the paper times it, and the full
 forward with logits), (b) the transfer itself (strip source RoPE + map + apply target RoPE for every layer,
-`TransferredCache(...).convert_all()`), (c) time to first token through `generate` with a transferred cache
-(1 recomputed token: the transfer's own cost; the default 32 add the target's forward of 31 more tokens)
-vs. the target's own prefill, (d) one decode step on a transferred cache vs. a plain `DynamicCache`, (e) peak
-memory of (a) and (b), and (f) the mapper's parameters and bytes, with the FLOP ratio of mapping vs. prefill.
-Warm-up first, medians over repeats; results as JSON, a markdown table and a PNG plot.
+`TransferredCache(...).convert_all()`), (c) time to first token (`timing.time_to_first_token`) **at the mapper's
+defaults** (its exact layers, which the target computes itself, and `TransferredCache`'s recomputed tokens) and, beside
+it, with every layer mapped (0 exact layers, 1 recomputed token: the transfer's own cost, which loses what the context
+said on a mapper that needs exact layers), both against the target's own prefill, (d) one decode step on a
+transferred cache vs. a plain `DynamicCache`, (e) peak memory of (a) and (b), and (f) the mapper's parameters and
+bytes, with the FLOP ratio of mapping vs. prefill. Warm-up first, medians over repeats; results as JSON, a markdown
+table and a PNG plot (`reporting.save_bench_report`).
 
-Threads: OpenMP busy-waiting makes small CPU ops cost milliseconds on a shared machine, so the command line
-runs with `OMP_WAIT_POLICY=PASSIVE` (it re-executes itself with it set, since the variable only takes effect
-before torch is imported) and records the setting, the thread count and the machine in the results.
+`run(BenchConfig(...))` builds the models and mappers a config names and runs the benchmark; the command line
+(`hf-kvtransfer bench`, `commands/cli.py`) owns the arguments and re-executes itself with `OMP_WAIT_POLICY=PASSIVE`
+(OpenMP busy-waiting makes small CPU ops cost milliseconds on a shared machine, and the variable only takes effect
+before torch loads). The setting, the thread count and the machine are recorded in the results.
 
 Example:
-    ```bash
-    python -m hf_kvtransfer.commands.bench --quick --shapes family --output-dir bench_out
-    hf-kvtransfer bench --source family/small --target family/large --ranks full 16 8
+    ```python
+    >>> from hf_kvtransfer.commands.bench import BenchConfig, run
+    >>> config = BenchConfig("examples/family/small", "examples/family/large", random_weights=True, seq_lens=(512, 1024))
+    >>> report = run(config)
+    >>> report["results"][0]["ttft_defaults_ms"], report["settings"]["ttft_defaults"]["num_exact_layers"]
     ```
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import platform
@@ -34,7 +40,7 @@ from typing import Any
 import torch
 from huggingface_hub.utils import tqdm
 
-from ..core.cache import TransferredCache
+from ..core.cache import DEFAULT_NUM_RECOMPUTE_TOKENS, TransferredCache
 from ..core.conversion import conversion_groups
 from ..core.capture import prefill
 from ..evaluation.evaluate import kv_r2
@@ -45,16 +51,10 @@ from ..core.mapper import KVMapper
 from ..core.loading import DTYPES, check_device, load_model
 from ..core.rope import head_dim_of, text_config
 from ..core.stats import KVStatistics
-from ..evaluation.timing import DEFAULT_SEQ_LENS, QUICK_SEQ_LENS, median_ms, synchronize, time_call
+from .reporting import origin_of_exact_layers, ttft_settings_line
+from ..evaluation.timing import DEFAULT_SEQ_LENS, QUICK_SEQ_LENS, median_ms, synchronize, time_call, time_to_first_token
 
 logger = logging.getLogger(__name__)
-
-# Shapes of the trained family the repository ships (small and large), for timing without the checkpoints.
-FAMILY_SHAPES = {
-    "small": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=384),
-    "large": dict(num_hidden_layers=8, hidden_size=192, num_attention_heads=6, intermediate_size=576),
-}
-
 
 # -- measurement helpers -------------------------------------------------------------------------------
 @contextlib.contextmanager
@@ -114,23 +114,48 @@ def peak_memory(fn: Callable[[], Any], device: torch.device) -> int | None:
 
 
 # -- FLOPs ------------------------------------------------------------------------------------------------
-def prefill_flops(config, seq_len: int, logits: bool = False) -> dict[str, int]:
-    """FLOPs (2 x multiply-adds) of a decoder's prefill of `seq_len` tokens, batch 1.
+def prefill_flops(
+    config, seq_len: int, logits: bool = False, *, num_layers: int | None = None, context_len: int = 0
+) -> dict[str, int]:
+    """FLOPs (2 x multiply-adds) of a decoder's forward of `seq_len` tokens, batch 1.
+
+    Args:
+        num_layers: only the first this many decoder layers (the exact layers a transfer computes); default all.
+        context_len: tokens already in the cache that the `seq_len` new ones attend to (the recomputed tokens of a
+            transfer attend to the transferred prompt); 0 is a prefill.
 
     Returns `{"projections": ..., "attention": ..., "lm_head": ..., "total": ...}`; attention counts the causal
-    half of QK^T and AV (what a fused kernel can skip), projections cover q/k/v/o and a gated MLP.
+    half of QK^T and AV over the new tokens (what a fused kernel can skip) and every cached position, projections
+    cover q/k/v/o and a gated MLP.
     """
     config = text_config(config)
-    hidden, layers = config.hidden_size, config.num_hidden_layers
+    hidden = config.hidden_size
+    layers = config.num_hidden_layers if num_layers is None else num_layers
     head_dim = head_dim_of(config)
     q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     per_token_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * config.intermediate_size
     projections = 2 * seq_len * layers * per_token_layer
-    # QK^T and AV over the causal triangle: sum_i i ~ T^2 / 2 pairs, each 2 * q_dim multiply-adds.
-    attention = 2 * layers * 2 * q_dim * (seq_len * (seq_len + 1) // 2)
+    # QK^T and AV: each new token attends to the cached context and, causally, to the new tokens up to itself
+    # (sum_i i ~ T^2 / 2 pairs); each pair is 2 * q_dim multiply-adds.
+    pairs = seq_len * context_len + seq_len * (seq_len + 1) // 2
+    attention = 2 * layers * 2 * q_dim * pairs
     lm_head = 2 * seq_len * hidden * config.vocab_size if logits else 0
     return {"projections": projections, "attention": attention, "lm_head": lm_head,
             "total": projections + attention + lm_head}  # fmt: skip
+
+
+def exact_layers_flops(config, seq_len: int, num_exact_layers: int) -> int:
+    """FLOPs of the target computing the keys and values of its first `num_exact_layers` layers for `seq_len` tokens,
+    batch 1, as `TransferredCache` does: its forward stops at the last exact layer's cache update, so that layer
+    costs only its q/k/v projections (the query is projected before the update) and the layers before it a prefill's
+    share (`prefill_flops(num_layers=...)`)."""
+    if num_exact_layers == 0:
+        return 0
+    config = text_config(config)
+    head_dim = head_dim_of(config)
+    q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    last = 2 * seq_len * config.hidden_size * (q_dim + 2 * kv_dim)
+    return prefill_flops(config, seq_len, num_layers=num_exact_layers - 1)["total"] + last
 
 
 def mapping_flops(mapper: KVMapper, seq_len: int) -> int:
@@ -216,6 +241,9 @@ def run_benchmark(
     measure_memory: bool = True,
     measure_full_forward: bool = True,
     compile_rope: bool | str = False,
+    num_exact_layers: int | None = None,
+    num_recompute_tokens: int | None = None,
+    exact_layers_origin: str | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -229,11 +257,18 @@ def run_benchmark(
         repeats / warmup: timed and untimed calls per measurement; medians are reported.
         decode_steps: single-token steps timed per repeat for (d).
         compile_rope: time the transfer with `TransferredCache(..., compile_rope=True)` (True), or both ways ("both":
-            extra entries named "<mapper> +compile").
+            extra entries named "<mapper> +compile"). Time to first token is timed without.
+        num_exact_layers, num_recompute_tokens: the configuration time to first token is timed at, as
+            `TransferredCache` takes them (default None: the first mapper's exact layers and the cache's default of
+            recomputed tokens, i.e. what a user gets). Beside it, every layer mapped (0 exact layers, 1 recomputed
+            token) is timed too and labelled as such.
+        exact_layers_origin: where the exact-layer count came from, for the report (default: said from the mapper).
 
     Returns:
         `{"environment", "settings", "mappers": {name: size}, "results": [one dict per seq_len]}`, times in ms,
-        memory in bytes.
+        memory in bytes. `settings["ttft_defaults"]` / `settings["ttft_all_mapped"]` say the exact layers and
+        recomputed tokens each time to first token used; rows hold `ttft_own_ms`, `ttft_defaults_ms`,
+        `ttft_defaults_speedup`, `ttft_all_mapped_ms`, `ttft_all_mapped_speedup`.
     """
     if isinstance(mappers, KVMapper):
         mappers = {"mapper": mappers}
@@ -247,6 +282,9 @@ def run_benchmark(
     first = next(iter(mappers))
     results = []
     stages = len(seq_lens) * (3 + len(variants) + 2 * measure_ttft + measure_decode)
+    exact = mappers[first].resolve_num_exact_layers(num_exact_layers)
+    if exact_layers_origin is None:
+        exact_layers_origin = origin_of_exact_layers(mappers[first], num_exact_layers)
     bar = tqdm(total=stages, desc="bench", unit="stage", disable=not progress)
 
     def step(name: str, seq_len: int):
@@ -288,32 +326,49 @@ def run_benchmark(
             row["prefill_body_peak_bytes"] = peak_memory(lambda: prefill(target, ids), device)
         mapper = mappers[first]
         if measure_ttft:
-            kwargs = dict(max_new_tokens=1, do_sample=False, pad_token_id=target.config.pad_token_id or 0)
-            own = lambda: target.generate(ids, **kwargs)  # noqa: E731
-            transferred = lambda: target.generate(  # noqa: E731
-                ids, **kwargs,
-                cache=TransferredCache(source_cache, mapper, num_recompute_tokens=1, compile_rope=compile_rope is True),
+            at_defaults = time_to_first_token(
+                source, target, mapper, ids, num_exact_layers=num_exact_layers,
+                num_recompute_tokens=num_recompute_tokens, repeats=repeats,
+            )  # fmt: skip
+            step("TTFT at the defaults (and own prefill)", seq_len)
+            all_mapped = time_to_first_token(
+                source, target, mapper, ids, num_exact_layers=0, num_recompute_tokens=1, repeats=repeats, measure_own=False
             )
-            _measure(row, "ttft_own_ms", own, device, repeats, warmup)
-            step("TTFT own", seq_len)
-            _measure(row, "ttft_transfer_ms", transferred, device, repeats, warmup)
-            row["ttft_speedup"] = row["ttft_own_ms"] / row["ttft_transfer_ms"]
-            step("TTFT transfer", seq_len)
+            row.update({
+                "ttft_own_ms": at_defaults["target_prefill_ms"],
+                "ttft_defaults_ms": at_defaults["transfer_ms"], "ttft_defaults_speedup": at_defaults["speedup"],
+                "ttft_defaults_num_exact_layers": at_defaults["num_exact_layers"],
+                "ttft_defaults_num_recompute_tokens": at_defaults["num_recompute_tokens"],
+                "ttft_all_mapped_ms": all_mapped["transfer_ms"],
+                "ttft_all_mapped_speedup": at_defaults["target_prefill_ms"] / all_mapped["transfer_ms"],
+            })  # fmt: skip
+            step("TTFT all mapped", seq_len)
         if measure_decode:
             row.update(_decode_times(target, ids, source_cache, mapper, device, repeats, warmup, decode_steps, generator))
             step("decode", seq_len)
         results.append(row)
         source_cache = None  # free it before the next length's prefill
     bar.close()
+    settings = {
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch_size": 1, "repeats": repeats,
+        "warmup": warmup, "decode_steps": decode_steps, "seq_lens": list(seq_lens),
+        "source": getattr(source.config, "_name_or_path", None) or "random-init",
+        "target": getattr(target.config, "_name_or_path", None) or "random-init",
+        "attn_implementation": getattr(target.config, "_attn_implementation", None),
+        "num_target_layers": len(mappers[first].layers),
+    }  # fmt: skip
+    if measure_ttft:
+        # What each time to first token used (the recomputed tokens per length are in the rows).
+        settings["ttft_mapper"] = first
+        settings["ttft_defaults"] = {
+            "num_exact_layers": exact, "exact_layers_origin": exact_layers_origin,
+            "num_recompute_tokens": num_recompute_tokens,  # None: TransferredCache's default
+            "num_recompute_tokens_default": DEFAULT_NUM_RECOMPUTE_TOKENS,
+        }  # fmt: skip
+        settings["ttft_all_mapped"] = {"num_exact_layers": 0, "num_recompute_tokens": 1}
     return {
         "environment": environment(),
-        "settings": {
-            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch_size": 1, "repeats": repeats,
-            "warmup": warmup, "decode_steps": decode_steps, "seq_lens": list(seq_lens),
-            "source": getattr(source.config, "_name_or_path", None) or "random-init",
-            "target": getattr(target.config, "_name_or_path", None) or "random-init",
-            "attn_implementation": getattr(target.config, "_attn_implementation", None),
-        },  # fmt: skip
+        "settings": settings,
         "mappers": {name: mapper_size(m) for name, m, _ in variants},
         "results": results,
     }
@@ -350,22 +405,21 @@ def _decode_times(target, ids, source_cache, mapper, device, repeats, warmup, st
 
 
 # -- building what to time --------------------------------------------------------------------------------
-def family_shaped_models(vocab_size: int = 4096, seed: int = 0, max_position_embeddings: int = 8192):
-    """Random-weight Qwen3 models with the bundled family's shapes (timing is independent of the weights)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def random_weight_model(name_or_path: str, seed: int = 0, min_positions: int = 0) -> torch.nn.Module:
+    """A causal LM of `name_or_path`'s config (a model folder, a `config.json`, or an id `load_model_config` knows)
+    with random weights: timing depends on the shapes, not the weights. `max_position_embeddings` is raised to
+    `min_positions` where it is smaller."""
+    from transformers import AutoModelForCausalLM
 
-    models = []
-    for i, name in enumerate(("small", "large")):
-        torch.manual_seed(seed + i)
-        config = Qwen3Config(
-            vocab_size=vocab_size, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
-            pad_token_id=0, **FAMILY_SHAPES[name],
-        )  # fmt: skip
-        model = Qwen3ForCausalLM(config).eval()
-        model.config._name_or_path = f"random-init family-shaped {name}"
-        models.append(model)
-    return models[0], models[1]
+    from .model_configs import load_model_config
+
+    config = load_model_config(name_or_path)
+    if getattr(config, "max_position_embeddings", min_positions) < min_positions:
+        config.max_position_embeddings = min_positions
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.config._name_or_path = f"random weights, config of {name_or_path}"
+    return model
 
 
 def _calibration_ids(target_path: str | None, text_path: str | None, num_tokens: int, seq_len: int, vocab: int, seed: int):
@@ -373,7 +427,7 @@ def _calibration_ids(target_path: str | None, text_path: str | None, num_tokens:
         from transformers import AutoTokenizer
 
         if target_path is None:
-            raise ValueError("--calibration-text needs --target (its tokenizer) ")
+            raise ValueError(f"{text_path} needs a target whose tokenizer reads it")
         tokenizer = AutoTokenizer.from_pretrained(target_path)
         ids = tokenizer(Path(text_path).read_text(), return_tensors="pt").input_ids[0]
         rows = min(len(ids) // seq_len, max(num_tokens // seq_len, 1))
@@ -426,53 +480,148 @@ def mapper_quality(source, target, mappers: dict[str, KVMapper], heldout_ids: to
     return out
 
 
-def reexec_with_passive_omp(module: str, argv: Sequence[str]) -> None:
-    """Re-run this program with `OMP_WAIT_POLICY=PASSIVE` unless the user set a policy: OpenMP reads it at load."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        return
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What `run` builds and times (`hf-kvtransfer bench` makes one from its arguments).
+
+    Args:
+        source, target: model folders or Hub ids; with `random_weights`, anything `load_model_config` reads (a
+            model folder, a `config.json`, a known Hub id offline), and the models get random weights.
+        random_weights: time models of these configs with random weights (no checkpoints needed).
+        mappers: saved mappers to time, each `"[NAME=]PATH"`; empty: mappers are solved here, one per `ranks` spec.
+        exact_layers: the target's first layers computed by the target itself in the time to first token at the
+            defaults (None: the first mapper's own number; a mapper solved here records none, so
+            `TransferredCache`'s default applies: there is no content probe to choose one).
+        recompute_tokens: prompt tokens the target recomputes in that time to first token (None:
+            `TransferredCache`'s default).
+        statistics: saved `KVStatistics` to solve mappers from (else collected here).
+        calibration_text, calibration_tokens: the text the statistics are collected on (tokenized with the target's
+            tokenizer; None: random tokens, fine for timing) and how many tokens.
+        heldout_tokens, heldout_text: also report held-out K/V R^2 per mapper on this many tokens (0: skip).
+        top_k, ranks: source layers per target layer, and the mappers to solve (`parse_rank_spec`, optionally
+            `kN:SPEC` for another top-k and `SPEC@bf16` for a weight dtype); the first is used for time to first token.
+        seq_lens, repeats, warmup, decode_steps: what is timed, how often (medians), untimed calls first.
+        device, dtype, threads: where and how (None: CUDA when available; bf16 on CUDA, float32 on CPU; torch's).
+        compile: RoPE through torch.compile for the transfer: "off", "on" or "both".
+        ttft, decode: whether time to first token / the decode step are measured.
+
+    Example:
+        ```python
+        >>> config = BenchConfig.quick("examples/family/small", "examples/family/large", random_weights=True)
+        >>> config.seq_lens
+        (512, 1024, 4096, 8192)
+        ```
+    """
+
+    source: str
+    target: str
+    random_weights: bool = False
+    mappers: tuple[str, ...] = ()
+    exact_layers: int | None = None
+    recompute_tokens: int | None = None
+    statistics: str | None = None
+    calibration_text: str | None = None
+    calibration_tokens: int = 16384
+    heldout_tokens: int = 0
+    heldout_text: str | None = None
+    top_k: int | str = 4
+    ranks: tuple[str, ...] = ("full", "16", "8")
+    seq_lens: tuple[int, ...] = DEFAULT_SEQ_LENS
+    repeats: int = 5
+    warmup: int = 1
+    decode_steps: int = 8
+    device: str | None = None
+    dtype: str | None = None
+    threads: int | None = None
+    compile: str = "off"
+    ttft: bool = True
+    decode: bool = True
+
+    def __post_init__(self):
+        for name in ("mappers", "ranks", "seq_lens"):  # lists from argparse or a caller: stored as tuples
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.top_k != "all":
+            object.__setattr__(self, "top_k", int(self.top_k))
+        if not self.seq_lens or min(self.seq_lens) < 2:
+            raise ValueError(f"seq_lens must be lengths of at least 2 tokens, got {list(self.seq_lens)}")
+        if self.repeats < 1 or self.warmup < 0 or self.decode_steps < 1:
+            raise ValueError(
+                f"repeats and decode_steps must be >= 1 and warmup >= 0, got repeats {self.repeats}, decode_steps "
+                f"{self.decode_steps}, warmup {self.warmup}"
+            )
+        if self.compile not in ("off", "on", "both"):
+            raise ValueError(f"compile must be off, on or both, got {self.compile!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.exact_layers is not None and self.exact_layers < 0:
+            raise ValueError(f"exact_layers must be >= 0, got {self.exact_layers}")
+        if self.recompute_tokens is not None and self.recompute_tokens < 1:
+            raise ValueError(
+                f"recompute_tokens must be >= 1 (the target is fed the prompt's last token), got {self.recompute_tokens}"
+            )
+        if self.random_weights and self.mappers:
+            raise ValueError(
+                "saved mappers were fit on trained models: time them with the checkpoints (drop --random-weights)"
+            )
+
+    @classmethod
+    def quick(cls, source: str, target: str, **overrides) -> BenchConfig:
+        """Fewer lengths, repeats, decode steps and mappers (`hf-kvtransfer bench --quick`); `overrides` win."""
+        quick = dict(seq_lens=QUICK_SEQ_LENS, repeats=3, decode_steps=4, ranks=("full", "8"))
+        return cls(source, target, **{**quick, **overrides})
 
 
-def run_from_args(args) -> dict[str, Any]:
-    """The `bench` command (`hf-kvtransfer bench`, whose parser defines `args`): build models and mappers from
-    the arguments, run, return the report (the CLI writes it with `reporting.save_bench_report`)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    seq_lens = args.seq_lens or (QUICK_SEQ_LENS if args.quick else DEFAULT_SEQ_LENS)
-    repeats = args.repeats or (3 if args.quick else 5)
-    ranks = args.ranks if not (args.quick and args.ranks == ["full", "16", "8"]) else ["full", "8"]
-    if (args.source is None) != (args.target is None):
-        raise ValueError("give both --source and --target, or neither (random models with --shapes family)")
-    if args.source:
-        source = load_model(args.source, "source", dtype=torch.float32, device="cpu")
-        target = load_model(args.target, "target", dtype=torch.float32, device="cpu")
+def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Build the models and mappers `config` names, time them (`run_benchmark`) and return the report.
+
+    `announce` receives one line before the timing starts: the exact layers and recomputed tokens the time to first
+    token uses (the command line prints it). The command line writes the report with `reporting.save_bench_report`.
+    """
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = check_device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if config.random_weights:
+        positions = max(config.seq_lens)
+        source = random_weight_model(config.source, seed=0, min_positions=positions)
+        target = random_weight_model(config.target, seed=1, min_positions=positions)
     else:
-        source, target = family_shaped_models(max_position_embeddings=max(8192, max(seq_lens)))
+        source = load_model(config.source, "source", dtype=torch.float32, device="cpu")
+        target = load_model(config.target, "target", dtype=torch.float32, device="cpu")
     source, target = source.to(device), target.to(device)  # calibrate where the models run
-    if args.mapper:
+    tokenizer_from = config.target  # its tokenizer, for calibration or held-out text
+    origin = None
+    if config.mappers:
         mappers = {}
-        for item in args.mapper:
+        for item in config.mappers:
             name, _, path = item.rpartition("=")
             mappers[name or Path(path).name] = KVMapper.from_pretrained(path)
+        for mapper in mappers.values():
+            mapper.check_compatible(source.config, target.config)
     else:
-        statistics = None
-        if args.statistics:
-            statistics = KVStatistics.load(args.statistics)
+        statistics = KVStatistics.load(config.statistics) if config.statistics else None
         ids = None
         if statistics is None:
             vocab = text_config(target.config).vocab_size
-            ids = _calibration_ids(args.target, args.calibration_text, args.calibration_tokens, 512, vocab, seed=1)
-        top_k = args.top_k if args.top_k == "all" else int(args.top_k)
-        mappers, _ = build_mappers(source, target, ranks, top_k=top_k, statistics=statistics, calibration_ids=ids)
+            ids = _calibration_ids(tokenizer_from, config.calibration_text, config.calibration_tokens, 512, vocab, seed=1)
+        mappers, _ = build_mappers(source, target, config.ranks, top_k=config.top_k, statistics=statistics, calibration_ids=ids)
+        if config.exact_layers is None:
+            # A fit chooses the exact layers with its content probe; a solve here has none to run.
+            origin = (
+                "solved here without a content probe, so TransferredCache's default for a mapper that records none; "
+                "a fitted mapper records its own (--mapper), or set --exact-layers"
+            )
+    first = next(iter(mappers.values()))
+    if config.exact_layers is not None and config.exact_layers > len(first.layers):
+        raise ValueError(
+            f"exact_layers must be in [0, {len(first.layers)}] (the target's layers), got {config.exact_layers}"
+        )
+    if origin is None:
+        origin = origin_of_exact_layers(first, config.exact_layers)
     quality = None
-    if args.heldout_tokens:
+    if config.heldout_tokens:
         vocab = text_config(target.config).vocab_size
-        heldout = _calibration_ids(args.target, args.heldout_text, args.heldout_tokens, 512, vocab, seed=2)
+        heldout = _calibration_ids(tokenizer_from, config.heldout_text, config.heldout_tokens, 512, vocab, seed=2)
         quality = mapper_quality(source, target, mappers, heldout.to(device))
     source, target = source.to(device, dtype), target.to(device, dtype)
     # The mapper computes in the cache dtype on accelerators (bf16 GEMMs accumulate in fp32), in fp32 on CPU,
@@ -480,20 +629,17 @@ def run_from_args(args) -> dict[str, Any]:
     default = dtype if device.type == "cuda" else torch.float32
     named = {n for n in mappers if "@" in n}
     mappers = {n: m.to(device) if n in named else m.to(device, default) for n, m in mappers.items()}
+    if config.ttft and announce is not None:
+        exact = first.resolve_num_exact_layers(config.exact_layers)
+        announce(ttft_settings_line(exact, len(first.layers), origin, config.recompute_tokens))
     report = run_benchmark(
-        source, target, mappers, seq_lens=seq_lens, repeats=repeats, warmup=args.warmup,
-        decode_steps=4 if args.quick and args.decode_steps == 8 else args.decode_steps,
-        measure_ttft=not args.no_ttft, measure_decode=not args.no_decode,
-        compile_rope={"off": False, "on": True, "both": "both"}[args.compile],
+        source, target, mappers, seq_lens=config.seq_lens, repeats=config.repeats, warmup=config.warmup,
+        decode_steps=config.decode_steps, measure_ttft=config.ttft, measure_decode=config.decode,
+        compile_rope={"off": False, "on": True, "both": "both"}[config.compile],
+        num_exact_layers=config.exact_layers, num_recompute_tokens=config.recompute_tokens, exact_layers_origin=origin,
     )  # fmt: skip
-    report["settings"]["command"] = " ".join(sys.argv)
+    report["settings"]["config"] = dataclasses.asdict(config)
     if quality is not None:
         for name, entry in quality.items():
             report["mappers"][name].update(entry)
     return report
-
-
-if __name__ == "__main__":
-    # `python -m hf_kvtransfer.commands.bench ...` is `hf-kvtransfer bench ...`: one parser, the CLI's.
-    sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "hf_kvtransfer.commands.cli", "bench", *sys.argv[1:]])

@@ -274,7 +274,7 @@ def _run_eval(args) -> int:
     from ..evaluation.evaluate import evaluate, resolve_tasks
     from ..core.mapper import KVMapper
     from ..evaluation.multiple_choice import load_multiple_choice
-    from .reporting import evaluation_markdown, plot_evaluation, pyplot
+    from .reporting import eval_settings, evaluation_markdown, origin_of_exact_layers, plot_evaluation, pyplot
 
     if args.plot:
         pyplot()  # a missing matplotlib fails before the run, not after it
@@ -293,6 +293,13 @@ def _run_eval(args) -> int:
     if reverse is not None:
         reverse.check_compatible(target.config, source.config)
     items = load_multiple_choice(args.mc, tokenizer, args.mc_limit) if args.mc else None
+    settings = {
+        "num_exact_layers": mapper.resolve_num_exact_layers(args.exact_layers),
+        "exact_layers_origin": origin_of_exact_layers(mapper, args.exact_layers),
+        "num_target_layers": mapper.target_layout.num_layers,
+        "num_recompute_tokens": "default" if args.recompute is None else args.recompute,
+    }
+    print(f"eval: every transfer with {eval_settings(settings)}", flush=True)
     results = evaluate(
         source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"), tasks=args.tasks,
         num_content_items=args.items, max_new_tokens=args.max_new_tokens, prefix_len=args.prefix_len,
@@ -302,6 +309,7 @@ def _run_eval(args) -> int:
         batch_size=args.batch_size, seed=args.seed,
     )
     results["config"].update(source=args.source, target=args.target, mapper=args.mapper, text=args.text)
+    results["config"].update({k: settings[k] for k in ("exact_layers_origin", "num_target_layers")})
     table = evaluation_markdown(results)
     print(table)
     if args.json:
@@ -543,10 +551,13 @@ def _add_plan(subparsers) -> None:
         subparsers,
         "plan",
         "sizes and costs of a mapper from the two configs alone (no weights): parameters and bytes, fit statistics "
-        "(full / two-stage, and which one fit picks here), FLOPs vs the target's prefill, transfer memory",
+        "(full / two-stage, and which one fit picks here), FLOPs vs the target's prefill, FLOPs to the first token "
+        "(exact layers, maps, recomputed tokens, and what maps reading the target's residual stream add), transfer memory",
         """
         hf-kvtransfer plan --source Qwen/Qwen3-14B --target Qwen/Qwen3-32B --top-k 8 --seq-len 32768
         hf-kvtransfer plan --source meta-llama/Llama-3.2-1B --target meta-llama/Llama-3.2-3B --rank 256 --json
+        hf-kvtransfer plan --source meta-llama/Llama-3.1-8B --target meta-llama/Llama-3.1-70B --exact-layers 4 \\
+            --residual-positions 2 --offline
         """,
     )
     p.add_argument("--source", required=True, help="Hub id, local model folder or config.json (known families work offline)")
@@ -557,6 +568,14 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="sequences transferred at once (default 1)")
     p.add_argument("--dtype", default="bfloat16", help="mapper weights and KV caches: bfloat16 (default), float16, float32")
     p.add_argument("--available-memory", type=float, metavar="GIB", help="memory for the fit statistics (default: free RAM)")
+    p.add_argument("--exact-layers", type=int, metavar="N",
+                   help="target layers the transfer computes itself, for the first-token FLOPs (default: "
+                   "TransferredCache's for a mapper that records none, 1; a fit's content probe chooses a mapper's)")
+    p.add_argument("--recompute-tokens", type=int, metavar="N",
+                   help="prompt tokens the target recomputes, for the first-token FLOPs (default 32, at most half)")
+    p.add_argument("--residual-positions", type=int, default=2, metavar="P",
+                   help="also cost maps that read P positions (t, t-1, ...) of the target's residual stream after the "
+                   "exact layers: mapper size and FLOPs (default %(default)s; 0 leaves it out)")
     p.add_argument("--offline", action="store_true", help="never ask the Hub: local paths and the shipped configs only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_plan)
@@ -569,7 +588,8 @@ def _run_plan(args) -> int:
 
     plan = plan_transfer(
         args.source, args.target, top_k=args.top_k, rank=args.rank, seq_len=args.seq_len, dtype=args.dtype,
-        batch_size=args.batch_size, use_hub=not args.offline,
+        batch_size=args.batch_size, use_hub=not args.offline, num_exact_layers=args.exact_layers,
+        num_recompute_tokens=args.recompute_tokens, residual_positions=args.residual_positions,
         available_memory=int(args.available_memory * 2**30) if args.available_memory else None,
     )  # fmt: skip
     print(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if args.json else format_plan(plan))
@@ -581,70 +601,130 @@ _SUBCOMMANDS += [_add_plan]
 
 # -- bench (bench.py) ----------------------------------------------------------------------------------------
 
+# Where `hf-kvtransfer bench` without --source/--target takes its shapes from: the bundled family's configs, as the
+# repository lays them out (or $HF_KVTRANSFER_FAMILY).
+_BENCH_FAMILY = os.path.join("examples", "family")
+
 
 def _add_bench(subparsers) -> None:
-    from ..evaluation import timing as bench  # the default lengths, without importing torch for `--help`
+    from ..evaluation import timing  # the default lengths, without importing torch for `--help`
 
     p = _subparser(
         subparsers,
         "bench",
-        "time the transfer (strip + map + re-apply RoPE) against the target's own prefill, TTFT, decode step and "
-        "memory, over sequence lengths; writes bench.json, bench.md and bench.png (runs with OMP_WAIT_POLICY=PASSIVE)",
+        "time to first token at the mapper's defaults (its exact layers and recomputed tokens) and all mapped, "
+        "against the target's own prefill; the transfer itself, the decode step and memory, over sequence lengths; "
+        "writes bench.json, bench.md and bench.png (runs with OMP_WAIT_POLICY=PASSIVE)",
         """
-        hf-kvtransfer bench --shapes family --seq-lens 256 1024 4096 --ranks full 16 8 --output-dir bench_out
-        hf-kvtransfer bench --source family/small --target family/large \\
-            --calibration-text family/calibration.txt --ranks full energy=0.99 budget=0.25
+        hf-kvtransfer bench --seq-lens 512 1024 4096 --ranks full 8 --output-dir bench_out
+        hf-kvtransfer bench --source examples/family/small --target examples/family/large \\
+            --mapper mappers/s2l --seq-lens 512 1024 4096 --threads 1
+        hf-kvtransfer bench --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --random-weights --exact-layers 4
         hf-kvtransfer bench --quick --device cuda      # < 3 minutes on one GPU
         """,
     )
-    p.add_argument("--source", help="source model dir / Hub id (default: random models of the family's shapes)")
-    p.add_argument("--target", help="target model dir / Hub id")
-    p.add_argument("--shapes", choices=["family"], default=None,
-                   help="time random-weight models with the bundled family's shapes (no checkpoints needed)")
-    p.add_argument("--mapper", action="append", default=[], metavar="[NAME=]PATH",
-                   help="a saved mapper to time (repeatable); without one, mappers are solved here (see --ranks)")
-    p.add_argument("--statistics", help="saved KVStatistics to solve mappers from (else collected here)")
-    p.add_argument("--calibration-text", help="text file for the statistics (tokenized with --target's tokenizer); "
-                   "default: random tokens, fine for timing")
-    p.add_argument("--calibration-tokens", type=int, default=16384, help="tokens of calibration (default %(default)s)")
-    p.add_argument("--heldout-tokens", type=int, default=0,
+    # Defaults live in BenchConfig: an option not given is not set here (SUPPRESS), and BenchConfig's applies.
+    unset = argparse.SUPPRESS
+    p.add_argument("--source", default=unset, help="source model dir / Hub id (with --random-weights, its config); "
+                   f"default: the configs of {_BENCH_FAMILY}/small and large (or $HF_KVTRANSFER_FAMILY) with "
+                   "random weights")  # fmt: skip
+    p.add_argument("--target", default=unset, help="target model dir / Hub id")
+    p.add_argument("--random-weights", action="store_true", default=unset,
+                   help="time models of the --source/--target configs with random weights (no checkpoints needed)")
+    p.add_argument("--mapper", dest="mappers", action="append", default=unset, metavar="[NAME=]PATH",
+                   help="a saved mapper to time (repeatable; the first one gives time to first token); without one, "
+                   "mappers are solved here (see --ranks)")
+    p.add_argument("--exact-layers", type=int, default=unset, metavar="N",
+                   help="the target's first layers it computes itself in time to first token at the defaults "
+                   "(default: the mapper's, chosen by its fit's content probe; a mapper solved here has no probe and "
+                   "records none, so TransferredCache's default, 1)")
+    p.add_argument("--recompute-tokens", type=int, default=unset, metavar="N",
+                   help="prompt tokens the target recomputes in time to first token at the defaults (default: "
+                   "TransferredCache's, 32, at most half a shorter prompt)")
+    p.add_argument("--statistics", default=unset, help="saved KVStatistics to solve mappers from (else collected here)")
+    p.add_argument("--calibration-text", default=unset, help="text file for the statistics (tokenized with --target's "
+                   "tokenizer); default: random tokens, fine for timing")
+    p.add_argument("--calibration-tokens", type=int, default=unset, help="tokens of calibration (default 16384)")
+    p.add_argument("--heldout-tokens", type=int, default=unset,
                    help="also report held-out K/V R^2 per mapper (and with bf16-rounded weights) on this many tokens "
                    "of --heldout-text (default: random tokens); 0 skips (default)")
-    p.add_argument("--heldout-text", help="text file for --heldout-tokens (tokenized with --target's tokenizer)")
-    p.add_argument("--top-k", default="4", help="source layers per target layer for solved mappers (default 4)")
-    p.add_argument("--ranks", nargs="+", default=["full", "16", "8"],
+    p.add_argument("--heldout-text", default=unset, help="text file for --heldout-tokens (tokenized with --target's tokenizer)")
+    p.add_argument("--top-k", default=unset, help="source layers per target layer for solved mappers (default 4)")
+    p.add_argument("--ranks", nargs="+", default=unset,
                    help="mappers to solve: full, an integer rank, energy=0.99, budget=0.25, each optionally with "
                    "another top-k as kN:SPEC (k1:full) and a weight/compute dtype as SPEC@bf16 (full@bf16); the "
                    "first one is also used for TTFT and decode (default: full 16 8)")
-    p.add_argument("--seq-lens", type=int, nargs="+", help=f"context lengths (default {' '.join(map(str, bench.DEFAULT_SEQ_LENS))})")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5, quick 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")
-    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per repeat (default 8)")
-    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--seq-lens", type=int, nargs="+", default=unset,
+                   help=f"context lengths (default {' '.join(map(str, timing.DEFAULT_SEQ_LENS))})")
+    p.add_argument("--repeats", type=int, default=unset, help="timed repeats per measurement (default 5, quick 3)")
+    p.add_argument("--warmup", type=int, default=unset, help="untimed warm-up calls (default 1)")
+    p.add_argument("--decode-steps", type=int, default=unset, help="decode steps timed per repeat (default 8, quick 4)")
+    p.add_argument("--device", default=unset, help="cuda / cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=unset, choices=["float32", "bfloat16", "float16"],
                    help="model and mapper dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=unset, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--quick", action="store_true",
-                   help=f"seq lens {' '.join(map(str, bench.QUICK_SEQ_LENS))}, 3 repeats, 4 decode steps, ranks full 8")
-    p.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                   help=f"seq lens {' '.join(map(str, timing.QUICK_SEQ_LENS))}, 3 repeats, 4 decode steps, ranks full 8 "
+                   "(options given explicitly win)")
+    p.add_argument("--compile", choices=["off", "on", "both"], default=unset,
                    help="RoPE through torch.compile for the transfer (TransferredCache.compile_rope): off, on, or "
                    "both (times each mapper both ways; default off)")
-    p.add_argument("--no-ttft", action="store_true", help="skip time-to-first-token through generate")
-    p.add_argument("--no-decode", action="store_true", help="skip the decode-step comparison")
+    p.add_argument("--no-ttft", dest="ttft", action="store_false", default=unset, help="skip time to first token")
+    p.add_argument("--no-decode", dest="decode", action="store_false", default=unset, help="skip the decode-step comparison")
     p.add_argument("--output-dir", default="bench_results", help="where bench.json/.md/.png go (default %(default)s)")
     p.add_argument("--no-reexec", action="store_true",
                    help="do not re-execute with OMP_WAIT_POLICY=PASSIVE when it is unset (it is recorded either way)")
     p.set_defaults(func=_run_bench)
 
 
+def _reexec_with_passive_omp(argv: list[str]) -> None:
+    """Re-run this command with `OMP_WAIT_POLICY=PASSIVE` unless the user set a policy: OpenMP reads it when torch
+    loads, i.e. before a subcommand runs, and busy-waiting threads make small CPU ops cost milliseconds."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "hf_kvtransfer.commands.cli", *argv], env)
+
+
+def _bench_config(args):
+    """The `BenchConfig` of the parsed arguments: the options given, and the bundled family's configs with random
+    weights when neither --source nor --target is."""
+    import dataclasses
+
+    from .bench import BenchConfig
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if hasattr(args, f.name)}
+    if "source" not in given and "target" not in given:
+        family = os.environ.get("HF_KVTRANSFER_FAMILY") or _BENCH_FAMILY
+        if not all(os.path.isfile(os.path.join(family, m, "config.json")) for m in ("small", "large")):
+            raise CLIError(
+                f"no --source/--target given and no model family at {family} (small/ and large/ with config.json)",
+                "pass --source and --target (model folders or Hub ids; add --random-weights to time their configs "
+                "with random weights), run from the repository root, or set HF_KVTRANSFER_FAMILY",
+            )
+        if given.get("mappers"):
+            raise CLIError("--mapper needs the --source and --target it was fit for")
+        given.update(source=os.path.join(family, "small"), target=os.path.join(family, "large"), random_weights=True)
+    elif "source" not in given or "target" not in given:
+        raise CLIError("give both --source and --target, or neither (random weights of the bundled family's configs)")
+    source, target = given.pop("source"), given.pop("target")
+    return BenchConfig.quick(source, target, **given) if args.quick else BenchConfig(source, target, **given)
+
+
 def _run_bench(args) -> int:
-    from .bench import reexec_with_passive_omp, run_from_args
+    from .bench import run
     from .reporting import bench_markdown, save_bench_report
 
     if not args.no_reexec and args.command_line is not None:
-        # OpenMP reads OMP_WAIT_POLICY when torch loads, i.e. before we get here: re-run with it set.
-        reexec_with_passive_omp("hf_kvtransfer.commands.cli", args.command_line)
-    report = run_from_args(args)
+        _reexec_with_passive_omp(args.command_line)
+    config = _bench_config(args)
+    report = run(config, announce=print)
+    if args.command_line is not None:
+        import shlex
+
+        report["settings"]["command"] = shlex.join(["hf-kvtransfer", *args.command_line])
     paths = save_bench_report(report, args.output_dir)
     logging.getLogger(__name__).info("wrote %s", ", ".join(str(p) for p in paths.values()))
     print(bench_markdown(report), end="")

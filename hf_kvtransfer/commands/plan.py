@@ -2,8 +2,11 @@
 
 Every number comes from the code that does the work, not from a second copy of its formula: statistics sizes from
 `stats.statistics_nbytes` / `stats.block_statistics_nbytes` (what `fit` allocates), mapper parameters from a
-`KVMapper` built on the meta device (no memory), FLOPs from `bench.prefill_flops` / `bench.mapping_flops` (what
-`hf-kvtransfer bench` reports), and the fit's full vs two-stage choice by the rule `accumulate.py` applies.
+`KVMapper` built on the meta device (no memory), FLOPs from `bench.prefill_flops` / `bench.exact_layers_flops` /
+`bench.mapping_flops` (what `hf-kvtransfer bench` reports), and the fit's full vs two-stage choice by the rule
+`accumulate.py` applies. To the first token (`first_token_flops`): the exact layers, the maps, the recomputed tokens,
+and what maps that also read the target's residual stream would add (`residual_inputs_cost`, an explicit number of
+positions until a mapper records one).
 
 Example:
     ```python
@@ -24,13 +27,13 @@ from transformers import PreTrainedConfig
 
 from .model_configs import load_model_config
 from ..fitting.config import FitConfig, heldout_count
+from ..core.loading import DTYPES, parse_dtype
+from ..core.mapper_types import LOWRANK, RIDGE
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 
-__all__ = ["TransferPlan", "plan_transfer", "format_plan"]
+__all__ = ["TransferPlan", "first_token_flops", "format_plan", "plan_transfer", "residual_inputs_cost"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 # `hf-kvtransfer fit` defaults (FitConfig: the paper's 500 x 1024 tokens, 10% held out; two-stage probe size).
 _FIT_DEFAULTS = {f.name: f.default for f in fields(FitConfig)}
 FIT_NUM_SEQUENCES = _FIT_DEFAULTS["num_sequences"]
@@ -39,12 +42,7 @@ FIT_PROBE_TOKENS = _FIT_DEFAULTS["probe_tokens"]
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    key = _ALIASES.get(str(name).lower(), str(name).lower())
-    if key not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or bf16/fp16/fp32), got {name!r}")
-    return DTYPES[key]
+    return parse_dtype(name if isinstance(name, torch.dtype) else str(name).lower())
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -94,6 +92,17 @@ class TransferPlan:
     statistics_budget_bytes: int
     fit_default_mode: str
     fit_default_statistics_bytes: int
+    # to the first token of a seq_len-token prompt at a configuration (`first_token_flops`)
+    num_exact_layers: int
+    num_recompute_tokens: int
+    residual_positions: int
+    target_layer_flops: int  # one target layer's share of the prefill at seq_len
+    first_token_flops: dict[str, int]  # the transfer with maps reading the source's K/V only
+    first_token_flop_ratio: float  # own prefill / that transfer
+    residual_input_features: int  # per map: residual_positions x the target's hidden size
+    residual_parameters: int  # added to the mapper by the residual inputs
+    first_token_flops_residual: dict[str, int]  # the same transfer with the residual inputs
+    first_token_flop_ratio_residual: float
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,7 +135,7 @@ def planning_mapper(source_config: PreTrainedConfig, target_config: PreTrainedCo
         selected_layers=[list(range(top_k)) for _ in range(tgt.num_layers)],
         top_k=top_k,
         rank=ranks,
-        mapper_type="ridge" if ranks is None else "lowrank",
+        mapper_type=RIDGE if ranks is None else LOWRANK,
     )
     with torch.device("meta"):
         return KVMapper(config)
@@ -144,6 +153,83 @@ def _model_parameters(config: PreTrainedConfig) -> int | None:
         return None
 
 
+def residual_inputs_cost(
+    target_config: PreTrainedConfig,
+    residual_positions: int,
+    num_mapped_layers: int,
+    seq_len: int,
+    rank: int | None = None,
+) -> dict[str, int]:
+    """What it adds to a mapper when each mapped layer's key and value maps also read the target's residual stream
+    after its exact layers, at `residual_positions` positions (t, t-1, ...: `residual_positions x hidden_size` more
+    input features per map, next to the source's K/V).
+
+    Full rank: each map gets `residual_positions * hidden_size * (kv_heads * head_dim)` more weights; at `rank` r (a
+    factored map, `up @ down`) only its `down` grows, by `r * residual_positions * hidden_size`. FLOPs: one
+    multiply-add per added weight and token, over `seq_len` transferred tokens. The normalisation of the residual
+    (one RMSNorm per position: elementwise, no multiply-adds of a matrix product) is not counted.
+
+    Returns:
+        `{"input_features": per map, "parameters": added to the mapper, "flops": added to the transfer}`.
+    """
+    if residual_positions < 0 or num_mapped_layers < 0:
+        raise ValueError(f"residual_positions and num_mapped_layers must be >= 0, got {residual_positions}, {num_mapped_layers}")
+    layout = KVLayout.from_config(target_config)
+    features = residual_positions * text_config(target_config).hidden_size
+    per_map = features * (layout.layer_dim if rank is None else min(rank, layout.layer_dim))
+    parameters = 2 * num_mapped_layers * per_map  # key and value
+    return {"input_features": features, "parameters": parameters, "flops": 2 * seq_len * parameters}
+
+
+def first_token_flops(
+    target_config: PreTrainedConfig,
+    mapper,
+    seq_len: int,
+    *,
+    num_exact_layers: int,
+    num_recompute_tokens: int,
+    residual_positions: int = 0,
+    rank: int | None = None,
+) -> dict[str, int]:
+    """FLOPs to the target's first token for a `seq_len`-token prompt whose source cache is at hand, batch 1, by
+    part, as `TransferredCache` computes it: the target's first `num_exact_layers` layers over the transferred
+    tokens (`seq_len - num_recompute_tokens`; `bench.exact_layers_flops`), the maps of the other layers over them,
+    and the last `num_recompute_tokens` tokens through every layer, attending to the rest; beside it the target's own
+    prefill. Transformer bodies (no LM head), as `bench.prefill_flops` counts them.
+
+    With `residual_positions`, the maps also read that many positions of the target's residual stream after the
+    last exact layer (`residual_inputs_cost`); the exact pass must then run that layer whole (its attention and MLP,
+    which the pass skips when only keys and values are needed), counted in `exact_layers`.
+
+    Returns:
+        `{"own_prefill", "exact_layers", "mapping", "residual_inputs", "recompute", "total"}` (total: the transfer).
+    """
+    from .bench import exact_layers_flops, mapping_flops, prefill_flops
+
+    layers = text_config(target_config).num_hidden_layers
+    if not 0 <= num_exact_layers <= layers:
+        raise ValueError(f"num_exact_layers must be in [0, {layers}] (the target's layers), got {num_exact_layers}")
+    if not 1 <= num_recompute_tokens <= seq_len:
+        raise ValueError(f"num_recompute_tokens must be in [1, {seq_len}] (the prompt), got {num_recompute_tokens}")
+    transferred = seq_len - num_recompute_tokens
+    mapped = layers - num_exact_layers
+    # Every map of a planning mapper has the same shape: the mapped layers' share of mapping all of them.
+    mapping = mapping_flops(mapper, transferred) * mapped // layers
+    parts = {
+        "own_prefill": prefill_flops(target_config, seq_len)["total"],
+        "exact_layers": (
+            prefill_flops(target_config, transferred, num_layers=num_exact_layers)["total"]
+            if residual_positions
+            else exact_layers_flops(target_config, transferred, num_exact_layers)
+        ),
+        "mapping": mapping,
+        "residual_inputs": residual_inputs_cost(target_config, residual_positions, mapped, transferred, rank)["flops"],
+        "recompute": prefill_flops(target_config, num_recompute_tokens, context_len=transferred)["total"],
+    }
+    parts["total"] = parts["exact_layers"] + parts["mapping"] + parts["residual_inputs"] + parts["recompute"]
+    return parts
+
+
 def plan_transfer(
     source: str | os.PathLike | PreTrainedConfig,
     target: str | os.PathLike | PreTrainedConfig,
@@ -157,6 +243,9 @@ def plan_transfer(
     num_sequences: int = FIT_NUM_SEQUENCES,
     heldout_fraction: float = FIT_HELDOUT_FRACTION,
     probe_tokens: int = FIT_PROBE_TOKENS,
+    num_exact_layers: int | None = None,
+    num_recompute_tokens: int | None = None,
+    residual_positions: int = 2,
     use_hub: bool = True,
 ) -> TransferPlan:
     """Sizes, fit memory, FLOPs and transfer memory of a source -> target mapper, from the two configs only.
@@ -170,6 +259,11 @@ def plan_transfer(
         dtype: weight dtype of the mapper and dtype of the KV caches ("bfloat16", "float16", "float32").
         available_memory: bytes where the fit's statistics would live (default: this machine's available RAM).
         num_sequences, heldout_fraction, probe_tokens: the fit settings (defaults: `hf-kvtransfer fit`'s).
+        num_exact_layers, num_recompute_tokens: the configuration the first-token FLOPs are counted at, for a prompt
+            of `seq_len` tokens (defaults: `TransferredCache`'s for a mapper that records no exact layers, 1, and 32
+            recomputed tokens, at most half the prompt; a fit's content probe chooses the exact layers of a mapper).
+        residual_positions: positions (t, t-1, ...) of the target's residual stream after the exact layers that each
+            mapped layer's maps would also read, for the costs of that option (`residual_inputs_cost`); 0: none.
         use_hub: False never touches the network.
 
     Returns:
@@ -203,7 +297,7 @@ def plan_transfer(
     params = size["parameters"]
     weight_params = sum(p.numel() for name, p in mapper.named_parameters() if not name.endswith("bias"))
     full = planning_mapper(source_config, target_config, top_k) if rank is not None else mapper
-    by_dtype = {name: params * _itemsize(d) for name, d in DTYPES.items()}
+    by_dtype = {name: params * _itemsize(DTYPES[name]) for name in ("float32", "bfloat16", "float16")}
 
     # Fit statistics: the functions `fit` sizes its own allocations with.
     stats_full = statistics_nbytes(src, tgt)
@@ -228,6 +322,17 @@ def plan_transfer(
     # FLOPs at batch 1: the bench functions (prefill = transformer body, as the paper times it).
     prefill = prefill_flops(target_config, seq_len)["total"]
     mapping = mapping_flops(mapper, seq_len)
+
+    # To the first token: the exact layers, the maps, optionally the residual inputs, the recomputed tokens.
+    from ..core.cache import resolve_num_recompute_tokens
+    from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS
+
+    exact = DEFAULT_NUM_EXACT_LAYERS if num_exact_layers is None else num_exact_layers
+    recompute = resolve_num_recompute_tokens(num_recompute_tokens, seq_len)
+    at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=rank)
+    first = first_token_flops(target_config, mapper, seq_len, **at)
+    first_residual = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, **at)
+    residual = residual_inputs_cost(target_config, residual_positions, tgt.num_layers - exact, seq_len, rank)
 
     # Transfer memory: new tensors a TransferredCache allocates (cache.py) at (batch_size, seq_len).
     cache_item = _itemsize(weight_dtype)
@@ -278,6 +383,16 @@ def plan_transfer(
         statistics_budget_bytes=budget,
         fit_default_mode=mode,
         fit_default_statistics_bytes=fit_bytes,
+        num_exact_layers=exact,
+        num_recompute_tokens=recompute,
+        residual_positions=residual_positions,
+        target_layer_flops=prefill // tgt.num_layers,
+        first_token_flops=first,
+        first_token_flop_ratio=first["own_prefill"] / first["total"],
+        residual_input_features=residual["input_features"],
+        residual_parameters=residual["parameters"],
+        first_token_flops_residual=first_residual,
+        first_token_flop_ratio_residual=first_residual["own_prefill"] / first_residual["total"],
         notes=notes,
     )
 
@@ -327,5 +442,42 @@ def format_plan(plan: TransferPlan) -> str:
         f"{_bytes(plan.transfer_peak_bytes)}, next to the mapper {_bytes(plan.mapper_bytes)} and the source cache "
         f"{_bytes(plan.source_cache_bytes)}",
     ]
+    lines += _first_token_lines(plan)
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _first_token_lines(plan: TransferPlan) -> list[str]:
+    """To the first token: the exact layers' share next to the maps, and what residual-stream inputs would add."""
+    f, layers = plan.first_token_flops, plan.target_layout["num_layers"]
+    mapped = layers - plan.num_exact_layers
+
+    def tflop(x: int) -> str:
+        return f"{x / 1e12:,.3f} TFLOP"
+
+    def share(x: int) -> str:
+        return f"{100 * x / f['own_prefill']:.2f}% of the prefill"
+
+    lines = [
+        "",
+        f"to the first token of a {plan.seq_len}-token prompt ({plan.num_exact_layers} of {layers} target layers exact, "
+        f"{plan.num_recompute_tokens} recomputed tokens; batch 1, transformer bodies):",
+        f"  {'target prefill':<22}{tflop(f['own_prefill'])} (one target layer: {tflop(plan.target_layer_flops)})",
+        f"  {'exact layers':<22}{tflop(f['exact_layers'])} ({share(f['exact_layers'])})",
+        f"  {f'maps ({mapped} layers)':<22}{tflop(f['mapping'])} ({share(f['mapping'])})",
+        f"  {'recomputed tokens':<22}{tflop(f['recompute'])} ({share(f['recompute'])})",
+        f"  {'transfer':<22}{tflop(f['total'])}: {plan.first_token_flop_ratio:,.1f}x fewer than the prefill",
+    ]
+    if plan.residual_positions:
+        r = plan.first_token_flops_residual
+        added = r["total"] - f["total"]
+        growth = 100 * plan.residual_parameters / plan.mapper_parameters
+        lines += [
+            f"  maps also reading the target's residual stream ({plan.residual_positions} positions x "
+            f"{plan.residual_input_features // plan.residual_positions} per mapped layer): "
+            f"+{plan.residual_parameters:,} mapper parameters (+{growth:.0f}%); +{tflop(added)} = "
+            f"{added / plan.target_layer_flops:.2f} target layers' prefill (the wider maps "
+            f"{tflop(r['residual_inputs'])}, the last exact layer run whole {tflop(r['exact_layers'] - f['exact_layers'])}): "
+            f"{plan.first_token_flop_ratio_residual:,.1f}x fewer than the prefill",
+        ]  # fmt: skip
+    return lines

@@ -29,6 +29,55 @@ def pyplot():
     return plt
 
 
+# -- what a transfer computed itself (eval and bench print it at start and in their reports) ------------------
+
+
+def transfer_settings(
+    num_exact_layers: int,
+    num_layers: int | None,
+    origin: str | None,
+    num_recompute_tokens: int | Sequence[int] | None,
+    recompute_default: bool = False,
+) -> str:
+    """`"4 of 8 target layers exact (recorded by the mapper's fit), 32 recomputed tokens (TransferredCache's default:
+    ...)"`: what the target computed itself in a transfer. `num_recompute_tokens`: the number used, the numbers used
+    by prompt length, or None (not resolved yet: the default); `recompute_default` says it is the default."""
+    from ..core.cache import DEFAULT_NUM_RECOMPUTE_TOKENS
+
+    of = f" of {num_layers}" if num_layers else ""
+    exact = f"{num_exact_layers}{of} target layers exact" + (f" ({origin})" if origin else "")
+    if num_recompute_tokens is None:
+        default = f"{DEFAULT_NUM_RECOMPUTE_TOKENS} recomputed tokens, at most half a shorter prompt"
+        return f"{exact}, {default} (TransferredCache's default)"
+    if isinstance(num_recompute_tokens, (list, tuple)):
+        recompute = f"{'/'.join(map(str, num_recompute_tokens))} recomputed tokens by prompt length"
+    else:
+        recompute = f"{num_recompute_tokens} recomputed token{'s' if num_recompute_tokens != 1 else ''}"
+    if recompute_default:
+        recompute += f" (TransferredCache's default: {DEFAULT_NUM_RECOMPUTE_TOKENS}, at most half a shorter prompt)"
+    return f"{exact}, {recompute}"
+
+
+def origin_of_exact_layers(mapper, requested: int | None) -> str:
+    """Where the exact-layer count of `TransferredCache(..., num_exact_layers=requested)` with `mapper` comes from."""
+    if requested is not None:
+        return "set by the caller"
+    if mapper.config.num_exact_layers is not None:
+        return "recorded by the mapper's fit"
+    return "TransferredCache's default for a mapper that records none"
+
+
+ALL_MAPPED = "all mapped: 0 exact layers, 1 recomputed token (lossy where the mapper needs exact layers)"
+
+
+def ttft_settings_line(
+    num_exact_layers: int, num_layers: int, origin: str | None, num_recompute_tokens: int | None
+) -> str:
+    """The line `bench` prints before it times: what time to first token at the defaults and all mapped use."""
+    defaults = transfer_settings(num_exact_layers, num_layers, origin, num_recompute_tokens)
+    return f"time to first token at the mapper's defaults: {defaults}; beside it, {ALL_MAPPED}"
+
+
 # -- evaluation (evaluate.evaluate) ---------------------------------------------------------------------------
 
 
@@ -47,6 +96,8 @@ def evaluation_markdown(results: dict[str, Any]) -> str:
     cfg = results.get("config", {})
     title = f"**{cfg.get('source')} -> {cfg.get('target')}**"
     lines = [f"{title} (top_k={cfg.get('top_k')}, lambda={cfg.get('ridge_lambda')})", ""]
+    if cfg.get("num_exact_layers") is not None:
+        lines[-1:-1] = ["", f"Every transfer: {eval_settings(cfg)}."]
     rows: list[str] = []
     ppl = results.get("prefix_perplexity")
     if ppl:
@@ -102,6 +153,22 @@ def evaluation_markdown(results: dict[str, Any]) -> str:
                 f"| {t['nll_standalone']:.4f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def eval_settings(config: dict[str, Any]) -> str:
+    """What `evaluate`'s transfers computed themselves, from its results' `config`: the exact layers and the
+    recomputed tokens each task used."""
+    used = config.get("num_recompute_tokens_used") or {}
+    values = sorted({v for u in used.values() for v in (u if isinstance(u, list) else [u])})
+    requested = config.get("num_recompute_tokens")
+    default = requested in (None, "default")
+    recompute = values[0] if len(values) == 1 else values or (None if default else requested)
+    text = transfer_settings(
+        config["num_exact_layers"], config.get("num_target_layers"), config.get("exact_layers_origin"), recompute, default
+    )
+    if len(values) > 1:
+        text += " (" + ", ".join(f"{task}: {u}" for task, u in used.items()) + ")"
+    return text
 
 
 # Content tasks (content_eval.py): results key, label, per-setting score, whether it is an accuracy.
@@ -288,9 +355,26 @@ def bench_markdown(report: dict[str, Any]) -> str:
             f"{pair(size.get('fit_r2'))} | {pair(size.get('heldout_r2'))} | {pair(size.get('heldout_r2_bf16'))} |"
         )
     names = list(report["mappers"])
+    ttft = "ttft_defaults" in settings
+    if ttft:
+        defaults = settings["ttft_defaults"]
+        used = sorted({row["ttft_defaults_num_recompute_tokens"] for row in report["results"]})
+        default = defaults["num_recompute_tokens"] is None
+        recompute = (used[0] if len(used) == 1 else used) if default else defaults["num_recompute_tokens"]
+        at_defaults = transfer_settings(
+            defaults["num_exact_layers"], settings.get("num_target_layers"), defaults["exact_layers_origin"], recompute,
+            default,
+        )
+        lines += [
+            "",
+            f"Time to first token ({settings['ttft_mapper']}; the target's own prefill vs the transfer, logits of the "
+            f"last position): **at the mapper's defaults**, {at_defaults}; beside it, {ALL_MAPPED}.",
+        ]
     header = ["T", "prefill body ms", "full fwd ms"]
-    header += [f"transfer {n} ms (x faster wall, CPU time; FLOP ratio)" for n in names]
-    header += ["TTFT own / transfer ms", "decode own / transfer ms (overhead)", "peak prefill / transfer"]
+    header += [f"transfer {n} ms, all layers mapped (x faster wall, CPU time; FLOP ratio)" for n in names]
+    if ttft:
+        header += ["TTFT own ms", "TTFT at defaults ms (x faster)", "TTFT all mapped ms (x faster; lossy)"]
+    header += ["decode own / transfer ms (overhead)", "peak prefill / transfer"]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for row in report["results"]:
         cells = [str(row["seq_len"]), f"{row['prefill_body_ms']:.1f}", f"{row.get('prefill_full_ms', float('nan')):.1f}"]
@@ -299,7 +383,12 @@ def bench_markdown(report: dict[str, Any]) -> str:
             cells.append(
                 f"{t['ms']:.2f} ({t['speedup_vs_body']:.1f}x, CPU {t['cpu_speedup_vs_body']:.1f}x; {t['flop_ratio']:.0f}x)"
             )
-        cells.append(f"{row['ttft_own_ms']:.1f} / {row['ttft_transfer_ms']:.1f}" if "ttft_own_ms" in row else "-")
+        if ttft:
+            cells += [
+                f"{row['ttft_own_ms']:.1f}",
+                f"{row['ttft_defaults_ms']:.1f} ({row['ttft_defaults_speedup']:.2f}x)",
+                f"{row['ttft_all_mapped_ms']:.1f} ({row['ttft_all_mapped_speedup']:.2f}x)",
+            ]
         cells.append(
             f"{row['decode_own_ms']:.2f} / {row['decode_transfer_ms']:.2f} ({row['decode_overhead_pct']:+.1f}%, "
             f"CPU {row['decode_overhead_pct_cpu']:+.1f}%)"
@@ -312,24 +401,37 @@ def bench_markdown(report: dict[str, Any]) -> str:
 
 
 def plot_bench(report: dict[str, Any], path: str | os.PathLike) -> None:
-    """Time vs. sequence length (log-log): own prefill, full forward, each mapper's transfer."""
+    """Time vs. sequence length (log-log): own prefill, full forward and each mapper's transfer; beside it, time to
+    first token: the target's own, at the mapper's defaults, and all mapped (those measured)."""
     plt = pyplot()
     rows = report["results"]
     seq = [r["seq_len"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ttft = all("ttft_defaults_ms" in r for r in rows)
+    fig, axes = plt.subplots(1, 1 + ttft, figsize=(6.5 * (1 + ttft), 4.5), squeeze=False)
+    ax = axes[0][0]
     ax.plot(seq, [r["prefill_body_ms"] for r in rows], "o-", label="target prefill (body)")
     if all("prefill_full_ms" in r for r in rows):
         ax.plot(seq, [r["prefill_full_ms"] for r in rows], "o--", label="target forward (full)")
     for name in report["mappers"]:
-        ax.plot(seq, [r["transfer"][name]["ms"] for r in rows], "s-", label=f"transfer: {name}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("time (ms, median)")
+        ax.plot(seq, [r["transfer"][name]["ms"] for r in rows], "s-", label=f"transfer, all layers mapped: {name}")
+    ax.set_title("transfer vs prefill", fontsize=9)
+    if ttft:
+        defaults = report["settings"]["ttft_defaults"]
+        ax2 = axes[0][1]
+        ax2.plot(seq, [r["ttft_own_ms"] for r in rows], "o-", color="C0", label="target's own prefill")
+        ax2.plot(seq, [r["ttft_defaults_ms"] for r in rows], "s-", color="C2",
+                 label=f"transfer at the mapper's defaults ({defaults['num_exact_layers']} exact layers)")  # fmt: skip
+        ax2.plot(seq, [r["ttft_all_mapped_ms"] for r in rows], "^--", color="C3", label="all mapped (0 exact; lossy)")
+        ax2.set_title("time to first token", fontsize=9)
     env = report["environment"]
-    ax.set_title(f"{env.get('cuda_device') or env['cpu']}"[:60], fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    for a in axes[0]:
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("context length (tokens)")
+        a.set_ylabel("time (ms, median)")
+        a.grid(True, which="both", alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"{env.get('cuda_device') or env['cpu']}"[:80], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -350,4 +452,7 @@ def save_bench_report(report: dict[str, Any], output_dir: str | os.PathLike) -> 
     return paths
 
 
-__all__ = ["bench_markdown", "evaluation_markdown", "plot_bench", "plot_evaluation", "pyplot", "save_bench_report"]
+__all__ = [
+    "bench_markdown", "eval_settings", "evaluation_markdown", "plot_bench", "plot_evaluation", "pyplot", "save_bench_report",
+    "origin_of_exact_layers", "transfer_settings", "ttft_settings_line",
+]

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from ..fitting.calibration_pass import check_pair, check_tokenizers, remove_checkpoints
-from ..fitting.fit import calibration_sample, fit_mapper, solve_mappers
+from ..fitting.fit import calibration_sample, fit_mappers, solve_mappers
 from ..fitting.config import FitConfig, heldout_count, resolve_config
+from ..core.mapper_types import MLP, RIDGE
 from ..core.mapper import KVMapper
 from ..core.loading import load_model, load_tokenizer, parse_dtype
 from ..core.stats import KVStatistics
@@ -136,7 +137,7 @@ def fit_checkpoint_dir(output_dir: str | os.PathLike, config: FitConfig) -> Path
     else a hidden folder next to the output (ridge fits; None for an MLP fit without checkpoint_dir)."""
     if config.checkpoint_dir is not None:
         return Path(config.checkpoint_dir)
-    if config.mapper_type != "ridge":
+    if config.mapper_type != RIDGE:
         return None
     output = Path(output_dir)
     return Path(config.stats_dir) / "checkpoints" if config.stats_dir else output.with_name(f".{output.name}.fit-checkpoint")
@@ -182,18 +183,18 @@ def fit_and_save(
     output = Path(output_dir)
     _check_output(output, overwrite, config, push_to_hub)
     torch_dtype = parse_dtype(dtype, allow_auto=True)  # fail on a typo before loading any model
-    own_checkpoints = config.checkpoint_dir is None and config.mapper_type == "ridge"
+    own_checkpoints = config.checkpoint_dir is None and config.mapper_type == RIDGE
     if own_checkpoints:
         config = config.replace(checkpoint_dir=str(fit_checkpoint_dir(output, config)))
     rank, world, local_rank, created = init_distributed()
     try:
-        if world > 1 and config.mapper_type == "mlp":
+        if world > 1 and config.mapper_type == MLP:
             raise ValueError("the MLP mapper trains in one process: run `fit --mapper mlp` without torchrun")
         if device_map is None and torch.cuda.is_available():
             device_map = {"": local_rank if world > 1 else torch.cuda.current_device()}
         if torch_dtype == "auto" and device_map is None:
-            # On the CPU "auto" means float32: most CPUs run bf16 matmuls several times slower than float32 (a
-            # bf16 checkpoint such as examples/family took ~4x longer to fit), and the statistics lose precision.
+            # On the CPU "auto" means float32: most CPUs have no bf16 matrix units and run bf16 matmuls several
+            # times slower than float32, and features in bf16 would lose precision in the statistics.
             torch_dtype = torch.float32
         # Cheap checks first (tokenizers, data), so a typo fails before two large models are loaded.
         src_tok = load_tokenizer(str(source), "source", source_revision, trust_remote_code)
@@ -214,14 +215,14 @@ def fit_and_save(
                 f"calibration: {input_ids.shape[0]} x {config.seq_len} tokens from {info['dataset']} "
                 f"({num_heldout} held out; every {config.stride}th token used; {world} process{'es' if world > 1 else ''})"
             )
-        mappers = fit_mapper(
+        mappers = fit_mappers(
             *models, input_ids, config, source_model_id=str(source), target_model_id=str(target),
             source_revision=source_revision, target_revision=target_revision, calibration=info, log=log,
         )  # fmt: skip
         del models
         results: list[tuple[Path, KVMapper]] = []
         if rank == 0:
-            mappers = mappers if isinstance(mappers, dict) else {"mapper": mappers}
+            mappers = mappers if config.several else {"mapper": next(iter(mappers.values()))}
             results = write_mappers(mappers, output, config.several, overwrite, push_to_hub, log)
             if own_checkpoints:
                 remove_checkpoints(config.checkpoint_dir)

@@ -96,7 +96,8 @@ class TransferredCache(DynamicCache):
             fewest layers that keep the target's copying from the context (`fitting/exact_layers.py`; 1 for mappers
             that record none).
         compile_rope: strip and apply RoPE through `torch.compile` (one fused kernel instead of four passes):
-            faster transfers on long prompts after a one-off compile of several seconds. Off by default.
+            faster transfers on long prompts after a one-off compile of several seconds (`hf-kvtransfer bench
+            --compile both` measures both). Off by default.
         revision, token: used when `mapper` is a Hub repo id.
 
     Example:

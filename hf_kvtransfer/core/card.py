@@ -11,6 +11,8 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .mapper_types import LOWRANK, RIDGE
+
 LIBRARY_NAME = "hf-kvtransfer"
 CARD_TEMPLATE = "mapper_card.md"
 DEFAULT_LICENSE = "apache-2.0"
@@ -69,7 +71,7 @@ def render_model_card(
         repo_ref=repo_id or "path/to/this/mapper",
         repo_id=repo_id,
         title=_title(config),
-        mapper_type=config.get("mapper_type", "ridge"),
+        mapper_type=config.get("mapper_type", RIDGE),
         source=_model_facts(source_id, config.get("source_revision"), source_fp, "SOURCE_MODEL_ID"),
         target=_model_facts(target_id, config.get("target_revision"), target_fp, "TARGET_MODEL_ID"),
         fit=_fit_facts(config) + _checkpoint_facts(checkpoint),
@@ -170,10 +172,10 @@ def _model_facts(model_id: str | None, revision: str | None, fingerprint: dict, 
 
 
 def _fit_facts(config: dict) -> list[tuple[str, str]]:
-    facts = [("Mapper type", _cell(config.get("mapper_type", "ridge")))]
+    facts = [("Mapper type", _cell(config.get("mapper_type", RIDGE)))]
     if config.get("top_k") is not None:
         facts.append(("Source layers per target layer (k)", _number(config["top_k"])))
-    if config.get("ridge_lambda") is not None and config.get("mapper_type", "ridge") in ("ridge", "lowrank"):
+    if config.get("ridge_lambda") is not None and config.get("mapper_type", RIDGE) in (RIDGE, LOWRANK):
         facts.append(("Ridge lambda (on centered data)", _plain(config["ridge_lambda"])))
     for key, value in (config.get("mlp") or {}).items():
         facts.append((f"MLP {key.replace('_', ' ')}", _plain(value)))

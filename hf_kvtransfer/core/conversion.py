@@ -15,8 +15,8 @@ from .mapper import KVMapper
 from .rope import compiled_rotate, rotary_cos_sin, rotate_into
 
 # Affine maps of target layers that read the same source layers run as one GEMM of up to this many output features
-# per kind: on CPU one [F_in -> 512] product is ~2x faster than eight [F_in -> 64] ones (the skinny products are
-# dominated by packing the shared input). Big models' layers (n_kv * d >= 1024) map one at a time, so what is
+# per kind: on CPU one wide product beats several skinny ones, which are dominated by packing the shared input
+# (`hf-kvtransfer bench` times the grouped transfer). Big models' layers (n_kv * d >= 1024) map one at a time, so what is
 # computed ahead of the layers asking for it stays at most about one layer's KV.
 GROUP_OUT_FEATURES = 1024
 

@@ -31,7 +31,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from .checkpoint import INDEX_NAME, WEIGHT_PATTERNS, checkpoint_info, has_weights, weight_files
+from .checkpoint import INDEX_NAME, WEIGHT_PATTERNS, WEIGHTS_NAME, checkpoint_info, has_weights, weight_files
 
 try:  # huggingface_hub >= 2.0; older versions raise its parent class
     from huggingface_hub.errors import IncompleteSnapshotError
@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 
 # The files of a mapper directory (= a Hub repo).
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
 # The run report (model selection curves, training logs, timings, evaluation): read by the model card, never
 # needed to load or apply the mapper.
@@ -165,7 +164,7 @@ def resolve_mapper_dir(
         local_files_only=offline,
         force_download=force_download,
         library_name=LIBRARY_NAME,
-        library_version=_library_version(),
+        library_version=__version__,
     )
     with _hub_errors(repo_id, revision, token=token, offline=offline):
         # config.json alone first: a mistyped id that names a model must not start a multi-GB download.
@@ -326,7 +325,7 @@ def push_mapper_dir(
     ]
     if report.is_file():
         operations.append(CommitOperationAdd(path_in_repo=REPORT_NAME, path_or_fileobj=str(report)))
-    api = HfApi(token=write_token, library_name=LIBRARY_NAME, library_version=_library_version())
+    api = HfApi(token=write_token, library_name=LIBRARY_NAME, library_version=__version__)
     with _hub_errors(repo_id, revision, token=write_token, pushing=True):
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision is not None and revision != constants.DEFAULT_REVISION and not revision.startswith("refs/"):
@@ -495,6 +494,3 @@ def _hub_errors(repo_id: str, revision: str | None, *, token=None, offline: bool
             f"connection (or HF_ENDPOINT)" + ("" if pushing else f"; {cache_hint}")
         ) from exc
 
-
-def _library_version() -> str:
-    return __version__

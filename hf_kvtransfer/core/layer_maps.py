@@ -23,10 +23,11 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from .mapper_types import LOWRANK, MLP, RIDGE
 from .stats import KVLayout
 
 
-class MapperConfig(Protocol):
+class LayerMapConfig(Protocol):
     """What a layer map reads of `mapper.MapperConfig` (a protocol, so this module does not import `mapper`)."""
 
     selected_layers: list[list[int]]
@@ -39,7 +40,6 @@ class MapperConfig(Protocol):
     @property
     def target_layout(self) -> KVLayout: ...
 
-KINDS = ("key", "value")
 
 # Paper defaults (hidden size, depth); `residual` starts training at the ridge solution (see mlp.py).
 DEFAULT_MLP_CONFIG = {
@@ -93,11 +93,11 @@ class LayerMap(nn.Module):
     mapper_type: ClassVar[str]
 
     @classmethod
-    def from_config(cls, config: MapperConfig, layer_idx: int) -> "LayerMap":
+    def from_config(cls, config: LayerMapConfig, layer_idx: int) -> "LayerMap":
         raise NotImplementedError
 
     @classmethod
-    def validate_config(cls, config: MapperConfig) -> None:
+    def validate_config(cls, config: LayerMapConfig) -> None:
         """Raise `ValueError` when `config` lacks (or has invalid) settings this map type needs."""
 
     def forward(self, key_features: torch.Tensor, value_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +126,13 @@ def layer_map_class(mapper_type: str) -> type[LayerMap]:
         ) from None
 
 
-def build_layer_maps(config: MapperConfig) -> nn.ModuleList:
+def build_layer_maps(config: LayerMapConfig) -> nn.ModuleList:
     """Empty layer maps, one per target layer, of the config's mapper type."""
     cls = layer_map_class(config.mapper_type)
     return nn.ModuleList(cls.from_config(config, t) for t in range(len(config.selected_layers)))
 
 
-def _features(config: MapperConfig, layer_idx: int) -> tuple[int, int]:
+def _features(config: LayerMapConfig, layer_idx: int) -> tuple[int, int]:
     """`(F_in, F_out)` of target layer `layer_idx`: all KV heads of its selected source layers -> its KV heads."""
     return len(config.selected_layers[layer_idx]) * config.source_layout.layer_dim, config.target_layout.layer_dim
 
@@ -157,7 +157,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class RidgeLayerMap(LayerMap):
     """The paper's closed-form ridge map: one affine map for keys, one for values."""
 
-    mapper_type = "ridge"
+    mapper_type = RIDGE
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -165,7 +165,7 @@ class RidgeLayerMap(LayerMap):
         self.value = zero_linear(in_features, out_features)
 
     @classmethod
-    def from_config(cls, config: MapperConfig, layer_idx: int) -> "RidgeLayerMap":
+    def from_config(cls, config: LayerMapConfig, layer_idx: int) -> "RidgeLayerMap":
         return cls(*_features(config, layer_idx))
 
     def forward(self, key_features, value_features):
@@ -192,7 +192,7 @@ class LowRankLinear(nn.Module):
 class LowRankLayerMap(LayerMap):
     """Reduced-rank ridge map (fit by `lowrank.py`): each of K and V factored at its own rank."""
 
-    mapper_type = "lowrank"
+    mapper_type = LOWRANK
 
     def __init__(self, in_features: int, out_features: int, key_rank: int, value_rank: int):
         super().__init__()
@@ -200,7 +200,7 @@ class LowRankLayerMap(LayerMap):
         self.value = LowRankLinear(in_features, out_features, value_rank)
 
     @classmethod
-    def validate_config(cls, config: MapperConfig) -> None:
+    def validate_config(cls, config: LayerMapConfig) -> None:
         num_target, out_dim = len(config.selected_layers), config.target_layout.layer_dim
         rank = config.rank
         if rank is None or len(rank) != num_target or any(len(r) != 2 or any(not 1 <= int(x) <= out_dim for x in r) for r in rank):
@@ -210,7 +210,7 @@ class LowRankLayerMap(LayerMap):
             )
 
     @classmethod
-    def from_config(cls, config: MapperConfig, layer_idx: int) -> "LowRankLayerMap":
+    def from_config(cls, config: LayerMapConfig, layer_idx: int) -> "LowRankLayerMap":
         return cls(*_features(config, layer_idx), *config.rank[layer_idx])
 
     def linear_parts(self, kind: str) -> LinearParts:
@@ -289,7 +289,7 @@ class MLPKindMap(nn.Module):
         return f"groups={self.groups}, residual={self.linear is not None}"
 
 
-def mlp_settings(config: MapperConfig) -> dict[str, Any]:
+def mlp_settings(config: LayerMapConfig) -> dict[str, Any]:
     """`config.mlp` over `DEFAULT_MLP_CONFIG`, validated."""
     if not config.mlp:
         raise ValueError(
@@ -305,7 +305,7 @@ def mlp_settings(config: MapperConfig) -> dict[str, Any]:
 class MLPLayerMap(LayerMap):
     """A small ReLU MLP per K and V (the paper's nonlinear variant; fit by `mlp.py`). Runs one layer at a time."""
 
-    mapper_type = "mlp"
+    mapper_type = MLP
 
     def __init__(self, key: MLPKindMap, value: MLPKindMap):
         super().__init__()
@@ -313,11 +313,11 @@ class MLPLayerMap(LayerMap):
         self.value = value
 
     @classmethod
-    def validate_config(cls, config: MapperConfig) -> None:
+    def validate_config(cls, config: LayerMapConfig) -> None:
         mlp_settings(config)
 
     @classmethod
-    def from_config(cls, config: MapperConfig, layer_idx: int) -> "MLPLayerMap":
+    def from_config(cls, config: LayerMapConfig, layer_idx: int) -> "MLPLayerMap":
         settings = mlp_settings(config)
         in_features, out_features = _features(config, layer_idx)
         groups = config.target_layout.num_kv_heads if settings["per_head"] else 1

@@ -24,9 +24,10 @@ import logging
 
 import torch
 
+from .mapper_types import LOWRANK, RIDGE
 from .mapper import KVMapper, MapperConfig
 from .ridge import (
-    centered,
+    centered_statistics,
     heldout_head_r2,
     head_system,
     feature_index,
@@ -214,7 +215,7 @@ def reduced_rank_heldout_r2(
     num_heads = train.target_layout.num_kv_heads
     out = {}
     for kind in KINDS:
-        hc = centered(heldout, kind)
+        hc = centered_statistics(heldout, kind)
         out[f"heldout_r2_{kind}"] = [
             heldout_head_r2(head_system(heldout, hc, kind, t, selected_layers[t]), heldout.count, (up @ down).T, bias, num_heads)
             for t, (down, up, bias, _) in sorted(factors[kind].items())
@@ -223,7 +224,7 @@ def reduced_rank_heldout_r2(
 
 
 # A reduced-rank mapper's type (`layer_maps` registry); its maps store `down` then `up` factors.
-LOWRANK_MAPPER_TYPE = "lowrank"
+LOWRANK_MAPPER_TYPE = LOWRANK  # kept for callers of earlier versions
 
 
 def lowrank_mapper(
@@ -278,7 +279,7 @@ def reduce_mapper_rank(
         small.save_pretrained("mappers/small-to-large-r")
         ```
     """
-    if mapper.config.mapper_type != "ridge":
+    if mapper.config.mapper_type != RIDGE:
         raise ValueError(
             f"reduce_mapper_rank needs a full-rank ridge mapper, got mapper_type={mapper.config.mapper_type!r}"
         )

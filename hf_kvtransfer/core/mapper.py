@@ -18,6 +18,7 @@ from transformers import PreTrainedConfig
 from .card import render_model_card
 from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolve_mapper_dir
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
+from .mapper_types import LOWRANK, RIDGE
 from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
 from .stats import KVLayout
 from ..version import __version__
@@ -60,9 +61,6 @@ def _model_name(config: PreTrainedConfig | dict) -> str | None:
     return name or None
 
 
-def _library_version() -> str:
-    return __version__
-
 
 @dataclass
 class MapperConfig:
@@ -93,7 +91,7 @@ class MapperConfig:
     source_config: dict[str, Any]
     target_config: dict[str, Any]
     selected_layers: list[list[int]]
-    mapper_type: str = "ridge"
+    mapper_type: str = RIDGE
     source_model_id: str | None = None
     source_revision: str | None = None
     target_model_id: str | None = None
@@ -113,7 +111,7 @@ class MapperConfig:
     num_parameters: int | None = None
     dtype: str | None = None
     license: str = "apache-2.0"
-    library_version: str = field(default_factory=_library_version)
+    library_version: str = __version__
 
     def __post_init__(self):
         if self.mapper_type not in LAYER_MAP_TYPES:
@@ -147,7 +145,7 @@ class MapperConfig:
             raise ValueError(f"ridge_lambda must be >= 0, got {self.ridge_lambda}")
         if self.num_exact_layers is not None and not 0 <= self.num_exact_layers <= num_target:
             raise ValueError(f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {self.num_exact_layers}")
-        if self.rank is not None and self.mapper_type != "lowrank":
+        if self.rank is not None and self.mapper_type != LOWRANK:
             raise ValueError(f"rank applies to 'lowrank' mappers only, got mapper_type={self.mapper_type!r}")
         layer_map_class(self.mapper_type).validate_config(self)
 
@@ -168,8 +166,8 @@ class MapperConfig:
     def from_dict(cls, data: dict[str, Any]) -> "MapperConfig":
         """A config from `config.json` contents. Keys of older versions are migrated; unknown keys warn."""
         data = dict(data)
-        if data.get("mapper_type", "ridge") == "ridge" and data.get("rank") is not None:
-            data["mapper_type"] = "lowrank"  # before 0.2, reduced-rank mappers were "ridge" with a rank
+        if data.get("mapper_type", RIDGE) == RIDGE and data.get("rank") is not None:
+            data["mapper_type"] = LOWRANK  # before 0.2, reduced-rank mappers were "ridge" with a rank
         for name in _REPORT_FIELDS:  # before 0.2 run reports lived in the config: KVMapper.report now
             data.pop(name, None)
         known = {f.name for f in fields(cls)}
@@ -328,7 +326,7 @@ class KVMapper(nn.Module):
             self.config,
             num_parameters=self.num_parameters(),
             dtype=str(self.dtype).removeprefix("torch.") if next(self.parameters(), None) is not None else None,
-            library_version=_library_version(),
+            library_version=__version__,
         )
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         from .checkpoint import checkpoint_info, save_weights

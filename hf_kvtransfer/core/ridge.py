@@ -180,7 +180,7 @@ def _solve_batch(grams: torch.Tensor, rhs: torch.Tensor, ridge_lambda: float) ->
     return out
 
 
-def centered(stats: KVStatistics, kind: str):
+def centered_statistics(stats: KVStatistics, kind: str):
     """The centered statistics of one kind, computed once for many `head_system` calls (None for two-stage
     `BlockStatistics`, which center per system)."""
     return None if isinstance(stats, BlockStatistics) else stats.centered(kind)
@@ -209,7 +209,7 @@ def solve_layers(
     two-stage `BlockStatistics`.
     """
     src, tgt = stats.source_layout, stats.target_layout
-    c = centered(stats, kind)
+    c = centered_statistics(stats, kind)
     out = {}
     groups: dict[int, list[int]] = {}
     for target_layer, selected in selections.items():
@@ -249,7 +249,7 @@ def heldout_r2(
 ) -> list[float]:
     """Out-of-sample head-averaged R^2 per target layer: fit on `train`, score on `heldout` statistics."""
     solutions = solve_layers(train, kind, selections, ridge_lambda)
-    hc = centered(heldout, kind)
+    hc = centered_statistics(heldout, kind)
     num_heads = train.target_layout.num_kv_heads
     return [
         heldout_head_r2(head_system(heldout, hc, kind, t, selections[t]), heldout.count, weight.T, bias, num_heads)
@@ -272,8 +272,8 @@ def sweep_heldout(
         `heldout_r2_key` / `heldout_r2_value` lists, and `heldout_r2` (mean over layers of K and V).
     """
     tgt = train.target_layout
-    centered = {kind: centered(train, kind) for kind in KINDS}
-    held = {kind: centered(heldout, kind) for kind in KINDS}
+    centered = {kind: centered_statistics(train, kind) for kind in KINDS}
+    held = {kind: centered_statistics(heldout, kind) for kind in KINDS}
     scores = {lam: layer_scores(train, lam) for lam in ridge_lambdas}
     eig_cache: dict = {}
     results = []

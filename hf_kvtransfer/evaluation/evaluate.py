@@ -570,7 +570,7 @@ def evaluate(
     if "continuation" in selected:
         items = build_continuation_task(docs, context_len, continuation_len, num_choices, num_items, seed=seed)
         results["continuation"] = multiple_choice(
-            source, target, mapper, items, num_recompute_tokens=fed, desc="continuation task", **common
+            source, target, mapper, items, num_recompute_tokens=fed, desc="continuation task", **exact, **common
         )
         results["continuation"].update(context_len=context_len, continuation_len=continuation_len)
     if "repeat" in selected:
@@ -593,11 +593,17 @@ def evaluate(
         )  # fmt: skip
     if "multiple-choice" in selected:
         results["multiple_choice"] = multiple_choice(
-            source, target, mapper, multiple_choice_items, num_recompute_tokens=fed, **common
+            source, target, mapper, multiple_choice_items, num_recompute_tokens=fed, **exact, **common
         )
     if "multi-turn" in selected:
         conversations = text_windows(docs, num_turns * turn_len, max_conversations)
         results["multi_turn"] = multi_turn_drift(
             source, target, mapper, reverse_mapper, conversations, num_turns, batch_size=batch_size, progress=progress
         )
+    # What each task's transfers used (the default resolves per prompt length: 32, at most half a shorter prompt).
+    results["config"]["num_recompute_tokens_used"] = {
+        name: res["num_recompute_tokens"]
+        for name, res in results.items()
+        if name != "config" and isinstance(res, dict) and "num_recompute_tokens" in res
+    }
     return results

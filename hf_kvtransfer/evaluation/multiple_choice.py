@@ -188,6 +188,7 @@ def multiple_choice(
     seed: int = 0,
     progress: bool = True,
     desc: str = "multiple choice",
+    num_exact_layers: int | None = None,
 ) -> dict[str, Any]:
     """Log-likelihood multiple choice with the context in the cache and the choices scored by the target.
 
@@ -200,9 +201,11 @@ def multiple_choice(
     - `no_context`: no cache (the same fed tokens only), a check that the task needs the context.
 
     `acc` picks the highest total log-likelihood, `acc_norm` the highest per-token mean. The floor is chance.
+    `num_exact_layers`: the target's first layers it computes itself in the transfer (default: the mapper's).
 
     Returns:
-        `{"acc": {...}, "acc_norm": {...}, "chance", "retention", "normalized_retention" (+ `_ci`, on acc)}`.
+        `{"acc": {...}, "acc_norm": {...}, "chance", "retention", "normalized_retention" (+ `_ci`, on acc),
+        "num_recompute_tokens", "num_exact_layers"}`.
     """
     if num_recompute_tokens is not None and num_recompute_tokens < 1:
         raise ValueError("multiple choice needs num_recompute_tokens >= 1 (the target predicts the first choice token)")
@@ -224,7 +227,7 @@ def multiple_choice(
         own.batch_repeat_interleave(n)
         caches["target"] = own
         src = prefill(source, ctx.to(model_device(source)))
-        caches["transfer"] = TransferredCache(src, mapper, num_recompute_tokens=r)
+        caches["transfer"] = TransferredCache(src, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers)
         for mode in modes:
             scores, _ = score_continuations(target, head, item.choice_ids, caches[mode], pad_id)
             correct[mode].append(int(scores.argmax()) == item.label)
@@ -236,6 +239,7 @@ def multiple_choice(
     result: dict[str, Any] = {
         "num_items": len(items),
         "num_recompute_tokens": next(iter(used)) if len(used) == 1 else sorted(used),
+        "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers),
         "chance": chance,
         "acc": {m: float(v.mean()) for m, v in acc.items()},
         "acc_norm": {m: float(np.mean(v)) for m, v in correct_norm.items()},

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # torch loads on first use: the CLI reads the default lengths
 
 # The context lengths `bench` times by default and with --quick.
 DEFAULT_SEQ_LENS = (256, 512, 1024, 2048, 4096, 8192)
-QUICK_SEQ_LENS = (256, 1024, 4096, 8192)
+QUICK_SEQ_LENS = (512, 1024, 4096, 8192)
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -62,12 +62,18 @@ def time_to_first_token(
     num_recompute_tokens: int | None = None,
     num_exact_layers: int | None = None,
     repeats: int = 3,
+    measure_own: bool = True,
 ) -> dict[str, float]:
     """Median milliseconds to the target's first logits for `input_ids` `[1, T]`: from the source's cache (build the
     `TransferredCache`, map it, compute the exact layers, run the recomputed tokens) vs the target's own prefill. The
     source's prefill is not counted: it read the conversation already. One warm-up call each (first-call
     allocations and kernel selection are not what a server pays per request). `num_recompute_tokens` and
-    `num_exact_layers` default to `TransferredCache`'s."""
+    `num_exact_layers` default to `TransferredCache`'s. `measure_own=False` skips the target's own prefill (its
+    entries are then None), for a second configuration timed against the same baseline.
+
+    Returns:
+        `{"num_tokens", "num_recompute_tokens", "num_exact_layers", "transfer_ms", "target_prefill_ms", "speedup"}`
+        with the numbers actually used."""
     import inspect
 
     import torch
@@ -92,10 +98,10 @@ def time_to_first_token(
 
     with torch.no_grad():
         transfer = median_ms(time_call(from_transfer, device, repeats)[0])
-        own = median_ms(time_call(lambda: target(ids, use_cache=True, **keep), device, repeats)[0])
+        own = median_ms(time_call(lambda: target(ids, use_cache=True, **keep), device, repeats)[0]) if measure_own else None
     return {"num_tokens": int(ids.shape[-1]), "num_recompute_tokens": num_recompute_tokens,
             "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers), "transfer_ms": transfer,
-            "target_prefill_ms": own, "speedup": own / transfer}  # fmt: skip
+            "target_prefill_ms": own, "speedup": None if own is None else own / transfer}  # fmt: skip
 
 
 __all__ = ["DEFAULT_SEQ_LENS", "QUICK_SEQ_LENS", "median_ms", "synchronize", "time_call", "time_to_first_token"]

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-# No torch at import: `hf-kvtransfer --help` builds its options from this module's fields (torch loads in ~5 s).
+# No torch at import: `hf-kvtransfer --help` builds its options from this module's fields (importing torch takes seconds).
+from ..core.mapper_types import MLP, RIDGE
 from .calibration import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, DEFAULT_SPLIT, DEFAULT_TEXT_FIELD
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 # The paper's k sweep and a lambda grid around its 0.01 (lambda multiplies the *sum* Gram matrix).
 PAPER_TOP_K_CANDIDATES = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, None)
 RIDGE_LAMBDA_CANDIDATES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
-MAPPER_KINDS = ("ridge", "mlp")
+MAPPER_TYPES = (RIDGE, MLP)  # what a fit can produce (reduced rank comes from a ridge fit: `rank`)
 MAPPER_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -182,9 +183,9 @@ class FitConfig:
     mapper_dtype: str = field(default="float32", metadata=_opt(
         "weight dtype of the written mapper; bfloat16 halves the file and runs the transfer's GEMMs in bf16 "
         "(float32 accumulation); default float32", group="solve", choices=MAPPER_DTYPES))  # fmt: skip
-    mapper_type: str = field(default="ridge", metadata=_opt(
+    mapper_type: str = field(default=RIDGE, metadata=_opt(
         "ridge (closed form, default) or mlp: an MLP per target layer and K|V, by default a residual on top of "
-        "ridge with early stopping on the held-out sequences", cli="--mapper", choices=MAPPER_KINDS))  # fmt: skip
+        "ridge with early stopping on the held-out sequences", cli="--mapper", choices=MAPPER_TYPES))  # fmt: skip
     num_exact_layers: Any = field(default="auto", metadata=_opt(
         "the target's first layers TransferredCache computes itself with this mapper: 'auto' (default) = the fewest "
         "that keep --exact-layers-retention of the target's copying from its context on held-out calibration "
@@ -269,8 +270,8 @@ class FitConfig:
             raise ValueError(f"mlp_lr must be > 0, got {self.mlp_lr}")
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1) (the share of sequences held out), got {self.heldout_fraction}")
-        if self.mapper_type not in MAPPER_KINDS:
-            raise ValueError(f"mapper_type must be one of {MAPPER_KINDS}, got {self.mapper_type!r}")
+        if self.mapper_type not in MAPPER_TYPES:
+            raise ValueError(f"mapper_type must be one of {MAPPER_TYPES}, got {self.mapper_type!r}")
         for name in ("mapper_dtype", "mlp_feature_dtype"):
             value = getattr(self, name)
             if not isinstance(value, str) and type(value).__name__ == "dtype":  # a torch.dtype (no torch import here)
@@ -287,12 +288,12 @@ class FitConfig:
                 raise ValueError(
                     f"rank {self.rank!r}: give an integer rank, energy=F or budget=F (the weight dtype is mapper_dtype)"
                 )
-            if self.mapper_type != "ridge":
+            if self.mapper_type != RIDGE:
                 raise ValueError("a reduced rank applies to ridge mappers; drop rank or use mapper_type='ridge'")
         for name in ("dataset", "stats_dir", "checkpoint_dir"):
             if isinstance(getattr(self, name), os.PathLike):
                 set_(self, name, os.fspath(getattr(self, name)))
-        if self.mapper_type == "mlp":
+        if self.mapper_type == MLP:
             ks, lams = self.top_k_values, self.ridge_lambda
             if len(ks) != 1 or ks[0] == "auto" or len(lams) != 1 or lams[0] == "auto":
                 raise ValueError(

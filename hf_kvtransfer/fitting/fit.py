@@ -4,7 +4,7 @@ reduced rank) or MLP training (`mlp.py`), configured by one `FitConfig`.
 Example:
     ```python
     mapper = fit_mapper(source, target, calibration_ids, top_k=4)
-    mappers = fit_mapper(source, target, "corpus.txt", tokenizer=tok, config=FitConfig(top_k="1,2,all", seq_len=256))
+    mappers = fit_mappers(source, target, "corpus.txt", tokenizer=tok, config=FitConfig(top_k="1,2,all", seq_len=256))
     ```
 """
 
@@ -34,6 +34,7 @@ from .config import (
     resolve_config,
 )
 from .exact_layers import choose_num_exact_layers, probe_stream
+from ..core.mapper_types import MLP
 from ..core.lowrank import lowrank_mapper, reduced_rank_heldout_r2
 from ..core.mapper import KVMapper, MapperConfig
 from .mlp import fit_mlp
@@ -306,7 +307,7 @@ def fit_mapper(
     tokenizer=None,
     log: Callable[[str], None] | None = None,
     **overrides: Any,
-) -> KVMapper | dict[str, KVMapper]:
+) -> KVMapper:
     """Fit a mapper from `source`'s KV cache to `target`'s: one calibration pass, then a closed-form ridge solve
     (or MLP training with `mapper_type="mlp"`).
 
@@ -331,15 +332,44 @@ def fit_mapper(
 
     Returns:
         A float32 `KVMapper` (or `config.mapper_dtype`) with per-layer fit and held-out R^2 in `mapper.config`
-        and the run report (model selection, MLP training) in `mapper.report`; `{name: KVMapper}` when
-        several `top_k` were given (names from `mapper_name`: `k1`, `kall`, ...).
+        and the run report (model selection, MLP training) in `mapper.report`. Several `top_k` from one pass:
+        `fit_mappers`.
 
     Example:
         ```python
         mapper = fit_mapper(source, target, calibration_ids, top_k=4)
         mapper.save_pretrained("mappers/small-to-large")
-        mappers = fit_mapper(source, target, "corpus.txt", tokenizer=tok, num_sequences=64, seq_len=256,
-                             top_k="1,2,all")
+        ```
+    """
+    config, _ = resolve_config(config, overrides)
+    if config.several:
+        raise ValueError(
+            f"fit_mapper fits one mapper, but top_k={config.top_k!r} asks for several; use fit_mappers(...) for "
+            "one mapper per k from one calibration pass, or give one k"
+        )
+    return next(iter(fit_mappers(source, target, calibration_input_ids, config, attention_mask=attention_mask,
+                                 tokenizer=tokenizer, log=log, **overrides).values()))  # fmt: skip
+
+
+def fit_mappers(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    calibration_input_ids: torch.Tensor | Iterable | str | os.PathLike | None = None,
+    config: FitConfig | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    tokenizer=None,
+    log: Callable[[str], None] | None = None,
+    **overrides: Any,
+) -> dict[str, KVMapper]:
+    """`fit_mapper` for several `top_k` from one calibration pass: `{name: KVMapper}`, names from `mapper_name`
+    (`k1`, `k4`, `kall`, ...); one entry when one k is given. Same arguments as `fit_mapper`.
+
+    Example:
+        ```python
+        mappers = fit_mappers(source, target, "corpus.txt", tokenizer=tok, num_sequences=64, seq_len=256,
+                              top_k="1,2,all")
+        mappers["k2"].save_pretrained("mappers/k2")
         ```
     """
     config, mapper_kwargs = resolve_config(config, overrides)
@@ -365,9 +395,9 @@ def fit_mapper(
     _warn_beyond_positions(source, target, ids.shape[1])
     if info:
         mapper_kwargs.setdefault("calibration", info)
-    if config.mapper_type == "mlp":
+    if config.mapper_type == MLP:
         mapper = fit_mlp(source, target, ids, mask, config, log=log, **mapper_kwargs)
-        return with_exact_layers(source, target, mapper, ids, mask, config, log)
+        return {mapper_name(config.top_k_values[0]): with_exact_layers(source, target, mapper, ids, mask, config, log)}
     metadata = {"calibration": mapper_kwargs.pop("calibration")} if "calibration" in mapper_kwargs else None
     train, heldout = run_fit_pass(source, target, ids, mask, config, metadata=metadata, log=log)
     logger.info("calibration pass: %.1f s", time.perf_counter() - started)
@@ -376,8 +406,7 @@ def fit_mapper(
         train, heldout, top_k=config.top_k_values, ridge_lambda=list(config.ridge_lambda), refit=config.refit,
         dtype=config.torch_mapper_dtype, **config.rank_kwargs, **mapper_kwargs,
     )  # fmt: skip
-    mappers = {name: with_exact_layers(source, target, m, ids, mask, config, log) for name, m in mappers.items()}
-    return mappers if config.several else next(iter(mappers.values()))
+    return {name: with_exact_layers(source, target, m, ids, mask, config, log) for name, m in mappers.items()}
 
 
 def with_exact_layers(
@@ -434,7 +463,7 @@ def fit_mlp_mapper(
         print(mapper.report["mlp"]["heldout"]["value"]["ridge_r2"], mapper.config.heldout_r2_value)
         ```
     """
-    return fit_mapper(source, target, calibration_input_ids, config, mapper_type="mlp", **overrides)
+    return fit_mapper(source, target, calibration_input_ids, config, mapper_type=MLP, **overrides)
 
 
 __all__ = [

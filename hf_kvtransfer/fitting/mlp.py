@@ -32,6 +32,7 @@ from .accumulate import run_fit_pass
 from .calibration_pass import CalibrationBatch
 from .config import FitConfig, heldout_count
 from ..core.layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
+from ..core.mapper_types import MLP
 from ..core.mapper import KVMapper, MapperConfig
 from ..core.loading import DTYPES, model_device
 from ..core.ridge import cholesky_solve, effective_top_k, feature_index, layer_scores, select_layers, solve_layers
@@ -396,7 +397,7 @@ def fit_mlp(
         source_config=train.source_config,
         target_config=train.target_config,
         selected_layers=selected,
-        mapper_type="mlp",
+        mapper_type=MLP,
         top_k=top_k if top_k is not None else src_layout.num_layers,
         ridge_lambda=ridge_lambda,
         mlp=architecture,

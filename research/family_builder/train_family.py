@@ -5,7 +5,7 @@ Two ``Qwen3ForCausalLM`` models ("small" and "large") of different depth and wid
 scratch on the same data with one shared byte-level BPE tokenizer. Both use ``num_key_value_heads=2``
 and ``head_dim=32``, so their KV caches have the same per-layer shape (what the KV-transfer examples and
 benchmarks in this repository need). ``small_kv4`` (small's shape with 4 KV heads of dimension 16; committed,
-see examples/family/README.md) and ``large_kv4`` (4 KV heads; not trained) give pairs with different KV geometry.
+see research/family_builder/README.md) and ``large_kv4`` (4 KV heads; not trained) give pairs with different KV geometry.
 
 Training rows are ``--seq-len`` (512) tokens drawn from a mix that rewards reading the context:
 
@@ -36,7 +36,7 @@ Outputs (under ``--output-dir``)::
 
 The committed ``examples/family`` checkpoints were made with this recipe in stages, warm-started from the
 earlier text-only models (``small``: 2000 steps; ``large``: 1000 + 1500 steps); both answer 77% of held-out
-passage-recall questions. The exact commands are in examples/family/README.md ("Stages 1-2"), e.g.::
+passage-recall questions. The exact commands are in research/family_builder/README.md ("Stages 1-2"), e.g.::
 
     apt-get install -y python3.11-doc
     python research/family_builder/train_family.py --output-dir /tmp/fam_new --models small --init-from /tmp/oldfam \\
@@ -70,7 +70,7 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
 # Family definitions. The main pair shares its KV geometry (2 KV heads x head_dim 32); large_kv4 does not.
-# Narrow models: on 2 CPU cores more steps beat more width (see examples/family/README.md).
+# Narrow models: on 2 CPU cores more steps beat more width (see research/family_builder/README.md).
 FAMILY = {
     # 4 query heads x 32 on a 64-wide residual stream: GQA like the large one, and clearly weaker than it.
     "small": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

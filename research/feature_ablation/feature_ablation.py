@@ -1,4 +1,4 @@
-"""Feature ablation of the ridge KV mapper (issue 12 item 3): which extra mapper inputs or layer-selection rules
+"""Feature ablation of the ridge KV mapper: which extra mapper inputs or layer-selection rules
 improve the transfer over the library's plain ridge mapper, fit on the same calibration tokens and scored on the
 same held-out windows.
 

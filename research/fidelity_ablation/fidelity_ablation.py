@@ -1,4 +1,4 @@
-"""Issue 12's ablation table: what moves the transfer's fidelity on the bundled family, each row against the
+"""The fidelity ablation: what moves the transfer's fidelity on the bundled family, each row against the
 defaults (`fit_mapper(...)` + `TransferredCache(src_cache, mapper)`), paired on the same held-out items.
 
     OMP_WAIT_POLICY=PASSIVE python research/fidelity_ablation/fidelity_ablation.py --json research/fidelity_ablation/results/fidelity_ablation.json
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_kvtransfer import fit_mapper
+from hf_kvtransfer import fit_mapper, fit_mappers
 from hf_kvtransfer.evaluation.content import passage_recall
 from hf_kvtransfer.evaluation.evaluate import prefix_perplexity, split_documents
 from hf_kvtransfer.fitting.config import FitConfig
@@ -153,11 +153,10 @@ def main(argv=None) -> None:
         src_name, tgt_name = direction.split("-")
         src, tgt = models[src_name], models[tgt_name]
         out = {"rows": {}}
-        # default and the top_k rows come from one calibration pass (fit_mapper with several k, in that order)
+        # default and the top_k rows come from one calibration pass (fit_mappers, in that order)
         ks = [8] + [ROWS[r][1]["top_k"] for r in rows if list(ROWS[r][1]) == ["top_k"]]
         t0 = time.perf_counter()
-        fitted = fit_mapper(src, tgt, str(calibration), tokenizer=tok, progress=False, top_k=ks, **fit_data)
-        fitted = list(fitted.values()) if isinstance(fitted, dict) else [fitted]
+        fitted = list(fit_mappers(src, tgt, str(calibration), tokenizer=tok, progress=False, top_k=ks, **fit_data).values())
         shared_s = time.perf_counter() - t0
         mappers = {json.dumps({} if k == 8 else {"top_k": k}): (m, shared_s) for k, m in zip(ks, fitted)}
         base_recall = base_nll = None

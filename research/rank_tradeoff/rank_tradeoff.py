@@ -1,9 +1,9 @@
 """Size and speed against retention: full-rank, reduced-rank and bf16 mappers of one pair, from one statistics pass.
 
 For each mapper spec it reports the parameters and bytes, the floor-normalized perplexity retention on held-out
-text (the README protocol: windows of 2 x 128 tokens, the target scores the second half on a cache of the first)
-and the transfer time at one context length (strip + map + re-apply RoPE for every layer, median), and writes
-`tradeoff.json`, `tradeoff.md` and `tradeoff.png` (retention vs bytes, transfer time vs bytes).
+text (`hf-kvtransfer eval`'s prefix perplexity: windows of 2 x 128 tokens, the target scores the second half on a
+cache of the first) and the transfer time at one context length (strip + map + re-apply RoPE for every layer,
+median), and writes `tradeoff.json`, `tradeoff.md` and `tradeoff.png` (retention vs bytes, transfer time vs bytes).
 
     python research/rank_tradeoff/rank_tradeoff.py --output-dir research/rank_tradeoff/results/tradeoff
     python research/rank_tradeoff/rank_tradeoff.py --specs full full@bf16 energy=0.99 16 budget=0.25 --seq-len 4096

@@ -16,6 +16,9 @@ resident set, so the memory measured is what the transfer holds):
     MALLOC_MMAP_THRESHOLD_=1048576 python research/real_shapes/real_shapes.py --pair qwen3 --seq-lens 1024 4096 --threads 2 --output real_shapes_qwen3.json
     MALLOC_MMAP_THRESHOLD_=1048576 python research/real_shapes/real_shapes.py --pair llama --seq-lens 1024 --threads 2 --output real_shapes_llama.json
 
+What maps reading the target's residual stream would cost at the shapes that matter (no models built, seconds):
+    python research/real_shapes/real_shapes.py --costs-at-scale --seq-lens 4096 32768 --output residual_costs.json
+
 (with the package installed; from a source checkout, `PYTHONPATH=. python research/real_shapes/real_shapes.py ...`)
 """
 
@@ -36,6 +39,77 @@ PAIRS = {
     "llama": ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-3B"),
 }
 MiB = 2**20
+
+
+# The pairs whose costs the residual-stream option is judged at (from the shipped configs; nothing is built).
+PAIRS_AT_SCALE = {
+    "qwen3-14b-32b": ("Qwen/Qwen3-14B", "Qwen/Qwen3-32B"),
+    "llama-8b-70b": ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B"),
+}
+
+
+def costs_at_scale(seq_lens, exact_layers, residual_positions, ranks, top_k: int = 8) -> dict:
+    """For each pair of `PAIRS_AT_SCALE`: what maps reading the target's residual stream add to the mapper and to the
+    FLOPs to the first token, next to the exact layers' share of the target's prefill (`plan_transfer`, offline)."""
+    from hf_kvtransfer.commands.plan import plan_transfer
+
+    report = {"top_k": top_k, "dtype": "bfloat16", "pairs": {}}
+    for key, (source, target) in PAIRS_AT_SCALE.items():
+        rows = []
+        for T in seq_lens:
+            for rank in ranks:
+                for J in exact_layers:
+                    for P in residual_positions:
+                        plan = plan_transfer(source, target, top_k=top_k, rank=rank, seq_len=T, num_exact_layers=J,
+                                             residual_positions=P, use_hub=False, available_memory=2**40)  # fmt: skip
+                        f, r = plan.first_token_flops, plan.first_token_flops_residual
+                        rows.append({
+                            "seq_len": T, "rank": rank, "num_exact_layers": J, "residual_positions": P,
+                            "num_recompute_tokens": plan.num_recompute_tokens,
+                            "mapper_parameters": plan.mapper_parameters, "residual_parameters": plan.residual_parameters,
+                            "own_prefill_flops": f["own_prefill"], "target_layer_flops": plan.target_layer_flops,
+                            "exact_layers_flops": f["exact_layers"], "mapping_flops": f["mapping"],
+                            "recompute_flops": f["recompute"], "residual_flops": r["residual_inputs"],
+                            "residual_exact_layer_flops": r["exact_layers"] - f["exact_layers"],
+                            "residual_added_flops": r["total"] - f["total"],
+                            "first_token_flop_ratio": plan.first_token_flop_ratio,
+                            "first_token_flop_ratio_residual": plan.first_token_flop_ratio_residual,
+                        })  # fmt: skip
+        layout = plan.target_layout
+        report["pairs"][key] = {"source": source, "target": target, "target_layers": layout["num_layers"], "rows": rows}
+    return report
+
+
+def costs_markdown(report: dict) -> str:
+    """One table per pair: the exact layers' share of the prefill, the maps', and what P residual positions add."""
+    lines = []
+    for pair in report["pairs"].values():
+        lines += [
+            f"**{pair['source']} -> {pair['target']}** (top_k={report['top_k']}, {pair['target_layers']} target layers; "
+            "FLOPs to the first token of a T-token prompt, batch 1, transformer bodies; shares of the target's own "
+            "prefill; + FLOPs: the wider maps and the last exact layer run whole, whose output the maps read)",
+            "",
+            "| T | rank | exact layers | exact layers' share | maps' share | recomputed tokens' share | residual "
+            "positions | + mapper parameters | + FLOPs (target layers' worth) | prefill / transfer: K/V only -> with "
+            "residual |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for row in pair["rows"]:
+            own = row["own_prefill_flops"]
+            rank = "full" if row["rank"] is None else str(row["rank"])
+            added = (
+                f"+{row['residual_parameters'] / 1e9:.2f}B (+{100 * row['residual_parameters'] / row['mapper_parameters']:.0f}%)"
+                if row["residual_positions"] else "-"
+            )  # fmt: skip
+            flops = f"{row['residual_added_flops'] / row['target_layer_flops']:.2f}" if row["residual_positions"] else "-"
+            lines.append(
+                f"| {row['seq_len']} | {rank} | {row['num_exact_layers']} | {100 * row['exact_layers_flops'] / own:.2f}% "
+                f"| {100 * row['mapping_flops'] / own:.2f}% | {100 * row['recompute_flops'] / own:.2f}% "
+                f"| {row['residual_positions']} | {added} | {flops} | {row['first_token_flop_ratio']:.1f}x -> "
+                f"{row['first_token_flop_ratio_residual']:.1f}x |"
+            )
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _rss() -> tuple[int, int]:
@@ -244,7 +318,23 @@ def main(argv=None) -> int:
     parser.add_argument("--selections-from", metavar="JSON", help="skip the fit: random weights on the layer "
                         "selections in an earlier run's results")
     parser.add_argument("--no-prefill", action="store_true", help="do not time the target's own prefill")
+    parser.add_argument("--costs-at-scale", action="store_true",
+                        help="build nothing: for Qwen3 14B -> 32B and Llama-3.1 8B -> 70B, what maps reading the "
+                        "target's residual stream add (mapper size, FLOPs to the first token) next to the exact layers' "
+                        "share of the prefill, at --seq-lens, --exact-layers, --residual-positions, --ranks")
+    parser.add_argument("--exact-layers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--residual-positions", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--ranks", nargs="+", default=["full", "256"], help="full or an integer rank per map")
     args = parser.parse_args(argv)
+    if args.costs_at_scale:
+        ranks = [None if r == "full" else int(r) for r in args.ranks]
+        report = costs_at_scale(args.seq_lens, args.exact_layers, args.residual_positions, ranks)
+        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+        table = costs_markdown(report)
+        Path(args.output).with_suffix(".md").write_text(table)
+        print(table, end="")
+        print(f"results in {args.output} and {Path(args.output).with_suffix('.md')}")
+        return 0
     report = run(args)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print(f"results in {args.output}")
