@@ -1,11 +1,12 @@
 """Hand a conversation from a small model's vLLM engine to a large model's vLLM engine without the large prefill.
 
 1. The source engine (the small model, with the connector as `kv_producer`) answers each conversation; the
-   connector stores the KV of every prompt it prefilled, keyed by the prompt's token ids.
+   connector stores the KV of every prompt it prefilled and, when the turn ends, of the prompt and the turn.
 2. The target engine (the large model, with the connector as `kv_consumer` and a small -> large mapper)
-   continues each conversation after the small model's turn: the connector maps the stored prompt KV into the
-   large model's blocks, vLLM reports those tokens as cached and prefills only the rest (the small model's
-   turn, and always the last token).
+   continues each conversation after the small model's turn: the connector computes the mapper's exact layers
+   with the large model's first layers, maps the others from the stored KV into the large model's blocks, and
+   vLLM reports those tokens as cached and prefills only the rest (the last `num_recompute_tokens` of the stored
+   conversation, by default the library's 32, and the last token).
 3. The same large engine without the connector continues the same conversations (the reference).
 
 Prints both continuations, time to first token with and without the connector (median over the conversations,
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens the target generates")
     parser.add_argument("--conversations", type=int, default=5, help="conversations timed (after one warm-up)")
     parser.add_argument("--store", help="KV store directory shared by the engines (default: a fresh temp dir)")
+    parser.add_argument("--num-recompute-tokens", type=int, help="connector option (default: the library's, 32)")
+    parser.add_argument("--allow-lossy", action="store_true",
+                        help="connector option: map every layer (faster; loses what the context said)")
     parser.add_argument(
         "--single-process",
         action="store_true",
@@ -169,9 +173,12 @@ def main(argv: list[str] | None = None) -> dict:
     close(llm)
     conversations = [p + t["tokens"] for p, t in zip(prompts, turns)]
 
+    options = {"allow_lossy": True} if args.allow_lossy else {}
+    if args.num_recompute_tokens is not None:
+        options["num_recompute_tokens"] = args.num_recompute_tokens
     results = {}
     for name, kv in (
-        ("connector", connector_config("kv_consumer", store, mapper=mapper)),
+        ("connector", connector_config("kv_consumer", store, mapper=mapper, **options)),
         ("plain", None),
     ):
         print(f"target engine: {target_model.name} {'with' if kv else 'without'} the connector", flush=True)

