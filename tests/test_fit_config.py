@@ -50,7 +50,8 @@ def test_cli_options_are_generated_from_the_fields():
     fields = {f.name for f in dataclasses.fields(FitConfig) if f.metadata.get("cli") != ""}
     assert fields <= dests
     assert dests - fields == {"source", "target", "output", "dtype", "device_map", "source_revision",
-                              "target_revision", "trust_remote_code", "push_to_hub", "overwrite"}  # fmt: skip
+                              "target_revision", "trust_remote_code", "push_to_hub", "overwrite",
+                              "debug", "verbose"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

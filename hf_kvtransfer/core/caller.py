@@ -92,7 +92,11 @@ def check_prompt(
     """The input must continue the prompt a cache holding `held` tokens was built for: generate's sequence starts with
     it (or only new tokens are passed, with a mask covering the cached ones); a direct forward feeds the tokens that
     follow. Raises `ValueError` saying what to pass otherwise."""
-    only_new = caller.sequence.shape[-1] == fed_length and caller.mask_length == held + fed_length
+    # Only new tokens: the mask covers the cached tokens and what is fed, but the sequence is shorter than the mask
+    # (on the first forward it is exactly what is fed; assisted decoding's later steps feed candidates beyond it).
+    only_new = caller.mask_length == held + fed_length and (
+        caller.sequence.shape[-1] == fed_length or caller.sequence.shape[-1] < caller.mask_length
+    )
     if only_new:
         total = prompt_ids.shape[-1] if prompt_ids is not None else held
         count = min(fed_length, total - held)
