@@ -283,6 +283,13 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                 f"engine serves {getattr(self.model_config, '_name_or_path', 'a model')} with {want}; load the mapper "
                 "made for this target model"
             )
+        if mapper.needs_target_residual:
+            # Its maps add the target's own residual stream, which only the target's exact layers compute.
+            raise ValueError(
+                f"mapper {self.mapper_id!r} reads the target's residual stream after its {mapper.config.num_exact_layers} "
+                "exact layers, which this connector cannot compute (it maps every layer); use a mapper fit with "
+                "residual_inputs='off' (hf-kvtransfer fit --residual-inputs off)"
+            )
         if mapper.config.num_exact_layers is not None and mapper.config.num_exact_layers > 1:
             # The engine's own layers cannot run on the transferred prompt from here: every layer is mapped.
             logger.warning(
