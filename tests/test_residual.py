@@ -205,3 +205,49 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
                                                       min_retention=0.95)  # fmt: skip
     assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 2
+
+
+def test_only_the_readers_read_the_residual(pair):
+    source, target, _, base, stats = pair
+    mapper = solve_residual_mapper(base, stats, residual_layer=0, readers=[2])
+    assert residual_input_features(mapper.config) == [0, 0, len(LAGS) * 64]
+    assert sorted(mapper.residual.key.keys()) == ["2"]
+    # Layer 1 keeps the source-only map: the cache's keys there are the source-only mapper's.
+    ids = random_ids(1, 20, seed=4)
+    caches = []
+    for m in (mapper, base):
+        cache = TransferredCache(prefill(source, ids), m, num_recompute_tokens=1, num_exact_layers=1)
+        with torch.no_grad():
+            target(ids[:, -1:], cache=cache)
+        caches.append(cache)
+    torch.testing.assert_close(caches[0].layers[1].keys, caches[1].layers[1].keys)
+    assert not torch.allclose(caches[0].layers[2].keys, caches[1].layers[2].keys)
+    with pytest.raises(ValueError, match="residual_readers"):
+        replace(mapper.config, residual_readers=[0])
+
+
+def test_fit_config_residual_fields():
+    from hf_kvtransfer import FitConfig
+
+    config = FitConfig(residual_lags="0,2", residual_rank=16)
+    assert config.residual_lags == (0, 2) and config.residual_rank == 16 and config.exact_layers_retention == 0.95
+    for bad, match in (({"residual_lags": "0,0"}, "residual_lags"), ({"residual_inputs": "yes"}, "residual_inputs"),
+                       ({"residual_rank": 0}, "residual_rank"), ({"residual_stride": 0}, "residual_stride")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            FitConfig(**bad)
+
+
+def test_card_has_the_frontier_table(pair):
+    from hf_kvtransfer.core.card import render_model_card
+
+    _, _, _, base, stats = pair
+    mapper = solve_residual_mapper(base, stats, residual_layer=1)
+    rows = [{"inputs": "source K/V", "num_exact_layers": 1, "retention": 0.02, "retention_ci": [0.0, 0.04],
+             "transfer_ms": 10.0, "target_prefill_ms": 50.0, "speedup": 5.0, "chosen": False},
+            {"inputs": "source K/V + target residual entering layer 1 (t, t-1)", "num_exact_layers": 2,
+             "retention": 0.97, "retention_ci": [0.95, 0.99], "transfer_ms": 20.0, "target_prefill_ms": 50.0,
+             "speedup": 2.5, "chosen": True}]  # fmt: skip
+    report = {"exact_layers": {"candidates": rows, "tried": [], "timing": {"num_tokens": 512, "threads": 1}}}
+    card = str(render_model_card(mapper.config.to_dict(), report=report))
+    assert "What this mapper keeps at what speed" in card and "512 prompt tokens, 1 thread" in card
+    assert "| source K/V + target residual entering layer 1 (t, t-1) | 2 | 97.0% [95.0, 99.0] | 20.0 / 50.0 | 2.50x | yes |" in card

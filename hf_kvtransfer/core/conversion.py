@@ -292,8 +292,8 @@ class PendingTransfer:
         return keys, values
 
     def _with_residual(self, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The group's mapped rows plus their residual part, keys through the target's own key norms when the
-        mapper predicts keys before them (`residual.py`)."""
+        """The group's mapped rows plus their residual part for the layers that read it, their keys through the
+        target's own key norms when the mapper predicts keys before them (`residual.py`)."""
         if self.residual is None or (self.mapper.config.key_before_norm and self.key_norms is None):
             raise ValueError(
                 "this mapper's maps read the target's residual stream, which the cache computes in its exact layers "
@@ -302,20 +302,23 @@ class PendingTransfer:
                 "`prefill`) and let the target's forward or compute_exact_layers(model) run first"
             )
         maps = self.mapper.residual
+        tgt = self.mapper.target_layout
+        width = tgt.layer_dim
+        readers = [(i, t) for i, t in enumerate(group) if str(t) in maps.key]
+        if not readers:
+            return rows
         out = []
         for kind, x in zip(("key", "value"), rows):
-            layers = [t for t in group if str(t) in maps.key]
-            if len(layers) != len(group):
-                raise ValueError(f"target layers {sorted(set(group) - set(layers))} have no residual maps (they are exact layers of this mapper)")
-            weight = torch.cat([maps.weight(kind, t) for t in group]) if len(group) > 1 else maps.weight(kind, group[0])
-            res = self.residual.to(x.device, weight.dtype)
-            x = x + nn.functional.linear(res, weight.to(x.device)).to(x.dtype)
+            weights = [maps.weight(kind, t) for _, t in readers]
+            weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+            delta = nn.functional.linear(self.residual.to(x.device, weight.dtype), weight.to(x.device)).to(x.dtype)
+            for j, (i, _) in enumerate(readers):
+                x[..., i * width : (i + 1) * width] += delta[..., j * width : (j + 1) * width]
             out.append(x)
         if self.mapper.config.key_before_norm:
-            tgt = self.mapper.target_layout
             keys = out[0].view(*out[0].shape[:-1], len(group), tgt.num_kv_heads, tgt.head_dim)
-            normed = torch.stack([self.key_norms[t](keys[..., i, :, :]) for i, t in enumerate(group)], dim=-3)
-            out[0] = normed.flatten(-3).to(out[0].dtype)
+            for i, t in readers:
+                keys[..., i, :, :] = self.key_norms[t](keys[..., i, :, :])
         return out
 
     def mapped(self, layer_idx: int, like: torch.Tensor, pending: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,8 +93,10 @@ class MapperConfig:
             `num_exact_layers >= residual_layer + 1` and the prompt's ids. None: the maps read the source only.
         residual_lags: the token offsets of the residual features (`[0, 1, 2]`: positions t, t-1, t-2).
         residual_rank: the rank of one projection of the residual features shared by every layer (None: full).
-        key_before_norm: the key maps predict keys before the target's per-head key norm (Qwen3's `k_norm`), which
-            the cache applies with the target's own module.
+        residual_readers: the target layers whose maps read the residual (None: every layer after residual_layer);
+            the others keep source-only maps.
+        key_before_norm: the key maps of the residual readers predict keys before the target's per-head key norm
+            (Qwen3's `k_norm`), which the cache applies with the target's own module.
         num_parameters / dtype: size and weight dtype as saved (filled in by `save_pretrained`, for the card).
     """
 
@@ -121,6 +123,7 @@ class MapperConfig:
     residual_layer: int | None = None
     residual_lags: list[int] | None = None
     residual_rank: int | None = None
+    residual_readers: list[int] | None = None
     key_before_norm: bool = False
     num_parameters: int | None = None
     dtype: str | None = None

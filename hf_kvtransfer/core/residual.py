@@ -21,13 +21,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .mapper import MapperConfig
+# `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
+MapperConfig = Any
 
 # The RMS normalisation of the residual features (the same in the fit and the cache).
 RESIDUAL_EPS = 1e-6
@@ -65,7 +65,18 @@ def residual_input_features(config: MapperConfig | dict[str, Any]) -> list[int]:
     if layer is None:
         return [0] * num_layers
     width = data.get("residual_rank") or len(data["residual_lags"]) * data["target_fingerprint"]["hidden_size"]
-    return [width if t > layer else 0 for t in range(num_layers)]
+    readers = set(residual_readers(data))
+    return [width if t in readers else 0 for t in range(num_layers)]
+
+
+def residual_readers(config: MapperConfig | dict[str, Any]) -> list[int]:
+    """The target layers whose maps read the residual (empty for a source-only mapper)."""
+    data = config if isinstance(config, dict) else config.to_dict()
+    layer = data.get("residual_layer")
+    if layer is None:
+        return []
+    readers = data.get("residual_readers")
+    return list(readers) if readers is not None else list(range(layer + 1, data["target_fingerprint"]["num_hidden_layers"]))
 
 
 def residual_projection_shape(config: MapperConfig | dict[str, Any]) -> tuple[int, int] | None:
@@ -81,7 +92,7 @@ def validate_residual_config(config: MapperConfig) -> None:
     """Raise `ValueError` for inconsistent residual fields of a mapper config."""
     num_layers = config.target_fingerprint["num_hidden_layers"]
     if config.residual_layer is None:
-        if config.residual_lags is not None or config.residual_rank is not None or config.key_before_norm:
+        if config.residual_lags is not None or config.residual_rank is not None or config.key_before_norm or config.residual_readers is not None:
             raise ValueError(
                 "residual_lags / residual_rank / key_before_norm need residual_layer (the target layer whose input "
                 "feeds the maps)"
@@ -91,6 +102,11 @@ def validate_residual_config(config: MapperConfig) -> None:
         raise ValueError(
             f"residual_layer must be in [0, {num_layers - 1}) (a target layer with mapped layers after it), got "
             f"{config.residual_layer}"
+        )
+    readers = config.residual_readers
+    if readers is not None and (not readers or sorted(set(readers)) != list(readers) or not all(config.residual_layer < t < num_layers for t in readers)):
+        raise ValueError(
+            f"residual_readers must be ascending distinct target layers in ({config.residual_layer}, {num_layers}), got {readers}"
         )
     lags = config.residual_lags
     if not lags or any(not isinstance(lag, int) or lag < 0 for lag in lags) or len(set(lags)) != len(lags):
@@ -116,7 +132,7 @@ class ResidualMaps(nn.Module):
         super().__init__()
         out = config.target_layout.layer_dim
         widths = residual_input_features(config)
-        self.layers = [t for t, w in enumerate(widths) if w]
+        self.layers = residual_readers(config)
         shape = residual_projection_shape(config)
         self.down = nn.Parameter(torch.zeros(shape)) if shape is not None else None
         self.key = nn.ParameterDict({str(t): nn.Parameter(torch.zeros(out, widths[t])) for t in self.layers})
@@ -138,5 +154,6 @@ __all__ = [
     "residual_features",
     "residual_input_features",
     "residual_projection_shape",
+    "residual_readers",
     "validate_residual_config",
 ]

@@ -211,6 +211,9 @@ class FitConfig:
         "token offsets of the residual features (default 0,1,2: positions t, t-1, t-2)", group="exact", metavar="LAGS"))
     residual_rank: int | None = field(default=None, metadata=_opt(
         "rank of one projection of the residual features shared by all layers (default: full)", group="exact", metavar="R"))
+    residual_stride: int | None = field(default=None, metadata=_opt(
+        "token stride of the residual-input statistics (default: --stride); 1 uses every token, for small "
+        "calibration samples", group="exact", metavar="N"))  # fmt: skip
     residual_lambda: float = field(default=0.01, metadata=_opt(
         "ridge penalty of the residual-input maps on standardised inputs (default 0.01)", group="exact"))
     exact_layers_timing_tokens: int = field(default=512, metadata=_opt(
@@ -282,6 +285,8 @@ class FitConfig:
         set_(self, "residual_lags", parse_residual_lags(self.residual_lags))
         if self.residual_rank is not None and (isinstance(self.residual_rank, bool) or not isinstance(self.residual_rank, int) or self.residual_rank < 1):
             raise ValueError(f"residual_rank must be an integer >= 1 or None, got {self.residual_rank!r}")
+        if self.residual_stride is not None and (isinstance(self.residual_stride, bool) or not isinstance(self.residual_stride, int) or self.residual_stride < 1):
+            raise ValueError(f"residual_stride must be an integer >= 1 or None, got {self.residual_stride!r}")
         if not self.residual_lambda > 0:
             raise ValueError(f"residual_lambda must be > 0, got {self.residual_lambda}")
         for name in ("stride", "batch_size", "num_sequences", "checkpoint_every", "probe_tokens", "mlp_hidden_size",

@@ -393,7 +393,8 @@ def _residual_statistics(source: PreTrainedModel, target: PreTrainedModel, confi
         (log or logger.info)("residual-input maps: not tried in a checkpointed (resumable) fit; source K/V maps only")
         return None
     layers = residual_candidates(text_config(target.config).num_hidden_layers)
-    stats = ResidualStatistics.for_models(source, target, layers, lags=config.residual_lags, stride=config.stride)
+    stats = ResidualStatistics.for_models(source, target, layers, lags=config.residual_lags,
+                                          stride=config.residual_stride or config.stride)  # fmt: skip
     nbytes = residual_statistics_nbytes(stats.source_layout, stats.target_layout, stats.hidden_size, len(stats.lags), len(layers))
     (log or logger.info)(f"residual-input statistics for residual layers {layers}: {nbytes / 2**20:,.1f} MiB (float64, CPU)")
     return stats

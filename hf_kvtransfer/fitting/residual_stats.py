@@ -137,6 +137,7 @@ def solve_residual_mapper(
     *,
     residual_lambda: float = DEFAULT_RESIDUAL_LAMBDA,
     residual_rank: int | None = None,
+    readers: list[int] | None = None,
 ) -> KVMapper:
     """A copy of `mapper` whose target layers after `residual_layer` also read the target's residual stream entering
     that layer (ridge on standardised `[selected source K|V, residual features]`, one solve per layer and kind),
@@ -149,6 +150,8 @@ def solve_residual_mapper(
         stats: `ResidualStatistics` collected with `residual_layer` among its layers.
         residual_lambda: ridge penalty on the standardised inputs' correlation matrix.
         residual_rank: rank of one projection of the residual features shared by every layer (None: full).
+        readers: the target layers after `residual_layer` that read the residual (None: all of them); the others
+            keep `mapper`'s maps.
     """
     if mapper.config.mapper_type != "ridge" or mapper.needs_target_residual:
         raise ValueError(f"solve_residual_mapper extends a source-only 'ridge' mapper, got {mapper.config.mapper_type!r}")
@@ -159,7 +162,8 @@ def solve_residual_mapper(
     fs, fr = src.total_dim, len(stats.lags) * stats.hidden_size
     config = dataclasses.replace(
         mapper.config, residual_layer=residual_layer, residual_lags=list(stats.lags), residual_rank=residual_rank,
-        key_before_norm=stats.key_before_norm, num_exact_layers=max(mapper.config.num_exact_layers or 0, residual_layer + 1),
+        key_before_norm=stats.key_before_norm, residual_readers=list(readers) if readers is not None else None,
+        num_exact_layers=max(mapper.config.num_exact_layers or 0, residual_layer + 1),
     )  # fmt: skip
     new = KVMapper(config, report=dict(mapper.report))
     new.layers.load_state_dict(mapper.layers.state_dict())
@@ -180,7 +184,7 @@ def solve_residual_mapper(
         new.residual.down.data.copy_(down.to(new.residual.down.dtype))
     for kind in KINDS:
         s = stats.sums[(residual_layer, kind)]
-        for t in range(residual_layer + 1, tgt.num_layers):
+        for t in new.residual.layers:
             idx = torch.cat([feature_index(config.selected_layers[t], src.layer_dim), torch.arange(fs, fs + fr)])
             mu, gram = s["x"][idx] / n, s["gram"][idx][:, idx] / n
             out = slice(t * tgt.layer_dim, (t + 1) * tgt.layer_dim)
