@@ -231,6 +231,7 @@ def test_fit_config_residual_fields():
 
     config = FitConfig(residual_lags="0,2", residual_rank=16)
     assert config.residual_lags == (0, 2) and config.residual_rank == 16 and config.exact_layers_retention == 0.95
+    assert config.residual_inputs == "off"  # opt-in until the probe scores recall too (research/content_at_speed)
     for bad, match in (({"residual_lags": "0,0"}, "residual_lags"), ({"residual_inputs": "yes"}, "residual_inputs"),
                        ({"residual_rank": 0}, "residual_rank"), ({"residual_stride": 0}, "residual_stride")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
@@ -251,3 +252,13 @@ def test_card_has_the_frontier_table(pair):
     card = str(render_model_card(mapper.config.to_dict(), report=report))
     assert "What this mapper keeps at what speed" in card and "512 prompt tokens, 1 thread" in card
     assert "| source K/V + target residual entering layer 1 (t, t-1) | 2 | 97.0% [95.0, 99.0] | 20.0 / 50.0 | 2.50x | yes |" in card
+
+
+def test_fit_with_residual_inputs_runs_the_statistics_in_the_same_pass(pair):
+    source, target, ids, _, _ = pair
+    logs = []
+    mapper = fit_mapper(source, target, ids, top_k=2, residual_inputs="auto", heldout_fraction=0, progress=False,
+                        log=logs.append)  # fmt: skip
+    assert any("residual-input statistics for residual layers [0]" in line for line in logs), logs
+    # Too few tokens for the probe here (6 x 40): it keeps the source-only default.
+    assert not mapper.needs_target_residual and "default 1 kept" in mapper.report["exact_layers"]["reason"]

@@ -203,10 +203,11 @@ class FitConfig:
         "text (exact_layers.py), or a number (no probe)", cli="--exact-layers", group="exact", metavar="N|auto"))  # fmt: skip
     exact_layers_retention: float = field(default=0.95, metadata=_opt(
         "repeated-span retention 'auto' must reach (default 0.95)", group="exact", metavar="FRACTION"))
-    residual_inputs: str = field(default="auto", metadata=_opt(
+    residual_inputs: str = field(default="off", metadata=_opt(
         "with --exact-layers auto, also try maps that read the target's own residual stream after its exact layers "
-        "(residual.py): 'auto' (default; the probe keeps them where they are faster at the retention asked for) or "
-        "'off' (source K/V only)", group="exact", choices=("auto", "off")))  # fmt: skip
+        "(residual.py): 'auto' (the probe keeps them where they are faster at the retention asked for) or 'off' "
+        "(default: source K/V only; the probe scores repeated spans, which over-state the recall such maps keep on "
+        "the bundled large -> small pair: research/content_at_speed)", group="exact", choices=("auto", "off")))  # fmt: skip
     residual_lags: str = field(default="0,1,2", metadata=_opt(
         "token offsets of the residual features (default 0,1,2: positions t, t-1, t-2)", group="exact", metavar="LAGS"))
     residual_rank: int | None = field(default=None, metadata=_opt(
