@@ -27,7 +27,10 @@ _EXPORTS = {
     "reduce_mapper_rank": "core.lowrank",
     "FitConfig": "fitting.config",
     "collect_statistics": "fitting.accumulate",
+    "choose_configuration": "fitting.exact_layers",
     "choose_num_exact_layers": "fitting.exact_layers",
+    "residual_input_features": "core.residual",
+    "solve_residual_mapper": "fitting.residual_stats",
     "fit_mapper": "fitting.fit",
     "fit_mappers": "fitting.fit",
     "fit_mlp_mapper": "fitting.fit",
@@ -40,11 +43,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORT
     from .core.hub import MapperHubError
     from .core.lowrank import reduce_mapper_rank
     from .core.mapper import KVMapper, MapperConfig
+    from .core.residual import residual_input_features
     from .core.stats import KVLayout, KVStatistics
     from .fitting.accumulate import collect_statistics
     from .fitting.config import FitConfig
-    from .fitting.exact_layers import choose_num_exact_layers
+    from .fitting.exact_layers import choose_configuration, choose_num_exact_layers
     from .fitting.fit import fit_mapper, fit_mappers, fit_mlp_mapper, solve_mapper
+    from .fitting.residual_stats import solve_residual_mapper
 
 
 def __getattr__(name: str):

@@ -12,17 +12,19 @@ import copy
 import functools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
-from .exact import own_prefix
+from .exact import decoder_layers, own_prefix
 from .mapper import KVMapper
+from .residual import residual_features
 from .rope import position_ids_from_mask
 
 # The prompt's last tokens are prefilled by the target itself unless asked otherwise: the next tokens depend most on
@@ -85,6 +87,18 @@ def _prompt_mask(given: torch.Tensor | None, source_cache, batch_size: int, leng
             "the one `prefill` recorded is used)"
         )
     return given
+
+def _key_norms(model: PreTrainedModel, layers: Iterable[int]) -> dict[int, nn.Module]:
+    """The target's per-head key norms (Qwen3's `self_attn.k_norm`) of `layers`, for a mapper that predicts keys
+    before them."""
+    decoder = decoder_layers(model)
+    norms = {t: getattr(decoder[t].self_attn, "k_norm", None) for t in layers}
+    if any(norm is None for norm in norms.values()):
+        raise ValueError(
+            f"this mapper predicts keys before the target's key norm (key_before_norm), but {type(model).__name__} "
+            "has no `self_attn.k_norm`; load the mapper made for this target model"
+        )
+    return norms
 
 
 class TransferredCache(DynamicCache):
@@ -238,6 +252,7 @@ class TransferredCache(DynamicCache):
             shared.append(self._exact_inputs[0])  # the target model itself
         if self._transfer is not None:
             shared += [self._transfer.rope.source_rotary, self._transfer.rope.target_rotary]
+            shared += list((self._transfer.key_norms or {}).values())  # the target's own modules
         for module in shared:
             memo[id(module)] = module
         new = type(self).__new__(type(self))
@@ -326,6 +341,12 @@ class TransferredCache(DynamicCache):
                 # generate's whole sequence starts with the prompt (checked above); beam search and
                 # num_return_sequences repeat each row in place (repeat_interleave): take one of each
                 prompt = caller.sequence[:: rows // self._transfer.batch_size]
+            if (prompt is None or prompt.shape[-1] < held) and self.mapper.needs_target_residual:
+                raise ValueError(
+                    "this mapper's maps read the target's residual stream, which the cache computes in its exact "
+                    "layers from the prompt's ids, and this cache does not know them: build the source cache with "
+                    "`prefill` or pass `input_ids=` to TransferredCache"
+                )
             if prompt is None or prompt.shape[-1] < held:
                 warnings.warn(
                     f"the target's first {self.num_exact_layers} layer(s) are mapped, not computed from the prompt: "
@@ -363,7 +384,16 @@ class TransferredCache(DynamicCache):
                 "`input_ids=` (the ids the source cache was built from) here or to TransferredCache"
             )
         exact = range(self.num_exact_layers)
-        own = own_prefix(model, prompt[:, : transfer.length], transfer.attention_mask, transfer.rope.position_ids, len(exact))
+        layer = self.mapper.config.residual_layer
+        own = own_prefix(model, prompt[:, : transfer.length], transfer.attention_mask, transfer.rope.position_ids,
+                         len(exact), hidden_of=layer)  # fmt: skip
+        if layer is not None:
+            own, hidden = own
+            # (B, T, hidden) -> (B, T, F): the residual features the maps of the layers after `layer` read
+            config = self.mapper.config
+            transfer.residual = self.mapper.residual.project(residual_features(hidden, config.residual_lags, transfer.attention_mask))
+            if config.key_before_norm:
+                transfer.key_norms = _key_norms(model, range(len(exact), len(self.layers)))
         for t, kv in zip(exact, own):
             transfer.ahead[t] = kv
         for s, layer in list(transfer.sources.items()):

@@ -112,3 +112,43 @@ def capture_kv(
         keys.append(strip_rope(layer.keys, cos, sin))
         values.append(layer.values.float())
     return keys, values
+
+
+@torch.no_grad()
+def capture_kv_and_inputs(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    hidden_layers: tuple[int, ...] = (),
+    key_projections: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor] | None]:
+    """`capture_kv` plus, from the same forward, the residual stream entering each of `hidden_layers`
+    (`{layer: [batch, seq, hidden_size]}`) and, with `key_projections`, each layer's keys before its per-head key norm
+    and RoPE (the `k_proj` output, `[batch, kv_heads, seq, head_dim]`; Qwen3's `k_norm` comes after it)."""
+    body = model.base_model if hasattr(model, "base_model") else model
+    layers = body.layers
+    hidden: dict[int, torch.Tensor] = {}
+    projected: dict[int, torch.Tensor] = {}
+    hooks = []
+    for j in hidden_layers:
+        def keep_input(module, args, kwargs, j=j):
+            hidden[j] = (args[0] if args else kwargs["hidden_states"]).float()
+
+        hooks.append(layers[j].register_forward_pre_hook(keep_input, with_kwargs=True))
+    if key_projections:
+        for t, layer in enumerate(layers):
+            def keep_output(module, args, output, t=t):
+                projected[t] = output.float()
+
+            hooks.append(layer.self_attn.k_proj.register_forward_hook(keep_output))
+    try:
+        keys, values = capture_kv(model, input_ids, attention_mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    proj = None
+    if key_projections:
+        # (B, T, H*D) -> (B, H, T, D), the layout of the stripped keys
+        proj = [projected[t].view(*projected[t].shape[:2], k.shape[1], k.shape[3]).transpose(1, 2) for t, k in enumerate(keys)]
+    return keys, values, hidden, proj

@@ -77,6 +77,8 @@ def render_model_card(
         fit=_fit_facts(config) + _checkpoint_facts(checkpoint),
         calibration=_calibration_facts(calibration),
         exact=_exact_layer_facts(config, (report or {}).get("exact_layers")),
+        frontier=_frontier_rows((report or {}).get("exact_layers")),
+        frontier_timing=_frontier_timing((report or {}).get("exact_layers")),
         layers=_layer_rows(config),
         top_k=config.get("top_k"),
         has_revisions=bool(config.get("source_revision") or config.get("target_revision")),
@@ -208,6 +210,32 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
         if tried:
             facts.append((f"Repeated-span retention by exact layers ({probe.get('num_items')} held-out spans)", "; ".join(tried)))
     return facts
+
+
+def _frontier_rows(probe: Any) -> list[dict[str, str]]:
+    """One row per configuration the fit's probe tried (`exact_layers.choose_configuration`'s `candidates`)."""
+    if not isinstance(probe, dict) or not probe.get("candidates"):
+        return []
+    rows = []
+    for row in probe["candidates"]:
+        retention, ci = row.get("retention"), row.get("retention_ci")
+        rows.append({
+            "inputs": _cell(row.get("inputs")),
+            "exact": _cell(row.get("num_exact_layers")),
+            "retention": "n/a" if retention is None else f"{100 * retention:.1f}%"
+            + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else ""),
+            "times": "–" if row.get("transfer_ms") is None else f"{row['transfer_ms']:.1f} / {row['target_prefill_ms']:.1f}",
+            "speedup": "–" if row.get("speedup") is None else f"{row['speedup']:.2f}x",
+            "chosen": "yes" if row.get("chosen") else "",
+        })  # fmt: skip
+    return rows
+
+
+def _frontier_timing(probe: Any) -> str:
+    timing = (probe or {}).get("timing") if isinstance(probe, dict) else None
+    if not timing:
+        return ""
+    return f"{timing.get('num_tokens')} prompt tokens, {timing.get('threads')} thread, medians"
 
 
 def _checkpoint_facts(checkpoint: dict | None) -> list[tuple[str, str]]:

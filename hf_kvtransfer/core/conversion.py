@@ -142,6 +142,10 @@ class PendingTransfer:
     ahead: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Non-finite flags of stripped source layers on accelerators, checked once after the last layer (no host sync).
     nonfinite: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # The target's residual features `[B, T, F]` (`residual.py`, projected) from its exact layers, for a mapper whose
+    # maps read them, and the target's per-layer key norms for one that predicts keys before them.
+    residual: torch.Tensor | None = None
+    key_norms: dict[int, nn.Module] | None = None
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch or length operation (beam reorder, crop, ...) to what is not converted yet."""
@@ -151,12 +155,14 @@ class PendingTransfer:
         self.attention_mask = fn(self.attention_mask) if self.attention_mask is not None else None
         self.features.clear()
         self.ahead.clear()  # recomputed from the changed sources when asked for
+        self.residual = fn(self.residual) if self.residual is not None else None
         if self.sources:
             self.batch_size = next(iter(self.sources.values())).keys.shape[0]
 
     def nbytes(self) -> int:
         tensors = [t for layer in self.sources.values() for t in (layer.keys, layer.values, *(layer.stripped or ()))]
         tensors += [t for pair in (*self.features.values(), *self.ahead.values(), *self.rope.tables.values()) for t in pair]
+        tensors += [self.residual] if self.residual is not None else []
         # Views share storage (the caller's tensors, buffers of a selection): count each storage once.
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
@@ -285,6 +291,36 @@ class PendingTransfer:
         values.permute(1, 3, 0, 2, 4).copy_(value_rows.view(batch, seq, num_layers, tgt.num_kv_heads, tgt.head_dim))
         return keys, values
 
+    def _with_residual(self, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The group's mapped rows plus their residual part for the layers that read it, their keys through the
+        target's own key norms when the mapper predicts keys before them (`residual.py`)."""
+        if self.residual is None or (self.mapper.config.key_before_norm and self.key_norms is None):
+            raise ValueError(
+                "this mapper's maps read the target's residual stream, which the cache computes in its exact layers "
+                "from the prompt's ids, but none were computed (no prompt ids known, a legacy tuple cache, or every "
+                "layer mapped with convert_all): pass input_ids= to TransferredCache (or build the source cache with "
+                "`prefill`) and let the target's forward or compute_exact_layers(model) run first"
+            )
+        maps = self.mapper.residual
+        tgt = self.mapper.target_layout
+        width = tgt.layer_dim
+        readers = [(i, t) for i, t in enumerate(group) if str(t) in maps.key]
+        if not readers:
+            return rows
+        out = []
+        for kind, x in zip(("key", "value"), rows):
+            weights = [maps.weight(kind, t) for _, t in readers]
+            weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+            delta = nn.functional.linear(self.residual.to(x.device, weight.dtype), weight.to(x.device)).to(x.dtype)
+            for j, (i, _) in enumerate(readers):
+                x[..., i * width : (i + 1) * width] += delta[..., j * width : (j + 1) * width]
+            out.append(x)
+        if self.mapper.config.key_before_norm:
+            keys = out[0].view(*out[0].shape[:-1], len(group), tgt.num_kv_heads, tgt.head_dim)
+            for i, t in readers:
+                keys[..., i, :, :] = self.key_norms[t](keys[..., i, :, :])
+        return out
+
     def mapped(self, layer_idx: int, like: torch.Tensor, pending: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Finished target keys and values of `layer_idx` `[B, n_kv, T, d]`, computed with the other layers of its
         group (which then wait, finished, in `ahead`); `pending` are the target layers not converted yet."""
@@ -296,6 +332,8 @@ class PendingTransfer:
                 rows = self.mapper.layers[layer_idx](key_feats, value_feats)
             else:
                 rows = [self._affine_rows(group, kind, x, dense) for kind, x in (("key", key_feats), ("value", value_feats))]
+                if self.mapper.needs_target_residual:
+                    rows = self._with_residual(group, rows)
             keys, values = self._finish(*rows, len(group), like)
             for i, t in enumerate(group):
                 transfer.ahead[t] = (keys[i], values[i])

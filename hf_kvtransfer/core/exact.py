@@ -27,13 +27,36 @@ class PrefixCache(DynamicCache):
         return out
 
 
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a causal LM or its base model (`model.model.layers` in transformers' decoders)."""
+    body = model.base_model if hasattr(model, "base_model") else model
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected `.layers` on its base model)")
+    return layers
+
+
 @torch.no_grad()
-def own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids, num_layers: int):
+def own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids, num_layers: int, hidden_of: int | None = None):
     """The keys and values `model` itself computes for its first `num_layers` layers: `[(keys, values)]`, each
-    `[batch, kv_heads, seq, head_dim]`. Costs those layers' share of a prefill (for one layer: its K/V projections)."""
+    `[batch, kv_heads, seq, head_dim]`. Costs those layers' share of a prefill (for one layer: its K/V projections):
+    layers `0 .. num_layers-2` run whole, the last one only up to its keys and values.
+
+    With `hidden_of` (< num_layers), returns `(kv, hidden)` with `hidden` the residual stream entering that layer,
+    `[batch, seq, hidden_size]`, taken on the way."""
     body = model.base_model if hasattr(model, "base_model") else model
     device = model.get_input_embeddings().weight.device
     cache = PrefixCache(num_layers)
+    captured: dict[str, torch.Tensor] = {}
+    hook = None
+    if hidden_of is not None:
+        if not 0 <= hidden_of < num_layers:
+            raise ValueError(f"hidden_of must be one of the {num_layers} layers computed, got {hidden_of}")
+
+        def keep_input(module, args, kwargs):
+            captured["hidden"] = args[0] if args else kwargs["hidden_states"]
+
+        hook = decoder_layers(model)[hidden_of].register_forward_pre_hook(keep_input, with_kwargs=True)
     try:
         body(
             input_ids=input_ids.to(device),
@@ -44,4 +67,8 @@ def own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids, 
         )
     except StopForward:
         pass
-    return [(layer.keys, layer.values) for layer in cache.layers[:num_layers]]
+    finally:
+        if hook is not None:
+            hook.remove()
+    kv = [(layer.keys, layer.values) for layer in cache.layers[:num_layers]]
+    return (kv, captured["hidden"]) if hidden_of is not None else kv

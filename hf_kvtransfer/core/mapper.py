@@ -20,6 +20,7 @@ from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolv
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
 from .mapper_types import LOWRANK, RIDGE
 from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
+from .residual import ResidualMaps, validate_residual_config
 from .stats import KVLayout
 from ..version import __version__
 
@@ -85,6 +86,15 @@ class MapperConfig:
         num_exact_layers: the target's first layers `TransferredCache` computes itself with this mapper unless told
             otherwise: the fewest that keep the content probe's retention (`exact_layers.py`, chosen by the fit),
             or a number given to the fit. None: `DEFAULT_NUM_EXACT_LAYERS`.
+        residual_layer: when set, the maps of every target layer after it also read the target's own residual
+            stream entering this layer (`residual.py`), which the cache computes in its exact layers: needs
+            `num_exact_layers >= residual_layer + 1` and the prompt's ids. None: the maps read the source only.
+        residual_lags: the token offsets of the residual features (`[0, 1, 2]`: positions t, t-1, t-2).
+        residual_rank: the rank of one projection of the residual features shared by every layer (None: full).
+        residual_readers: the target layers whose maps read the residual (None: every layer after residual_layer);
+            the others keep source-only maps.
+        key_before_norm: the key maps of the residual readers predict keys before the target's per-head key norm
+            (Qwen3's `k_norm`), which the cache applies with the target's own module.
         num_parameters / dtype: size and weight dtype as saved (filled in by `save_pretrained`, for the card).
     """
 
@@ -108,6 +118,11 @@ class MapperConfig:
     mlp: dict[str, Any] | None = None
     rank: list[list[int]] | None = None
     num_exact_layers: int | None = None
+    residual_layer: int | None = None
+    residual_lags: list[int] | None = None
+    residual_rank: int | None = None
+    residual_readers: list[int] | None = None
+    key_before_norm: bool = False
     num_parameters: int | None = None
     dtype: str | None = None
     license: str = "apache-2.0"
@@ -148,6 +163,11 @@ class MapperConfig:
         if self.rank is not None and self.mapper_type != LOWRANK:
             raise ValueError(f"rank applies to 'lowrank' mappers only, got mapper_type={self.mapper_type!r}")
         layer_map_class(self.mapper_type).validate_config(self)
+        if (self.residual_layer is not None or self.key_before_norm) and self.mapper_type != "ridge":
+            raise ValueError(
+                f"residual_layer and key_before_norm apply to 'ridge' mappers only, got mapper_type={self.mapper_type!r}"
+            )
+        validate_residual_config(self)
 
     @property
     def source_layout(self) -> KVLayout:
@@ -203,6 +223,8 @@ class KVMapper(nn.Module):
         super().__init__()
         self.config = config
         self.layers = layer_maps if layer_maps is not None else build_layer_maps(config)
+        # The residual part of the maps after `config.residual_layer` (`residual.py`), None for source-only maps.
+        self.residual = ResidualMaps(config) if config.residual_layer is not None else None
         # How the mapper was made (selection curves, training logs, timings, evaluations): `fit_report.json`.
         self.report: dict[str, Any] = dict(report or {})
 
@@ -223,8 +245,25 @@ class KVMapper(nn.Module):
         return DEFAULT_NUM_EXACT_LAYERS if recorded is None else recorded
 
     def resolve_num_exact_layers(self, requested: int | None) -> int:
-        """What a caller's `num_exact_layers` means with this mapper: None is the mapper's own number."""
-        return self.num_exact_layers if requested is None else requested
+        """What a caller's `num_exact_layers` means with this mapper: None is the mapper's own number.
+
+        Raises:
+            ValueError: for fewer exact layers than a mapper reading the target's residual needs.
+        """
+        resolved = self.num_exact_layers if requested is None else requested
+        layer = self.config.residual_layer
+        if layer is not None and resolved < layer + 1:
+            raise ValueError(
+                f"this mapper's maps read the target's residual entering layer {layer}, which the cache computes in its "
+                f"exact layers: num_exact_layers must be >= {layer + 1}, got {resolved}"
+            )
+        return resolved
+
+    @property
+    def needs_target_residual(self) -> bool:
+        """Whether the maps read the target's own residual stream (`config.residual_layer`): the cache must compute
+        its exact layers from the prompt's ids; a transfer that maps every layer cannot use this mapper."""
+        return self.config.residual_layer is not None
 
     @cached_property
     def source_model_config(self) -> PreTrainedConfig:
@@ -266,6 +305,12 @@ class KVMapper(nn.Module):
             Stripped target keys and values `[batch, n_kv_t, seq, d_t]` in the mapper's dtype.
         """
         tgt = self.target_layout
+        if self.needs_target_residual or self.config.key_before_norm:
+            raise ValueError(
+                "this mapper's maps also read the target's residual stream or leave the target's key norm to the "
+                "cache (residual_layer / key_before_norm in its config): apply it through TransferredCache, which "
+                "computes both from the target's exact layers"
+            )
         keys, values = self.layers[layer_idx](source_key_states, source_value_states)
         # (B, T, H*D) -> (B, H, T, D)
         return tuple(y.view(*y.shape[:-1], tgt.num_kv_heads, tgt.head_dim).transpose(1, 2) for y in (keys, values))

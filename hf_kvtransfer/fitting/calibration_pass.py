@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from .calibration import sample_hash
-from ..core.capture import capture_kv
+from ..core.capture import capture_kv, capture_kv_and_inputs
 from ..core.mapper import config_fingerprint
 from ..core.rope import check_supported, text_config
 
@@ -122,6 +122,10 @@ class CalibrationBatch:
     source_values: list[torch.Tensor]
     target_keys: list[torch.Tensor]
     target_values: list[torch.Tensor]
+    # Asked for by consumers (`target_hidden_layers`, `target_key_projections`): the target's residual stream entering
+    # those layers `{layer: [batch, seq, hidden]}` and its keys before the key norm, per layer.
+    target_hidden: dict[int, torch.Tensor] | None = None
+    target_key_projections: list[torch.Tensor] | None = None
 
     def states(self, kind: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`(source states, target states)` of `kind` ('key' or 'value')."""
@@ -315,6 +319,9 @@ def calibration_pass(
     def checkpoint() -> None:
         _save_checkpoint(path, saving, done, run)
 
+    # What consumers need of the target beyond its K/V (the residual-input statistics: `residual_stats.py`).
+    hidden_layers = tuple(sorted({j for c in consumers for j in getattr(c, "target_hidden_layers", ())}))
+    key_projections = any(getattr(c, "target_key_projections", False) for c in consumers)
     seq_len = input_ids.shape[1]
     bar = tqdm(
         total=len(order) * seq_len, initial=done * seq_len, desc="calibration", unit="tok", unit_scale=True,
@@ -328,13 +335,18 @@ def calibration_pass(
             was_ready = ready()
             try:
                 src_k, src_v = capture_kv(source, ids, mask)
-                tgt_k, tgt_v = capture_kv(target, ids, mask)
+                if hidden_layers or key_projections:
+                    tgt_k, tgt_v, tgt_h, tgt_p = capture_kv_and_inputs(
+                        target, ids, mask, hidden_layers=hidden_layers, key_projections=key_projections
+                    )
+                else:
+                    (tgt_k, tgt_v), tgt_h, tgt_p = capture_kv(target, ids, mask), None, None
             except BaseException:
                 # Sums are untouched by this batch: keep what is done (OOM, Ctrl-C twice, a bad batch, ...).
                 if path is not None and done > saved and was_ready:
                     checkpoint()
                 raise
-            batch = CalibrationBatch(part, rows, mask, src_k, src_v, tgt_k, tgt_v)
+            batch = CalibrationBatch(part, rows, mask, src_k, src_v, tgt_k, tgt_v, tgt_h, tgt_p)
             for c in consumers:
                 c.update(batch)
             done += len(rows)

@@ -122,6 +122,18 @@ def parse_rank_spec(spec: str) -> dict[str, Any]:
     )
 
 
+def parse_residual_lags(value) -> tuple[int, ...]:
+    """Residual lags from "0,1,2" or a sequence: distinct integers >= 0."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        lags = tuple(int(str(v).strip()) for v in items)
+    except ValueError:
+        lags = ()
+    if not lags or any(lag < 0 for lag in lags) or len(set(lags)) != len(lags):
+        raise ValueError(f"residual_lags must be distinct integers >= 0 such as '0,1,2', got {value!r}")
+    return lags
+
+
 def heldout_count(num_sequences: int, heldout_fraction: float) -> int:
     """Sequences held out for a fraction (the *last* ones of the sample): at least one when the fraction is
     positive, never all of them."""
@@ -190,8 +202,25 @@ class FitConfig:
         "the target's first layers TransferredCache computes itself with this mapper: 'auto' (default) = the fewest "
         "that keep --exact-layers-retention of the target's copying from its context on held-out calibration "
         "text (exact_layers.py), or a number (no probe)", cli="--exact-layers", group="exact", metavar="N|auto"))  # fmt: skip
-    exact_layers_retention: float = field(default=0.9, metadata=_opt(
-        "repeated-span retention 'auto' must reach (default 0.9)", group="exact", metavar="FRACTION"))
+    exact_layers_retention: float = field(default=0.95, metadata=_opt(
+        "repeated-span retention 'auto' must reach (default 0.95)", group="exact", metavar="FRACTION"))
+    residual_inputs: str = field(default="off", metadata=_opt(
+        "with --exact-layers auto, also try maps that read the target's own residual stream after its exact layers "
+        "(residual.py): 'auto' (the probe keeps them where they are faster at the retention asked for) or 'off' "
+        "(default: source K/V only; the probe scores repeated spans, which over-state the recall such maps keep on "
+        "the bundled large -> small pair: research/content_at_speed)", group="exact", choices=("auto", "off")))  # fmt: skip
+    residual_lags: str = field(default="0,1,2", metadata=_opt(
+        "token offsets of the residual features (default 0,1,2: positions t, t-1, t-2)", group="exact", metavar="LAGS"))
+    residual_rank: int | None = field(default=None, metadata=_opt(
+        "rank of one projection of the residual features shared by all layers (default: full)", group="exact", metavar="R"))
+    residual_stride: int | None = field(default=None, metadata=_opt(
+        "token stride of the residual-input statistics (default: --stride); 1 uses every token, for small "
+        "calibration samples", group="exact", metavar="N"))  # fmt: skip
+    residual_lambda: float = field(default=0.01, metadata=_opt(
+        "ridge penalty of the residual-input maps on standardised inputs (default 0.01)", group="exact"))
+    exact_layers_timing_tokens: int = field(default=512, metadata=_opt(
+        "prompt tokens the probe times each candidate's first token on (one thread; default 512)", group="exact",
+        metavar="N"))  # fmt: skip
     exact_layers_items: int = field(default=64, metadata=_opt(
         "repeated spans in the probe (default 64)", group="exact", metavar="N"))
     # -- calibration data
@@ -253,8 +282,17 @@ class FitConfig:
         set_(self, "num_exact_layers", parse_num_exact_layers(self.num_exact_layers))
         if not 0 < self.exact_layers_retention <= 1:
             raise ValueError(f"exact_layers_retention must be in (0, 1], got {self.exact_layers_retention}")
+        if self.residual_inputs not in ("auto", "off"):
+            raise ValueError(f"residual_inputs must be 'auto' or 'off', got {self.residual_inputs!r}")
+        set_(self, "residual_lags", parse_residual_lags(self.residual_lags))
+        if self.residual_rank is not None and (isinstance(self.residual_rank, bool) or not isinstance(self.residual_rank, int) or self.residual_rank < 1):
+            raise ValueError(f"residual_rank must be an integer >= 1 or None, got {self.residual_rank!r}")
+        if self.residual_stride is not None and (isinstance(self.residual_stride, bool) or not isinstance(self.residual_stride, int) or self.residual_stride < 1):
+            raise ValueError(f"residual_stride must be an integer >= 1 or None, got {self.residual_stride!r}")
+        if not self.residual_lambda > 0:
+            raise ValueError(f"residual_lambda must be > 0, got {self.residual_lambda}")
         for name in ("stride", "batch_size", "num_sequences", "checkpoint_every", "probe_tokens", "mlp_hidden_size",
-                     "mlp_num_hidden_layers", "mlp_batch_size", "exact_layers_items"):  # fmt: skip
+                     "mlp_num_hidden_layers", "mlp_batch_size", "exact_layers_items", "exact_layers_timing_tokens"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

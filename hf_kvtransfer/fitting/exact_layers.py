@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 from typing import Any
 
@@ -64,7 +66,7 @@ def choose_num_exact_layers(
     mapper: KVMapper,
     token_ids: list[int] | torch.Tensor,
     *,
-    min_retention: float = 0.9,
+    min_retention: float = 0.95,
     num_items: int = 64,
     prefix_len: int | None = None,
     seed: int = 0,
@@ -76,7 +78,7 @@ def choose_num_exact_layers(
         source, target, mapper: the pair and its mapper (any type).
         token_ids: held-out text tokens (a stream, or `[num_sequences, seq_len]` rows read in order) that the
             repeated spans and their windows are cut from.
-        min_retention: floor-normalized repeated-span retention to reach (0.9: the project's goal).
+        min_retention: floor-normalized repeated-span retention to reach (0.95: the project's goal).
         num_items: repeated spans scored per candidate.
         prefix_len: the items' prefix length (default: 256, or less for a short stream).
 
@@ -155,4 +157,126 @@ def choose_num_exact_layers(
     return hi, report
 
 
-__all__ = ["MIN_COPY_GAIN", "choose_num_exact_layers", "probe_stream"]
+
+
+# -- the search over configurations: exact layers x map inputs, by retention and time to the first token ---------
+
+# Residual layers the search tries: those leaving at least half of the target mapped (more exact layers than half
+# the target cannot save half of its prefill, whatever the maps read).
+def residual_candidates(num_layers: int) -> list[int]:
+    """Candidate `residual_layer`s J (J + 1 exact layers) for a target of `num_layers` layers."""
+    return list(range(0, max(1, num_layers // 2)))
+
+
+def _inputs_label(mapper: KVMapper) -> str:
+    c = mapper.config
+    if c.residual_layer is None:
+        return "source K/V"
+    rank = f", rank {c.residual_rank}" if c.residual_rank else ""
+    lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in c.residual_lags)
+    return f"source K/V + target residual entering layer {c.residual_layer} ({lags}{rank})"
+
+
+def _time_candidate(source, target, mapper: KVMapper, ids: torch.Tensor, num_exact: int) -> dict[str, float]:
+    from ..evaluation.timing import time_to_first_token
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the figure of one core, comparable across machines' core counts and loads
+    try:
+        return time_to_first_token(source, target, mapper, ids, num_exact_layers=num_exact)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def choose_configuration(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    token_ids: list[int] | torch.Tensor,
+    *,
+    residual_mappers: dict[int, KVMapper] | None = None,
+    min_retention: float = 0.95,
+    num_items: int = 64,
+    prefix_len: int | None = None,
+    timing_tokens: int = 512,
+    seed: int = 0,
+    progress: bool = False,
+) -> tuple[KVMapper, dict[str, Any]]:
+    """The fastest configuration (exact layers x map inputs) that keeps `min_retention` of the target's copying.
+
+    Candidates: `mapper` (source K/V only) with the exact layers `choose_num_exact_layers` tries, and each of
+    `residual_mappers` (`{J: mapper whose maps also read the target's residual entering layer J}`, from
+    `residual_stats.solve_residual_mapper`) with `J + 1` exact layers. Each is scored by the probe's repeated-span
+    retention and timed to the first token (`evaluation.timing.time_to_first_token`, one thread, on the first
+    `timing_tokens` probe tokens, the cache's default recomputed tokens) on this machine. The chosen one is the
+    candidate with the shortest time among those whose retention reaches `min_retention`; none reaching it, the
+    source-only mapper with the probe's answer (possibly the whole target).
+
+    Returns:
+        `(mapper, report)`: the chosen mapper with its `num_exact_layers` recorded, and the probe's report with
+        `candidates` (the frontier: one row per candidate with inputs, exact layers, retention and its 95%
+        interval, transfer and prefill milliseconds, speed-up, chosen) besides `choose_num_exact_layers`' keys.
+    """
+    stream = probe_stream(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
+    chosen_kv, report = choose_num_exact_layers(
+        source, target, mapper, stream, min_retention=min_retention, num_items=num_items, prefix_len=prefix_len,
+        seed=seed, progress=progress,
+    )  # fmt: skip
+    num_layers = mapper.target_layout.num_layers
+    if report.get("prefix_len") is None or report.get("copy_gain") is None or "barely copies" in report.get("reason", ""):
+        return _with_num_exact(mapper, chosen_kv), report  # nothing to compare on: the source-only answer
+    items = repeated_span_items(
+        target.config.get_text_config().vocab_size, stream, num_items, seed=seed, prefix_len=report["prefix_len"],
+        continuation_len=PROBE_CONTINUATION_LEN, kind="text",
+    )  # fmt: skip
+    ids = torch.tensor(stream[: min(timing_tokens, len(stream))]).unsqueeze(0)
+    rows: list[dict[str, Any]] = []
+    candidates: list[tuple[KVMapper, int]] = []
+    for row in report["tried"]:
+        candidates.append((mapper, row["num_exact_layers"]))
+        rows.append({"inputs": _inputs_label(mapper), "residual_layer": None, **row})
+    baseline = None
+    for layer, residual_mapper in sorted((residual_mappers or {}).items()):
+        num_exact = layer + 1
+        r = repeated_span_retention(
+            source, target, residual_mapper, items, num_recompute_tokens=1, num_exact_layers=num_exact,
+            progress=progress, reference=baseline,
+        )  # fmt: skip
+        baseline = baseline or r
+        candidates.append((residual_mapper, num_exact))
+        rows.append({"inputs": _inputs_label(residual_mapper), "residual_layer": layer, "num_exact_layers": num_exact,
+                     "retention": r["retention"], "retention_ci": r["retention_ci"]})  # fmt: skip
+    for row, (m, num_exact) in zip(rows, candidates):
+        if num_exact >= num_layers:
+            row.update(transfer_ms=None, target_prefill_ms=None, speedup=1.0)  # the target's own prefill
+            continue
+        timing = _time_candidate(source, target, m, ids, num_exact)
+        row.update(transfer_ms=timing["transfer_ms"], target_prefill_ms=timing["target_prefill_ms"], speedup=timing["speedup"])
+    ok = [i for i, row in enumerate(rows) if row["retention"] is not None and row["retention"] >= min_retention and row["transfer_ms"] is not None]
+    report["timing"] = {"num_tokens": int(ids.shape[-1]), "threads": 1, "num_recompute_tokens": "TransferredCache default"}
+    report["candidates"] = rows
+    if not ok:
+        for row in rows:
+            row["chosen"] = False
+        return _with_num_exact(mapper, chosen_kv), report
+    best = min(ok, key=lambda i: rows[i]["transfer_ms"])
+    for i, row in enumerate(rows):
+        row["chosen"] = i == best
+    chosen_mapper, num_exact = candidates[best]
+    report["chosen"] = num_exact
+    report["chosen_inputs"] = rows[best]["inputs"]
+    report["reason"] = (
+        f"the fastest candidate (time to the first token on {int(ids.shape[-1])} tokens, one thread) with retention >= "
+        f"{min_retention:.0%}"
+    )
+    return _with_num_exact(chosen_mapper, num_exact), report
+
+
+def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
+    # A shallow copy (same weights) with its own config: the caller's mapper is left as it was.
+    chosen = copy.copy(mapper)
+    chosen.config = dataclasses.replace(mapper.config, num_exact_layers=num_exact)
+    return chosen
+
+
+__all__ = ["MIN_COPY_GAIN", "choose_configuration", "choose_num_exact_layers", "probe_stream", "residual_candidates"]

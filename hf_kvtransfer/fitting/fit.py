@@ -33,12 +33,14 @@ from .config import (
     parse_top_k,
     resolve_config,
 )
-from .exact_layers import choose_num_exact_layers, probe_stream
-from ..core.mapper_types import MLP
+from .exact_layers import choose_configuration, probe_stream, residual_candidates
+from .residual_stats import ResidualStatistics, residual_statistics_nbytes, solve_residual_mapper
+from ..core.mapper_types import MLP, RIDGE
 from ..core.lowrank import lowrank_mapper, reduced_rank_heldout_r2
 from ..core.mapper import KVMapper, MapperConfig
 from .mlp import fit_mlp
 from ..core.ridge import effective_top_k, heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
+from ..core.rope import text_config
 from ..core.stats import KINDS, BlockStatistics, KVStatistics
 
 logger = logging.getLogger(__name__)
@@ -399,14 +401,32 @@ def fit_mappers(
         mapper = fit_mlp(source, target, ids, mask, config, log=log, **mapper_kwargs)
         return {mapper_name(config.top_k_values[0]): with_exact_layers(source, target, mapper, ids, mask, config, log)}
     metadata = {"calibration": mapper_kwargs.pop("calibration")} if "calibration" in mapper_kwargs else None
-    train, heldout = run_fit_pass(source, target, ids, mask, config, metadata=metadata, log=log)
+    residual = _residual_statistics(source, target, config, log)
+    train, heldout = run_fit_pass(source, target, ids, mask, config, consumers=[residual] if residual else (),
+                                  metadata=metadata, log=log)  # fmt: skip
     logger.info("calibration pass: %.1f s", time.perf_counter() - started)
     # (no timings in the report of a closed-form fit: the same data must give the same files)
     mappers = solve_mappers(
         train, heldout, top_k=config.top_k_values, ridge_lambda=list(config.ridge_lambda), refit=config.refit,
         dtype=config.torch_mapper_dtype, **config.rank_kwargs, **mapper_kwargs,
     )  # fmt: skip
-    return {name: with_exact_layers(source, target, m, ids, mask, config, log) for name, m in mappers.items()}
+    return {name: with_exact_layers(source, target, m, ids, mask, config, log, residual=residual)
+            for name, m in mappers.items()}  # fmt: skip
+
+
+def _residual_statistics(source: PreTrainedModel, target: PreTrainedModel, config: FitConfig, log) -> ResidualStatistics | None:
+    """The residual-input statistics the probe's candidates need (`residual_stats.py`), when the fit searches them."""
+    if config.residual_inputs != "auto" or config.num_exact_layers != "auto" or config.mapper_type != RIDGE:
+        return None
+    if config.checkpoint_dir is not None:
+        (log or logger.info)("residual-input maps: not tried in a checkpointed (resumable) fit; source K/V maps only")
+        return None
+    layers = residual_candidates(text_config(target.config).num_hidden_layers)
+    stats = ResidualStatistics.for_models(source, target, layers, lags=config.residual_lags,
+                                          stride=config.residual_stride or config.stride)  # fmt: skip
+    nbytes = residual_statistics_nbytes(stats.source_layout, stats.target_layout, stats.hidden_size, len(stats.lags), len(layers))
+    (log or logger.info)(f"residual-input statistics for residual layers {layers}: {nbytes / 2**20:,.1f} MiB (float64, CPU)")
+    return stats
 
 
 def with_exact_layers(
@@ -417,10 +437,12 @@ def with_exact_layers(
     attention_mask: torch.Tensor | None,
     config: FitConfig,
     log: Callable[[str], None] | None = None,
+    residual: ResidualStatistics | None = None,
 ) -> KVMapper:
     """`mapper` with `config.num_exact_layers` recorded: a given number as is, "auto" from the content probe
-    (`exact_layers.choose_num_exact_layers`) on the held-out calibration sequences (all of them without a
-    held-out shard), its table in `mapper.report["exact_layers"]`."""
+    (`exact_layers.choose_configuration`) on the held-out calibration sequences (all of them without a
+    held-out shard), its table in `mapper.report["exact_layers"]`. With `residual` statistics the probe also tries
+    maps reading the target's residual after each candidate residual layer and may return such a mapper."""
     if config.num_exact_layers != "auto":
         mapper.config = dataclasses.replace(mapper.config, num_exact_layers=config.num_exact_layers)
         return mapper
@@ -428,17 +450,26 @@ def with_exact_layers(
     rows = slice(-num_heldout, None) if num_heldout else slice(None)
     mask = attention_mask[rows] if attention_mask is not None else None
     started = time.perf_counter()
+    residual_mappers = {}
+    if residual is not None:
+        residual_mappers = {
+            layer: solve_residual_mapper(mapper, residual, layer, residual_lambda=config.residual_lambda,
+                                         residual_rank=config.residual_rank)  # fmt: skip
+            for layer in residual.target_hidden_layers
+        }
     with torch.no_grad():
-        chosen, report = choose_num_exact_layers(
-            source, target, mapper, probe_stream(input_ids[rows], mask), min_retention=config.exact_layers_retention,
-            num_items=config.exact_layers_items, progress=config.progress,
+        mapper, report = choose_configuration(
+            source, target, mapper, probe_stream(input_ids[rows], mask), residual_mappers=residual_mappers,
+            min_retention=config.exact_layers_retention, num_items=config.exact_layers_items,
+            timing_tokens=config.exact_layers_timing_tokens, progress=config.progress,
         )  # fmt: skip
     report["probe_sequences"] = "held-out" if num_heldout else "all calibration sequences (no held-out shard)"
-    mapper.config = dataclasses.replace(mapper.config, num_exact_layers=chosen)
     mapper.report = {**mapper.report, "exact_layers": report}
     tried = ", ".join(
-        f"{row['num_exact_layers']}: {'n/a' if row['retention'] is None else format(row['retention'], '.0%')}"
-        for row in report["tried"]
+        f"{row['num_exact_layers']}{'+res' if row.get('residual_layer') is not None else ''}: "
+        f"{'n/a' if row['retention'] is None else format(row['retention'], '.0%')}"
+        + (f" {row['speedup']:.1f}x" if row.get("speedup") else "")
+        for row in report.get("candidates", report["tried"])
     )
     (log or logger.info)(
         f"exact layers: {mapper.num_exact_layers} of {mapper.target_layout.num_layers} ({report['reason']}; probe "

@@ -394,7 +394,14 @@ class HFKVTransferConnector(KVConnectorBase_V1):
     def _load_mapper(self) -> None:
         from ..core.mapper import KVMapper
 
-        self._mapper = KVMapper.from_pretrained(self.mapper_id, revision=self.mapper_revision).eval()
+        mapper = KVMapper.from_pretrained(self.mapper_id, revision=self.mapper_revision).eval()
+        if mapper.needs_target_residual:
+            # Its maps add the target's residual stream from the exact-layer pass; not wired into the engine yet.
+            raise ConnectorConfigError(
+                f"mapper {self.mapper_id!r} reads the target's residual stream (residual_layer in its config), which "
+                "this connector does not compute yet; serve a mapper fit with residual_inputs='off' (the default)"
+            )
+        self._mapper = mapper
 
     def _load_exact_model(self, vllm_config: "VllmConfig"):
         """The target's embedding and first `num_exact_layers` layers (and rotary), from the checkpoint this engine

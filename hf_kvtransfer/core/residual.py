@@ -1,0 +1,159 @@
+"""Map inputs the target computes itself: its residual stream entering the last exact layer.
+
+With `num_exact_layers = E` the cache runs the target's layers `0 .. E-2` on the prompt and computes layer `E-1`'s
+keys and values from the residual stream entering it (its own norm and projections; `exact.own_prefix`). That
+residual is what the target's first layers mixed into each token: the previous tokens' identity among it, which a
+copying ("induction") layer's keys encode and the source's keys alone do not give a linear map. A mapper with
+`residual_layer = E-1` feeds it to the maps of every deeper layer, next to the source's RoPE-stripped K/V: each
+target layer `t > residual_layer` adds `W_res[t] @ r` to its affine map of the source's features, where `r` is the
+RMS-normalised residual (no weight) at positions `t - lag` for the mapper's `residual_lags` (zeros before a row's
+first token), optionally through one shared reduced-rank projection (`residual_rank`).
+
+A mapper with `key_before_norm` predicts keys *before* the target's per-head key norm (Qwen3's `k_norm`), which
+the cache then applies with the target's own module: a normalisation is not linear, and the linear part of the key
+is what a linear map can fit.
+
+Example:
+    ```python
+    residual_input_features(mapper.config)  # extra input features of each target layer's K and V maps
+    ```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
+MapperConfig = Any
+
+# The RMS normalisation of the residual features (the same in the fit and the cache).
+RESIDUAL_EPS = 1e-6
+
+
+def residual_features(hidden: torch.Tensor, lags: list[int], attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The residual map inputs `[batch, seq, len(lags) * hidden]` from a residual stream `[batch, seq, hidden]`.
+
+    Each token's residual is RMS-normalised (float32, no weight); block `i` holds it at position `t - lags[i]`,
+    zeros where that is before the sequence or a padded position (`attention_mask` 0).
+    """
+    x = hidden.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RESIDUAL_EPS)
+    if attention_mask is not None:
+        x = x * attention_mask.to(x.device, x.dtype).unsqueeze(-1)
+    batch, seq, width = x.shape
+    out = x.new_zeros(batch, seq, len(lags) * width)
+    for i, lag in enumerate(lags):
+        if lag < seq:
+            out[:, lag:, i * width : (i + 1) * width] = x[:, : seq - lag]
+    return out
+
+
+def residual_input_features(config: MapperConfig | dict[str, Any]) -> list[int]:
+    """Extra input features each target layer's key and value maps read beyond the source's K/V (0 for layers that
+    read none): `len(residual_lags) * hidden_size`, or `residual_rank` after the shared projection (which itself is
+    `residual_rank x len(residual_lags) * hidden_size`, applied once per token; see `residual_projection_shape`).
+
+    Args:
+        config: a `MapperConfig` or its dict (`config.json`).
+    """
+    data = config if isinstance(config, dict) else config.to_dict()
+    num_layers = data["target_fingerprint"]["num_hidden_layers"]
+    layer = data.get("residual_layer")
+    if layer is None:
+        return [0] * num_layers
+    width = data.get("residual_rank") or len(data["residual_lags"]) * data["target_fingerprint"]["hidden_size"]
+    readers = set(residual_readers(data))
+    return [width if t in readers else 0 for t in range(num_layers)]
+
+
+def residual_readers(config: MapperConfig | dict[str, Any]) -> list[int]:
+    """The target layers whose maps read the residual (empty for a source-only mapper)."""
+    data = config if isinstance(config, dict) else config.to_dict()
+    layer = data.get("residual_layer")
+    if layer is None:
+        return []
+    readers = data.get("residual_readers")
+    return list(readers) if readers is not None else list(range(layer + 1, data["target_fingerprint"]["num_hidden_layers"]))
+
+
+def residual_projection_shape(config: MapperConfig | dict[str, Any]) -> tuple[int, int] | None:
+    """`(residual_rank, len(lags) * hidden_size)` of the shared residual projection of a reduced-rank residual
+    mapper, else None."""
+    data = config if isinstance(config, dict) else config.to_dict()
+    if data.get("residual_layer") is None or not data.get("residual_rank"):
+        return None
+    return data["residual_rank"], len(data["residual_lags"]) * data["target_fingerprint"]["hidden_size"]
+
+
+def validate_residual_config(config: MapperConfig) -> None:
+    """Raise `ValueError` for inconsistent residual fields of a mapper config."""
+    num_layers = config.target_fingerprint["num_hidden_layers"]
+    if config.residual_layer is None:
+        if config.residual_lags is not None or config.residual_rank is not None or config.key_before_norm or config.residual_readers is not None:
+            raise ValueError(
+                "residual_lags / residual_rank / key_before_norm need residual_layer (the target layer whose input "
+                "feeds the maps)"
+            )
+        return
+    if not 0 <= config.residual_layer < num_layers - 1:
+        raise ValueError(
+            f"residual_layer must be in [0, {num_layers - 1}) (a target layer with mapped layers after it), got "
+            f"{config.residual_layer}"
+        )
+    readers = config.residual_readers
+    if readers is not None and (not readers or sorted(set(readers)) != list(readers) or not all(config.residual_layer < t < num_layers for t in readers)):
+        raise ValueError(
+            f"residual_readers must be ascending distinct target layers in ({config.residual_layer}, {num_layers}), got {readers}"
+        )
+    lags = config.residual_lags
+    if not lags or any(not isinstance(lag, int) or lag < 0 for lag in lags) or len(set(lags)) != len(lags):
+        raise ValueError(f"residual_lags must be distinct non-negative token offsets (e.g. [0, 1, 2]), got {lags}")
+    if config.residual_rank is not None and not 1 <= config.residual_rank <= len(lags) * config.target_fingerprint["hidden_size"]:
+        raise ValueError(
+            f"residual_rank must be in [1, {len(lags) * config.target_fingerprint['hidden_size']}] (lags x hidden "
+            f"size), got {config.residual_rank}"
+        )
+    if config.num_exact_layers is not None and config.num_exact_layers < config.residual_layer + 1:
+        raise ValueError(
+            f"a mapper reading the residual entering target layer {config.residual_layer} needs num_exact_layers >= "
+            f"{config.residual_layer + 1} (the cache computes that residual in its exact layers), got {config.num_exact_layers}"
+        )
+
+
+class ResidualMaps(nn.Module):
+    """The residual part of the maps of the layers after `residual_layer`: `key.<t>` / `value.<t>` weights
+    `[n_kv * d, F]` (F: `residual_input_features`), and the shared projection `down` `[rank, len(lags) * hidden]`
+    of a reduced-rank one."""
+
+    def __init__(self, config: MapperConfig):
+        super().__init__()
+        out = config.target_layout.layer_dim
+        widths = residual_input_features(config)
+        self.layers = residual_readers(config)
+        shape = residual_projection_shape(config)
+        self.down = nn.Parameter(torch.zeros(shape)) if shape is not None else None
+        self.key = nn.ParameterDict({str(t): nn.Parameter(torch.zeros(out, widths[t])) for t in self.layers})
+        self.value = nn.ParameterDict({str(t): nn.Parameter(torch.zeros(out, widths[t])) for t in self.layers})
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Residual features `[B, T, len(lags) * hidden]` -> what the per-layer weights read `[B, T, F]`."""
+        if self.down is None:
+            return features
+        return nn.functional.linear(features.to(self.down.dtype), self.down.to(features.device))
+
+    def weight(self, kind: str, layer_idx: int) -> torch.Tensor:
+        return (self.key if kind == "key" else self.value)[str(layer_idx)]
+
+
+__all__ = [
+    "RESIDUAL_EPS",
+    "ResidualMaps",
+    "residual_features",
+    "residual_input_features",
+    "residual_projection_shape",
+    "residual_readers",
+    "validate_residual_config",
+]

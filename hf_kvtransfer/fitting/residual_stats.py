@@ -1,0 +1,223 @@
+"""Sufficient statistics and the closed-form solve of maps that also read the target's residual stream.
+
+A consumer of the one calibration pass (`calibration_pass`): for each candidate `residual_layer` J it sums, in
+float64, the Gram matrix of `[source K (resp. V) of every source layer, residual features entering target layer J]`
+and its cross products with every target layer's keys (before the key norm, for a target that has one: Qwen3's
+`k_norm`) and values. `solve_residual_mapper` then turns a source-only mapper into one whose layers after J read
+both, for any J collected, from those sums alone (no second pass): the same top-k source selection, one ridge
+solve per layer and kind on standardised inputs (`residual_lambda` is relative to unit-variance features), and
+optionally one reduced-rank projection of the residual block shared by every layer (`residual_rank`: the top
+principal directions of the standardised residual features).
+
+Memory: per candidate J and kind, `(F_s + F_r)^2 + (F_s + F_r) * L_t * n_kv_t * d_t` float64 numbers, with
+`F_s = L_s * n_kv_s * d_s` and `F_r = len(lags) * hidden_size` (`residual_statistics_nbytes`).
+
+Example:
+    ```python
+    stats = ResidualStatistics.for_models(source, target, layers=[0, 1])
+    calibration_pass(source, target, ids, consumers=[accumulator, stats])
+    mapper_j1 = solve_residual_mapper(mapper, stats, residual_layer=1)
+    ```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from ..core.mapper import KVMapper
+from ..core.residual import residual_features
+from ..core.ridge import feature_index
+from ..core.rope import text_config
+from ..core.stats import KVLayout
+from .calibration_pass import CalibrationBatch
+
+DEFAULT_RESIDUAL_LAGS = (0, 1, 2)
+DEFAULT_RESIDUAL_LAMBDA = 0.01
+KINDS = ("key", "value")
+
+
+def has_key_norm(model: PreTrainedModel) -> bool:
+    """Whether the model's attention normalises each key head after its projection (Qwen3's `k_norm`)."""
+    body = model.base_model if hasattr(model, "base_model") else model
+    return getattr(body.layers[0].self_attn, "k_norm", None) is not None
+
+
+def residual_statistics_nbytes(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int, num_candidates: int) -> int:
+    """Bytes of `ResidualStatistics` for `num_candidates` residual layers (float64, both kinds)."""
+    f = source.total_dim + num_lags * hidden_size
+    return 8 * 2 * num_candidates * (f * f + f * target.total_dim + f + 2 * target.total_dim)
+
+
+def _flat(states: list[torch.Tensor]) -> torch.Tensor:
+    # [(B, H, T, D)] per layer -> (B, T, layers * H * D), layer-major then head
+    return torch.cat([s.permute(0, 2, 1, 3).flatten(2) for s in states], dim=-1)
+
+
+class ResidualStatistics:
+    """Calibration consumer: the sums `solve_residual_mapper` needs, for each candidate residual layer."""
+
+    name = "residual"
+    checkpointable = False
+
+    def __init__(
+        self,
+        source_layout: KVLayout,
+        target_layout: KVLayout,
+        hidden_size: int,
+        layers: Sequence[int],
+        lags: Sequence[int] = DEFAULT_RESIDUAL_LAGS,
+        key_before_norm: bool = False,
+        stride: int = 1,
+    ):
+        self.source_layout, self.target_layout = source_layout, target_layout
+        self.hidden_size, self.lags, self.stride = hidden_size, list(lags), stride
+        self.key_before_norm = key_before_norm
+        # What the calibration pass captures for this consumer.
+        self.target_hidden_layers = tuple(layers)
+        self.target_key_projections = key_before_norm
+        f = source_layout.total_dim + len(self.lags) * hidden_size
+        out = target_layout.total_dim
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
+        self.count = {j: 0 for j in layers}
+        self.sums = {(j, kind): {"x": zeros(f), "gram": zeros(f, f), "y": zeros(out), "cross": zeros(f, out),
+                                 "yy": zeros(out)} for j in layers for kind in KINDS}  # fmt: skip
+
+    @classmethod
+    def for_models(cls, source: PreTrainedModel, target: PreTrainedModel, layers: Sequence[int], **kwargs) -> "ResidualStatistics":
+        kwargs.setdefault("key_before_norm", has_key_norm(target))
+        return cls(KVLayout.from_config(source.config), KVLayout.from_config(target.config),
+                   text_config(target.config).hidden_size, layers, **kwargs)  # fmt: skip
+
+    def update(self, batch: CalibrationBatch) -> None:
+        if batch.target_hidden is None or (self.key_before_norm and batch.target_key_projections is None):
+            raise ValueError("ResidualStatistics needs the pass to capture the target's residual stream (calibration_pass does when it is a consumer)")
+        batch_size, seq = batch.source_keys[0].shape[0], batch.source_keys[0].shape[2]
+        keep = torch.zeros(batch_size, seq, dtype=torch.bool)
+        keep[:, :: self.stride] = True
+        if batch.attention_mask is not None:
+            keep &= batch.attention_mask.bool().cpu()
+        target_keys = batch.target_key_projections if self.key_before_norm else batch.target_keys
+        targets = {"key": _flat(target_keys).cpu()[keep].double(), "value": _flat(batch.target_values).cpu()[keep].double()}
+        sources = {"key": _flat(batch.source_keys).cpu()[keep].double(), "value": _flat(batch.source_values).cpu()[keep].double()}
+        for j in self.target_hidden_layers:
+            res = residual_features(batch.target_hidden[j], self.lags, batch.attention_mask).cpu()[keep].double()
+            self.count[j] += int(keep.sum())
+            for kind in KINDS:
+                x, y, s = torch.cat([sources[kind], res], dim=-1), targets[kind], self.sums[(j, kind)]
+                s["x"] += x.sum(0)
+                s["gram"] += x.T @ x
+                s["y"] += y.sum(0)
+                s["cross"] += x.T @ y
+                s["yy"] += (y * y).sum(0)
+
+
+    def finish(self) -> None:
+        """Sum over `torch.distributed` ranks (each saw its shard of the sequences)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        for j in self.count:
+            count = torch.tensor([self.count[j]], dtype=torch.float64)
+            dist.all_reduce(count)
+            self.count[j] = int(count.item())
+        for sums in self.sums.values():
+            for tensor in sums.values():
+                dist.all_reduce(tensor)
+
+
+def solve_residual_mapper(
+    mapper: KVMapper,
+    stats: ResidualStatistics,
+    residual_layer: int,
+    *,
+    residual_lambda: float = DEFAULT_RESIDUAL_LAMBDA,
+    residual_rank: int | None = None,
+    readers: list[int] | None = None,
+) -> KVMapper:
+    """A copy of `mapper` whose target layers after `residual_layer` also read the target's residual stream entering
+    that layer (ridge on standardised `[selected source K|V, residual features]`, one solve per layer and kind),
+    recording `residual_layer`, the lags, `residual_rank`, `key_before_norm` and `num_exact_layers =
+    residual_layer + 1` (the fewest exact layers that compute that residual) in its config. Layers up to
+    `residual_layer` keep `mapper`'s maps. Only ridge mappers.
+
+    Args:
+        mapper: a source-only "ridge" mapper (its `selected_layers` are kept).
+        stats: `ResidualStatistics` collected with `residual_layer` among its layers.
+        residual_lambda: ridge penalty on the standardised inputs' correlation matrix.
+        residual_rank: rank of one projection of the residual features shared by every layer (None: full).
+        readers: the target layers after `residual_layer` that read the residual (None: all of them); the others
+            keep `mapper`'s maps.
+    """
+    if mapper.config.mapper_type != "ridge" or mapper.needs_target_residual:
+        raise ValueError(f"solve_residual_mapper extends a source-only 'ridge' mapper, got {mapper.config.mapper_type!r}")
+    if residual_layer not in stats.count or stats.count[residual_layer] == 0:
+        raise ValueError(f"no residual statistics for layer {residual_layer} (collected: {sorted(stats.count)})")
+    n = stats.count[residual_layer]
+    src, tgt = stats.source_layout, stats.target_layout
+    fs, fr = src.total_dim, len(stats.lags) * stats.hidden_size
+    config = dataclasses.replace(
+        mapper.config, residual_layer=residual_layer, residual_lags=list(stats.lags), residual_rank=residual_rank,
+        key_before_norm=stats.key_before_norm, residual_readers=list(readers) if readers is not None else None,
+        num_exact_layers=max(mapper.config.num_exact_layers or 0, residual_layer + 1),
+    )  # fmt: skip
+    new = KVMapper(config, report=dict(mapper.report))
+    new.layers.load_state_dict(mapper.layers.state_dict())
+    new = new.to(mapper.dtype)
+    # In-sample R^2 of the new maps (of the keys before the norm for `key_before_norm`); where the source-only fit
+    # recorded none, the source-only layers get none either (JSON has no NaN).
+    r2 = {kind: list(getattr(config, f"fit_r2_{kind}") or [0.0] * tgt.num_layers) for kind in KINDS}
+    down = None
+    if residual_rank is not None:
+        # One projection for every layer: the top principal directions of the standardised residual features
+        # (from the key statistics; the residual block is the same for both kinds).
+        s = stats.sums[(residual_layer, "key")]
+        mu = s["x"][fs:] / n
+        cov = s["gram"][fs:, fs:] / n - torch.outer(mu, mu)
+        scale = cov.diagonal().clamp_min(1e-12).sqrt()
+        _, vecs = torch.linalg.eigh(cov / torch.outer(scale, scale))
+        down = (vecs[:, -residual_rank:].flip(-1).T / scale)  # (r, F_r)
+        new.residual.down.data.copy_(down.to(new.residual.down.dtype))
+    for kind in KINDS:
+        s = stats.sums[(residual_layer, kind)]
+        for t in new.residual.layers:
+            idx = torch.cat([feature_index(config.selected_layers[t], src.layer_dim), torch.arange(fs, fs + fr)])
+            mu, gram = s["x"][idx] / n, s["gram"][idx][:, idx] / n
+            out = slice(t * tgt.layer_dim, (t + 1) * tgt.layer_dim)
+            muy, cross, yy = s["y"][out] / n, s["cross"][idx, out] / n, s["yy"][out] / n
+            cov, cov_xy = gram - torch.outer(mu, mu), cross - torch.outer(mu, muy)
+            if down is not None:  # [selected, residual] -> [selected, down @ residual]
+                k = len(idx) - fr
+                proj = torch.block_diag(torch.eye(k, dtype=down.dtype), down)
+                mu, cov, cov_xy = proj @ mu, proj @ cov @ proj.T, proj @ cov_xy
+            scale = cov.diagonal().clamp_min(1e-12).sqrt()
+            corr = cov / torch.outer(scale, scale)
+            corr.diagonal().add_(residual_lambda)
+            weight = torch.linalg.solve(corr, cov_xy / scale[:, None]) / scale[:, None]  # (F, out)
+            bias = muy - mu @ weight
+            var_y = yy - muy * muy
+            sse = var_y - 2 * (weight * cov_xy).sum(0) + (weight * (cov @ weight)).sum(0)
+            r2[kind][t] = float(1 - sse.sum() / var_y.sum().clamp_min(1e-30))
+            k = len(idx) - fr
+            linear = getattr(new.layers[t], kind)
+            linear.weight.data.copy_(weight[:k].T.to(linear.weight.dtype))
+            linear.bias.data.copy_(bias.to(linear.bias.dtype))
+            new.residual.weight(kind, t).data.copy_(weight[k:].T.to(new.residual.weight(kind, t).dtype))
+    # Held-out R^2 was measured for the source-only maps: not these.
+    new.config = dataclasses.replace(new.config, fit_r2_key=r2["key"], fit_r2_value=r2["value"], heldout_r2_key=None,
+                                     heldout_r2_value=None)  # fmt: skip
+    return new
+
+
+__all__ = [
+    "DEFAULT_RESIDUAL_LAGS",
+    "DEFAULT_RESIDUAL_LAMBDA",
+    "ResidualStatistics",
+    "has_key_norm",
+    "residual_statistics_nbytes",
+    "solve_residual_mapper",
+]
