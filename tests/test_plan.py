@@ -180,13 +180,14 @@ def test_plan_reports_the_first_token_and_residual_inputs_at_scale():
         assert plan.residual_parameters == 2 * (layers - 4) * 2 * hidden * 8 * 128
         f, r = plan.first_token_flops, plan.first_token_flops_residual
         assert r["residual_inputs"] == 2 * (4096 - 32) * plan.residual_parameters
-        # The residual after the last exact layer: that layer runs whole (the K/V-only pass stops at its cache update).
-        assert r["exact_layers"] == prefill_flops(target_config(target, use_hub=False), 4096 - 32, num_layers=4)["total"] > f["exact_layers"]
-        assert r["total"] - f["total"] == r["residual_inputs"] + r["exact_layers"] - f["exact_layers"]
+        # The residual entering the last exact layer comes with the K/V-only pass (it stops at that layer's cache
+        # update): the exact layers cost the same, less than running all 4 layers whole.
+        assert r["exact_layers"] == f["exact_layers"] < prefill_flops(target_config(target, use_hub=False), 4096 - 32, num_layers=4)["total"]
+        assert r["total"] - f["total"] == r["residual_inputs"]
         assert f["own_prefill"] == plan.prefill_flops
         assert plan.first_token_flop_ratio == pytest.approx(f["own_prefill"] / f["total"])
         text = format_plan(plan)
         assert "to the first token of a 4096-token prompt (4 of" in text and "residual stream (2 positions x" in text
-        assert "the last exact layer run whole" in text
+        assert "comes with the exact pass" in text
     with pytest.raises(ValueError, match="num_exact_layers must be in"):
         plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", use_hub=False, num_exact_layers=99)

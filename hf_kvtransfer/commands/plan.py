@@ -161,7 +161,7 @@ def residual_inputs_cost(
     rank: int | None = None,
 ) -> dict[str, int]:
     """What it adds to a mapper when each mapped layer's key and value maps also read the target's residual stream
-    after its exact layers, at `residual_positions` positions (t, t-1, ...: `residual_positions x hidden_size` more
+    entering its last exact layer, at `residual_positions` positions (t, t-1, ...: `residual_positions x hidden_size` more
     input features per map, next to the source's K/V).
 
     Full rank: each map gets `residual_positions * hidden_size * (kv_heads * head_dim)` more weights; at `rank` r (a
@@ -197,9 +197,9 @@ def first_token_flops(
     and the last `num_recompute_tokens` tokens through every layer, attending to the rest; beside it the target's own
     prefill. Transformer bodies (no LM head), as `bench.prefill_flops` counts them.
 
-    With `residual_positions`, the maps also read that many positions of the target's residual stream after the
-    last exact layer (`residual_inputs_cost`); the exact pass must then run that layer whole (its attention and MLP,
-    which the pass skips when only keys and values are needed), counted in `exact_layers`.
+    With `residual_positions`, the maps also read that many positions of the target's residual stream entering the
+    last exact layer (`residual_inputs_cost`; `core/residual.py`): the exact pass computes it anyway before that
+    layer's projections, so `exact_layers` is the same and only the wider maps cost more.
 
     Returns:
         `{"own_prefill", "exact_layers", "mapping", "residual_inputs", "recompute", "total"}` (total: the transfer).
@@ -217,11 +217,7 @@ def first_token_flops(
     mapping = mapping_flops(mapper, transferred) * mapped // layers
     parts = {
         "own_prefill": prefill_flops(target_config, seq_len)["total"],
-        "exact_layers": (
-            prefill_flops(target_config, transferred, num_layers=num_exact_layers)["total"]
-            if residual_positions
-            else exact_layers_flops(target_config, transferred, num_exact_layers)
-        ),
+        "exact_layers": exact_layers_flops(target_config, transferred, num_exact_layers),
         "mapping": mapping,
         "residual_inputs": residual_inputs_cost(target_config, residual_positions, mapped, transferred, rank)["flops"],
         "recompute": prefill_flops(target_config, num_recompute_tokens, context_len=transferred)["total"],
@@ -262,7 +258,7 @@ def plan_transfer(
         num_exact_layers, num_recompute_tokens: the configuration the first-token FLOPs are counted at, for a prompt
             of `seq_len` tokens (defaults: `TransferredCache`'s for a mapper that records no exact layers, 1, and 32
             recomputed tokens, at most half the prompt; a fit's content probe chooses the exact layers of a mapper).
-        residual_positions: positions (t, t-1, ...) of the target's residual stream after the exact layers that each
+        residual_positions: positions (t, t-1, ...) of the target's residual stream entering the last exact layer that each
             mapped layer's maps would also read, for the costs of that option (`residual_inputs_cost`); 0: none.
         use_hub: False never touches the network.
 
@@ -476,8 +472,7 @@ def _first_token_lines(plan: TransferPlan) -> list[str]:
             f"  maps also reading the target's residual stream ({plan.residual_positions} positions x "
             f"{plan.residual_input_features // plan.residual_positions} per mapped layer): "
             f"+{plan.residual_parameters:,} mapper parameters (+{growth:.0f}%); +{tflop(added)} = "
-            f"{added / plan.target_layer_flops:.2f} target layers' prefill (the wider maps "
-            f"{tflop(r['residual_inputs'])}, the last exact layer run whole {tflop(r['exact_layers'] - f['exact_layers'])}): "
-            f"{plan.first_token_flop_ratio_residual:,.1f}x fewer than the prefill",
+            f"{added / plan.target_layer_flops:.2f} target layers' prefill (the wider maps; the residual entering the "
+            f"last exact layer comes with the exact pass): {plan.first_token_flop_ratio_residual:,.1f}x fewer than the prefill",
         ]  # fmt: skip
     return lines

@@ -87,7 +87,7 @@ def costs_markdown(report: dict) -> str:
         lines += [
             f"**{pair['source']} -> {pair['target']}** (top_k={report['top_k']}, {pair['target_layers']} target layers; "
             "FLOPs to the first token of a T-token prompt, batch 1, transformer bodies; shares of the target's own "
-            "prefill; + FLOPs: the wider maps and the last exact layer run whole, whose output the maps read)",
+            "prefill; + FLOPs: the wider maps; the residual entering the last exact layer comes with the exact pass)",
             "",
             "| T | rank | exact layers | exact layers' share | maps' share | recomputed tokens' share | residual "
             "positions | + mapper parameters | + FLOPs (target layers' worth) | prefill / transfer: K/V only -> with "
