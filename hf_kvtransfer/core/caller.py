@@ -92,10 +92,12 @@ def check_prompt(
     """The input must continue the prompt a cache holding `held` tokens was built for: generate's sequence starts with
     it (or only new tokens are passed, with a mask covering the cached ones); a direct forward feeds the tokens that
     follow. Raises `ValueError` saying what to pass otherwise."""
-    # Only new tokens: the mask covers the cached tokens and what is fed, but the sequence is shorter than the mask
-    # (on the first forward it is exactly what is fed; assisted decoding's later steps feed candidates beyond it).
-    only_new = caller.mask_length == held + fed_length and (
-        caller.sequence.shape[-1] == fed_length or caller.sequence.shape[-1] < caller.mask_length
+    # Only new tokens: the mask covers the cached tokens (and what is fed), the sequence only the new ones. On the
+    # first forward the sequence is exactly what is fed; on later steps (assisted decoding, prompt lookup) it is
+    # shorter than what the cache holds, which the mask still covers.
+    sequence_length, mask_length = caller.sequence.shape[-1], caller.mask_length
+    only_new = (mask_length == held + fed_length and (sequence_length == fed_length or sequence_length < mask_length)) or (
+        mask_length is not None and sequence_length < held <= mask_length
     )
     if only_new:
         total = prompt_ids.shape[-1] if prompt_ids is not None else held
