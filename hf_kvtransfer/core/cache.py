@@ -200,6 +200,7 @@ class TransferredCache(DynamicCache):
         # The ids of the prompt the source read (None when unknown): the target's input must continue them.
         self.prompt_ids = prompt_ids
         self._first_input_checked = False
+        self._only_new_tokens = False  # the first forward fed only new tokens (a mask covering the cached ones)
         num_exact_layers = mapper.resolve_num_exact_layers(num_exact_layers)
         if not 0 <= num_exact_layers <= len(self.layers):
             raise ValueError(f"num_exact_layers must be in [0, {len(self.layers)}] (the target's layers), got {num_exact_layers}")
@@ -329,7 +330,7 @@ class TransferredCache(DynamicCache):
             self._transfer = None
             self._keep_prompt(fed.shape[-1] if caller.direct else caller.sequence.shape[-1])
             return
-        check_prompt(caller, self.prompt_ids, held, fed.shape[-1], self.num_recompute_tokens)
+        self._only_new_tokens = check_prompt(caller, self.prompt_ids, held, fed.shape[-1], self.num_recompute_tokens)
         check_mask(caller, self._transfer.attention_mask, held)
         # From here the cache holds what the target is given: a later turn continues that, not the rest of the prompt
         # (generate on a prefix of the prompt goes on with its own tokens; assisted decoding's drafts are not given).
@@ -405,8 +406,11 @@ class TransferredCache(DynamicCache):
 
     def _check_continuation(self, query_length: int) -> None:
         caller = CallerInputs.from_stack()
-        if caller.forward_ids is not None and not caller.direct:
-            check_prompt(caller, self.prompt_ids, self.get_seq_length(), query_length, self.num_recompute_tokens)
+        if caller.forward_ids is None or caller.direct:
+            return
+        if self._only_new_tokens and caller.sequence.shape[-1] < self.get_seq_length():
+            return  # the caller feeds only new tokens (checked on the first forward); later steps continue so
+        check_prompt(caller, self.prompt_ids, self.get_seq_length(), query_length, self.num_recompute_tokens)
 
     # -- conversion ---------------------------------------------------------------------------------
     def update(

@@ -88,20 +88,22 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 def check_prompt(
     caller: CallerInputs, prompt_ids: torch.Tensor | None, held: int, fed_length: int, num_recompute_tokens: int
-) -> None:
+) -> bool:
     """The input must continue the prompt a cache holding `held` tokens was built for: generate's sequence starts with
     it (or only new tokens are passed, with a mask covering the cached ones); a direct forward feeds the tokens that
-    follow. Raises `ValueError` saying what to pass otherwise."""
+    follow. Raises `ValueError` saying what to pass otherwise; returns whether only new tokens were passed."""
     # Only new tokens: the mask covers the cached tokens (and what is fed), the sequence only the new ones. On the
     # first forward the sequence is exactly what is fed; on later steps (assisted decoding, prompt lookup) it is
     # shorter than what the cache holds, which the mask still covers.
     sequence_length, mask_length = caller.sequence.shape[-1], caller.mask_length
     only_new = (mask_length == held + fed_length and (sequence_length == fed_length or sequence_length < mask_length)) or (
-        mask_length is not None and sequence_length < held <= mask_length
+        mask_length is not None
+        and sequence_length < held <= mask_length
+        and (prompt_ids is None or held >= prompt_ids.shape[-1])  # a later step: the whole prompt is cached
     )
     if only_new:
         total = prompt_ids.shape[-1] if prompt_ids is not None else held
-        count = min(fed_length, total - held)
+        count = min(fed_length, total - held, caller.sequence.shape[-1])
         if count > 0 and first_difference(caller.sequence[:, :count], prompt_ids[:, held : held + count]) is not None:
             # Only new tokens, but the cache leaves the prompt's last tokens to the target: they were not fed.
             raise ValueError(
@@ -110,7 +112,7 @@ def check_prompt(
                 "whole conversation so far (the prompt, then the new tokens), or build the cache with "
                 "num_recompute_tokens=0 to feed only new tokens"
             )
-        return
+        return True
     sequence = caller.sequence if not caller.direct else None
     if sequence is not None and sequence.shape[-1] < held:
         raise ValueError(
@@ -119,7 +121,7 @@ def check_prompt(
             "attention_mask covering the cached ones"
         )
     if prompt_ids is None:
-        return
+        return False
     if sequence is not None:
         count = min(sequence.shape[-1], prompt_ids.shape[-1])
         where = first_difference(sequence[:, :count], prompt_ids[:, :count])
@@ -140,6 +142,7 @@ def check_prompt(
             f"the target's input_ids differ from the prompt this cache was built for (first at position {where}); "
             "build a TransferredCache from the source's cache of this prompt (one cache per prompt)"
         )
+    return False
 
 
 def check_mask(caller: CallerInputs, cache_mask: torch.Tensor | None, held: int) -> None:
