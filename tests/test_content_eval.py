@@ -258,3 +258,23 @@ def test_eval_cli_recall(tmp_path, capsys):
                  "--tasks", "recall,recal"]) == 1  # fmt: skip
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("error: unknown task(s) 'recal'") and err[1].startswith("hint:")
+
+
+def test_retention_difference_is_paired_and_matches_the_retentions():
+    from hf_kvtransfer.evaluation.metrics import retention_difference, retention_over_items
+
+    rng = np.random.default_rng(3)
+    own, none_ = rng.normal(1.0, 0.3, 200), rng.normal(3.0, 0.3, 200)
+    a = own + rng.normal(0.4, 0.2, 200)
+    b = a - rng.normal(0.1, 0.02, 200)  # the same items: a candidate close to the reference
+    d = retention_difference(own, none_, a, b, higher_is_better=False, num_bootstrap=500, seed=1)
+    ra, rb = (retention_over_items(own, x, none_, higher_is_better=False, num_bootstrap=500, seed=1) for x in (a, b))
+    assert d["difference"] == pytest.approx(ra["retention"] - rb["retention"], abs=1e-12)
+    # Paired: the interval of the difference is narrower than either retention's own interval.
+    width = d["difference_ci"][1] - d["difference_ci"][0]
+    assert width < ra["retention_ci"][1] - ra["retention_ci"][0]
+    # Against the target's own prefill (reference None): the retention's own interval, shifted by 1.
+    d1 = retention_difference(own, none_, a, None, higher_is_better=False, num_bootstrap=500, seed=1)
+    assert d1["difference"] == pytest.approx(ra["retention"] - 1, abs=1e-12)
+    np.testing.assert_allclose(d1["difference_ci"], np.asarray(ra["retention_ci"]) - 1, atol=1e-12)
+    assert retention_difference(own, own, a, b)["difference"] is None  # the context is worth nothing

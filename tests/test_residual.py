@@ -187,9 +187,14 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
 
     retention = {1: 0.96, 2: 0.99}  # residual candidates by exact layers
     monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
-    monkeypatch.setattr(exact_layers, "repeated_span_retention",
-                        lambda s, t, m, items, num_exact_layers, **kw: {"retention": retention[num_exact_layers],
-                                                                       "retention_ci": [0.9, 1.0]})  # fmt: skip
+    def fake_retention(s, t, m, items, num_exact_layers, **kw):
+        # Per-item NLLs with the asked retention: own 1, no context 3 nats, transfer between (the same per item).
+        ret = retention[num_exact_layers] if m.needs_target_residual else 0.99
+        n = len(items)
+        return {"retention": ret, "retention_ci": [ret - 0.05, ret + 0.05],
+                "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [3.0 - 2.0 * ret] * n}}
+
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
     times = {(False, 1): 10.0, (False, 2): 30.0, (True, 1): 20.0, (True, 2): 25.0}
     monkeypatch.setattr(exact_layers, "_time_candidate", lambda s, t, m, ids, n: {
         "transfer_ms": times[(m.needs_target_residual, n)], "target_prefill_ms": 100.0,
@@ -231,7 +236,7 @@ def test_fit_config_residual_fields():
 
     config = FitConfig(residual_lags="0,2", residual_rank=16)
     assert config.residual_lags == (0, 2) and config.residual_rank == 16 and config.exact_layers_retention == 0.95
-    assert config.residual_inputs == "off"  # opt-in until the probe scores recall too (research/content_at_speed)
+    assert config.residual_inputs == "auto"  # the probe scores cued recall too (research/recall_probe)
     for bad, match in (({"residual_lags": "0,0"}, "residual_lags"), ({"residual_inputs": "yes"}, "residual_inputs"),
                        ({"residual_rank": 0}, "residual_rank"), ({"residual_stride": 0}, "residual_stride")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
@@ -246,12 +251,18 @@ def test_card_has_the_frontier_table(pair):
     rows = [{"inputs": "source K/V", "num_exact_layers": 1, "retention": 0.02, "retention_ci": [0.0, 0.04],
              "transfer_ms": 10.0, "target_prefill_ms": 50.0, "speedup": 5.0, "chosen": False},
             {"inputs": "source K/V + target residual entering layer 1 (t, t-1)", "num_exact_layers": 2,
-             "retention": 0.97, "retention_ci": [0.95, 0.99], "transfer_ms": 20.0, "target_prefill_ms": 50.0,
-             "speedup": 2.5, "chosen": True}]  # fmt: skip
+             "residual_layer": 1, "num_recompute_tokens": 1, "retention": 0.97, "retention_ci": [0.95, 0.99],
+             "cued_retention": 0.91, "cued_retention_ci": [0.85, 0.97], "transfer_ms": 20.0, "target_prefill_ms": 50.0,
+             "speedup": 2.5, "chosen": True},
+            {"inputs": "not probed at all", "num_exact_layers": 3, "residual_layer": 2, "skipped": "a shallower one passed"}]  # fmt: skip
     report = {"exact_layers": {"candidates": rows, "tried": [], "timing": {"num_tokens": 512, "threads": 1}}}
     card = str(render_model_card(mapper.config.to_dict(), report=report))
     assert "What this mapper keeps at what speed" in card and "512 prompt tokens, 1 thread" in card
-    assert "| source K/V + target residual entering layer 1 (t, t-1) | 2 | 97.0% [95.0, 99.0] | 20.0 / 50.0 | 2.50x | yes |" in card
+    assert ("| source K/V + target residual entering layer 1 (t, t-1) | 2 | 1 | 97.0% [95.0, 99.0] | 91.0% [85.0, 97.0] "
+            "| 20.0 / 50.0 | 2.50x | yes |") in card
+    assert "| source K/V | 1 | default | 2.0% [0.0, 4.0] | – | 10.0 / 50.0 | 5.00x |  |" in card
+    assert "not probed at all" not in card  # skipped candidates stay in fit_report.json
+    assert "**Maps also read**: the target's residual stream entering layer 1 (readers: every mapped layer)" in card
 
 
 def test_fit_with_residual_inputs_runs_the_statistics_in_the_same_pass(pair):
@@ -262,3 +273,129 @@ def test_fit_with_residual_inputs_runs_the_statistics_in_the_same_pass(pair):
     assert any("residual-input statistics for residual layers [0]" in line for line in logs), logs
     # Too few tokens for the probe here (6 x 40): it keeps the source-only default.
     assert not mapper.needs_target_residual and "default 1 kept" in mapper.report["exact_layers"]["reason"]
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_residual_alone_and_mean_maps_match_direct_solves(pair, kind):
+    """`sources={t: []}`: a reader's map is a ridge on the residual block alone; a layer with no inputs at all keeps
+    the calibration mean. Both against solves on hand-built features, and the cache applies them without reading
+    any source layer."""
+    source, target, ids, base, stats = pair
+    alone = solve_residual_mapper(base, stats, residual_layer=1, sources={2: []}, residual_lambda=0.01)
+    x, y, fs = _features_by_hand(source, target, ids, layer=1, kind=kind)
+    xr = x[:, fs:]
+    mu, sd = xr.mean(0), xr.std(0)
+    xs = (xr - mu) / sd
+    w = np.linalg.solve(xs.T @ xs / len(xs) + 0.01 * np.eye(xs.shape[1]), xs.T @ (y - y.mean(0)) / len(xs)) / sd[:, None]
+    assert alone.config.selected_layers[2] == [] and getattr(alone.layers[2], kind).weight.shape[1] == 0
+    np.testing.assert_allclose(alone.residual.weight(kind, 2).detach().double().numpy(), w.T, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(getattr(alone.layers[2], kind).bias.detach().double().numpy(), y.mean(0) - mu @ w,
+                               rtol=1e-3, atol=1e-4)  # fmt: skip
+    # Layer 2 reads the residual only: a mean map for layer 2 needs a reader elsewhere, so use residual layer 0 with
+    # layer 1 reading and layer 2 without inputs.
+    mean = solve_residual_mapper(base, stats, residual_layer=0, readers=[1], sources={2: []})
+    np.testing.assert_allclose(getattr(mean.layers[2], kind).bias.detach().double().numpy(), y.mean(0), rtol=1e-4, atol=1e-5)
+    assert mean.config.fit_r2_key[2] == pytest.approx(0.0, abs=1e-9)
+    # The cache: no source layer is read by a mapped layer of `alone` (layers 0-1 exact, 2 from the residual).
+    assert 2 not in {t for readers in alone.consumers().values() for t in readers}
+    test_ids = random_ids(1, 16, seed=11)
+    cache = TransferredCache(prefill(source, test_ids), alone, num_recompute_tokens=1)
+    with torch.no_grad():
+        target(test_ids[:, -1:], cache=cache)
+    assert cache.layers[2].keys.shape == (1, 2, 16, 16) and torch.isfinite(cache.layers[2].keys).all()
+
+
+def test_empty_source_selection_needs_a_residual_ridge_mapper(pair):
+    _, _, _, base, _ = pair
+    with pytest.raises(ValueError, match="selected_layers\\[2\\] is empty"):
+        replace(base.config, selected_layers=[[0], [0], []])
+
+
+def _ridge_r2(x, y, lam=0.01):
+    mu, sd = x.mean(0), x.std(0)
+    xs = (x - mu) / sd
+    w = np.linalg.solve(xs.T @ xs / len(xs) + lam * np.eye(xs.shape[1]), xs.T @ (y - y.mean(0)) / len(xs)) / sd[:, None]
+    resid = y - (x @ w + y.mean(0) - mu @ w)
+    return 1 - (resid**2).sum() / ((y - y.mean(0)) ** 2).sum()
+
+
+def test_variants_pick_the_layer_that_gains_most_from_the_residual(pair):
+    from hf_kvtransfer.fitting.residual_stats import residual_r2_gain, residual_variants
+
+    source, target, ids, base, stats = pair
+    assert base.config.selected_layers[2] == [0, 1]  # every source layer: the hand-built features' source block
+    gain = residual_r2_gain(base, stats, residual_layer=1)
+    expected = np.mean([_ridge_r2(x, y) - _ridge_r2(x[:, :fs], y)
+                        for x, y, fs in (_features_by_hand(source, target, ids, 1, kind) for kind in ("key", "value"))])  # fmt: skip
+    assert gain[2] == pytest.approx(expected, abs=2e-3)
+    gain = residual_r2_gain(base, stats, residual_layer=0)
+    variants = residual_variants(base, stats, residual_layer=0)
+    readers = [v.config.residual_readers for v in variants]
+    assert readers[0] is None and readers[1] == [max(gain, key=gain.get)]
+    assert variants[2].config.selected_layers[1:] == [[1], [1]] and variants[-1].config.selected_layers[1:] == [[], []]
+
+
+def test_residual_statistics_resume_from_a_checkpoint_as_if_uninterrupted(pair, tmp_path, monkeypatch):
+    from hf_kvtransfer.fitting import calibration_pass as pass_module
+
+    source, target, ids, _, _ = pair
+
+    def fresh():
+        return ResidualStatistics.for_models(source, target, layers=[0, 1], lags=LAGS, stride=1)
+
+    whole = fresh()
+    calibration_pass(source, target, ids, consumers=[whole], batch_size=2, num_heldout=2, progress=False)
+    real, calls = pass_module.capture_kv, []
+
+    def failing(*args, **kwargs):  # the source capture of the 3rd batch fails (after 2 checkpointed batches)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pass_module, "capture_kv", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        calibration_pass(source, target, ids, consumers=[fresh()], batch_size=2, num_heldout=2, checkpoint_dir=tmp_path,
+                         checkpoint_every=1, progress=False)  # fmt: skip
+    monkeypatch.setattr(pass_module, "capture_kv", real)
+    resumed = fresh()
+    calibration_pass(source, target, ids, consumers=[resumed], batch_size=2, num_heldout=2, checkpoint_dir=tmp_path,
+                     progress=False)  # fmt: skip
+    assert resumed.count == whole.count == {0: 4 * 40, 1: 4 * 40}  # the held-out shard (2 sequences) is not summed
+    for key, sums in whole.sums.items():
+        for name, tensor in sums.items():
+            torch.testing.assert_close(resumed.sums[key][name], tensor, rtol=1e-12, atol=1e-9)
+    with pytest.raises(ValueError, match="different fit.*residual"):  # other lags: a foreign checkpoint
+        calibration_pass(source, target, ids, consumers=[ResidualStatistics.for_models(source, target, [0, 1], lags=(0,))],
+                         batch_size=2, num_heldout=2, checkpoint_dir=tmp_path, progress=False)  # fmt: skip
+
+
+def test_maps_without_source_inputs_follow_beam_search(pair):
+    """Every mapped layer from the residual alone (the source cache gives only the length): beam search on the lazy
+    cache writes what it writes on the same cache converted up front (the pending residual follows the beams)."""
+    source, target, _, base, stats = pair
+    alone = solve_residual_mapper(base, stats, residual_layer=0, sources={1: [], 2: []})
+    assert alone.consumers() == {s: [0] for s in base.config.selected_layers[0]}  # only the exact layer lists any
+    ids = random_ids(1, 18, seed=12)
+    kwargs = dict(max_new_tokens=4, num_beams=2, do_sample=False)
+    with torch.no_grad():
+        lazy = target.generate(ids, cache=TransferredCache(prefill(source, ids), alone, num_recompute_tokens=2), **kwargs)
+        ahead = TransferredCache(prefill(source, ids), alone, num_recompute_tokens=2)
+        ahead.compute_exact_layers(target, ids).convert_all()
+        ahead.batch_repeat_interleave(2)  # generate does not expand a given cache for its beams (a lazy one does)
+        converted = target.generate(ids, cache=ahead, **kwargs)
+    assert torch.equal(lazy, converted)
+
+
+def test_a_mapper_can_record_its_recomputed_tokens(pair):
+    from hf_kvtransfer import resolve_num_recompute_tokens
+
+    source, target, _, base, _ = pair
+    mapper = KVMapper(replace(base.config, num_recompute_tokens=3))
+    mapper.layers.load_state_dict(base.layers.state_dict())
+    ids = random_ids(1, 20, seed=13)
+    assert TransferredCache(prefill(source, ids), mapper).num_recompute_tokens == 3
+    assert TransferredCache(prefill(source, ids), base).num_recompute_tokens == 10  # the default, at most half
+    assert resolve_num_recompute_tokens(None, 4, mapper.config) == 2 and resolve_num_recompute_tokens(5, 4, mapper) == 5
+    with pytest.raises(ValueError, match="num_recompute_tokens must be an integer >= 1"):
+        replace(base.config, num_recompute_tokens=0)

@@ -195,3 +195,33 @@ def test_repeated_span_items_rejects_bad_layout():
         repeated_span_items(100, list(range(2000)), 1, span_len=60, prefix_len=64, continuation_len=64)
     with pytest.raises(ValueError, match="kind"):
         repeated_span_items(100, list(range(2000)), 1, kind="other")
+
+
+def test_cued_recall_items_find_the_value_only_by_its_key():
+    from hf_kvtransfer.evaluation.tasks import cued_recall_items
+
+    stream = list(range(100, 100 + 5000))  # distinct ids: every passage is identifiable by where it came from
+    kwargs = dict(prefix_len=128, continuation_len=48, num_records=4, key_len=6, cue_len=4, value_len=2)
+    items = cued_recall_items(stream, 40, seed=3, **kwargs)
+    assert [i.prefix_ids for i in items] == [i.prefix_ids for i in cued_recall_items(stream, 40, seed=3, **kwargs)]
+    asked = set()
+    for it in items:
+        assert len(it.prefix_ids) == len(it.control_prefix_ids) == 128 and len(it.continuation_ids) == 48
+        record = it.prefix_ids[it.first_start : it.first_start + 12]
+        key, cue, value = record[:6], record[6:10], record[10:]
+        # The continuation repeats the asked record; the scored token is its value's first token.
+        assert it.continuation_ids[8:20] == record
+        assert it.repeat_mask[18] and sum(it.repeat_mask) == 1
+        # Every record of the window carries the same cue: the tokens just before the value do not identify it.
+        assert sum(it.prefix_ids[i : i + 4] == cue for i in range(125)) == 4
+        # The control has the record's key and cue but another value: the value is nowhere in its context.
+        assert it.control_prefix_ids[it.first_start : it.first_start + 10] == key + cue
+        assert value[0] not in it.control_prefix_ids
+        diff = [i for i, (a, b) in enumerate(zip(it.prefix_ids, it.control_prefix_ids)) if a != b]
+        assert diff and min(diff) >= it.first_start + 10 and max(diff) < it.first_start + 12
+        w0 = it.meta["window_start"]
+        assert not any(w0 <= stream.index(tok) < w0 + 176 for tok in record)  # passages from outside the window
+        asked.add(it.meta["asked"])
+    assert asked == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="records"):
+        cued_recall_items(stream, 1, prefix_len=32, num_records=4)

@@ -41,18 +41,18 @@ import torch
 from huggingface_hub.utils import tqdm
 
 from ..core.cache import DEFAULT_NUM_RECOMPUTE_TOKENS, TransferredCache
-from ..core.conversion import conversion_groups
 from ..core.capture import prefill
-from ..evaluation.evaluate import kv_r2
-from ..fitting.accumulate import collect_statistics
-from ..fitting.fit import solve_mapper
-from ..fitting.config import parse_rank_spec
-from ..core.mapper import KVMapper
+from ..core.conversion import conversion_groups
 from ..core.loading import DTYPES, check_device, load_model
+from ..core.mapper import KVMapper
 from ..core.rope import head_dim_of, text_config
 from ..core.stats import KVStatistics
-from .reporting import origin_of_exact_layers, ttft_settings_line
+from ..evaluation.evaluate import kv_r2
 from ..evaluation.timing import DEFAULT_SEQ_LENS, QUICK_SEQ_LENS, median_ms, synchronize, time_call, time_to_first_token
+from ..fitting.accumulate import collect_statistics
+from ..fitting.config import parse_rank_spec
+from ..fitting.fit import solve_mapper
+from .reporting import origin_of_exact_layers, ttft_settings_line
 
 logger = logging.getLogger(__name__)
 

@@ -281,8 +281,8 @@ def _run_eval(args) -> int:
     import json
     from pathlib import Path
 
-    from ..evaluation.evaluate import evaluate, resolve_tasks
     from ..core.mapper import KVMapper
+    from ..evaluation.evaluate import evaluate, resolve_tasks
     from ..evaluation.multiple_choice import load_multiple_choice
     from .reporting import eval_settings, evaluation_markdown, origin_of_exact_layers, plot_evaluation, pyplot
 
@@ -374,9 +374,8 @@ def _run_demo(args) -> int:
     import json
     from pathlib import Path
 
-    from .demo import format_demo, run_demo
-
     from ..core.mapper import KVMapper
+    from .demo import format_demo, run_demo
 
     top_k = args.top_k if args.top_k in (None, "all") else int(args.top_k)
     # A given mapper loads before the models: a broken or mistyped one fails at once.

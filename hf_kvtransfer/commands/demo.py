@@ -16,13 +16,13 @@ import torch
 
 from ..core.cache import TransferredCache
 from ..core.capture import cache_argument, prefill
+from ..core.loading import load_pair
+from ..core.mapper import KVMapper
 from ..evaluation.content import passage_recall
 from ..evaluation.evaluate import split_documents
-from ..fitting.fit import fit_mapper
-from ..core.mapper import KVMapper
-from ..core.loading import load_pair
 from ..evaluation.tasks import passage_recall_items
 from ..evaluation.timing import time_to_first_token
+from ..fitting.fit import fit_mapper
 
 logger = logging.getLogger(__name__)
 

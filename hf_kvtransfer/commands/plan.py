@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig
 
-from .model_configs import load_model_config
-from ..fitting.config import FitConfig, heldout_count
 from ..core.loading import DTYPES, parse_dtype
 from ..core.mapper_types import LOWRANK, RIDGE
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
+from ..fitting.config import FitConfig, heldout_count
+from .model_configs import load_model_config
 
 __all__ = ["TransferPlan", "first_token_flops", "format_plan", "plan_transfer", "residual_inputs_cost"]
 

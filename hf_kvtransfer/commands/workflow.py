@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from ..fitting.calibration_pass import check_pair, check_tokenizers, remove_checkpoints
-from ..fitting.fit import calibration_sample, fit_mappers, solve_mappers
-from ..fitting.config import FitConfig, heldout_count, resolve_config
-from ..core.mapper_types import MLP, RIDGE
-from ..core.mapper import KVMapper
 from ..core.loading import load_model, load_tokenizer, parse_dtype
+from ..core.mapper import KVMapper
+from ..core.mapper_types import MLP, RIDGE
 from ..core.stats import KVStatistics
+from ..fitting.calibration_pass import check_pair, check_tokenizers, remove_checkpoints
+from ..fitting.config import FitConfig, heldout_count, resolve_config
+from ..fitting.fit import calibration_sample, fit_mappers, solve_mappers
 
 logger = logging.getLogger(__name__)
 

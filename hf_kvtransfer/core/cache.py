@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
 from .exact import decoder_layers, own_prefix
-from .mapper import KVMapper
+from .mapper import KVMapper, MapperConfig
 from .residual import residual_features
 from .rope import position_ids_from_mask
 
@@ -33,13 +33,15 @@ from .rope import position_ids_from_mask
 DEFAULT_NUM_RECOMPUTE_TOKENS = 32
 
 
-def resolve_num_recompute_tokens(requested: int | None, num_tokens: int) -> int:
-    """What a caller's `num_recompute_tokens` means for a prompt of `num_tokens`: as given, and None is the default,
-    `DEFAULT_NUM_RECOMPUTE_TOKENS` but at most half of a short prompt (most of it is still transferred) and at least 1
-    (`generate` must feed a token)."""
+def resolve_num_recompute_tokens(requested: int | None, num_tokens: int, mapper: KVMapper | MapperConfig | None = None) -> int:
+    """What a caller's `num_recompute_tokens` means for a prompt of `num_tokens`: as given, and None is the default:
+    the mapper's own (`MapperConfig.num_recompute_tokens`, when its config records one) or `DEFAULT_NUM_RECOMPUTE_TOKENS`,
+    but at most half of a short prompt (most of it is still transferred) and at least 1 (`generate` must feed a
+    token)."""
     if requested is not None:
         return requested
-    return min(DEFAULT_NUM_RECOMPUTE_TOKENS, max(1, num_tokens // 2))
+    preferred = getattr(getattr(mapper, "config", mapper), "num_recompute_tokens", None)
+    return min(DEFAULT_NUM_RECOMPUTE_TOKENS if preferred is None else preferred, max(1, num_tokens // 2))
 
 
 @functools.lru_cache(maxsize=8)
@@ -124,7 +126,8 @@ class TransferredCache(DynamicCache):
             stripped and re-applied at the per-row positions `cumsum(mask) - 1`. Default: the mask `prefill`
             recorded on its cache (a different one is an error); the target must be given the same mask.
         num_recompute_tokens: trailing prompt tokens left for the target to recompute. Default (None):
-            `resolve_num_recompute_tokens(None, prompt length)`, i.e. 32, at most half the prompt, at least 1. 1 is the
+            `resolve_num_recompute_tokens(None, prompt length, mapper)`: the mapper's recorded number, else 32; at
+            most half the prompt, at least 1. 1 is the
             fastest under `generate`; 0 only suits a direct forward of new tokens.
         strict: when the source cache comes from `prefill`, its model's config is compared with the one the
             mapper was fit for; a difference beyond KV shapes warns, or raises with `strict=True`.
@@ -177,7 +180,7 @@ class TransferredCache(DynamicCache):
             mapper.check_compatible(source_config=source_config, strict=strict)
         sources, length, batch_size = self._read_source(source_cache)
         attention_mask = _prompt_mask(attention_mask, source_cache, batch_size, length)
-        num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, length)
+        num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, length, self.mapper)
         if not 0 <= num_recompute_tokens <= length:
             raise ValueError(f"num_recompute_tokens must be in [0, {length}] (the cached tokens), got {num_recompute_tokens}")
         self.num_recompute_tokens = num_recompute_tokens
@@ -244,6 +247,11 @@ class TransferredCache(DynamicCache):
                     f"earlier layers {length} x {batch_size}"
                 )
             sources[s] = SourceLayer(keys, values, set(readers))
+        if length is None:  # no map reads the source (residual-alone and mean maps): its cache gives the length
+            keys = layers[0][0]
+            if keys is None or keys.ndim != 4 or keys.numel() == 0:
+                raise ValueError("source cache layer 0 is empty; run the source prefill before transferring")
+            length, batch_size = keys.shape[-2], keys.shape[0]
         return sources, length, batch_size
 
     def __deepcopy__(self, memo):
@@ -482,12 +490,20 @@ class TransferredCache(DynamicCache):
         """Convert every pending layer now (e.g. to time the mapping or to inspect the target KV)."""
         if self._transfer is None:
             return self
-        some = next(iter(self._transfer.sources.values()))
+        transfer = self._transfer
+        # Device and dtype of what is there: a source layer still read, else (maps without source inputs) the
+        # exact layers' own K/V, computed or already stored.
+        if transfer.sources:
+            some = next(iter(transfer.sources.values())).keys
+        elif transfer.ahead:
+            some = next(iter(transfer.ahead.values()))[0]
+        else:
+            some = next(layer.keys for layer in self.layers if getattr(layer, "is_initialized", False))
         tgt = self.mapper.target_layout
         like = torch.empty(
-            (self._transfer.batch_size, tgt.num_kv_heads, 0, tgt.head_dim),
-            device=device if device is not None else some.keys.device,
-            dtype=dtype if dtype is not None else some.keys.dtype,
+            (transfer.batch_size, tgt.num_kv_heads, 0, tgt.head_dim),
+            device=device if device is not None else some.device,
+            dtype=dtype if dtype is not None else some.dtype,
         )
         for layer_idx in sorted(self._pending):
             self._convert(layer_idx, like)

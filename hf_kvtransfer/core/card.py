@@ -199,6 +199,11 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
     facts = []
     if chosen is not None:
         facts.append(("Computed by the target (default `num_exact_layers`)", f"its first {chosen} of {num_layers} layers"))
+    if config.get("num_recompute_tokens") is not None:
+        facts.append(("Prompt tokens the target recomputes (default `num_recompute_tokens`)", str(config["num_recompute_tokens"])))
+    if config.get("residual_layer") is not None:
+        facts.append(("Maps also read", f"the target's residual stream entering layer {config['residual_layer']} "
+                      f"(readers: {', '.join(map(str, config.get('residual_readers') or ['every mapped layer']))})"))  # fmt: skip
     if isinstance(probe, dict):
         if probe.get("reason"):
             facts.append(("Why", _cell(probe["reason"])))
@@ -218,17 +223,26 @@ def _frontier_rows(probe: Any) -> list[dict[str, str]]:
         return []
     rows = []
     for row in probe["candidates"]:
-        retention, ci = row.get("retention"), row.get("retention_ci")
+        if row.get("skipped"):  # not probed (the reason is in fit_report.json)
+            continue
         rows.append({
             "inputs": _cell(row.get("inputs")),
             "exact": _cell(row.get("num_exact_layers")),
-            "retention": "n/a" if retention is None else f"{100 * retention:.1f}%"
-            + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else ""),
+            "recompute": _cell(row.get("num_recompute_tokens") or "default"),
+            "retention": _percent(row.get("retention"), row.get("retention_ci")),
+            "cued": "–" if row.get("residual_layer") is None and row.get("cued_retention") is None
+            else _percent(row.get("cued_retention"), row.get("cued_retention_ci")),
             "times": "–" if row.get("transfer_ms") is None else f"{row['transfer_ms']:.1f} / {row['target_prefill_ms']:.1f}",
             "speedup": "–" if row.get("speedup") is None else f"{row['speedup']:.2f}x",
             "chosen": "yes" if row.get("chosen") else "",
         })  # fmt: skip
     return rows
+
+
+def _percent(value: float | None, ci: list[float] | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.1f}%" + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
 
 
 def _frontier_timing(probe: Any) -> str:

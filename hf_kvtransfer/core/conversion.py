@@ -158,6 +158,8 @@ class PendingTransfer:
         self.residual = fn(self.residual) if self.residual is not None else None
         if self.sources:
             self.batch_size = next(iter(self.sources.values())).keys.shape[0]
+        elif self.residual is not None:  # maps without source inputs: the residual holds the rows
+            self.batch_size = self.residual.shape[0]
 
     def nbytes(self) -> int:
         tensors = [t for layer in self.sources.values() for t in (layer.keys, layer.values, *(layer.stripped or ()))]
@@ -211,6 +213,11 @@ class PendingTransfer:
         straight into its slot, so the common case (every target layer reads the same layers) costs no copy.
         """
         selected = tuple(self.mapper.config.selected_layers[layer_idx])
+        if not selected:  # a map without source inputs (the residual alone, or the calibration mean)
+            # Rows and tokens as the residual holds them (it follows beam reorders and crops like the sources do).
+            batch, seq = self.residual.shape[:2] if self.residual is not None else (self.batch_size, self.length)
+            empty = torch.empty(batch, seq, 0, dtype=self.mapper.dtype)
+            return empty, empty
         if len(selected) == 1:
             return self._stripped_source(selected[0])
         transfer = self

@@ -8,6 +8,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .capture import cache_argument
 
+
 class StopForward(Exception):
     """Raised by `PrefixCache` to end a forward once the layers it needs have stored their keys and values."""
 

@@ -51,8 +51,8 @@ __all__ = [
     "resolve_mapper_dir",
 ]
 
-from .card import HUB_ID, LIBRARY_NAME, render_model_card
 from ..version import __version__
+from .card import HUB_ID, LIBRARY_NAME, render_model_card
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ The interface:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -140,7 +141,9 @@ def _features(config: LayerMapConfig, layer_idx: int) -> tuple[int, int]:
 def zero_linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
     """An `nn.Linear` of zeros, skipping the random init (slow for GB-sized mappers, and overwritten on load)."""
     # On the default device, so `with torch.device("meta")` builds shapes only (loading then assigns tensors).
-    module = nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, device=torch.get_default_device())
+    with warnings.catch_warnings():  # a map without inputs (the calibration mean) has a zero-element weight
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+        module = nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, device=torch.get_default_device())
     with torch.no_grad():
         for param in module.parameters():
             param.zero_()

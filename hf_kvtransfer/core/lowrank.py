@@ -24,14 +24,14 @@ import logging
 
 import torch
 
-from .mapper_types import LOWRANK, RIDGE
 from .mapper import KVMapper, MapperConfig
+from .mapper_types import LOWRANK, RIDGE
 from .ridge import (
     centered_statistics,
-    heldout_head_r2,
-    head_system,
     feature_index,
     head_r2,
+    head_system,
+    heldout_head_r2,
     layer_slice,
     residual_sum_squares,
     solve_layers,

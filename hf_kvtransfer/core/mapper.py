@@ -15,14 +15,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
+from ..version import __version__
 from .card import render_model_card
 from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolve_mapper_dir
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
 from .mapper_types import LOWRANK, RIDGE
-from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
 from .residual import ResidualMaps, validate_residual_config
+from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
 from .stats import KVLayout
-from ..version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,9 @@ class MapperConfig:
     Args:
         source_config / target_config: the two models' decoder configs as dicts (enough to rebuild their
             rotary modules without loading either model).
-        selected_layers: for each target layer, the source layers its inputs come from (ascending).
+        selected_layers: for each target layer, the source layers its inputs come from (ascending). Empty for a
+            layer after `residual_layer` that reads no source layer: its map is the residual alone (a reader) or
+            the calibration mean of its keys and values (no inputs).
         mapper_type: the layer-map type (`layer_maps.LAYER_MAP_TYPES`: "ridge", "lowrank", "mlp").
         top_k, ridge_lambda: fit hyper-parameters.
         fit_r2_key / fit_r2_value: in-sample head-averaged R^2 per target layer.
@@ -86,6 +88,9 @@ class MapperConfig:
         num_exact_layers: the target's first layers `TransferredCache` computes itself with this mapper unless told
             otherwise: the fewest that keep the content probe's retention (`exact_layers.py`, chosen by the fit),
             or a number given to the fit. None: `DEFAULT_NUM_EXACT_LAYERS`.
+        num_recompute_tokens: the prompt's last tokens `TransferredCache` (and the vLLM connector) leave to the
+            target with this mapper unless told otherwise, for a mapper measured at another number; None (what the
+            fit writes): the cache's default (`cache.DEFAULT_NUM_RECOMPUTE_TOKENS`).
         residual_layer: when set, the maps of every target layer after it also read the target's own residual
             stream entering this layer (`residual.py`), which the cache computes in its exact layers: needs
             `num_exact_layers >= residual_layer + 1` and the prompt's ids. None: the maps read the source only.
@@ -118,6 +123,7 @@ class MapperConfig:
     mlp: dict[str, Any] | None = None
     rank: list[list[int]] | None = None
     num_exact_layers: int | None = None
+    num_recompute_tokens: int | None = None
     residual_layer: int | None = None
     residual_lags: list[int] | None = None
     residual_rank: int | None = None
@@ -148,9 +154,15 @@ class MapperConfig:
                 f"selected_layers has {len(self.selected_layers)} entries, expected one per target layer ({num_target})"
             )
         for t, selected in enumerate(self.selected_layers):
-            if not selected or any(not 0 <= s < num_source for s in selected) or len(set(selected)) != len(selected):
+            if any(not 0 <= s < num_source for s in selected) or len(set(selected)) != len(selected):
                 raise ValueError(
                     f"selected_layers[{t}] = {selected} must be distinct source layer indices in [0, {num_source})"
+                )
+            if not selected and (self.mapper_type != RIDGE or self.residual_layer is None or t <= self.residual_layer):
+                raise ValueError(
+                    f"selected_layers[{t}] is empty: only a 'ridge' mapper reading the target's residual may leave a "
+                    "layer after its residual_layer without source inputs (its map is then the residual alone, or "
+                    "the calibration mean)"
                 )
         for name in ("fit_r2_key", "fit_r2_value", "heldout_r2_key", "heldout_r2_value"):
             value = getattr(self, name)
@@ -160,6 +172,8 @@ class MapperConfig:
             raise ValueError(f"ridge_lambda must be >= 0, got {self.ridge_lambda}")
         if self.num_exact_layers is not None and not 0 <= self.num_exact_layers <= num_target:
             raise ValueError(f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {self.num_exact_layers}")
+        if self.num_recompute_tokens is not None and (isinstance(self.num_recompute_tokens, bool) or not isinstance(self.num_recompute_tokens, int) or self.num_recompute_tokens < 1):
+            raise ValueError(f"num_recompute_tokens must be an integer >= 1 or None, got {self.num_recompute_tokens!r}")
         if self.rank is not None and self.mapper_type != LOWRANK:
             raise ValueError(f"rank applies to 'lowrank' mappers only, got mapper_type={self.mapper_type!r}")
         layer_map_class(self.mapper_type).validate_config(self)

@@ -150,6 +150,9 @@ def select_layers(scores: torch.Tensor, top_k: int | None) -> list[list[int]]:
 
 
 def feature_index(selected: list[int], layer_dim: int) -> torch.Tensor:
+    """Indices of the selected source layers' features in the side-by-side layout (empty for no layer)."""
+    if not selected:
+        return torch.zeros(0, dtype=torch.long)
     return torch.cat([torch.arange(s * layer_dim, (s + 1) * layer_dim) for s in selected])
 
 

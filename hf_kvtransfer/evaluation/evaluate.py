@@ -28,10 +28,10 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..core.cache import TransferredCache, resolve_num_recompute_tokens
 from ..core.capture import capture_kv, prefill
-from .content import greedy_agreement, handoff, passage_recall, repeated_span_retention
-from ..core.mapper import KVMapper
-from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 from ..core.loading import model_device
+from ..core.mapper import KVMapper
+from .content import greedy_agreement, handoff, passage_recall, repeated_span_retention
+from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
 from .tasks import handoff_items, passage_recall_items, repeated_span_items
 
@@ -172,7 +172,7 @@ def prefix_perplexity(
     prefix_len = prefix_len if prefix_len is not None else window // 2
     if not 1 <= prefix_len <= window - 2:
         raise ValueError(f"prefix_len must leave >= 2 tokens to score in a {window}-token window, got {prefix_len}")
-    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prefix_len)
+    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prefix_len, mapper)
     if not 0 <= num_recompute_tokens < prefix_len:
         raise ValueError(f"num_recompute_tokens must be in [0, {prefix_len}), got {num_recompute_tokens}")
     r, t = num_recompute_tokens, prefix_len

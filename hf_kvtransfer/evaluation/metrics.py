@@ -109,4 +109,36 @@ def retention_over_items(
     return out
 
 
-__all__ = ["REFEED_WARNING", "bootstrap_ci", "mean_and_ci", "normalized_retention", "retention_over_items"]
+def retention_difference(
+    own: Sequence[float] | np.ndarray,
+    no_context: Sequence[float] | np.ndarray,
+    transfer: Sequence[float] | np.ndarray,
+    reference: Sequence[float] | np.ndarray | None,
+    *,
+    higher_is_better: bool = True,
+    num_bootstrap: int = 1000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Floor-normalized retention of `transfer` minus that of `reference` on the same items, with a paired
+    bootstrap interval (each resample draws items, keeping all four scores of an item together).
+
+    `reference` None is the target's own prefill (retention 1 by construction). Returns `difference` and
+    `difference_ci` ([low, high]); both None when the context is worth nothing to the target on these items.
+    """
+    own, no_context, transfer = (np.asarray(x, dtype=np.float64) for x in (own, no_context, transfer))
+    ref = np.asarray(reference, dtype=np.float64) if reference is not None else None
+    sign = 1.0 if higher_is_better else -1.0
+
+    def stat(idx: np.ndarray) -> float:
+        o, f = sign * own[idx].mean(), sign * no_context[idx].mean()
+        base = 1.0 if ref is None else normalized_retention(sign * ref[idx].mean(), o, f)
+        return normalized_retention(sign * transfer[idx].mean(), o, f) - base
+
+    if not sign * (own.mean() - no_context.mean()) > 0:
+        return {"difference": None, "difference_ci": None}
+    return {"difference": stat(np.arange(own.size)), "difference_ci": bootstrap_ci(stat, own.size, num_bootstrap, seed)}
+
+
+__all__ = [
+    "REFEED_WARNING", "bootstrap_ci", "mean_and_ci", "normalized_retention", "retention_difference", "retention_over_items",
+]

@@ -17,9 +17,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..core.cache import TransferredCache, resolve_num_recompute_tokens
 from ..core.capture import prefill
+from ..core.loading import model_device
 from ..core.mapper import KVMapper
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
-from ..core.loading import model_device
 
 
 @dataclass
@@ -216,7 +216,7 @@ def multiple_choice(
     used = set()
     bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
     for item in items:
-        r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(item.context_ids)), len(item.context_ids))
+        r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(item.context_ids), mapper), len(item.context_ids))
         used.add(r)
         ctx = torch.tensor([item.context_ids])
         n = len(item.choice_ids)

@@ -5,6 +5,9 @@ their context. The items built here can only be scored well by a model that *rea
 
 - :func:`repeated_span_items`: a span (random tokens, or a passage of real text) occurs in the prefix
   and again in the continuation; the repeat is predictable only by copying.
+- :func:`cued_recall_items`: records ``key, cue, value`` of held-out text written into a prefix, all with the
+  same cue; the continuation repeats one record's key and cue and is scored on its value, which only a look-up
+  by the key several tokens back finds (the shape of a passage-recall question, from any text).
 - :func:`passage_recall_items`: a passage of made-up API facts, distractor text, then a question whose
   answer (a number) appears only in the passage; a "no passage" prompt gives the floor.
 - :func:`handoff_items`: passage + question 1 + answer 1 (what a source model reads and answers), then
@@ -43,6 +46,7 @@ __all__ = [
     "FactGenerator",
     "fact_document",
     "repeated_span_items",
+    "cued_recall_items",
     "passage_recall_items",
     "handoff_items",
 ]
@@ -515,4 +519,77 @@ def repeated_span_items(
             kind=kind, first_start=first, span_len=span_len,
             meta=dict(index=i, seed=seed, window_start=w0, distance=prefix_len - first + repeat_offset),
         ))
+    return items
+
+
+def cued_recall_items(
+    text_ids: Sequence[int],
+    n: int,
+    seed: int = 0,
+    *,
+    prefix_len: int = 256,
+    continuation_len: int = 64,
+    num_records: int = 4,
+    key_len: int = 8,
+    cue_len: int = 4,
+    value_len: int = 2,
+    repeat_offset: int = 8,
+) -> list[RepeatedSpanItem]:
+    """Windows of held-out text holding `num_records` records `key + cue + value`; the continuation asks one back.
+
+    Every token is text cut from `text_ids` (a held-out stream) outside the window: each record's key and value
+    are passages of their own, the cue is one passage shared by all records of the window. The continuation
+    repeats one record's key and cue at `repeat_offset`, then its value; only the value's **first** token is scored
+    (`repeat_mask`). The tokens right before it (the cue) are the same in every record, so copying from the last
+    few tokens cannot tell which value comes: the model must find the record by its key, `cue_len` and more
+    tokens back, as a passage-recall question finds its fact. The control prefix has that record's value replaced
+    by other text (the floor: the value is nowhere in the context).
+
+    Returns:
+        list of :class:`RepeatedSpanItem` of kind ``"cued"`` (scored with `repeated_span_retention`).
+    """
+    record_len = key_len + cue_len + value_len
+    if num_records * record_len > prefix_len or repeat_offset + record_len > continuation_len or min(key_len, cue_len, value_len) < 1:
+        raise ValueError(
+            f"{num_records} records of {record_len} tokens must fit the prefix ({prefix_len}) and one the "
+            f"continuation after repeat_offset={repeat_offset} ({continuation_len})"
+        )
+    text_ids = list(text_ids)
+    W = prefix_len + continuation_len
+    if len(text_ids) < 2 * W + record_len:
+        raise ValueError(f"text_ids has {len(text_ids)} tokens; need at least {2 * W + record_len}")
+    rng = random.Random(f"hf_kvtransfer.evaluation.tasks.cued:{seed}")
+
+    def passage(length: int, avoid: tuple[int, int]) -> list[int]:
+        while True:
+            s = rng.randrange(len(text_ids) - length)
+            if s + length <= avoid[0] or s >= avoid[1]:
+                return text_ids[s : s + length]
+
+    items = []
+    for i in range(n):
+        w0 = rng.randrange(len(text_ids) - W)
+        avoid = (w0, w0 + W)
+        window = text_ids[w0:w0 + W]
+        cue = passage(cue_len, avoid)
+        records = [passage(key_len, avoid) + cue + passage(value_len, avoid) for _ in range(num_records)]
+        # Non-overlapping record slots spread over the prefix, in random order.
+        slot = prefix_len // num_records
+        starts = [k * slot + rng.randrange(0, slot - record_len + 1) for k in range(num_records)]
+        asked = rng.randrange(num_records)
+        prefix = window[:prefix_len]
+        for start, record in zip(starts, records):
+            prefix[start:start + record_len] = record
+        control = list(prefix)
+        value_at = starts[asked] + key_len + cue_len
+        control[value_at:value_at + value_len] = passage(value_len, avoid)
+        cont = window[prefix_len:]
+        cont[repeat_offset:repeat_offset + record_len] = records[asked]
+        scored = repeat_offset + key_len + cue_len
+        items.append(RepeatedSpanItem(
+            prefix_ids=prefix, continuation_ids=cont, repeat_mask=[j == scored for j in range(continuation_len)],
+            control_prefix_ids=control, kind="cued", first_start=starts[asked], span_len=record_len,
+            meta=dict(index=i, seed=seed, window_start=w0, asked=asked, num_records=num_records,
+                      distance=prefix_len - value_at + scored),
+        ))  # fmt: skip
     return items

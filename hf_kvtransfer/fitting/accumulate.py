@@ -16,16 +16,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .calibration_pass import (
-    CalibrationBatch,
-    CalibrationConsumer,
-    as_token_tensor,
-    calibration_pass,
-    check_pair,
-    dist_info,
-    read_checkpoint_state,
-)
-from .config import FitConfig, heldout_count
 from ..core.loading import model_device
 from ..core.ridge import probe_single_source_r2, select_layers
 from ..core.rope import text_config
@@ -40,6 +30,16 @@ from ..core.stats import (
     statistics_nbytes,
     token_selection,
 )
+from .calibration_pass import (
+    CalibrationBatch,
+    CalibrationConsumer,
+    as_token_tensor,
+    calibration_pass,
+    check_pair,
+    dist_info,
+    read_checkpoint_state,
+)
+from .config import FitConfig, heldout_count
 
 logger = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from .calibration import sample_hash
 from ..core.capture import capture_kv, capture_kv_and_inputs
 from ..core.mapper import config_fingerprint
 from ..core.rope import check_supported, text_config
+from .calibration import sample_hash
 
 logger = logging.getLogger(__name__)
 

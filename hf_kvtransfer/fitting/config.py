@@ -204,11 +204,11 @@ class FitConfig:
         "text (exact_layers.py), or a number (no probe)", cli="--exact-layers", group="exact", metavar="N|auto"))  # fmt: skip
     exact_layers_retention: float = field(default=0.95, metadata=_opt(
         "repeated-span retention 'auto' must reach (default 0.95)", group="exact", metavar="FRACTION"))
-    residual_inputs: str = field(default="off", metadata=_opt(
+    residual_inputs: str = field(default="auto", metadata=_opt(
         "with --exact-layers auto, also try maps that read the target's own residual stream after its exact layers "
-        "(residual.py): 'auto' (the probe keeps them where they are faster at the retention asked for) or 'off' "
-        "(default: source K/V only; the probe scores repeated spans, which over-state the recall such maps keep on "
-        "the bundled large -> small pair: research/content_at_speed)", group="exact", choices=("auto", "off")))  # fmt: skip
+        "(residual.py): 'auto' (default: the probe keeps them where they are faster and keep the repeated spans and "
+        "the cued recall the source-only answer keeps) or 'off' (source K/V maps only)", group="exact",
+        choices=("auto", "off")))  # fmt: skip
     residual_lags: str = field(default="0,1,2", metadata=_opt(
         "token offsets of the residual features (default 0,1,2: positions t, t-1, t-2)", group="exact", metavar="LAGS"))
     residual_rank: int | None = field(default=None, metadata=_opt(
@@ -222,7 +222,8 @@ class FitConfig:
         "prompt tokens the probe times each candidate's first token on (one thread; default 512)", group="exact",
         metavar="N"))  # fmt: skip
     exact_layers_items: int = field(default=64, metadata=_opt(
-        "repeated spans in the probe (default 64)", group="exact", metavar="N"))
+        "items per probe: repeated spans, and cued-recall records for maps reading the residual (default 64)",
+        group="exact", metavar="N"))  # fmt: skip
     # -- calibration data
     dataset: str | None = field(default=None, metadata=_opt(
         "Hub dataset id (streamed) or local .txt/.jsonl/.parquet file or directory (default "

@@ -13,6 +13,11 @@ the prefix (`tasks.repeated_span_items`, kind "text"), scored as own prefill / t
 `min_retention`, by bisection over `1 .. num_layers` (it assumes computing more layers never loses content; the
 whole target computed is its own prefill, retention 1 by construction, and is not run).
 
+`choose_configuration` then searches maps that also read the target's residual stream (`core/residual.py`) for a
+faster configuration: each must keep the repeated spans and, on a second probe of look-ups by key (cued recall,
+`tasks.cued_recall_items`), not lose more than `1 - min_retention` of what the source-only answer keeps, by a
+paired interval. The fastest one that passes, timed on this machine, is recorded in the mapper.
+
 Example:
     ```python
     num_exact, report = choose_num_exact_layers(small, large, mapper, heldout_ids)
@@ -25,14 +30,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from ..evaluation.content import repeated_span_retention
 from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS, KVMapper
-from ..evaluation.tasks import repeated_span_items
+from ..core.residual import residual_readers
+from ..evaluation.content import repeated_span_retention
+from ..evaluation.metrics import retention_difference
+from ..evaluation.tasks import cued_recall_items, repeated_span_items
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +51,11 @@ MIN_COPY_GAIN = 0.25
 # The probe's items: a repeated span of text inside a prefix, scored in a continuation (`repeated_span_items`).
 PROBE_PREFIX_LEN = 256
 PROBE_CONTINUATION_LEN = 64
+# Cued recall scores one token per item (repeated spans: ~23): it takes this many times the items for a 95% interval
+# of about +-5 points instead of +-10 (what the decision between two candidates needs).
+CUED_ITEMS_FACTOR = 4
+# Prompt tokens the probes leave to the target (the fewest `generate` allows): the rest of the prompt is transferred.
+PROBE_RECOMPUTE_TOKENS = 1
 
 
 def probe_stream(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[int]:
@@ -116,7 +130,7 @@ def choose_num_exact_layers(
     def retention(k: int) -> float | None:
         nonlocal baseline
         r = repeated_span_retention(
-            source, target, mapper, items, num_recompute_tokens=1, num_exact_layers=k, progress=progress,
+            source, target, mapper, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=k, progress=progress,
             reference=baseline, desc=f"exact-layers probe: {k} of {num_layers} layers exact",
         )  # fmt: skip
         baseline = baseline or r
@@ -174,7 +188,17 @@ def _inputs_label(mapper: KVMapper) -> str:
         return "source K/V"
     rank = f", rank {c.residual_rank}" if c.residual_rank else ""
     lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in c.residual_lags)
-    return f"source K/V + target residual entering layer {c.residual_layer} ({lags}{rank})"
+    readers = residual_readers(c)
+    mapped = range(c.residual_layer + 1, len(c.selected_layers))
+    who = "every mapped layer" if readers == list(mapped) else "layer" + ("s " if len(readers) > 1 else " ") + ", ".join(map(str, readers))
+    alone = [t for t in mapped if not c.selected_layers[t]]
+    if not alone:
+        source = "source K/V"
+    elif len(alone) == len(mapped):
+        source = "no source K/V"
+    else:
+        source = f"source K/V (none for layer{'s' if len(alone) > 1 else ''} {', '.join(map(str, alone))})"
+    return f"{source} + target residual entering layer {c.residual_layer} ({lags}{rank}) read by {who}"
 
 
 def _time_candidate(source, target, mapper: KVMapper, ids: torch.Tensor, num_exact: int) -> dict[str, float]:
@@ -194,7 +218,7 @@ def choose_configuration(
     mapper: KVMapper,
     token_ids: list[int] | torch.Tensor,
     *,
-    residual_mappers: dict[int, KVMapper] | None = None,
+    residual_mappers: Mapping[int, KVMapper] | Sequence[KVMapper] | None = None,
     min_retention: float = 0.95,
     num_items: int = 64,
     prefix_len: int | None = None,
@@ -202,20 +226,35 @@ def choose_configuration(
     seed: int = 0,
     progress: bool = False,
 ) -> tuple[KVMapper, dict[str, Any]]:
-    """The fastest configuration (exact layers x map inputs) that keeps `min_retention` of the target's copying.
+    """The fastest configuration (exact layers x map inputs) that keeps `min_retention` of the target's copying and
+    what the source-only answer keeps of its look-ups.
 
-    Candidates: `mapper` (source K/V only) with the exact layers `choose_num_exact_layers` tries, and each of
-    `residual_mappers` (`{J: mapper whose maps also read the target's residual entering layer J}`, from
-    `residual_stats.solve_residual_mapper`) with `J + 1` exact layers. Each is scored by the probe's repeated-span
-    retention and timed to the first token (`evaluation.timing.time_to_first_token`, one thread, on the first
-    `timing_tokens` probe tokens, the cache's default recomputed tokens) on this machine. The chosen one is the
-    candidate with the shortest time among those whose retention reaches `min_retention`; none reaching it, the
-    source-only mapper with the probe's answer (possibly the whole target).
+    Candidates: `mapper` (source K/V only) with the exact layers `choose_num_exact_layers` finds, and each of
+    `residual_mappers` (mappers whose maps also read the target's residual entering their `residual_layer` J, from
+    `residual_stats.solve_residual_mapper`; a `{J: mapper}` dict or a list) with `J + 1` exact layers. A residual
+    candidate must pass two probes on the held-out tokens:
+
+    - repeated spans (`tasks.repeated_span_items`): retention >= `min_retention`, as the source-only answer;
+    - cued recall (`tasks.cued_recall_items`, records sharing a cue, found by their key; `CUED_ITEMS_FACTOR` times
+      the items): the paired 95% interval of its retention minus the source-only answer's (1 when that answer is
+      the whole target) must rule out a loss of more than `1 - min_retention`. Copying the next tokens of a span
+      and finding a record by what came several tokens before it are different skills: maps that read the residual
+      can keep the first and lose the second (`research/recall_probe/`). The rule errs on the safe side: a
+      candidate the probe cannot tell from a loss is not kept (it costs speed, never content).
+
+    Candidates are tried by residual layer, shallowest first, each layer's candidates in the given order; when the
+    first of a layer fails, the rest of that layer are skipped (they read less), and once a layer has a passing
+    candidate, deeper layers are not tried (they compute more of the target). Each tried candidate is timed to
+    the first token (`evaluation.timing.time_to_first_token`, one thread, the first `timing_tokens` probe tokens)
+    on this machine with the cache's default recomputed tokens (the probes feed the question themselves, so they
+    cannot vouch for fewer: on large -> small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed
+    tokens and 25% with 1). The chosen one is the fastest that passes, else the source-only answer.
 
     Returns:
         `(mapper, report)`: the chosen mapper with its `num_exact_layers` recorded, and the probe's report with
-        `candidates` (the frontier: one row per candidate with inputs, exact layers, retention and its 95%
-        interval, transfer and prefill milliseconds, speed-up, chosen) besides `choose_num_exact_layers`' keys.
+        `candidates` (the frontier: one row per candidate with inputs, exact layers, both retentions and their
+        95% intervals, whether it passes, transfer and prefill milliseconds, speed-up, chosen) besides
+        `choose_num_exact_layers`' keys.
     """
     stream = probe_stream(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
     chosen_kv, report = choose_num_exact_layers(
@@ -225,36 +264,89 @@ def choose_configuration(
     num_layers = mapper.target_layout.num_layers
     if report.get("prefix_len") is None or report.get("copy_gain") is None or "barely copies" in report.get("reason", ""):
         return _with_num_exact(mapper, chosen_kv), report  # nothing to compare on: the source-only answer
-    items = repeated_span_items(
-        target.config.get_text_config().vocab_size, stream, num_items, seed=seed, prefix_len=report["prefix_len"],
-        continuation_len=PROBE_CONTINUATION_LEN, kind="text",
-    )  # fmt: skip
+    candidates_in = list(residual_mappers.values() if isinstance(residual_mappers, Mapping) else residual_mappers or [])
+    candidates_in.sort(key=lambda m: m.config.residual_layer)  # stable: each layer's candidates in the given order
+    vocab = target.config.get_text_config().vocab_size
+    spans = repeated_span_items(vocab, stream, num_items, seed=seed, prefix_len=report["prefix_len"],
+                                continuation_len=PROBE_CONTINUATION_LEN, kind="text")  # fmt: skip
+    # Records of 8 + 4 + 2 tokens (key, cue, value), at most 4, in the probe's prefix.
+    num_records = max(2, min(4, report["prefix_len"] // 14))
+    cued = cued_recall_items(stream, CUED_ITEMS_FACTOR * num_items, seed=seed, prefix_len=report["prefix_len"],
+                             num_records=num_records, continuation_len=PROBE_CONTINUATION_LEN) if candidates_in else []  # fmt: skip
     ids = torch.tensor(stream[: min(timing_tokens, len(stream))]).unsqueeze(0)
     rows: list[dict[str, Any]] = []
     candidates: list[tuple[KVMapper, int]] = []
     for row in report["tried"]:
         candidates.append((mapper, row["num_exact_layers"]))
-        rows.append({"inputs": _inputs_label(mapper), "residual_layer": None, **row})
-    baseline = None
-    for layer, residual_mapper in sorted((residual_mappers or {}).items()):
-        num_exact = layer + 1
+        rows.append({"inputs": _inputs_label(mapper), "residual_layer": None, **row,
+                     "passes": row["retention"] is not None and row["retention"] >= min_retention})  # fmt: skip
+    references: dict[str, Any] = {}
+
+    def probe(name: str, items, m: KVMapper, num_exact: int) -> dict[str, Any]:
         r = repeated_span_retention(
-            source, target, residual_mapper, items, num_recompute_tokens=1, num_exact_layers=num_exact,
-            progress=progress, reference=baseline,
+            source, target, m, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=num_exact,
+            progress=progress, reference=references.get(name),
+            desc=f"configuration probe ({name}): {num_exact} exact, {_inputs_label(m)}",
         )  # fmt: skip
-        baseline = baseline or r
-        candidates.append((residual_mapper, num_exact))
-        rows.append({"inputs": _inputs_label(residual_mapper), "residual_layer": layer, "num_exact_layers": num_exact,
-                     "retention": r["retention"], "retention_ci": r["retention_ci"]})  # fmt: skip
-    for row, (m, num_exact) in zip(rows, candidates):
-        if num_exact >= num_layers:
-            row.update(transfer_ms=None, target_prefill_ms=None, speedup=1.0)  # the target's own prefill
+        references.setdefault(name, r)
+        return r
+
+    cued_reference = None  # per-item NLLs of the source-only answer on the cued items (None: the whole target)
+    if candidates_in:
+        if chosen_kv is not None and chosen_kv < num_layers:
+            ref = probe("cued recall", cued, mapper, chosen_kv)
+            cued_reference = ref["nll_per_item"]["transfer"]
+            report["cued_reference"] = {"num_exact_layers": chosen_kv, "retention": ref["retention"], "retention_ci": ref["retention_ci"]}
+        else:  # the source-only answer is the target's own prefill: retention 1
+            report["cued_reference"] = {"num_exact_layers": num_layers, "retention": 1.0, "retention_ci": None}
+        report["cued_max_loss"] = 1 - min_retention
+    seen_layers: set[int] = set()
+    failed_layers: set[int] = set()
+    passed_layers: set[int] = set()
+    for m in candidates_in:
+        layer, num_exact = m.config.residual_layer, m.config.residual_layer + 1
+        row: dict[str, Any] = {"inputs": _inputs_label(m), "residual_layer": layer, "num_exact_layers": num_exact,
+                               "readers": residual_readers(m.config), "retention": None, "retention_ci": None,
+                               "cued_retention": None, "cued_retention_ci": None, "passes": False}  # fmt: skip
+        candidates.append((m, num_exact))
+        rows.append(row)
+        if layer in failed_layers:
+            row["skipped"] = "the first candidate of this residual layer failed the probe"
             continue
-        timing = _time_candidate(source, target, m, ids, num_exact)
-        row.update(transfer_ms=timing["transfer_ms"], target_prefill_ms=timing["target_prefill_ms"], speedup=timing["speedup"])
-    ok = [i for i, row in enumerate(rows) if row["retention"] is not None and row["retention"] >= min_retention and row["transfer_ms"] is not None]
-    report["timing"] = {"num_tokens": int(ids.shape[-1]), "threads": 1, "num_recompute_tokens": "TransferredCache default"}
+        if any(passed < layer for passed in passed_layers):
+            row["skipped"] = "a shallower residual layer passed (deeper ones compute more of the target)"
+            continue
+        r = probe("repeated spans", spans, m, num_exact)
+        row.update(retention=r["retention"], retention_ci=r["retention_ci"])
+        if r["retention"] is not None and r["retention"] >= min_retention:
+            c = probe("cued recall", cued, m, num_exact)
+            nll = c["nll_per_item"]
+            diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], cued_reference, higher_is_better=False,
+                                        seed=seed)  # fmt: skip
+            row.update(cued_retention=c["retention"], cued_retention_ci=c["retention_ci"],
+                       cued_minus_reference=diff["difference"], cued_minus_reference_ci=diff["difference_ci"])  # fmt: skip
+            # Kept only where the paired interval rules out losing more than 1 - min_retention of the reference's.
+            low = (diff["difference_ci"] or [None])[0]
+            row["passes"] = low is not None and math.isfinite(low) and low >= -(1 - min_retention)
+        if not row["passes"] and layer not in seen_layers:
+            failed_layers.add(layer)
+        seen_layers.add(layer)
+        if row["passes"]:
+            passed_layers.add(layer)
+    for row, (m, num_exact) in zip(rows, candidates):
+        if row.get("skipped"):
+            row.update(transfer_ms=None, target_prefill_ms=None, speedup=None)
+        elif num_exact >= num_layers:
+            row.update(transfer_ms=None, target_prefill_ms=None, speedup=1.0)  # the target's own prefill
+        else:
+            timing = _time_candidate(source, target, m, ids, num_exact)
+            row.update(transfer_ms=timing["transfer_ms"], target_prefill_ms=timing["target_prefill_ms"], speedup=timing["speedup"])
+    for row, (m, _) in zip(rows, candidates):
+        row["num_recompute_tokens"] = m.config.num_recompute_tokens  # None: TransferredCache's default
+    report["timing"] = {"num_tokens": int(ids.shape[-1]), "threads": 1,
+                        "num_recompute_tokens": "per candidate (None: TransferredCache's default)"}  # fmt: skip
     report["candidates"] = rows
+    ok = [i for i, row in enumerate(rows) if row["passes"] and row["transfer_ms"] is not None]
     if not ok:
         for row in rows:
             row["chosen"] = False
@@ -266,17 +358,23 @@ def choose_configuration(
     report["chosen"] = num_exact
     report["chosen_inputs"] = rows[best]["inputs"]
     report["reason"] = (
-        f"the fastest candidate (time to the first token on {int(ids.shape[-1])} tokens, one thread) with retention >= "
-        f"{min_retention:.0%}"
+        f"the fastest candidate (time to the first token on {int(ids.shape[-1])} tokens, one thread) with "
+        f"repeated-span retention >= {min_retention:.0%}"
+        + (f" and cued recall not {1 - min_retention:.0%} below the source-only answer's (paired 95% interval)"
+           if rows[best]["residual_layer"] is not None else "")
     )
     return _with_num_exact(chosen_mapper, num_exact), report
 
 
-def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
+def _with(mapper: KVMapper, **changes: Any) -> KVMapper:
     # A shallow copy (same weights) with its own config: the caller's mapper is left as it was.
     chosen = copy.copy(mapper)
-    chosen.config = dataclasses.replace(mapper.config, num_exact_layers=num_exact)
+    chosen.config = dataclasses.replace(mapper.config, **changes)
     return chosen
+
+
+def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
+    return _with(mapper, num_exact_layers=num_exact)
 
 
 __all__ = ["MIN_COPY_GAIN", "choose_configuration", "choose_num_exact_layers", "probe_stream", "residual_candidates"]

@@ -20,9 +20,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from ..core.lowrank import lowrank_mapper, reduced_rank_heldout_r2
+from ..core.mapper import KVMapper, MapperConfig
+from ..core.mapper_types import MLP, RIDGE
+from ..core.ridge import effective_top_k, heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
+from ..core.rope import text_config
+from ..core.stats import KINDS, BlockStatistics, KVLayout, KVStatistics
 from .accumulate import run_fit_pass
-from .calibration_pass import as_token_tensor
 from .calibration import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, build_calibration
+from .calibration_pass import as_token_tensor
 from .config import (
     PAPER_TOP_K_CANDIDATES,
     RIDGE_LAMBDA_CANDIDATES,
@@ -34,14 +40,8 @@ from .config import (
     resolve_config,
 )
 from .exact_layers import choose_configuration, probe_stream, residual_candidates
-from .residual_stats import ResidualStatistics, residual_statistics_nbytes, solve_residual_mapper
-from ..core.mapper_types import MLP, RIDGE
-from ..core.lowrank import lowrank_mapper, reduced_rank_heldout_r2
-from ..core.mapper import KVMapper, MapperConfig
 from .mlp import fit_mlp
-from ..core.ridge import effective_top_k, heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
-from ..core.rope import text_config
-from ..core.stats import KINDS, BlockStatistics, KVStatistics
+from .residual_stats import ResidualStatistics, residual_statistics_nbytes, residual_variants
 
 logger = logging.getLogger(__name__)
 
@@ -414,18 +414,31 @@ def fit_mappers(
             for name, m in mappers.items()}  # fmt: skip
 
 
+# The residual-input statistics a fit collects stay under this size (float64 on the CPU): for the bundled family a
+# few MiB per residual layer; for billion-parameter pairs they would be tens of GiB (the features are the source's
+# whole K/V plus lags x the target's hidden size), and the fit then keeps to source K/V maps.
+RESIDUAL_STATISTICS_BYTES = 4 * 2**30
+
+
 def _residual_statistics(source: PreTrainedModel, target: PreTrainedModel, config: FitConfig, log) -> ResidualStatistics | None:
     """The residual-input statistics the probe's candidates need (`residual_stats.py`), when the fit searches them."""
     if config.residual_inputs != "auto" or config.num_exact_layers != "auto" or config.mapper_type != RIDGE:
         return None
-    if config.checkpoint_dir is not None:
-        (log or logger.info)("residual-input maps: not tried in a checkpointed (resumable) fit; source K/V maps only")
-        return None
     layers = residual_candidates(text_config(target.config).num_hidden_layers)
+    layout = (KVLayout.from_config(source.config), KVLayout.from_config(target.config), text_config(target.config).hidden_size)
+    per_layer = residual_statistics_nbytes(*layout, len(config.residual_lags), 1)
+    fits = min(len(layers), RESIDUAL_STATISTICS_BYTES // per_layer)
+    if fits == 0:
+        (log or logger.info)(
+            f"residual-input maps: not tried, their statistics would need {per_layer / 2**30:,.1f} GiB per residual "
+            f"layer (float64, CPU; the fit keeps them under {RESIDUAL_STATISTICS_BYTES / 2**30:.0f} GiB); source K/V "
+            "maps only"
+        )
+        return None
+    layers = layers[:fits]  # the shallowest: they leave most of the target to map
     stats = ResidualStatistics.for_models(source, target, layers, lags=config.residual_lags,
                                           stride=config.residual_stride or config.stride)  # fmt: skip
-    nbytes = residual_statistics_nbytes(stats.source_layout, stats.target_layout, stats.hidden_size, len(stats.lags), len(layers))
-    (log or logger.info)(f"residual-input statistics for residual layers {layers}: {nbytes / 2**20:,.1f} MiB (float64, CPU)")
+    (log or logger.info)(f"residual-input statistics for residual layers {layers}: {fits * per_layer / 2**20:,.1f} MiB (float64, CPU)")
     return stats
 
 
@@ -450,13 +463,13 @@ def with_exact_layers(
     rows = slice(-num_heldout, None) if num_heldout else slice(None)
     mask = attention_mask[rows] if attention_mask is not None else None
     started = time.perf_counter()
-    residual_mappers = {}
+    residual_mappers = []
     if residual is not None:
-        residual_mappers = {
-            layer: solve_residual_mapper(mapper, residual, layer, residual_lambda=config.residual_lambda,
-                                         residual_rank=config.residual_rank)  # fmt: skip
-            for layer in residual.target_hidden_layers
-        }
+        residual_mappers = [
+            variant for layer in residual.target_hidden_layers
+            for variant in residual_variants(mapper, residual, layer, residual_lambda=config.residual_lambda,
+                                             residual_rank=config.residual_rank)
+        ]  # fmt: skip
     with torch.no_grad():
         mapper, report = choose_configuration(
             source, target, mapper, probe_stream(input_ids[rows], mask), residual_mappers=residual_mappers,
@@ -468,8 +481,9 @@ def with_exact_layers(
     tried = ", ".join(
         f"{row['num_exact_layers']}{'+res' if row.get('residual_layer') is not None else ''}: "
         f"{'n/a' if row['retention'] is None else format(row['retention'], '.0%')}"
+        + (f"/cued {row['cued_retention']:.0%}" if row.get("cued_retention") is not None else "")
         + (f" {row['speedup']:.1f}x" if row.get("speedup") else "")
-        for row in report.get("candidates", report["tried"])
+        for row in report.get("candidates", report["tried"]) if not row.get("skipped")
     )
     (log or logger.info)(
         f"exact layers: {mapper.num_exact_layers} of {mapper.target_layout.num_layers} ({report['reason']}; probe "

@@ -28,15 +28,15 @@ from huggingface_hub.utils import tqdm
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..core.layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
+from ..core.loading import DTYPES, model_device
+from ..core.mapper import KVMapper, MapperConfig
+from ..core.mapper_types import MLP
+from ..core.ridge import cholesky_solve, effective_top_k, feature_index, layer_scores, select_layers, solve_layers
+from ..core.stats import KINDS, KVLayout, flatten_layers, statistics_nbytes, token_selection
 from .accumulate import run_fit_pass
 from .calibration_pass import CalibrationBatch
 from .config import FitConfig, heldout_count
-from ..core.layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
-from ..core.mapper_types import MLP
-from ..core.mapper import KVMapper, MapperConfig
-from ..core.loading import DTYPES, model_device
-from ..core.ridge import cholesky_solve, effective_top_k, feature_index, layer_scores, select_layers, solve_layers
-from ..core.stats import KINDS, KVLayout, flatten_layers, statistics_nbytes, token_selection
 
 logger = logging.getLogger(__name__)
 

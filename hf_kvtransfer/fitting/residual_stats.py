@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.mapper import KVMapper
-from ..core.residual import residual_features
+from ..core.residual import residual_features, residual_readers
 from ..core.ridge import feature_index
 from ..core.rope import text_config
 from ..core.stats import KVLayout
@@ -61,7 +61,8 @@ class ResidualStatistics:
     """Calibration consumer: the sums `solve_residual_mapper` needs, for each candidate residual layer."""
 
     name = "residual"
-    checkpointable = False
+    checkpointable = True
+    ready = True  # every batch adds to the sums: a checkpoint can be written after any of them
 
     def __init__(
         self,
@@ -93,6 +94,8 @@ class ResidualStatistics:
                    text_config(target.config).hidden_size, layers, **kwargs)  # fmt: skip
 
     def update(self, batch: CalibrationBatch) -> None:
+        if batch.part != "train":  # the held-out shard is the probe's: the maps it scores must not have seen it
+            return
         if batch.target_hidden is None or (self.key_before_norm and batch.target_key_projections is None):
             raise ValueError("ResidualStatistics needs the pass to capture the target's residual stream (calibration_pass does when it is a consumer)")
         batch_size, seq = batch.source_keys[0].shape[0], batch.source_keys[0].shape[2]
@@ -114,6 +117,24 @@ class ResidualStatistics:
                 s["cross"] += x.T @ y
                 s["yy"] += (y * y).sum(0)
 
+
+    def run_key(self) -> dict:
+        """What must match for a checkpoint of these sums to be resumed."""
+        return {"residual": {"layers": list(self.target_hidden_layers), "lags": self.lags, "stride": self.stride,
+                             "key_before_norm": self.key_before_norm}}  # fmt: skip
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors = {f"{j}.{kind}.{name}": t.contiguous() for (j, kind), sums in self.sums.items() for name, t in sums.items()}
+        return tensors, {"count": {str(j): c for j, c in self.count.items()}}
+
+    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict, where: str) -> None:
+        for (j, kind), sums in self.sums.items():
+            for name, current in sums.items():
+                saved = tensors.get(f"{j}.{kind}.{name}")
+                if saved is None or saved.shape != current.shape:
+                    raise ValueError(f"checkpoint {where}: residual statistics {j}.{kind}.{name} missing or mis-shaped")
+                sums[name] = saved.to(torch.float64)
+        self.count = {int(j): int(c) for j, c in meta["count"].items()}
 
     def finish(self) -> None:
         """Sum over `torch.distributed` ranks (each saw its shard of the sequences)."""
@@ -138,6 +159,7 @@ def solve_residual_mapper(
     residual_lambda: float = DEFAULT_RESIDUAL_LAMBDA,
     residual_rank: int | None = None,
     readers: list[int] | None = None,
+    sources: dict[int, list[int]] | None = None,
 ) -> KVMapper:
     """A copy of `mapper` whose target layers after `residual_layer` also read the target's residual stream entering
     that layer (ridge on standardised `[selected source K|V, residual features]`, one solve per layer and kind),
@@ -151,7 +173,10 @@ def solve_residual_mapper(
         residual_lambda: ridge penalty on the standardised inputs' correlation matrix.
         residual_rank: rank of one projection of the residual features shared by every layer (None: full).
         readers: the target layers after `residual_layer` that read the residual (None: all of them); the others
-            keep `mapper`'s maps.
+            keep `mapper`'s maps unless `sources` names them.
+        sources: source layers of some target layers after `residual_layer`, replacing `mapper`'s selection (those
+            layers are solved again from `stats`): `[]` = no source input, so a reader's map is the residual alone
+            and another layer's the calibration mean of its keys and values.
     """
     if mapper.config.mapper_type != "ridge" or mapper.needs_target_residual:
         raise ValueError(f"solve_residual_mapper extends a source-only 'ridge' mapper, got {mapper.config.mapper_type!r}")
@@ -160,13 +185,19 @@ def solve_residual_mapper(
     n = stats.count[residual_layer]
     src, tgt = stats.source_layout, stats.target_layout
     fs, fr = src.total_dim, len(stats.lags) * stats.hidden_size
+    sources = dict(sources or {})
+    if any(t <= residual_layer for t in sources):
+        raise ValueError(f"sources may only name target layers after residual_layer={residual_layer}, got {sorted(sources)}")
+    selected = [list(sources.get(t, sel)) for t, sel in enumerate(mapper.config.selected_layers)]
     config = dataclasses.replace(
-        mapper.config, residual_layer=residual_layer, residual_lags=list(stats.lags), residual_rank=residual_rank,
+        mapper.config, selected_layers=selected, residual_layer=residual_layer, residual_lags=list(stats.lags), residual_rank=residual_rank,
         key_before_norm=stats.key_before_norm, residual_readers=list(readers) if readers is not None else None,
         num_exact_layers=max(mapper.config.num_exact_layers or 0, residual_layer + 1),
     )  # fmt: skip
     new = KVMapper(config, report=dict(mapper.report))
-    new.layers.load_state_dict(mapper.layers.state_dict())
+    for t, layer in enumerate(new.layers):
+        if t not in sources:
+            layer.load_state_dict(mapper.layers[t].state_dict())
     new = new.to(mapper.dtype)
     # In-sample R^2 of the new maps (of the keys before the norm for `key_before_norm`); where the source-only fit
     # recorded none, the source-only layers get none either (JSON has no NaN).
@@ -183,34 +214,99 @@ def solve_residual_mapper(
         down = (vecs[:, -residual_rank:].flip(-1).T / scale)  # (r, F_r)
         new.residual.down.data.copy_(down.to(new.residual.down.dtype))
     for kind in KINDS:
-        s = stats.sums[(residual_layer, kind)]
-        for t in new.residual.layers:
-            idx = torch.cat([feature_index(config.selected_layers[t], src.layer_dim), torch.arange(fs, fs + fr)])
-            mu, gram = s["x"][idx] / n, s["gram"][idx][:, idx] / n
-            out = slice(t * tgt.layer_dim, (t + 1) * tgt.layer_dim)
-            muy, cross, yy = s["y"][out] / n, s["cross"][idx, out] / n, s["yy"][out] / n
-            cov, cov_xy = gram - torch.outer(mu, mu), cross - torch.outer(mu, muy)
-            if down is not None:  # [selected, residual] -> [selected, down @ residual]
-                k = len(idx) - fr
-                proj = torch.block_diag(torch.eye(k, dtype=down.dtype), down)
-                mu, cov, cov_xy = proj @ mu, proj @ cov @ proj.T, proj @ cov_xy
-            scale = cov.diagonal().clamp_min(1e-12).sqrt()
-            corr = cov / torch.outer(scale, scale)
-            corr.diagonal().add_(residual_lambda)
-            weight = torch.linalg.solve(corr, cov_xy / scale[:, None]) / scale[:, None]  # (F, out)
-            bias = muy - mu @ weight
-            var_y = yy - muy * muy
-            sse = var_y - 2 * (weight * cov_xy).sum(0) + (weight * (cov @ weight)).sum(0)
-            r2[kind][t] = float(1 - sse.sum() / var_y.sum().clamp_min(1e-30))
-            k = len(idx) - fr
+        for t in sorted(set(new.residual.layers) | set(sources)):
+            reads = t in new.residual.layers
+            weight, bias, r2[kind][t] = _solve(stats, residual_layer, kind, t, config.selected_layers[t], reads,
+                                               residual_lambda, down)  # fmt: skip
+            k = weight.shape[0] - (down.shape[0] if down is not None else fr) if reads else weight.shape[0]
             linear = getattr(new.layers[t], kind)
             linear.weight.data.copy_(weight[:k].T.to(linear.weight.dtype))
             linear.bias.data.copy_(bias.to(linear.bias.dtype))
-            new.residual.weight(kind, t).data.copy_(weight[k:].T.to(new.residual.weight(kind, t).dtype))
+            if reads:
+                new.residual.weight(kind, t).data.copy_(weight[k:].T.to(new.residual.weight(kind, t).dtype))
     # Held-out R^2 was measured for the source-only maps: not these.
     new.config = dataclasses.replace(new.config, fit_r2_key=r2["key"], fit_r2_value=r2["value"], heldout_r2_key=None,
                                      heldout_r2_value=None)  # fmt: skip
     return new
+
+
+def _solve(
+    stats: ResidualStatistics, layer: int, kind: str, t: int, selected: list[int], reads: bool, lam: float,
+    down: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Ridge on standardised inputs for target layer `t` and `kind` from the sums of residual layer `layer`: the
+    selected source layers' features, then (when `reads`) the residual block, through `down` when given. Returns
+    `(weight [F, out], bias [out], in-sample R^2)`; no inputs at all give the calibration mean (R^2 0)."""
+    n, s = stats.count[layer], stats.sums[(layer, kind)]
+    fs, fr = stats.source_layout.total_dim, len(stats.lags) * stats.hidden_size
+    idx = feature_index(selected, stats.source_layout.layer_dim)
+    idx = torch.cat([idx, torch.arange(fs, fs + fr)]) if reads else idx
+    width = stats.target_layout.layer_dim
+    out = slice(t * width, (t + 1) * width)
+    mu, gram = s["x"][idx] / n, s["gram"][idx][:, idx] / n
+    muy, cross, yy = s["y"][out] / n, s["cross"][idx, out] / n, s["yy"][out] / n
+    cov, cov_xy = gram - torch.outer(mu, mu), cross - torch.outer(mu, muy)
+    if down is not None and reads:  # [selected, residual] -> [selected, down @ residual]
+        proj = torch.block_diag(torch.eye(len(idx) - fr, dtype=down.dtype), down)
+        mu, cov, cov_xy = proj @ mu, proj @ cov @ proj.T, proj @ cov_xy
+    if len(mu):
+        scale = cov.diagonal().clamp_min(1e-12).sqrt()
+        corr = cov / torch.outer(scale, scale)
+        corr.diagonal().add_(lam)
+        weight = torch.linalg.solve(corr, cov_xy / scale[:, None]) / scale[:, None]  # (F, out)
+    else:  # no inputs: the calibration mean
+        weight = cov_xy
+    bias = muy - mu @ weight
+    var_y = yy - muy * muy
+    sse = var_y - 2 * (weight * cov_xy).sum(0) + (weight * (cov @ weight)).sum(0)
+    return weight, bias, float(1 - sse.sum() / var_y.sum().clamp_min(1e-30))
+
+
+def residual_r2_gain(mapper: KVMapper, stats: ResidualStatistics, residual_layer: int, *,
+                     residual_lambda: float = DEFAULT_RESIDUAL_LAMBDA) -> dict[int, float]:
+    """For each target layer after `residual_layer`: how much the residual adds to its maps' in-sample R^2 (keys
+    and values averaged) over `mapper`'s source-only maps, both solved from `stats`. The layer whose maps gain
+    most is where the source's K/V lack what the target's first layers computed (on the bundled family: the
+    copying layer)."""
+    num_layers = stats.target_layout.num_layers
+    gain = {}
+    for t in range(residual_layer + 1, num_layers):
+        selected = mapper.config.selected_layers[t]
+        gain[t] = sum(_solve(stats, residual_layer, kind, t, selected, True, residual_lambda)[2]
+                      - _solve(stats, residual_layer, kind, t, selected, False, residual_lambda)[2]
+                      for kind in KINDS) / len(KINDS)  # fmt: skip
+    return gain
+
+
+def residual_variants(
+    mapper: KVMapper, stats: ResidualStatistics, residual_layer: int, *,
+    residual_lambda: float = DEFAULT_RESIDUAL_LAMBDA, residual_rank: int | None = None,
+) -> list[KVMapper]:
+    """The residual-reading mappers the fit's probe tries for one residual layer, the fullest first:
+
+    1. every mapped layer reads the residual next to `mapper`'s source layers;
+    2. only the layer whose maps gain most from the residual (`residual_r2_gain`) reads it, the others keep
+       `mapper`'s source-only maps;
+    3. every mapped layer reads the residual and the last source layer only;
+    4. every mapped layer reads the residual alone (no source K/V: the fewest multiply-adds and bytes read).
+
+    Which of them keeps the content is the probe's question (`exact_layers.choose_configuration`), not this one's.
+    """
+    mapped = range(residual_layer + 1, stats.target_layout.num_layers)
+    last = [stats.source_layout.num_layers - 1]
+    gain = residual_r2_gain(mapper, stats, residual_layer, residual_lambda=residual_lambda)
+    copy_layer = max(gain, key=gain.get)
+    kwargs = {"residual_lambda": residual_lambda, "residual_rank": residual_rank}
+    variants = [
+        solve_residual_mapper(mapper, stats, residual_layer, **kwargs),
+        solve_residual_mapper(mapper, stats, residual_layer, readers=[copy_layer], **kwargs),
+        solve_residual_mapper(mapper, stats, residual_layer, sources={t: last for t in mapped}, **kwargs),
+        solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped}, **kwargs),
+    ]
+    unique: dict[tuple, KVMapper] = {}  # e.g. one mapped layer: "only the copy layer" is the first variant again
+    for v in variants:
+        unique.setdefault((repr(v.config.selected_layers), repr(residual_readers(v.config))), v)
+    return list(unique.values())
 
 
 __all__ = [
@@ -218,6 +314,8 @@ __all__ = [
     "DEFAULT_RESIDUAL_LAMBDA",
     "ResidualStatistics",
     "has_key_norm",
+    "residual_r2_gain",
     "residual_statistics_nbytes",
+    "residual_variants",
     "solve_residual_mapper",
 ]

@@ -35,9 +35,9 @@ from huggingface_hub.utils import tqdm
 
 from ..core.cache import TransferredCache, resolve_num_recompute_tokens
 from ..core.capture import prefill
+from ..core.loading import load_model
 from ..core.mapper import KVMapper
 from ..evaluation.metrics import REFEED_WARNING
-from ..core.loading import load_model
 from ..evaluation.multiple_choice import score_continuations
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class KVTransferLM(LM):
 
     def _recompute(self, num_tokens: int) -> int:
         """The recomputed tokens of a context of `num_tokens` tokens: as configured, else the cache's default."""
-        return min(resolve_num_recompute_tokens(self.num_recompute_tokens, num_tokens), num_tokens)
+        return min(resolve_num_recompute_tokens(self.num_recompute_tokens, num_tokens, self.mapper), num_tokens)
 
     def _transferred(self, context_ids: list[int], recompute: int) -> TransferredCache:
         device = next(self.source.parameters()).device

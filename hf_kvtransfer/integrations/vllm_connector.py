@@ -395,13 +395,24 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         from ..core.mapper import KVMapper
 
         mapper = KVMapper.from_pretrained(self.mapper_id, revision=self.mapper_revision).eval()
-        if mapper.needs_target_residual:
-            # Its maps add the target's residual stream from the exact-layer pass; not wired into the engine yet.
+        if mapper.needs_target_residual and self.num_exact_layers < mapper.config.residual_layer + 1:
+            # allow_lossy with fewer exact layers than the residual needs: nothing computes it.
             raise ConnectorConfigError(
-                f"mapper {self.mapper_id!r} reads the target's residual stream (residual_layer in its config), which "
-                "this connector does not compute yet; serve a mapper fit with residual_inputs='off' (the default)"
+                f"mapper {self.mapper_id!r} reads the target's residual entering layer {mapper.config.residual_layer}, "
+                f"which needs {mapper.config.residual_layer + 1} exact layers, got num_exact_layers="
+                f"{self.num_exact_layers}; drop num_exact_layers, or serve a mapper fit with --residual-inputs off"
             )
         self._mapper = mapper
+
+    def _helper_layers(self) -> int:
+        """Target layers the engine-side helper model loads: the exact layers, and for a mapper that predicts keys
+        before the target's key norm, every layer up to the last one whose maps read the residual (their `k_norm`)."""
+        config = self._mapper.config if self._mapper is not None else None
+        if config is None or config.residual_layer is None or not config.key_before_norm:
+            return self.num_exact_layers
+        from ..core.residual import residual_readers
+
+        return max(self.num_exact_layers, max(residual_readers(config)) + 1)
 
     def _load_exact_model(self, vllm_config: "VllmConfig"):
         """The target's embedding and first `num_exact_layers` layers (and rotary), from the checkpoint this engine
@@ -417,7 +428,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code,
-                num_hidden_layers=self.num_exact_layers, dtype=dtype,
+                num_hidden_layers=self._helper_layers(), dtype=dtype,
             )  # fmt: skip
         except Exception as exc:
             raise ConnectorConfigError(
@@ -470,7 +481,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         """Tokens reported as computed for a stored match of `matched` tokens: all but the last
         `num_recompute_tokens` (resolved as `TransferredCache` does for a cache of `matched` tokens), and never the
         last prompt token (vLLM samples from its logits)."""
-        recompute = resolve_num_recompute_tokens(self.num_recompute_tokens, matched)
+        recompute = resolve_num_recompute_tokens(self.num_recompute_tokens, matched, self.mapper_config)
         return max(min(matched - recompute, prompt_len - 1), 0)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -9,9 +9,10 @@ time to the first token own vs transfer at several prompt lengths (one thread).
     python research/content_at_speed/content_at_speed.py --source small --target large \
         --variants kv:4 kv:2 res:1 res:0 --reference kv:4 --output research/content_at_speed/results/s2l.json
 
-A variant is `kv:E` (source K/V maps, E exact layers) or `res:J[:R][:readers]` (maps also reading the target's
-residual entering layer J, J + 1 exact layers, optional shared residual rank R, `-` for full, and the target
-layers that read it, comma-separated, default all after J).
+A variant is `dir:PATH` (a saved mapper at its own defaults: exact layers, recomputed tokens), `kv:E` (source K/V maps, E exact layers) or `res:J[:R][:readers][:src]` (maps also reading the
+target's residual entering layer J, J + 1 exact layers, optional shared residual rank R, `-` for full, the target
+layers that read it, comma-separated, `-` for all after J, and the source layers the mapped layers read: `-` the
+fit's top-k, `last` the last source layer only, `none` no source K/V).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_kvtransfer import TransferredCache, fit_mapper, prefill
+from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.evaluation.content import handoff, passage_recall, repeated_span_retention
 from hf_kvtransfer.evaluation.tasks import handoff_items, passage_recall_items, repeated_span_items
 from hf_kvtransfer.evaluation.timing import median_ms, time_call
@@ -42,13 +43,20 @@ def split_documents(text: str, eos: str) -> list[str]:
 
 
 def build(variant: str, base, stats):
+    if variant.startswith("dir:"):  # a saved mapper at its own defaults (what `hf-kvtransfer fit` chose)
+        mapper = KVMapper.from_pretrained(variant[4:])
+        return mapper, mapper.num_exact_layers
     kind, *rest = variant.split(":")
     if kind == "kv":
         return base, int(rest[0])
     layer = int(rest[0])
     rank = int(rest[1]) if len(rest) > 1 and rest[1] != "-" else None
-    readers = [int(t) for t in rest[2].split(",")] if len(rest) > 2 else None
-    return solve_residual_mapper(base, stats, layer, residual_rank=rank, readers=readers), layer + 1
+    readers = [int(t) for t in rest[2].split(",")] if len(rest) > 2 and rest[2] != "-" else None
+    mapped = range(layer + 1, len(base.config.selected_layers))
+    num_source = base.source_layout.num_layers
+    inputs = rest[3] if len(rest) > 3 else "-"
+    sources = {"-": {}, "last": {t: [num_source - 1] for t in mapped}, "none": {t: [] for t in mapped}}[inputs]
+    return solve_residual_mapper(base, stats, layer, residual_rank=rank, readers=readers, sources=sources), layer + 1
 
 
 def paired(per_item: dict[str, np.ndarray], ref: dict[str, np.ndarray], higher_is_better: bool, n_boot=2000, seed=0):
@@ -124,6 +132,8 @@ def main():
     for v in variants:
         mapper, num_exact = build(v, base, stats)
         row = {"num_exact_layers": num_exact, "residual_layer": mapper.config.residual_layer,
+               "num_recompute_tokens": mapper.config.num_recompute_tokens,
+               "selected_layers": mapper.config.selected_layers,
                "residual_readers": mapper.config.residual_readers, "residual_rank": mapper.config.residual_rank}  # fmt: skip
         with torch.no_grad():
             if recall:
@@ -146,7 +156,8 @@ def main():
     results = {"source": args.source, "target": args.target, "reference": args.reference, "threads": 1,
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_average_at_end": None, "variants": {}}  # fmt: skip
     for v, row in raw.items():
-        out = {k: row[k] for k in ("num_exact_layers", "residual_layer", "residual_readers", "residual_rank", "ttft")}
+        out = {k: row[k] for k in ("num_exact_layers", "num_recompute_tokens", "residual_layer", "residual_readers",
+                                   "residual_rank", "selected_layers", "ttft")}
         for task, higher in (("recall", True), ("handoff", True), ("spans", False)):
             if task in row:
                 out[task] = paired(row[task], raw[args.reference][task], higher)
