@@ -309,7 +309,7 @@ def test_bundled_family_reads_its_context_and_transfers_it():
     small = AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval()
     large = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval()
     calibration, _ = build_calibration(tok, family / "calibration.txt", num_sequences=64, seq_len=256)
-    mapper = fit_mapper(small, large, calibration, top_k=4, progress=False)
+    mapper = fit_mapper(small, large, calibration, top_k=4, residual_inputs="off", progress=False)  # the source-only probe
     docs = split_documents((family / "heldout.txt").read_text(encoding="utf-8"), tok.eos_token)
     windows = text_windows([tok(d, verbose=False)["input_ids"] for d in docs], 256, max_windows=64)
     mapped = dict(diagnostics=False, num_bootstrap=0, progress=False, num_recompute_tokens=0)
@@ -351,7 +351,7 @@ def test_pair_with_other_kv_geometry_gets_its_own_exact_layers():
     large = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval()
     small = AutoModelForCausalLM.from_pretrained(family / "small_kv4", dtype=torch.float32).eval()
     calibration, _ = build_calibration(tok, family / "calibration.txt", num_sequences=64, seq_len=256)
-    mapper = fit_mapper(large, small, calibration, progress=False)
+    mapper = fit_mapper(large, small, calibration, residual_inputs="off", progress=False)  # the source-only probe
     source, target = mapper.source_layout, mapper.target_layout
     assert (source.num_kv_heads, source.head_dim, target.num_kv_heads, target.head_dim) == (2, 32, 4, 16)
     chosen = mapper.config.num_exact_layers
