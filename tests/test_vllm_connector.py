@@ -387,8 +387,6 @@ def test_all_exact_mapper_falls_back_to_the_engines_own_prefill(tmp_path):
     assert lossy.get_num_new_matched_tokens(request, 0) == (100 - R, False)
 
 
-@pytest.mark.xfail(strict=True, reason="the worker's start-up self-test still refuses residual-reading mappers "
-                   "(ConnectorConfigError, one line: never a lossy hand-off); serving them is not finished")
 def test_residual_mapper_is_served_as_transformers_applies_it(tmp_path):
     """A mapper whose maps read the target's residual (and predict keys before its k_norm): the worker loads the
     layers whose key norms it needs, and its transfer equals transformers' TransferredCache on the same ids."""

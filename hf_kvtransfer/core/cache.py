@@ -24,7 +24,7 @@ from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
 from .exact import decoder_layers, own_prefix
 from .mapper import KVMapper, MapperConfig
-from .residual import residual_features
+from .residual import residual_features, residual_readers
 from .rope import position_ids_from_mask
 
 # The prompt's last tokens are prefilled by the target itself unless asked otherwise: the next tokens depend most on
@@ -402,7 +402,7 @@ class TransferredCache(DynamicCache):
             config = self.mapper.config
             transfer.residual = self.mapper.residual.project(residual_features(hidden, config.residual_lags, transfer.attention_mask))
             if config.key_before_norm:
-                transfer.key_norms = _key_norms(model, range(len(exact), len(self.layers)))
+                transfer.key_norms = _key_norms(model, residual_readers(config))  # only the readers' keys pass them
         for t, kv in zip(exact, own):
             transfer.ahead[t] = kv
         for s, layer in list(transfer.sources.items()):

@@ -437,6 +437,14 @@ def handoff_items(
     return items
 
 
+def _text_passage(rng: random.Random, text_ids: list[int], length: int, avoid: tuple[int, int]) -> list[int]:
+    """`length` consecutive tokens of `text_ids` that do not overlap `[avoid[0], avoid[1])` (the item's window)."""
+    while True:
+        s = rng.randrange(len(text_ids) - length)
+        if s + length <= avoid[0] or s >= avoid[1]:
+            return text_ids[s : s + length]
+
+
 def repeated_span_items(
     tokenizer_or_vocab_size,
     text_ids: Sequence[int],
@@ -495,10 +503,7 @@ def repeated_span_items(
     def draw_span(avoid: tuple[int, int]) -> list[int]:
         if kind == "random":
             return [rng.choice(allowed) for _ in range(span_len)]
-        while True:  # a text passage from outside the window
-            s = rng.randrange(len(text_ids) - span_len)
-            if s + span_len <= avoid[0] or s >= avoid[1]:
-                return text_ids[s : s + span_len]
+        return _text_passage(rng, text_ids, span_len, avoid)
 
     items = []
     for i in range(n):
@@ -561,10 +566,7 @@ def cued_recall_items(
     rng = random.Random(f"hf_kvtransfer.evaluation.tasks.cued:{seed}")
 
     def passage(length: int, avoid: tuple[int, int]) -> list[int]:
-        while True:
-            s = rng.randrange(len(text_ids) - length)
-            if s + length <= avoid[0] or s >= avoid[1]:
-                return text_ids[s : s + length]
+        return _text_passage(rng, text_ids, length, avoid)
 
     items = []
     for i in range(n):

@@ -366,15 +366,11 @@ def choose_configuration(
     return _with_num_exact(chosen_mapper, num_exact), report
 
 
-def _with(mapper: KVMapper, **changes: Any) -> KVMapper:
+def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
     # A shallow copy (same weights) with its own config: the caller's mapper is left as it was.
     chosen = copy.copy(mapper)
-    chosen.config = dataclasses.replace(mapper.config, **changes)
+    chosen.config = dataclasses.replace(mapper.config, num_exact_layers=num_exact)
     return chosen
-
-
-def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
-    return _with(mapper, num_exact_layers=num_exact)
 
 
 __all__ = ["MIN_COPY_GAIN", "choose_configuration", "choose_num_exact_layers", "probe_stream", "residual_candidates"]
