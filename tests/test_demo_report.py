@@ -40,6 +40,14 @@ def test_calibration_tokens_count_what_the_progress_bar_counts_and_threads_agree
     assert "4 CPU threads)" in format_demo(_result(4))
 
 
+def test_maps_that_read_the_targets_residual_say_so():
+    result = _result(1)
+    assert "residual stream" not in format_demo(result)
+    result["mapper"].update(residual_layer=1, source_free_layers=2, num_exact_layers=2, target_layers=4)
+    line = next(ln for ln in format_demo(result).splitlines() if ln.startswith("maps:"))
+    assert "residual stream entering its layer 1" in line and "2 of them read no source layer" in line, line
+
+
 def test_the_content_probe_bars_say_what_they_try(monkeypatch):
     import hf_kvtransfer.fitting.exact_layers as exact_layers
 

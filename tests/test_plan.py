@@ -184,10 +184,14 @@ def test_plan_reports_the_first_token_and_residual_inputs_at_scale():
         # update): the exact layers cost the same, less than running all 4 layers whole.
         assert r["exact_layers"] == f["exact_layers"] < prefill_flops(target_config(target, use_hub=False), 4096 - 32, num_layers=4)["total"]
         assert r["total"] - f["total"] == r["residual_inputs"]
+        # Maps reading the residual alone map no source K/V: the exact layers, the residual maps, the recomputed tokens.
+        a = plan.first_token_flops_residual_alone
+        assert a["mapping"] == 0 and a["total"] == f["exact_layers"] + r["residual_inputs"] + f["recompute"]
+        assert plan.first_token_flop_ratio_residual_alone == pytest.approx(f["own_prefill"] / a["total"])
         assert f["own_prefill"] == plan.prefill_flops
         assert plan.first_token_flop_ratio == pytest.approx(f["own_prefill"] / f["total"])
         text = format_plan(plan)
         assert "to the first token of a 4096-token prompt (4 of" in text and "residual stream (2 positions x" in text
-        assert "comes with the exact pass" in text
+        assert "comes with the exact pass" in text and "residual stream alone (no source K/V)" in text
     with pytest.raises(ValueError, match="num_exact_layers must be in"):
         plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", use_hub=False, num_exact_layers=99)

@@ -196,9 +196,9 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
 
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
     times = {(False, 1): 10.0, (False, 2): 30.0, (True, 1): 20.0, (True, 2): 25.0}
-    monkeypatch.setattr(exact_layers, "_time_candidate", lambda s, t, m, ids, n: {
+    monkeypatch.setattr(exact_layers, "_time_candidates", lambda s, t, configs, ids: [{
         "transfer_ms": times[(m.needs_target_residual, n)], "target_prefill_ms": 100.0,
-        "speedup": 100.0 / times[(m.needs_target_residual, n)]})  # fmt: skip
+        "speedup": 100.0 / times[(m.needs_target_residual, n)]} for m, n in configs])  # fmt: skip
     stream = random_ids(1, 600, seed=1)[0].tolist()
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
                                                       min_retention=0.95)  # fmt: skip
@@ -399,3 +399,30 @@ def test_a_mapper_can_record_its_recomputed_tokens(pair):
     assert resolve_num_recompute_tokens(None, 4, mapper.config) == 2 and resolve_num_recompute_tokens(5, 4, mapper) == 5
     with pytest.raises(ValueError, match="num_recompute_tokens must be an integer >= 1"):
         replace(base.config, num_recompute_tokens=0)
+
+
+def test_candidates_are_timed_in_interleaved_rounds(monkeypatch):
+    """A load that comes and goes falls on every candidate alike: each round times every candidate once (and the own
+    prefill once), and the medians are taken over rounds."""
+    import numpy as np
+
+    import hf_kvtransfer.evaluation.timing as timing
+    from hf_kvtransfer.fitting import exact_layers
+
+    true_ms = {"a": 10.0, "b": 12.0}
+    calls, returned = [], {"a": [], "b": [], "own": []}
+
+    def fake(source, target, mapper, ids, *, num_exact_layers, repeats, measure_own):
+        slow = 3.0 if len(calls) < 3 else 1.0  # a load during the first calls only
+        calls.append((mapper, num_exact_layers, measure_own))
+        returned[mapper].append(true_ms[mapper] * slow)
+        own = 50.0 * slow if measure_own else None
+        if own is not None:
+            returned["own"].append(own)
+        return {"transfer_ms": true_ms[mapper] * slow, "target_prefill_ms": own}
+
+    monkeypatch.setattr(timing, "time_to_first_token", fake)
+    out = exact_layers._time_candidates(None, None, [("a", 1), ("b", 2)], torch.zeros(1, 4, dtype=torch.long), rounds=5)
+    assert calls == [("a", 1, True), ("b", 2, False)] * 5
+    assert [o["transfer_ms"] for o in out] == [float(np.median(returned["a"])), float(np.median(returned["b"]))] == [10.0, 12.0]
+    assert out[0]["speedup"] == pytest.approx(np.median(returned["own"]) / 10.0)

@@ -119,6 +119,8 @@ def run_demo(
                         "calibration_stride": kv_mapper.config.calibration.get("stride"),
                         "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
                         "target_layers": kv_mapper.target_layout.num_layers,
+                        "residual_layer": kv_mapper.config.residual_layer,
+                        "source_free_layers": sum(not sel for sel in kv_mapper.config.selected_layers),
                         "exact_layers_probe_retention": (
                             kv_mapper.report.get("exact_layers", {}).get("min_retention")
                             if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
@@ -210,10 +212,17 @@ def format_demo(result: dict[str, Any]) -> str:
         f"ready in {result['fit_seconds']:.1f} s)",
         f"exact layers: the target computes its first {m['num_exact_layers']} of {m['target_layers']} layers from the "
         f"prompt's ids, the rest are mapped"
-        + (f" (the fit's content probe chose the fewest that keep {m['exact_layers_probe_retention']:.0%} of the "
+        + (f" (the fit's content probe chose the fastest configuration that keeps {m['exact_layers_probe_retention']:.0%} of the "
            "target's copying from its context)" if m.get("exact_layers_probe_retention") else ""),
-        "",
     ]
+    if m.get("residual_layer") is not None:
+        free = m.get("source_free_layers") or 0
+        lines.append(
+            f"maps: the mapped layers also read the target's residual stream entering its layer {m['residual_layer']} "
+            "(computed in the exact layers)"
+            + (f"; {free} of them read no source layer (that residual alone)" if free else "")
+        )
+    lines.append("")
     answers = result["answers"]
     if "answer" in result:  # a passage-recall question: the answer is in the passage only
         prompt = result["prompt"]

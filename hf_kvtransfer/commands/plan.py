@@ -103,6 +103,8 @@ class TransferPlan:
     residual_parameters: int  # added to the mapper by the residual inputs
     first_token_flops_residual: dict[str, int]  # the same transfer with the residual inputs
     first_token_flop_ratio_residual: float
+    first_token_flops_residual_alone: dict[str, int]  # maps reading the residual only, no source K/V
+    first_token_flop_ratio_residual_alone: float
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,6 +192,7 @@ def first_token_flops(
     num_recompute_tokens: int,
     residual_positions: int = 0,
     rank: int | None = None,
+    source_inputs: bool = True,
 ) -> dict[str, int]:
     """FLOPs to the target's first token for a `seq_len`-token prompt whose source cache is at hand, batch 1, by
     part, as `TransferredCache` computes it: the target's first `num_exact_layers` layers over the transferred
@@ -199,7 +202,8 @@ def first_token_flops(
 
     With `residual_positions`, the maps also read that many positions of the target's residual stream entering the
     last exact layer (`residual_inputs_cost`; `core/residual.py`): the exact pass computes it anyway before that
-    layer's projections, so `exact_layers` is the same and only the wider maps cost more.
+    layer's projections, so `exact_layers` is the same and only the wider maps cost more. `source_inputs=False`: maps
+    that read the residual only (a fit's "residual alone" variant), so no source K/V is mapped (`mapping` 0).
 
     Returns:
         `{"own_prefill", "exact_layers", "mapping", "residual_inputs", "recompute", "total"}` (total: the transfer).
@@ -218,7 +222,7 @@ def first_token_flops(
     parts = {
         "own_prefill": prefill_flops(target_config, seq_len)["total"],
         "exact_layers": exact_layers_flops(target_config, transferred, num_exact_layers),
-        "mapping": mapping,
+        "mapping": mapping if source_inputs else 0,
         "residual_inputs": residual_inputs_cost(target_config, residual_positions, mapped, transferred, rank)["flops"],
         "recompute": prefill_flops(target_config, num_recompute_tokens, context_len=transferred)["total"],
     }
@@ -328,6 +332,7 @@ def plan_transfer(
     at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=rank)
     first = first_token_flops(target_config, mapper, seq_len, **at)
     first_residual = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, **at)
+    alone = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, source_inputs=False, **at)
     residual = residual_inputs_cost(target_config, residual_positions, tgt.num_layers - exact, seq_len, rank)
 
     # Transfer memory: new tensors a TransferredCache allocates (cache.py) at (batch_size, seq_len).
@@ -389,6 +394,8 @@ def plan_transfer(
         residual_parameters=residual["parameters"],
         first_token_flops_residual=first_residual,
         first_token_flop_ratio_residual=first_residual["own_prefill"] / first_residual["total"],
+        first_token_flops_residual_alone=alone,
+        first_token_flop_ratio_residual_alone=alone["own_prefill"] / alone["total"],
         notes=notes,
     )
 
@@ -474,5 +481,7 @@ def _first_token_lines(plan: TransferPlan) -> list[str]:
             f"+{plan.residual_parameters:,} mapper parameters (+{growth:.0f}%); +{tflop(added)} = "
             f"{added / plan.target_layer_flops:.2f} target layers' prefill (the wider maps; the residual entering the "
             f"last exact layer comes with the exact pass): {plan.first_token_flop_ratio_residual:,.1f}x fewer than the prefill",
+            f"  maps reading the residual stream alone (no source K/V): {tflop(plan.first_token_flops_residual_alone['total'])}, "
+            f"{plan.first_token_flop_ratio_residual_alone:,.1f}x fewer than the prefill",
         ]  # fmt: skip
     return lines

@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import logging
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -201,15 +202,33 @@ def _inputs_label(mapper: KVMapper) -> str:
     return f"{source} + target residual entering layer {c.residual_layer} ({lags}{rank}) read by {who}"
 
 
-def _time_candidate(source, target, mapper: KVMapper, ids: torch.Tensor, num_exact: int) -> dict[str, float]:
+# Timing rounds of the candidates: each round times every candidate once, then the target's own prefill.
+TIMING_ROUNDS = 5
+
+
+def _time_candidates(source, target, configs: Sequence[tuple[KVMapper, int]], ids: torch.Tensor, rounds: int = TIMING_ROUNDS) -> list[dict[str, float]]:
+    """Median time to the first token of each `(mapper, num_exact_layers)` and of the target's own prefill, one
+    thread, timed in interleaved rounds: a load that comes and goes while the fit times (a shared machine) falls on
+    every candidate alike instead of on whichever was timed then, so the choice between close candidates does not
+    follow it."""
     from ..evaluation.timing import time_to_first_token
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the figure of one core, comparable across machines' core counts and loads
+    transfer: list[list[float]] = [[] for _ in configs]
+    own: list[float] = []
     try:
-        return time_to_first_token(source, target, mapper, ids, num_exact_layers=num_exact)
+        for _ in range(rounds):
+            for i, (mapper, num_exact) in enumerate(configs):
+                t = time_to_first_token(source, target, mapper, ids, num_exact_layers=num_exact, repeats=1, measure_own=i == 0)
+                transfer[i].append(t["transfer_ms"])
+                if i == 0:
+                    own.append(t["target_prefill_ms"])
     finally:
         torch.set_num_threads(threads)
+    own_ms = statistics.median(own) if own else None
+    return [{"transfer_ms": statistics.median(ms), "target_prefill_ms": own_ms, "speedup": own_ms / statistics.median(ms)}
+            for ms in transfer]  # fmt: skip
 
 
 def choose_configuration(
@@ -245,8 +264,8 @@ def choose_configuration(
     Candidates are tried by residual layer, shallowest first, each layer's candidates in the given order; when the
     first of a layer fails, the rest of that layer are skipped (they read less), and once a layer has a passing
     candidate, deeper layers are not tried (they compute more of the target). Each tried candidate is timed to
-    the first token (`evaluation.timing.time_to_first_token`, one thread, the first `timing_tokens` probe tokens)
-    on this machine with the cache's default recomputed tokens (the probes feed the question themselves, so they
+    the first token (`evaluation.timing.time_to_first_token`, one thread, the first `timing_tokens` probe tokens;
+    medians of `TIMING_ROUNDS` interleaved rounds) on this machine with the cache's default recomputed tokens (the probes feed the question themselves, so they
     cannot vouch for fewer: on large -> small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed
     tokens and 25% with 1). The chosen one is the fastest that passes, else the source-only answer.
 
@@ -333,17 +352,15 @@ def choose_configuration(
         seen_layers.add(layer)
         if row["passes"]:
             passed_layers.add(layer)
-    for row, (m, num_exact) in zip(rows, candidates):
-        if row.get("skipped"):
-            row.update(transfer_ms=None, target_prefill_ms=None, speedup=None)
-        elif num_exact >= num_layers:
-            row.update(transfer_ms=None, target_prefill_ms=None, speedup=1.0)  # the target's own prefill
-        else:
-            timing = _time_candidate(source, target, m, ids, num_exact)
-            row.update(transfer_ms=timing["transfer_ms"], target_prefill_ms=timing["target_prefill_ms"], speedup=timing["speedup"])
+    timed = [i for i, (row, (_, num_exact)) in enumerate(zip(rows, candidates)) if not row.get("skipped") and num_exact < num_layers]
+    for row, (_, num_exact) in zip(rows, candidates):
+        # Skipped: not timed; every layer exact: the target's own prefill.
+        row.update(transfer_ms=None, target_prefill_ms=None, speedup=None if row.get("skipped") or num_exact < num_layers else 1.0)
+    for i, timing in zip(timed, _time_candidates(source, target, [candidates[i] for i in timed], ids) if timed else []):
+        rows[i].update(transfer_ms=timing["transfer_ms"], target_prefill_ms=timing["target_prefill_ms"], speedup=timing["speedup"])
     for row, (m, _) in zip(rows, candidates):
         row["num_recompute_tokens"] = m.config.num_recompute_tokens  # None: TransferredCache's default
-    report["timing"] = {"num_tokens": int(ids.shape[-1]), "threads": 1,
+    report["timing"] = {"num_tokens": int(ids.shape[-1]), "threads": 1, "rounds": TIMING_ROUNDS, "interleaved": True,
                         "num_recompute_tokens": "per candidate (None: TransferredCache's default)"}  # fmt: skip
     report["candidates"] = rows
     ok = [i for i, row in enumerate(rows) if row["passes"] and row["transfer_ms"] is not None]
@@ -373,4 +390,4 @@ def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
     return chosen
 
 
-__all__ = ["MIN_COPY_GAIN", "choose_configuration", "choose_num_exact_layers", "probe_stream", "residual_candidates"]
+__all__ = ["MIN_COPY_GAIN", "TIMING_ROUNDS", "choose_configuration", "choose_num_exact_layers", "probe_stream", "residual_candidates"]
