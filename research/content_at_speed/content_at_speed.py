@@ -21,7 +21,9 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +42,29 @@ FAMILY = Path(__file__).resolve().parents[2] / "examples" / "family"
 def split_documents(text: str, eos: str) -> list[str]:
     docs = [d.strip() for d in text.replace(eos, "\n\n").split("\n\n")]
     return [d for d in docs if len(d) > 200]
+
+
+@dataclass
+class FamilyPair:
+    """A pair of the bundled family (float32, eval), its tokenizer, the calibration token stream and held-out text."""
+
+    tokenizer: Any
+    source: Any
+    target: Any
+    calibration_ids: torch.Tensor  # the whole of calibration.txt, one stream
+    heldout: str
+    documents: list[str]  # heldout.txt split into documents (`split_documents`)
+
+    def calibration_rows(self, num_rows: int, seq_len: int = 256) -> torch.Tensor:
+        return self.calibration_ids[: num_rows * seq_len].reshape(-1, seq_len)
+
+
+def load_pair(source: str, target: str) -> FamilyPair:
+    tok = AutoTokenizer.from_pretrained(FAMILY / "tokenizer")
+    src, tgt = (AutoModelForCausalLM.from_pretrained(FAMILY / name, dtype=torch.float32).eval() for name in (source, target))
+    calibration = tok((FAMILY / "calibration.txt").read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+    heldout = (FAMILY / "heldout.txt").read_text(encoding="utf-8")
+    return FamilyPair(tok, src, tgt, calibration, heldout, split_documents(heldout, tok.eos_token or "<|endoftext|>"))
 
 
 def build(variant: str, base, stats):
@@ -110,18 +135,15 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     started = time.time()
-    tok = AutoTokenizer.from_pretrained(FAMILY / "tokenizer")
-    source = AutoModelForCausalLM.from_pretrained(FAMILY / args.source, dtype=torch.float32).eval()
-    target = AutoModelForCausalLM.from_pretrained(FAMILY / args.target, dtype=torch.float32).eval()
-    cal = tok((FAMILY / "calibration.txt").read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+    pair = load_pair(args.source, args.target)
+    tok, source, target, cal = pair.tokenizer, pair.source, pair.target, pair.calibration_ids
     ids = cal[: max(args.base_sequences, args.residual_sequences) * 256].reshape(-1, 256)
     base = fit_mapper(source, target, ids[: args.base_sequences], top_k=4, num_exact_layers=1, progress=False)
     layers = sorted({int(v.split(":")[1]) for v in args.variants + [args.reference] if v.startswith("res")})
     stats = ResidualStatistics.for_models(source, target, layers, stride=args.residual_stride)
     if layers:
         calibration_pass(source, target, ids[: args.residual_sequences], consumers=[stats], progress=False)
-    heldout = (FAMILY / "heldout.txt").read_text(encoding="utf-8")
-    docs = split_documents(heldout, tok.eos_token or "<|endoftext|>")
+    heldout, docs = pair.heldout, pair.documents
     stream = tok(heldout, verbose=False)["input_ids"]
     recall = passage_recall_items(tok, args.recall_items, seed=0, distractor_texts=docs) if args.recall_items else []
     hand = handoff_items(tok, args.handoff_items, seed=0, distractor_texts=docs) if args.handoff_items else []

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 from hf_kvtransfer import TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.core.rope import build_rotary_embedding, rotary_cos_sin, rotate_half, strip_rope
@@ -35,9 +35,8 @@ from hf_kvtransfer.evaluation.timing import time_to_first_token
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass
 from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
 
-FAMILY = Path(__file__).resolve().parents[2] / "examples" / "family"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "content_at_speed"))
-from content_at_speed import split_documents  # noqa: E402
+from content_at_speed import load_pair  # noqa: E402
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
@@ -127,10 +126,8 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(FAMILY / "tokenizer")
-    src = AutoModelForCausalLM.from_pretrained(FAMILY / args.source, dtype=torch.float32).eval()
-    tgt = AutoModelForCausalLM.from_pretrained(FAMILY / args.target, dtype=torch.float32).eval()
-    cal_ids = tok((FAMILY / "calibration.txt").read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+    pair = load_pair(args.source, args.target)
+    tok, src, tgt, cal_ids = pair.tokenizer, pair.source, pair.target, pair.calibration_ids
     rows = min(args.train_rows, len(cal_ids) // 256)
     cal = cal_ids[: rows * 256].reshape(-1, 256)
     base = fit_mapper(src, tgt, cal[:64], top_k=4, num_exact_layers=1, residual_inputs="off", progress=False)
@@ -183,7 +180,7 @@ def main():
               f"the transfer {transfer_ms:.1f} ms, the target's prefill {prefill_ms:.1f} ms: {prefill_ms / transfer_ms:.2f}x "
               f"-> {prefill_ms / (transfer_ms + mlp_ms):.2f}x with the correction (medians of 7 interleaved)", flush=True)
 
-    docs = split_documents((FAMILY / "heldout.txt").read_text(encoding="utf-8"), tok.eos_token or "<|endoftext|>")
+    docs = pair.documents
     items = passage_recall_items(tok, args.items, seed=0, distractor_texts=docs)
     r = 32
     names = ("own", "transfer", *models, "transfer, own keys", "floor")

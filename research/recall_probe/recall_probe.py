@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_kvtransfer import fit_mapper
 from hf_kvtransfer.evaluation.content import passage_recall, repeated_span_retention
@@ -32,9 +31,8 @@ from hf_kvtransfer.evaluation.tasks import cued_recall_items, passage_recall_ite
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass
 from hf_kvtransfer.fitting.residual_stats import ResidualStatistics
 
-FAMILY = Path(__file__).resolve().parents[2] / "examples" / "family"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "content_at_speed"))
-from content_at_speed import build, split_documents  # noqa: E402
+from content_at_speed import build, load_pair  # noqa: E402
 
 
 def parse_lags(variant: str) -> tuple[str, tuple[int, ...]]:
@@ -56,10 +54,8 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     started = time.time()
-    tok = AutoTokenizer.from_pretrained(FAMILY / "tokenizer")
-    source = AutoModelForCausalLM.from_pretrained(FAMILY / args.source, dtype=torch.float32).eval()
-    target = AutoModelForCausalLM.from_pretrained(FAMILY / args.target, dtype=torch.float32).eval()
-    cal = tok((FAMILY / "calibration.txt").read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+    pair = load_pair(args.source, args.target)
+    tok, source, target, cal = pair.tokenizer, pair.source, pair.target, pair.calibration_ids
     ids = cal[: max(args.base_sequences, args.residual_sequences) * 256].reshape(-1, 256)
     base = fit_mapper(source, target, ids[: args.base_sequences], top_k=4, num_exact_layers=1, progress=False)
     by_lags: dict[tuple[int, ...], set[int]] = {}
@@ -70,8 +66,7 @@ def main():
     stats = {lags: ResidualStatistics.for_models(source, target, sorted(layers), lags=lags) for lags, layers in by_lags.items()}
     for s in stats.values():
         calibration_pass(source, target, ids[: args.residual_sequences], consumers=[s], progress=False)
-    heldout = (FAMILY / "heldout.txt").read_text(encoding="utf-8")
-    docs = split_documents(heldout, tok.eos_token or "<|endoftext|>")
+    heldout, docs = pair.heldout, pair.documents
     stream = tok(heldout, verbose=False)["input_ids"]
     recall = passage_recall_items(tok, args.items, seed=0, distractor_texts=docs)
     probes = {"spans": repeated_span_items(tok, stream, args.items, seed=0, prefix_len=256, continuation_len=64, kind="text"),

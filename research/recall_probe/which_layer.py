@@ -14,16 +14,15 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 from hf_kvtransfer import TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.evaluation.tasks import passage_recall_items
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass
 from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
 
-FAMILY = Path(__file__).resolve().parents[2] / "examples" / "family"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "content_at_speed"))
-from content_at_speed import split_documents  # noqa: E402
+from content_at_speed import load_pair  # noqa: E402
 
 
 def main():
@@ -34,16 +33,14 @@ def main():
     p.add_argument("--items", type=int, default=200)
     args = p.parse_args()
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(FAMILY / "tokenizer")
-    src = AutoModelForCausalLM.from_pretrained(FAMILY / args.source, dtype=torch.float32).eval()
-    tgt = AutoModelForCausalLM.from_pretrained(FAMILY / args.target, dtype=torch.float32).eval()
-    cal = tok((FAMILY / "calibration.txt").read_text(encoding="utf-8"), return_tensors="pt").input_ids[0][: 128 * 256].reshape(-1, 256)
+    pair = load_pair(args.source, args.target)
+    tok, src, tgt, cal = pair.tokenizer, pair.source, pair.target, pair.calibration_rows(128)
     base = fit_mapper(src, tgt, cal[:64], top_k=4, num_exact_layers=1, residual_inputs="off", progress=False)
     j = args.residual_layer
     stats = ResidualStatistics.for_models(src, tgt, [j])
     calibration_pass(src, tgt, cal, consumers=[stats], progress=False)
     mapper = solve_residual_mapper(base, stats, j)
-    docs = split_documents((FAMILY / "heldout.txt").read_text(encoding="utf-8"), tok.eos_token or "<|endoftext|>")
+    docs = pair.documents
     items = passage_recall_items(tok, args.items, seed=0, distractor_texts=docs)
     num_layers, r = tgt.config.num_hidden_layers, 32
     swaps = [None] + [(t, k) for t in range(j + 1, num_layers) for k in ("key", "value", "both")] + ["all"]
