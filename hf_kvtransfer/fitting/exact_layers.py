@@ -206,7 +206,9 @@ def _inputs_label(mapper: KVMapper) -> str:
 TIMING_ROUNDS = 5
 
 
-def _time_candidates(source, target, configs: Sequence[tuple[KVMapper, int]], ids: torch.Tensor, rounds: int = TIMING_ROUNDS) -> list[dict[str, float]]:
+def _time_candidates(
+    source, target, configs: Sequence[tuple[KVMapper, int]], ids: torch.Tensor, rounds: int = TIMING_ROUNDS
+) -> list[dict[str, float]]:
     """Median time to the first token of each `(mapper, num_exact_layers)` and of the target's own prefill, one
     thread, timed in interleaved rounds: a load that comes and goes while the fit times (a shared machine) falls on
     every candidate alike instead of on whichever was timed then, so the choice between close candidates does not
@@ -265,8 +267,8 @@ def choose_configuration(
     first of a layer fails, the rest of that layer are skipped (they read less), and once a layer has a passing
     candidate, deeper layers are not tried (they compute more of the target). Each tried candidate is timed to
     the first token (`evaluation.timing.time_to_first_token`, one thread, the first `timing_tokens` probe tokens;
-    medians of `TIMING_ROUNDS` interleaved rounds) on this machine with the cache's default recomputed tokens (the probes feed the question themselves, so they
-    cannot vouch for fewer: on large -> small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed
+    medians of `TIMING_ROUNDS` interleaved rounds) on this machine with the cache's default recomputed tokens (the
+    probes feed the question themselves, so they cannot vouch for fewer: on large -> small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed
     tokens and 25% with 1). The chosen one is the fastest that passes, else the source-only answer.
 
     Returns:
@@ -352,12 +354,11 @@ def choose_configuration(
         seen_layers.add(layer)
         if row["passes"]:
             passed_layers.add(layer)
-    timed = [i for i, (row, (_, num_exact)) in enumerate(zip(rows, candidates)) if not row.get("skipped") and num_exact < num_layers]
-    for row, (_, num_exact) in zip(rows, candidates):
-        # Skipped: not timed; every layer exact: the target's own prefill.
-        row.update(transfer_ms=None, target_prefill_ms=None, speedup=None if row.get("skipped") or num_exact < num_layers else 1.0)
-    for i, timing in zip(timed, _time_candidates(source, target, [candidates[i] for i in timed], ids) if timed else []):
-        rows[i].update(transfer_ms=timing["transfer_ms"], target_prefill_ms=timing["target_prefill_ms"], speedup=timing["speedup"])
+    timed = [i for i, (row, (_, n)) in enumerate(zip(rows, candidates)) if not row.get("skipped") and n < num_layers]
+    timings = dict(zip(timed, _time_candidates(source, target, [candidates[i] for i in timed], ids))) if timed else {}
+    for i, row in enumerate(rows):
+        # Not timed: skipped (no figure), or every layer exact (the target's own prefill).
+        row.update(timings.get(i) or {"transfer_ms": None, "target_prefill_ms": None, "speedup": None if row.get("skipped") else 1.0})
     for row, (m, _) in zip(rows, candidates):
         row["num_recompute_tokens"] = m.config.num_recompute_tokens  # None: TransferredCache's default
     report["timing"] = {"num_tokens": int(ids.shape[-1]), "threads": 1, "rounds": TIMING_ROUNDS, "interleaved": True,
