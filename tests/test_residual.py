@@ -137,6 +137,49 @@ def test_reduced_rank_residual_block_approaches_full_rank(pair):
     assert low.config.fit_r2_key[2] <= full.config.fit_r2_key[2] + 1e-9
 
 
+def _ridge(x: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
+    """Predictions of a ridge on standardised inputs (numpy; the penalty relative to unit-variance features)."""
+    mu, sd = x.mean(0), np.maximum(x.std(0), 1e-12)
+    xs = (x - mu) / sd
+    w = np.linalg.solve(xs.T @ xs / len(xs) + lam * np.eye(xs.shape[1]), xs.T @ (y - y.mean(0)) / len(xs))
+    return xs @ w + y.mean(0), w / sd[:, None]
+
+
+def _r2(y: np.ndarray, pred: np.ndarray) -> float:
+    return float(1 - ((y - pred) ** 2).sum() / ((y - y.mean(0)) ** 2).sum())
+
+
+@pytest.mark.parametrize("rank", [2, 6])
+def test_reduced_rank_projection_is_reduced_rank_regression(pair, rank):
+    """The shared projection keeps what the full-rank maps predict (reduced-rank regression, written out in numpy on
+    features built by hand), which beats the residual features' own principal directions at the same rank."""
+    source, target, ids, base, stats = pair
+    lam = 0.01
+    mapper = solve_residual_mapper(base, stats, residual_layer=1, residual_rank=rank, residual_lambda=lam)
+    data = {kind: _features_by_hand(source, target, ids, layer=1, kind=kind) for kind in ("key", "value")}
+    fs = data["key"][2]
+    blocks = []
+    for x, y, _ in data.values():
+        w = _ridge(x, y, lam)[1]
+        blocks.append(w[fs:] / np.sqrt(y.var(0).sum()))
+    res = data["key"][0][:, fs:]
+    cov = np.cov(res.T, bias=True)
+    w = np.concatenate(blocks, axis=1)
+    vecs = np.linalg.eigh(w.T @ cov @ w)[1][:, ::-1][:, :rank]
+    directions = {"reduced-rank": w @ vecs, "principal": None}
+    sd = res.std(0)
+    pcs = np.linalg.eigh(np.cov((res / sd).T, bias=True))[1][:, ::-1][:, :rank]
+    directions["principal"] = pcs / sd[:, None]
+    r2 = {}
+    for name, d in directions.items():
+        r2[name] = {kind: _r2(y, _ridge(np.concatenate([x[:, :fs], x[:, fs:] @ d], axis=1), y, lam)[0])
+                    for kind, (x, y, _) in data.items()}  # fmt: skip
+    assert mapper.config.fit_r2_key[2] == pytest.approx(r2["reduced-rank"]["key"], abs=2e-3)
+    assert mapper.config.fit_r2_value[2] == pytest.approx(r2["reduced-rank"]["value"], abs=2e-3)
+    assert sum(r2["reduced-rank"].values()) > sum(r2["principal"].values())
+    assert mapper.residual.down.shape == (rank, len(LAGS) * 64)
+
+
 def test_refusals_say_why(pair):
     source, target, _, base, stats = pair
     mapper = solve_residual_mapper(base, stats, residual_layer=1)
@@ -210,6 +253,42 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
                                                       min_retention=0.95)  # fmt: skip
     assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 2
+
+
+def test_a_reduced_rank_candidate_is_kept_when_faster_and_skipped_when_its_full_rank_twin_fails(pair, monkeypatch):
+    source, target, _, base, stats = pair
+    alone = {t: [] for t in (1, 2)}
+    full = solve_residual_mapper(base, stats, residual_layer=0, sources=alone)
+    low = solve_residual_mapper(base, stats, residual_layer=0, sources=alone, residual_rank=4)
+    every = solve_residual_mapper(base, stats, residual_layer=0)  # the first of the layer: it passes, slowest
+
+    def fake_probe(*args, **kwargs):
+        return 3, {"tried": [{"num_exact_layers": 1, "retention": 0.1, "retention_ci": [0, 0.2]}], "prefix_len": 64,
+                   "copy_gain": {"mean": 5.0, "ci": [4, 6]}, "reason": "the fewest"}  # fmt: skip
+
+    retention = {}
+    monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
+
+    def fake_retention(s, t, m, items, num_exact_layers, **kw):
+        ret = retention.get(id(m), 0.99)
+        n = len(items)
+        return {"retention": ret, "retention_ci": [ret - 0.01, ret + 0.01],
+                "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [3.0 - 2.0 * ret] * n}}
+
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
+    times = {id(base): 10.0, id(every): 40.0, id(full): 30.0, id(low): 20.0}
+    monkeypatch.setattr(exact_layers, "_time_candidates", lambda s, t, configs, ids: [
+        {"transfer_ms": times[id(m)], "target_prefill_ms": 100.0, "speedup": 100.0 / times[id(m)]} for m, _ in configs])
+    stream = random_ids(1, 600, seed=1)[0].tolist()
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[every, full, low])
+    assert chosen.config.residual_rank == 4 and chosen.residual.down.shape == (4, len(LAGS) * 64)
+    assert "rank 4" in report["chosen_inputs"]
+    retention[id(full)] = 0.5  # the full-rank maps lose the content: the reduced rank is not probed at all
+    probed = []
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", lambda s, t, m, *a, **kw: probed.append(m) or fake_retention(s, t, m, *a, **kw))
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[every, full, low])
+    assert chosen.config.residual_rank is None and chosen.config.selected_layers[1:] == [[0, 1], [0, 1]]
+    assert low not in probed and "full rank failed" in report["candidates"][-1]["skipped"]
 
 
 def test_only_the_readers_read_the_residual(pair):
@@ -333,6 +412,26 @@ def test_variants_pick_the_layer_that_gains_most_from_the_residual(pair):
     readers = [v.config.residual_readers for v in variants]
     assert readers[0] is None and readers[1] == [max(gain, key=gain.get)]
     assert variants[2].config.selected_layers[1:] == [[1], [1]] and variants[-1].config.selected_layers[1:] == [[], []]
+
+
+def test_variants_end_with_a_reduced_rank_residual_alone_map_where_it_is_cheaper(pair, monkeypatch):
+    from hf_kvtransfer.fitting import residual_stats
+
+    source, target, ids, base, stats = pair
+    # The tiny pair's maps need nearly every direction for 99%: ask for less, so that a rank is cheaper.
+    monkeypatch.setattr(residual_stats, "RESIDUAL_RANK_ENERGY", 0.8)
+    variants = residual_stats.residual_variants(base, stats, residual_layer=0)
+    low, alone = variants[-1], variants[-2]
+    assert alone.config.residual_rank is None and low.config.selected_layers == alone.config.selected_layers == [[0, 1], [], []]
+    rank, features, outputs = low.config.residual_rank, len(LAGS) * 64, 2 * 2 * stats.target_layout.layer_dim
+    assert rank is not None and rank * (features + outputs) <= features * outputs / 2
+    assert low.residual.down.shape == (rank, features)
+    # It keeps at least that fraction of what the full-rank maps fit (R^2 summed over the mapped layers, both kinds).
+    fitted = lambda m: sum(m.config.fit_r2_key[1:]) + sum(m.config.fit_r2_value[1:])  # noqa: E731
+    assert 0.8 * fitted(alone) - 1e-3 <= fitted(low) < fitted(alone)
+    # An explicit rank applies to every variant, and no extra one is added.
+    ranked = residual_stats.residual_variants(base, stats, residual_layer=0, residual_rank=8)
+    assert {v.config.residual_rank for v in ranked} == {8} and len(ranked) == len(variants) - 1
 
 
 def test_residual_statistics_resume_from_a_checkpoint_as_if_uninterrupted(pair, tmp_path, monkeypatch):

@@ -212,7 +212,9 @@ class FitConfig:
     residual_lags: str = field(default="0,1,2", metadata=_opt(
         "token offsets of the residual features (default 0,1,2: positions t, t-1, t-2)", group="exact", metavar="LAGS"))
     residual_rank: int | None = field(default=None, metadata=_opt(
-        "rank of one projection of the residual features shared by all layers (default: full)", group="exact", metavar="R"))
+        "rank of one projection of the residual features shared by all layers, for every candidate (default: full "
+        "rank, plus one reduced-rank candidate of maps reading the residual alone, at the rank keeping 0.99 of what "
+        "the full-rank maps predict)", group="exact", metavar="R"))  # fmt: skip
     residual_stride: int | None = field(default=None, metadata=_opt(
         "token stride of the residual-input statistics (default: --stride); 1 uses every token, for small "
         "calibration samples", group="exact", metavar="N"))  # fmt: skip

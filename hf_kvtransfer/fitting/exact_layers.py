@@ -265,7 +265,8 @@ def choose_configuration(
 
     Candidates are tried by residual layer, shallowest first, each layer's candidates in the given order; when the
     first of a layer fails, the rest of that layer are skipped (they read less), and once a layer has a passing
-    candidate, deeper layers are not tried (they compute more of the target). Each tried candidate is timed to
+    candidate, deeper layers are not tried (they compute more of the target); a reduced-rank candidate whose
+    full-rank twin (same layer, sources and readers) failed is skipped too. Each tried candidate is timed to
     the first token (`evaluation.timing.time_to_first_token`, one thread, the first `timing_tokens` probe tokens;
     medians of `TIMING_ROUNDS` interleaved rounds) on this machine with the cache's default recomputed tokens (the
     probes feed the question themselves, so they cannot vouch for fewer: on large -> small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed
@@ -324,6 +325,7 @@ def choose_configuration(
     seen_layers: set[int] = set()
     failed_layers: set[int] = set()
     passed_layers: set[int] = set()
+    failed_full_rank: set[tuple[int, str, str]] = set()
     for m in candidates_in:
         layer, num_exact = m.config.residual_layer, m.config.residual_layer + 1
         row: dict[str, Any] = {"inputs": _inputs_label(m), "residual_layer": layer, "num_exact_layers": num_exact,
@@ -336,6 +338,10 @@ def choose_configuration(
             continue
         if any(passed < layer for passed in passed_layers):
             row["skipped"] = "a shallower residual layer passed (deeper ones compute more of the target)"
+            continue
+        twin = (layer, repr(m.config.selected_layers), repr(residual_readers(m.config)))
+        if m.config.residual_rank is not None and twin in failed_full_rank:
+            row["skipped"] = "the same maps at full rank failed the probe (a reduced rank keeps less)"
             continue
         r = probe("repeated spans", spans, m, num_exact)
         row.update(retention=r["retention"], retention_ci=r["retention_ci"])
@@ -351,6 +357,8 @@ def choose_configuration(
             row["passes"] = low is not None and math.isfinite(low) and low >= -(1 - min_retention)
         if not row["passes"] and layer not in seen_layers:
             failed_layers.add(layer)
+        if not row["passes"] and m.config.residual_rank is None:
+            failed_full_rank.add(twin)
         seen_layers.add(layer)
         if row["passes"]:
             passed_layers.add(layer)

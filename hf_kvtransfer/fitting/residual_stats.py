@@ -6,8 +6,8 @@ and its cross products with every target layer's keys (before the key norm, for 
 `k_norm`) and values. `solve_residual_mapper` then turns a source-only mapper into one whose layers after J read
 both, for any J collected, from those sums alone (no second pass): the same top-k source selection, one ridge
 solve per layer and kind on standardised inputs (`residual_lambda` is relative to unit-variance features), and
-optionally one reduced-rank projection of the residual block shared by every layer (`residual_rank`: the top
-principal directions of the standardised residual features).
+optionally one reduced-rank projection of the residual block shared by every layer (`residual_rank`: reduced-rank
+regression, the combinations of the residual features that carry the most of what the full-rank maps predict).
 
 Memory: per candidate J and kind, `(F_s + F_r)^2 + (F_s + F_r) * L_t * n_kv_t * d_t` float64 numbers, with
 `F_s = L_s * n_kv_s * d_s` and `F_r = len(lags) * hidden_size` (`residual_statistics_nbytes`).
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from ..core.lowrank import rank_for_energy
 from ..core.mapper import KVMapper
 from ..core.residual import residual_features, residual_readers
 from ..core.ridge import feature_index
@@ -37,6 +38,8 @@ from .calibration_pass import CalibrationBatch
 
 DEFAULT_RESIDUAL_LAGS = (0, 1, 2)
 DEFAULT_RESIDUAL_LAMBDA = 0.01
+# The reduced-rank candidate keeps this fraction of the full-rank maps' fitted variance (`residual_variants`).
+RESIDUAL_RANK_ENERGY = 0.99
 KINDS = ("key", "value")
 
 
@@ -204,14 +207,7 @@ def solve_residual_mapper(
     r2 = {kind: list(getattr(config, f"fit_r2_{kind}") or [0.0] * tgt.num_layers) for kind in KINDS}
     down = None
     if residual_rank is not None:
-        # One projection for every layer: the top principal directions of the standardised residual features
-        # (from the key statistics; the residual block is the same for both kinds).
-        s = stats.sums[(residual_layer, "key")]
-        mu = s["x"][fs:] / n
-        cov = s["gram"][fs:, fs:] / n - torch.outer(mu, mu)
-        scale = cov.diagonal().clamp_min(1e-12).sqrt()
-        _, vecs = torch.linalg.eigh(cov / torch.outer(scale, scale))
-        down = (vecs[:, -residual_rank:].flip(-1).T / scale)  # (r, F_r)
+        down = reduced_rank_projection(stats, residual_layer, config, residual_rank, residual_lambda)
         new.residual.down.data.copy_(down.to(new.residual.down.dtype))
     for kind in KINDS:
         for t in sorted(set(new.residual.layers) | set(sources)):
@@ -228,6 +224,60 @@ def solve_residual_mapper(
     new.config = dataclasses.replace(new.config, fit_r2_key=r2["key"], fit_r2_value=r2["value"], heldout_r2_key=None,
                                      heldout_r2_value=None)  # fmt: skip
     return new
+
+
+def _prediction_spectrum(stats: ResidualStatistics, residual_layer: int, config, lam: float):
+    """What the full-rank residual blocks of `config`'s readers predict, as one eigenproblem: `(eigenvalues,
+    directions)` with `directions` `[F_r, m]` (descending) spanning the residual features' combinations that carry
+    the most of the maps' fitted variance, each (layer, kind) block counted as a fraction of its target's variance."""
+    n, fr = stats.count[residual_layer], len(stats.lags) * stats.hidden_size
+    s = stats.sums[(residual_layer, "key")]  # the residual block is the same in both kinds' sums
+    mu = s["x"][-fr:] / n
+    cov = s["gram"][-fr:, -fr:] / n - torch.outer(mu, mu)
+    width = stats.target_layout.layer_dim
+    blocks = []
+    for kind in KINDS:
+        yy, y = stats.sums[(residual_layer, kind)]["yy"], stats.sums[(residual_layer, kind)]["y"]
+        for t in residual_readers(config):
+            weight = _solve(stats, residual_layer, kind, t, config.selected_layers[t], True, lam)[0][-fr:]
+            out = slice(t * width, (t + 1) * width)
+            var = (yy[out] / n - (y[out] / n) ** 2).sum().clamp_min(1e-30)
+            blocks.append(weight / var.sqrt())
+    w = torch.cat(blocks, dim=1)  # (F_r, sum out)
+    if w.shape[1] <= fr:  # the right singular vectors of cov^1/2 W, from W^T cov W
+        values, vecs = torch.linalg.eigh(w.T @ cov @ w)
+        values, directions = values.flip(0), w @ vecs.flip(1)
+    else:  # more outputs than features: the left singular vectors of cov^1/2 W
+        evals, evecs = torch.linalg.eigh(cov)
+        kept = evals > 1e-12 * evals.max()
+        a = (evecs * evals.clamp_min(0).sqrt()).T @ w
+        values, q = torch.linalg.eigh(a @ a.T)
+        inv_root = evecs * torch.where(kept, evals.clamp_min(1e-30).rsqrt(), torch.zeros_like(evals))
+        values, directions = values.flip(0), inv_root @ q.flip(1)
+    keep = values > 1e-10 * values.max().clamp_min(1e-30)  # directions that predict nothing are dropped
+    return values[keep], directions[:, keep]
+
+
+def reduced_rank_projection(stats: ResidualStatistics, residual_layer: int, config, rank: int, lam: float) -> torch.Tensor:
+    """The shared residual projection `[rank, F_r]` of a reduced-rank residual mapper: reduced-rank regression, the
+    `rank` combinations of the residual features that carry the most of what the full-rank maps of every reader
+    predict (both kinds, each layer's targets weighted by their variance). Principal directions of the features
+    themselves would keep what varies most in the residual stream, not what the keys and values need from it."""
+    directions = _prediction_spectrum(stats, residual_layer, config, lam)[1][:, :rank]
+    if directions.shape[1] < rank:
+        # More rank than the maps' outputs give directions: the rest from the features' own principal directions
+        # (QR keeps the span of the predictive ones first), so a full rank spans every input again.
+        n, fr = stats.count[residual_layer], directions.shape[0]
+        s = stats.sums[(residual_layer, "key")]
+        mu = s["x"][-fr:] / n
+        principal = torch.linalg.eigh(s["gram"][-fr:, -fr:] / n - torch.outer(mu, mu))[1].flip(1)
+        directions = torch.linalg.qr(torch.cat([directions, principal], dim=1))[0][:, :rank]
+    return (directions / directions.norm(dim=0).clamp_min(1e-30)).T
+
+
+def residual_rank_for_energy(stats: ResidualStatistics, residual_layer: int, config, energy: float, lam: float) -> int:
+    """The smallest shared residual rank whose projection keeps `energy` of the full-rank maps' fitted variance."""
+    return rank_for_energy(_prediction_spectrum(stats, residual_layer, config, lam)[0], energy)
 
 
 def _solve(
@@ -288,7 +338,10 @@ def residual_variants(
     2. only the layer whose maps gain most from the residual (`residual_r2_gain`) reads it, the others keep
        `mapper`'s source-only maps;
     3. every mapped layer reads the residual and the last source layer only;
-    4. every mapped layer reads the residual alone (no source K/V: the fewest multiply-adds and bytes read).
+    4. every mapped layer reads the residual alone (no source K/V: the fewest multiply-adds and bytes read);
+    5. without `residual_rank`: the same through one shared reduced-rank projection, at the rank that keeps
+       `RESIDUAL_RANK_ENERGY` of what the full-rank maps predict (`residual_rank_for_energy`), where that cuts the
+       maps' multiply-adds at least in half (the projection once per token, then a small map per layer).
 
     Which of them keeps the content is the probe's question (`exact_layers.choose_configuration`), not this one's.
     """
@@ -303,18 +356,28 @@ def residual_variants(
         solve_residual_mapper(mapper, stats, residual_layer, sources={t: last for t in mapped}, **kwargs),
         solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped}, **kwargs),
     ]
+    if residual_rank is None and len(mapped):
+        alone = variants[-1]
+        rank = residual_rank_for_energy(stats, residual_layer, alone.config, RESIDUAL_RANK_ENERGY, residual_lambda)
+        features, outputs = len(stats.lags) * stats.hidden_size, 2 * len(mapped) * stats.target_layout.layer_dim
+        if rank * (features + outputs) <= features * outputs / 2:
+            variants.append(solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped},
+                                                  residual_lambda=residual_lambda, residual_rank=rank))  # fmt: skip
     unique: dict[tuple, KVMapper] = {}  # e.g. one mapped layer: "only the copy layer" is the first variant again
     for v in variants:
-        unique.setdefault((repr(v.config.selected_layers), repr(residual_readers(v.config))), v)
+        unique.setdefault((repr(v.config.selected_layers), repr(residual_readers(v.config)), v.config.residual_rank), v)
     return list(unique.values())
 
 
 __all__ = [
     "DEFAULT_RESIDUAL_LAGS",
     "DEFAULT_RESIDUAL_LAMBDA",
+    "RESIDUAL_RANK_ENERGY",
     "ResidualStatistics",
     "has_key_norm",
+    "reduced_rank_projection",
     "residual_r2_gain",
+    "residual_rank_for_energy",
     "residual_statistics_nbytes",
     "residual_variants",
     "solve_residual_mapper",
