@@ -161,6 +161,7 @@ def solve_residual_mapper(
     *,
     residual_lambda: float = DEFAULT_RESIDUAL_LAMBDA,
     residual_rank: int | None = None,
+    residual_energy: float | None = None,
     readers: list[int] | None = None,
     sources: dict[int, list[int]] | None = None,
 ) -> KVMapper:
@@ -175,6 +176,8 @@ def solve_residual_mapper(
         stats: `ResidualStatistics` collected with `residual_layer` among its layers.
         residual_lambda: ridge penalty on the standardised inputs' correlation matrix.
         residual_rank: rank of one projection of the residual features shared by every layer (None: full).
+        residual_energy: instead of `residual_rank`, the smallest rank keeping this fraction of what the full-rank
+            maps predict (`reduced_rank_projection`).
         readers: the target layers after `residual_layer` that read the residual (None: all of them); the others
             keep `mapper`'s maps unless `sources` names them.
         sources: source layers of some target layers after `residual_layer`, replacing `mapper`'s selection (those
@@ -185,18 +188,22 @@ def solve_residual_mapper(
         raise ValueError(f"solve_residual_mapper extends a source-only 'ridge' mapper, got {mapper.config.mapper_type!r}")
     if residual_layer not in stats.count or stats.count[residual_layer] == 0:
         raise ValueError(f"no residual statistics for layer {residual_layer} (collected: {sorted(stats.count)})")
-    n = stats.count[residual_layer]
-    src, tgt = stats.source_layout, stats.target_layout
-    fs, fr = src.total_dim, len(stats.lags) * stats.hidden_size
+    tgt, fr = stats.target_layout, len(stats.lags) * stats.hidden_size
     sources = dict(sources or {})
     if any(t <= residual_layer for t in sources):
         raise ValueError(f"sources may only name target layers after residual_layer={residual_layer}, got {sorted(sources)}")
+    if residual_rank is not None and residual_energy is not None:
+        raise ValueError("give residual_rank or residual_energy, not both")
     selected = [list(sources.get(t, sel)) for t, sel in enumerate(mapper.config.selected_layers)]
     config = dataclasses.replace(
-        mapper.config, selected_layers=selected, residual_layer=residual_layer, residual_lags=list(stats.lags), residual_rank=residual_rank,
+        mapper.config, selected_layers=selected, residual_layer=residual_layer, residual_lags=list(stats.lags), residual_rank=None,
         key_before_norm=stats.key_before_norm, residual_readers=list(readers) if readers is not None else None,
         num_exact_layers=max(mapper.config.num_exact_layers or 0, residual_layer + 1),
     )  # fmt: skip
+    down = None
+    if residual_rank is not None or residual_energy is not None:
+        down = reduced_rank_projection(stats, residual_layer, config, residual_lambda, rank=residual_rank, energy=residual_energy)
+        config = dataclasses.replace(config, residual_rank=down.shape[0])
     new = KVMapper(config, report=dict(mapper.report))
     for t, layer in enumerate(new.layers):
         if t not in sources:
@@ -205,9 +212,7 @@ def solve_residual_mapper(
     # In-sample R^2 of the new maps (of the keys before the norm for `key_before_norm`); where the source-only fit
     # recorded none, the source-only layers get none either (JSON has no NaN).
     r2 = {kind: list(getattr(config, f"fit_r2_{kind}") or [0.0] * tgt.num_layers) for kind in KINDS}
-    down = None
-    if residual_rank is not None:
-        down = reduced_rank_projection(stats, residual_layer, config, residual_rank, residual_lambda)
+    if down is not None:
         new.residual.down.data.copy_(down.to(new.residual.down.dtype))
     for kind in KINDS:
         for t in sorted(set(new.residual.layers) | set(sources)):
@@ -226,14 +231,20 @@ def solve_residual_mapper(
     return new
 
 
+def _residual_covariance(stats: ResidualStatistics, residual_layer: int) -> torch.Tensor:
+    """Covariance `[F_r, F_r]` of the residual features (from the key sums: the block is the same in both kinds')."""
+    n, fr = stats.count[residual_layer], len(stats.lags) * stats.hidden_size
+    s = stats.sums[(residual_layer, "key")]
+    mu = s["x"][-fr:] / n
+    return s["gram"][-fr:, -fr:] / n - torch.outer(mu, mu)
+
+
 def _prediction_spectrum(stats: ResidualStatistics, residual_layer: int, config, lam: float):
     """What the full-rank residual blocks of `config`'s readers predict, as one eigenproblem: `(eigenvalues,
     directions)` with `directions` `[F_r, m]` (descending) spanning the residual features' combinations that carry
     the most of the maps' fitted variance, each (layer, kind) block counted as a fraction of its target's variance."""
     n, fr = stats.count[residual_layer], len(stats.lags) * stats.hidden_size
-    s = stats.sums[(residual_layer, "key")]  # the residual block is the same in both kinds' sums
-    mu = s["x"][-fr:] / n
-    cov = s["gram"][-fr:, -fr:] / n - torch.outer(mu, mu)
+    cov = _residual_covariance(stats, residual_layer)
     width = stats.target_layout.layer_dim
     blocks = []
     for kind in KINDS:
@@ -258,26 +269,23 @@ def _prediction_spectrum(stats: ResidualStatistics, residual_layer: int, config,
     return values[keep], directions[:, keep]
 
 
-def reduced_rank_projection(stats: ResidualStatistics, residual_layer: int, config, rank: int, lam: float) -> torch.Tensor:
+def reduced_rank_projection(
+    stats: ResidualStatistics, residual_layer: int, config, lam: float, *, rank: int | None = None, energy: float | None = None
+) -> torch.Tensor:
     """The shared residual projection `[rank, F_r]` of a reduced-rank residual mapper: reduced-rank regression, the
     `rank` combinations of the residual features that carry the most of what the full-rank maps of every reader
-    predict (both kinds, each layer's targets weighted by their variance). Principal directions of the features
-    themselves would keep what varies most in the residual stream, not what the keys and values need from it."""
-    directions = _prediction_spectrum(stats, residual_layer, config, lam)[1][:, :rank]
+    predict (both kinds, each layer's targets weighted by their variance); with `energy` instead, the smallest rank
+    keeping that fraction of it. Principal directions of the features themselves would keep what varies most in the
+    residual stream, not what the keys and values need from it."""
+    values, directions = _prediction_spectrum(stats, residual_layer, config, lam)
+    rank = rank if rank is not None else rank_for_energy(values, energy)
+    directions = directions[:, :rank]
     if directions.shape[1] < rank:
         # More rank than the maps' outputs give directions: the rest from the features' own principal directions
         # (QR keeps the span of the predictive ones first), so a full rank spans every input again.
-        n, fr = stats.count[residual_layer], directions.shape[0]
-        s = stats.sums[(residual_layer, "key")]
-        mu = s["x"][-fr:] / n
-        principal = torch.linalg.eigh(s["gram"][-fr:, -fr:] / n - torch.outer(mu, mu))[1].flip(1)
+        principal = torch.linalg.eigh(_residual_covariance(stats, residual_layer))[1].flip(1)
         directions = torch.linalg.qr(torch.cat([directions, principal], dim=1))[0][:, :rank]
     return (directions / directions.norm(dim=0).clamp_min(1e-30)).T
-
-
-def residual_rank_for_energy(stats: ResidualStatistics, residual_layer: int, config, energy: float, lam: float) -> int:
-    """The smallest shared residual rank whose projection keeps `energy` of the full-rank maps' fitted variance."""
-    return rank_for_energy(_prediction_spectrum(stats, residual_layer, config, lam)[0], energy)
 
 
 def _solve(
@@ -340,7 +348,7 @@ def residual_variants(
     3. every mapped layer reads the residual and the last source layer only;
     4. every mapped layer reads the residual alone (no source K/V: the fewest multiply-adds and bytes read);
     5. without `residual_rank`: the same through one shared reduced-rank projection, at the rank that keeps
-       `RESIDUAL_RANK_ENERGY` of what the full-rank maps predict (`residual_rank_for_energy`), where that cuts the
+       `RESIDUAL_RANK_ENERGY` of what the full-rank maps predict (`reduced_rank_projection`), where that cuts the
        maps' multiply-adds at least in half (the projection once per token, then a small map per layer).
 
     Which of them keeps the content is the probe's question (`exact_layers.choose_configuration`), not this one's.
@@ -357,12 +365,11 @@ def residual_variants(
         solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped}, **kwargs),
     ]
     if residual_rank is None and len(mapped):
-        alone = variants[-1]
-        rank = residual_rank_for_energy(stats, residual_layer, alone.config, RESIDUAL_RANK_ENERGY, residual_lambda)
+        low = solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped},
+                                    residual_lambda=residual_lambda, residual_energy=RESIDUAL_RANK_ENERGY)  # fmt: skip
         features, outputs = len(stats.lags) * stats.hidden_size, 2 * len(mapped) * stats.target_layout.layer_dim
-        if rank * (features + outputs) <= features * outputs / 2:
-            variants.append(solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped},
-                                                  residual_lambda=residual_lambda, residual_rank=rank))  # fmt: skip
+        if low.config.residual_rank * (features + outputs) <= features * outputs / 2:
+            variants.append(low)
     unique: dict[tuple, KVMapper] = {}  # e.g. one mapped layer: "only the copy layer" is the first variant again
     for v in variants:
         unique.setdefault((repr(v.config.selected_layers), repr(residual_readers(v.config)), v.config.residual_rank), v)
@@ -377,7 +384,6 @@ __all__ = [
     "has_key_norm",
     "reduced_rank_projection",
     "residual_r2_gain",
-    "residual_rank_for_energy",
     "residual_statistics_nbytes",
     "residual_variants",
     "solve_residual_mapper",
