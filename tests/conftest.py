@@ -136,7 +136,10 @@ def identity_mapper(qwen3_model, calibration_ids):
 def exact_identity_mapper(model, mode: str = "per_layer"):
     """A mapper from `model` to itself whose weights are the identity by construction (no fit). `mode`:
     "per_layer" (target layer t reads source layer t), "grouped" (every layer reads all source layers, zero weights
-    on the others) or "low_rank" (per layer, stored as full-rank factors `up @ down`)."""
+    on the others), "low_rank" (per layer, stored as full-rank factors `up @ down`) or "token_table" (per layer, but
+    layer 0's map is zero and its keys and values come from token tables alone: layer 0's K/V depend only on each
+    token, so a lag-0 table of the model's own layer-0 K/V per id is exact, and a constant moved from the lag-0 rows to
+    every lag-1 row checks one look-up per lag and position; a misplaced id changes the answer)."""
     from hf_kvtransfer import KVMapper, MapperConfig
 
     num_layers = model.config.num_hidden_layers
@@ -145,6 +148,8 @@ def exact_identity_mapper(model, mode: str = "per_layer"):
     width = config.target_layout.layer_dim
     if mode == "low_rank":
         config = replace(config, mapper_type="lowrank", rank=[[width, width]] * num_layers)
+    if mode == "token_table":
+        config = replace(config, token_lags=[0, 1], token_readers=[0])
     mapper = KVMapper(config)
     with torch.no_grad():
         for param in mapper.parameters():
@@ -155,10 +160,26 @@ def exact_identity_mapper(model, mode: str = "per_layer"):
                 if mode == "low_rank":
                     proj.down.weight.copy_(torch.eye(width))
                     proj.up.weight.copy_(torch.eye(width))
-                else:
+                elif not (mode == "token_table" and t == 0):
                     offset = selected[t].index(t) * width
                     proj.weight[:, offset : offset + width] = torch.eye(width)
+        if mode == "token_table":
+            for kind, table in _layer0_states(model).items():
+                shift = torch.linspace(-1, 1, width)
+                tables = getattr(mapper.tokens, kind)["0"]
+                tables[0, :-1] = table - shift
+                tables[1] = shift
     return mapper
+
+
+def _layer0_states(model) -> dict[str, torch.Tensor]:
+    """Layer 0's RoPE-free keys (after its key norm) and values for every token id: `[vocab, kv_heads * head_dim]`."""
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        h = model.model.layers[0].input_layernorm(model.model.embed_tokens.weight)
+        keys = attn.k_proj(h).view(h.shape[0], -1, attn.head_dim)
+        keys = attn.k_norm(keys) if hasattr(attn, "k_norm") else keys
+        return {"key": keys.flatten(1), "value": attn.v_proj(h)}
 
 
 @pytest.fixture(scope="session")

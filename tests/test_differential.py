@@ -6,7 +6,8 @@ raise, before any token, a `ValueError` / `TypeError` whose one-line message nam
 
 The cases are generated (hypothesis, derandomized so CI sees the same ones every run): prompt length 1 .. 300, batch
 size and left padding, the mask given or not to each of `prefill` / `TransferredCache` / `generate`,
-`num_recompute_tokens`, `num_exact_layers`, the mapper's layout (per layer, grouped, low rank), the generation mode
+`num_recompute_tokens`, `num_exact_layers`, the mapper's layout (per layer, grouped, low rank, layer 0 from token
+tables of the prompt's ids), the generation mode
 (greedy, seeded sampling, beams, assisted decoding with another model, prompt lookup; `cache=` or
 `past_key_values=`), the ids passed to `generate` (the prompt, a prefix of it, another prompt, only new tokens, the
 prompt plus new tokens) and a second `generate` on the same cache.
@@ -49,7 +50,7 @@ def models():
     # Long enough positions for the longest prompt plus new tokens and a second turn.
     target = tiny_model("qwen3", num_hidden_layers=NUM_LAYERS, seed=31, max_position_embeddings=512)
     assistant = tiny_model("qwen3", num_hidden_layers=1, seed=32, max_position_embeddings=512)
-    mappers = {mode: exact_identity_mapper(target, mode) for mode in ("per_layer", "grouped", "low_rank")}
+    mappers = {mode: exact_identity_mapper(target, mode) for mode in ("per_layer", "grouped", "low_rank", "token_table")}
     return target, assistant, mappers
 
 
@@ -80,7 +81,7 @@ def cases(draw):
         mask_to=draw(st.fixed_dictionaries({k: st.booleans() for k in ("prefill", "cache", "generate")})),
         num_recompute_tokens=recompute,
         num_exact_layers=draw(st.one_of(st.none(), st.integers(0, NUM_LAYERS))),
-        mapper=draw(st.sampled_from(["per_layer", "grouped", "low_rank"])),
+        mapper=draw(st.sampled_from(["per_layer", "grouped", "low_rank", "token_table"])),
         cache_kwarg=draw(st.sampled_from(["cache", "past_key_values"])),
         ids=draw(st.sampled_from(["prompt", "prefix", "other", "new_only", "prompt_plus_new"])),
         prefix_len=draw(st.integers(1, length)),

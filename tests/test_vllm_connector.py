@@ -419,6 +419,35 @@ def test_residual_mapper_is_served_as_transformers_applies_it(tmp_path):
         _connector_alone(tmp_path, "WORKER", tmp_path / "mapper", num_exact_layers=1, allow_lossy=True)
 
 
+def test_token_table_mapper_is_served_as_transformers_applies_it(tmp_path):
+    """A mapper that adds token tables of the prompt's ids (and reads the target's residual): the worker's transfer
+    equals transformers' TransferredCache on the same ids."""
+    _need_vllm()
+    from transformers import AutoModelForCausalLM
+
+    from hf_kvtransfer import TransferredCache, fit_mapper, fit_token_tables, prefill
+    from hf_kvtransfer.fitting.calibration_pass import calibration_pass
+    from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
+
+    small, large = (AutoModelForCausalLM.from_pretrained(FAMILY / name, dtype=torch.float32).eval() for name in ("small", "large"))
+    ids = torch.randint(5, 4000, (4, 64), generator=torch.Generator().manual_seed(0))
+    base = fit_mapper(small, large, ids, top_k=2, num_exact_layers=1, residual_inputs="off", heldout_fraction=0, progress=False)
+    stats = ResidualStatistics.for_models(small, large, layers=[1])
+    calibration_pass(small, large, ids, consumers=[stats], progress=False)
+    mapper = fit_token_tables(small, large, solve_residual_mapper(base, stats, residual_layer=1), ids)
+    assert mapper.config.token_readers == list(range(2, 8))
+    mapper.save_pretrained(tmp_path / "mapper")
+    worker = _connector_alone(tmp_path, "WORKER", tmp_path / "mapper")
+    prompt = list(range(7, 47))
+    source_kv = tuple((layer.keys, layer.values) for layer in prefill(small, torch.tensor([prompt])).layers)
+    got = worker._transfer(source_kv, prompt, "cpu", torch.float32)
+    want = TransferredCache(prefill(small, torch.tensor([prompt])), mapper, num_recompute_tokens=0).compute_exact_layers(large)
+    want.convert_all()
+    for t in range(8):
+        torch.testing.assert_close(got.layers[t].keys, want.layers[t].keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.layers[t].values, want.layers[t].values, rtol=1e-4, atol=1e-5)
+
+
 def test_helpers():
     _need_vllm()
     from hf_kvtransfer.integrations.vllm_connector import _local_heads, _slots, prompt_key

@@ -121,6 +121,7 @@ def run_demo(
                         "target_layers": kv_mapper.target_layout.num_layers,
                         "residual_layer": kv_mapper.config.residual_layer,
                         "source_free_layers": sum(not sel for sel in kv_mapper.config.selected_layers),
+                        "token_readers": kv_mapper.config.token_readers,
                         "exact_layers_probe_retention": (
                             kv_mapper.report.get("exact_layers", {}).get("min_retention")
                             if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
@@ -222,6 +223,8 @@ def format_demo(result: dict[str, Any]) -> str:
             "(computed in the exact layers)"
             + (f"; {free} of them read no source layer (that residual alone)" if free else "")
         )
+    if m.get("token_readers"):
+        lines.append(f"maps: {len(m['token_readers'])} mapped layers also add token tables of the prompt's ids (a look-up)")
     lines.append("")
     answers = result["answers"]
     if "answer" in result:  # a passage-recall question: the answer is in the passage only

@@ -32,7 +32,7 @@ from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 from ..fitting.config import FitConfig, heldout_count
 from .model_configs import load_model_config
 
-__all__ = ["TransferPlan", "first_token_flops", "format_plan", "plan_transfer", "residual_inputs_cost"]
+__all__ = ["TransferPlan", "first_token_flops", "format_plan", "plan_transfer", "residual_inputs_cost", "token_tables_cost"]
 
 # `hf-kvtransfer fit` defaults (FitConfig: the paper's 500 x 1024 tokens, 10% held out; two-stage probe size).
 _FIT_DEFAULTS = {f.name: f.default for f in fields(FitConfig)}
@@ -105,6 +105,9 @@ class TransferPlan:
     first_token_flop_ratio_residual: float
     first_token_flops_residual_alone: dict[str, int]  # maps reading the residual only, no source K/V
     first_token_flop_ratio_residual_alone: float
+    token_positions: int  # positions the token tables read (t, t-1, ...)
+    token_table_parameters_per_layer: int  # keys and values of one target layer with tables
+    token_table_bytes_per_layer: int  # at `dtype`
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,6 +186,19 @@ def residual_inputs_cost(
     return {"input_features": features, "parameters": parameters, "flops": 2 * seq_len * parameters}
 
 
+def token_tables_cost(target_config: PreTrainedConfig, token_positions: int, dtype: str | torch.dtype = "bfloat16") -> dict[str, int]:
+    """What token tables (`core/token_tables.py`) add per target layer that has them, at `token_positions` positions
+    (t, t-1, ...): one row per vocabulary entry (and one for "no token") per position, for keys and values, each
+    `kv_heads * head_dim` wide. At transfer time a table is a look-up and an add per token (no multiply-add).
+
+    Returns:
+        `{"parameters": per layer, "bytes": per layer at `dtype`}`.
+    """
+    config = text_config(target_config)
+    parameters = 2 * token_positions * (config.vocab_size + 1) * KVLayout.from_config(config).layer_dim
+    return {"parameters": parameters, "bytes": parameters * _itemsize(_dtype(dtype))}
+
+
 def first_token_flops(
     target_config: PreTrainedConfig,
     mapper,
@@ -246,6 +262,7 @@ def plan_transfer(
     num_exact_layers: int | None = None,
     num_recompute_tokens: int | None = None,
     residual_positions: int = 2,
+    token_positions: int = 4,
     use_hub: bool = True,
 ) -> TransferPlan:
     """Sizes, fit memory, FLOPs and transfer memory of a source -> target mapper, from the two configs only.
@@ -264,6 +281,7 @@ def plan_transfer(
             recomputed tokens, at most half the prompt; a fit's content probe chooses the exact layers of a mapper).
         residual_positions: positions (t, t-1, ...) of the target's residual stream entering the last exact layer that each
             mapped layer's maps would also read, for the costs of that option (`residual_inputs_cost`); 0: none.
+        token_positions: positions the token tables of that option read (`token_tables_cost`); 0: none.
         use_hub: False never touches the network.
 
     Returns:
@@ -334,6 +352,7 @@ def plan_transfer(
     first_residual = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, **at)
     alone = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, source_inputs=False, **at)
     residual = residual_inputs_cost(target_config, residual_positions, tgt.num_layers - exact, seq_len, rank)
+    tables = token_tables_cost(target_config, token_positions, dtype)
 
     # Transfer memory: new tensors a TransferredCache allocates (cache.py) at (batch_size, seq_len).
     cache_item = _itemsize(weight_dtype)
@@ -396,6 +415,9 @@ def plan_transfer(
         first_token_flop_ratio_residual=first_residual["own_prefill"] / first_residual["total"],
         first_token_flops_residual_alone=alone,
         first_token_flop_ratio_residual_alone=alone["own_prefill"] / alone["total"],
+        token_positions=token_positions,
+        token_table_parameters_per_layer=tables["parameters"],
+        token_table_bytes_per_layer=tables["bytes"],
         notes=notes,
     )
 
@@ -484,4 +506,12 @@ def _first_token_lines(plan: TransferPlan) -> list[str]:
             f"  maps reading the residual stream alone (no source K/V): {tflop(plan.first_token_flops_residual_alone['total'])}, "
             f"{plan.first_token_flop_ratio_residual_alone:,.1f}x fewer than the prefill",
         ]  # fmt: skip
+    if plan.token_positions:
+        mapped = plan.target_layout["num_layers"] - plan.num_exact_layers
+        lines.append(
+            f"  token tables ({plan.token_positions} positions x {_count(plan.token_table_parameters_per_layer)} "
+            f"numbers per layer, {_bytes(plan.token_table_bytes_per_layer)} in {plan.dtype}): no FLOPs (a look-up per "
+            f"token); on all {mapped} mapped layers {_bytes(mapped * plan.token_table_bytes_per_layer)}, "
+            f"{mapped * plan.token_table_parameters_per_layer / plan.mapper_parameters:.1f}x the mapper"
+        )
     return lines

@@ -202,6 +202,8 @@ class TransferredCache(DynamicCache):
             )
         # The ids of the prompt the source read (None when unknown): the target's input must continue them.
         self.prompt_ids = prompt_ids
+        if prompt_ids is not None:
+            self._give_token_ids(prompt_ids)
         self._first_input_checked = False
         self._only_new_tokens = False  # the first forward fed only new tokens (a mask covering the cached ones)
         num_exact_layers = mapper.resolve_num_exact_layers(num_exact_layers)
@@ -350,10 +352,10 @@ class TransferredCache(DynamicCache):
                 # generate's whole sequence starts with the prompt (checked above); beam search and
                 # num_return_sequences repeat each row in place (repeat_interleave): take one of each
                 prompt = caller.sequence[:: rows // self._transfer.batch_size]
-            if (prompt is None or prompt.shape[-1] < held) and self.mapper.needs_target_residual:
+            if (prompt is None or prompt.shape[-1] < held) and self.mapper.needs_prompt_ids:
                 raise ValueError(
-                    "this mapper's maps read the target's residual stream, which the cache computes in its exact "
-                    "layers from the prompt's ids, and this cache does not know them: build the source cache with "
+                    "this mapper's maps read the target's residual stream or token tables, which the cache computes "
+                    "from the prompt's ids, and this cache does not know them: build the source cache with "
                     "`prefill` or pass `input_ids=` to TransferredCache"
                 )
             if prompt is None or prompt.shape[-1] < held:
@@ -366,6 +368,23 @@ class TransferredCache(DynamicCache):
             else:
                 # Run where the forward needs them (its first `update`), not here: this is a getter.
                 self._exact_inputs = (caller.model, prompt[:, :held])
+                self._give_token_ids(prompt)
+        elif self._transfer is not None and self._transfer.token_ids is None and self.mapper.tokens is not None:
+            rows = caller.sequence.shape[0] if caller.sequence is not None else 0
+            if not caller.direct and rows and rows % self._transfer.batch_size == 0 and caller.sequence.shape[-1] >= held:
+                self._give_token_ids(caller.sequence[:: rows // self._transfer.batch_size])
+
+    def _give_token_ids(self, prompt: torch.Tensor) -> None:
+        """Hand the transfer the table rows of the prompt's transferred tokens, for a mapper with token tables."""
+        transfer = self._transfer
+        if transfer is None or self.mapper.tokens is None or transfer.token_ids is not None:
+            return
+        ids = prompt[:, : transfer.length]
+        if ids.shape[-1] < transfer.length or ids.shape[0] % transfer.batch_size:
+            return  # not this cache's prompt: converting a table layer then says what is missing
+        if ids.shape[0] != transfer.batch_size:  # generate's beam / sample rows repeat the prompt's in place
+            ids = ids[:: ids.shape[0] // transfer.batch_size]
+        transfer.token_ids = self.mapper.tokens.lagged(ids, transfer.attention_mask)
 
     def compute_exact_layers(self, model: PreTrainedModel, input_ids: torch.Tensor | None = None) -> "TransferredCache":
         """Compute the target's first `num_exact_layers` layers now, with `model` itself, instead of mapping them.
@@ -384,6 +403,8 @@ class TransferredCache(DynamicCache):
             ValueError: when no prompt ids are known, or they are not the cached prompt's length.
         """
         transfer = self._transfer
+        if input_ids is not None:
+            self._give_token_ids(input_ids)
         if transfer is None or not self.num_exact_layers or not self._exact_pending:
             return self
         prompt = input_ids if input_ids is not None else self.prompt_ids

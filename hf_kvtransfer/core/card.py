@@ -204,6 +204,10 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
     if config.get("residual_layer") is not None:
         facts.append(("Maps also read", f"the target's residual stream entering layer {config['residual_layer']} "
                       f"(readers: {', '.join(map(str, config.get('residual_readers') or ['every mapped layer']))})"))  # fmt: skip
+    if config.get("token_lags") is not None:
+        lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in config["token_lags"])
+        facts.append(("Maps also add", f"token tables of the prompt's ids at positions {lags} "
+                      f"(layers {', '.join(map(str, config['token_readers']))}; a look-up, no multiply-add)"))  # fmt: skip
     if isinstance(probe, dict):
         if probe.get("reason"):
             facts.append(("Why", _cell(probe["reason"])))

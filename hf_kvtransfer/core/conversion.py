@@ -146,6 +146,8 @@ class PendingTransfer:
     # maps read them, and the target's per-layer key norms for one that predicts keys before them.
     residual: torch.Tensor | None = None
     key_norms: dict[int, nn.Module] | None = None
+    # The table rows of the prompt's ids `[B, T, len(token_lags)]` (`token_tables.py`), for a mapper with tables.
+    token_ids: torch.Tensor | None = None
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch or length operation (beam reorder, crop, ...) to what is not converted yet."""
@@ -156,6 +158,7 @@ class PendingTransfer:
         self.features.clear()
         self.ahead.clear()  # recomputed from the changed sources when asked for
         self.residual = fn(self.residual) if self.residual is not None else None
+        self.token_ids = fn(self.token_ids) if self.token_ids is not None else None
         if self.sources:
             self.batch_size = next(iter(self.sources.values())).keys.shape[0]
         elif self.residual is not None:  # maps without source inputs: the residual holds the rows
@@ -164,7 +167,7 @@ class PendingTransfer:
     def nbytes(self) -> int:
         tensors = [t for layer in self.sources.values() for t in (layer.keys, layer.values, *(layer.stripped or ()))]
         tensors += [t for pair in (*self.features.values(), *self.ahead.values(), *self.rope.tables.values()) for t in pair]
-        tensors += [self.residual] if self.residual is not None else []
+        tensors += [t for t in (self.residual, self.token_ids) if t is not None]
         # Views share storage (the caller's tensors, buffers of a selection): count each storage once.
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
@@ -299,8 +302,7 @@ class PendingTransfer:
         return keys, values
 
     def _with_residual(self, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The group's mapped rows plus their residual part for the layers that read it, their keys through the
-        target's own key norms when the mapper predicts keys before them (`residual.py`)."""
+        """The group's mapped rows plus their residual part for the layers that read it (`residual.py`)."""
         if self.residual is None or (self.mapper.config.key_before_norm and self.key_norms is None):
             raise ValueError(
                 "this mapper's maps read the target's residual stream, which the cache computes in its exact layers "
@@ -322,11 +324,34 @@ class PendingTransfer:
             for j, (i, _) in enumerate(readers):
                 x[..., i * width : (i + 1) * width] += delta[..., j * width : (j + 1) * width]
             out.append(x)
-        if self.mapper.config.key_before_norm:
-            keys = out[0].view(*out[0].shape[:-1], len(group), tgt.num_kv_heads, tgt.head_dim)
-            for i, t in readers:
-                keys[..., i, :, :] = self.key_norms[t](keys[..., i, :, :])
         return out
+
+    def _key_norm(self, group: tuple[int, ...], keys: torch.Tensor) -> None:
+        """The target's own key norms on the keys of the group's residual readers, which a mapper with
+        `key_before_norm` predicts before them (in place)."""
+        tgt = self.mapper.target_layout
+        keys = keys.view(*keys.shape[:-1], len(group), tgt.num_kv_heads, tgt.head_dim)
+        for i, t in enumerate(group):
+            if str(t) in self.mapper.residual.key:
+                keys[..., i, :, :] = self.key_norms[t](keys[..., i, :, :])
+
+    def _with_tables(self, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The group's mapped rows plus the token tables of the layers that add them (`token_tables.py`): added to
+        what the maps predict, so a residual reader's keys get them before the key norm."""
+        tables = self.mapper.tokens
+        readers = [(i, t) for i, t in enumerate(group) if str(t) in tables.key]
+        if not readers:
+            return rows
+        if self.token_ids is None:
+            raise ValueError(
+                "this mapper's maps add token tables of the prompt's ids, which this cache does not know: build the "
+                "source cache with `prefill` or pass input_ids= to TransferredCache"
+            )
+        width = self.mapper.target_layout.layer_dim
+        for kind, x in zip(("key", "value"), rows):
+            for i, t in readers:
+                x[..., i * width : (i + 1) * width] += tables.lookup(kind, t, self.token_ids).to(x.device, x.dtype)
+        return rows
 
     def mapped(self, layer_idx: int, like: torch.Tensor, pending: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Finished target keys and values of `layer_idx` `[B, n_kv, T, d]`, computed with the other layers of its
@@ -341,6 +366,10 @@ class PendingTransfer:
                 rows = [self._affine_rows(group, kind, x, dense) for kind, x in (("key", key_feats), ("value", value_feats))]
                 if self.mapper.needs_target_residual:
                     rows = self._with_residual(group, rows)
+                if self.mapper.tokens is not None:
+                    rows = self._with_tables(group, rows)
+                if self.mapper.config.key_before_norm:
+                    self._key_norm(group, rows[0])
             keys, values = self._finish(*rows, len(group), like)
             for i, t in enumerate(group):
                 transfer.ahead[t] = (keys[i], values[i])

@@ -23,6 +23,7 @@ from .mapper_types import LOWRANK, RIDGE
 from .residual import ResidualMaps, validate_residual_config
 from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
 from .stats import KVLayout
+from .token_tables import TokenTables, validate_token_config
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,9 @@ class MapperConfig:
             the others keep source-only maps.
         key_before_norm: the key maps of the residual readers predict keys before the target's per-head key norm
             (Qwen3's `k_norm`), which the cache applies with the target's own module.
+        token_lags / token_readers: the maps of the layers `token_readers` also add token tables (`token_tables.py`):
+            one row per token id at each position `t - lag` back; the cache reads the prompt's ids for them. None:
+            no tables.
         num_parameters / dtype: size and weight dtype as saved (filled in by `save_pretrained`, for the card).
     """
 
@@ -129,6 +133,8 @@ class MapperConfig:
     residual_rank: int | None = None
     residual_readers: list[int] | None = None
     key_before_norm: bool = False
+    token_lags: list[int] | None = None
+    token_readers: list[int] | None = None
     num_parameters: int | None = None
     dtype: str | None = None
     license: str = "apache-2.0"
@@ -182,6 +188,9 @@ class MapperConfig:
                 f"residual_layer and key_before_norm apply to 'ridge' mappers only, got mapper_type={self.mapper_type!r}"
             )
         validate_residual_config(self)
+        validate_token_config(self)
+        if self.token_lags is not None and self.mapper_type != RIDGE:
+            raise ValueError(f"token tables apply to 'ridge' mappers only, got mapper_type={self.mapper_type!r}")
 
     @property
     def source_layout(self) -> KVLayout:
@@ -239,6 +248,8 @@ class KVMapper(nn.Module):
         self.layers = layer_maps if layer_maps is not None else build_layer_maps(config)
         # The residual part of the maps after `config.residual_layer` (`residual.py`), None for source-only maps.
         self.residual = ResidualMaps(config) if config.residual_layer is not None else None
+        # Per-token tables some layers' maps add (`token_tables.py`), None without.
+        self.tokens = TokenTables(config) if config.token_lags is not None else None
         # How the mapper was made (selection curves, training logs, timings, evaluations): `fit_report.json`.
         self.report: dict[str, Any] = dict(report or {})
 
@@ -278,6 +289,12 @@ class KVMapper(nn.Module):
         """Whether the maps read the target's own residual stream (`config.residual_layer`): the cache must compute
         its exact layers from the prompt's ids; a transfer that maps every layer cannot use this mapper."""
         return self.config.residual_layer is not None
+
+    @property
+    def needs_prompt_ids(self) -> bool:
+        """Whether applying the maps needs the prompt's token ids: they read the target's residual stream (computed
+        from the ids in the exact layers) or token tables."""
+        return self.needs_target_residual or self.tokens is not None
 
     @cached_property
     def source_model_config(self) -> PreTrainedConfig:
@@ -319,11 +336,11 @@ class KVMapper(nn.Module):
             Stripped target keys and values `[batch, n_kv_t, seq, d_t]` in the mapper's dtype.
         """
         tgt = self.target_layout
-        if self.needs_target_residual or self.config.key_before_norm:
+        if self.needs_prompt_ids or self.config.key_before_norm:
             raise ValueError(
-                "this mapper's maps also read the target's residual stream or leave the target's key norm to the "
-                "cache (residual_layer / key_before_norm in its config): apply it through TransferredCache, which "
-                "computes both from the target's exact layers"
+                "this mapper's maps also read the target's residual stream, token tables of the prompt's ids, or leave "
+                "the target's key norm to the cache (residual_layer / token_lags / key_before_norm in its config): "
+                "apply it through TransferredCache, which computes them from the prompt's ids and the target's exact layers"
             )
         keys, values = self.layers[layer_idx](source_key_states, source_value_states)
         # (B, T, H*D) -> (B, H, T, D)

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,10 @@ PROBE_CONTINUATION_LEN = 64
 CUED_ITEMS_FACTOR = 4
 # Prompt tokens the probes leave to the target (the fewest `generate` allows): the rest of the prompt is transferred.
 PROBE_RECOMPUTE_TOKENS = 1
+# A candidate whose cued-recall comparison is undecided (its estimate within the allowed loss, its interval not) is
+# scored on this many times the items again (new ones), once, and decided on all of them: a wider sample narrows the
+# interval by about 1 / sqrt(1 + factor) instead of rejecting what the probe could not tell from a loss.
+CUED_MORE_ITEMS_FACTOR = 2
 
 
 def probe_stream(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[int]:
@@ -185,8 +189,12 @@ def residual_candidates(num_layers: int) -> list[int]:
 
 def _inputs_label(mapper: KVMapper) -> str:
     c = mapper.config
+    tables = ""
+    if c.token_lags is not None:
+        lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in c.token_lags)
+        tables = f" + token tables ({lags}) on layer{'s' if len(c.token_readers) > 1 else ''} {_span(c.token_readers)}"
     if c.residual_layer is None:
-        return "source K/V"
+        return "source K/V" + tables
     rank = f", rank {c.residual_rank}" if c.residual_rank else ""
     lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in c.residual_lags)
     readers = residual_readers(c)
@@ -199,7 +207,14 @@ def _inputs_label(mapper: KVMapper) -> str:
         source = "no source K/V"
     else:
         source = f"source K/V (none for layer{'s' if len(alone) > 1 else ''} {', '.join(map(str, alone))})"
-    return f"{source} + target residual entering layer {c.residual_layer} ({lags}{rank}) read by {who}"
+    return f"{source} + target residual entering layer {c.residual_layer} ({lags}{rank}) read by {who}{tables}"
+
+
+def _span(layers: list[int]) -> str:
+    """`[2, 3, 4, 5]` -> "2-5"; other lists comma-separated."""
+    if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(map(str, layers))
 
 
 # Timing rounds of the candidates: each round times every candidate once, then the target's own prefill.
@@ -244,6 +259,7 @@ def choose_configuration(
     num_items: int = 64,
     prefix_len: int | None = None,
     timing_tokens: int = 512,
+    refine: Callable[[KVMapper], KVMapper] | None = None,
     seed: int = 0,
     progress: bool = False,
 ) -> tuple[KVMapper, dict[str, Any]]:
@@ -260,8 +276,10 @@ def choose_configuration(
       the items): the paired 95% interval of its retention minus the source-only answer's (1 when that answer is
       the whole target) must rule out a loss of more than `1 - min_retention`. Copying the next tokens of a span
       and finding a record by what came several tokens before it are different skills: maps that read the residual
-      can keep the first and lose the second (`research/recall_probe/`). The rule errs on the safe side: a
-      candidate the probe cannot tell from a loss is not kept (it costs speed, never content).
+      can keep the first and lose the second (`research/recall_probe/`). A candidate whose estimate is within
+      the allowed loss but whose interval is not is scored once more on `CUED_MORE_ITEMS_FACTOR` times the items
+      (new ones, the source-only answer too) and decided on all of them; the rule errs on the safe side: a
+      candidate the probe still cannot tell from a loss is not kept (it costs speed, never content).
 
     Candidates are tried by residual layer, shallowest first, each layer's candidates in the given order; when the
     first of a layer fails, the rest of that layer are skipped (they read less), and once a layer has a passing
@@ -271,6 +289,10 @@ def choose_configuration(
     medians of `TIMING_ROUNDS` interleaved rounds) on this machine with the cache's default recomputed tokens (the
     probes feed the question themselves, so they cannot vouch for fewer: on large -> small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed
     tokens and 25% with 1). The chosen one is the fastest that passes, else the source-only answer.
+
+    `refine`, when given, turns each residual candidate into the one that is probed, timed and possibly chosen,
+    just before it is probed (the fit adds token tables fit on what its maps miss: `fitting/token_tables.py`);
+    skipped candidates are never refined.
 
     Returns:
         `(mapper, report)`: the chosen mapper with its `num_exact_layers` recorded, and the probe's report with
@@ -322,6 +344,7 @@ def choose_configuration(
         else:  # the source-only answer is the target's own prefill: retention 1
             report["cued_reference"] = {"num_exact_layers": num_layers, "retention": 1.0, "retention_ci": None}
         report["cued_max_loss"] = 1 - min_retention
+    more_cued = more_reference = None  # the extra cued items of undecided candidates, made when first needed
     seen_layers: set[int] = set()
     failed_layers: set[int] = set()
     passed_layers: set[int] = set()
@@ -343,6 +366,10 @@ def choose_configuration(
         if m.config.residual_rank is not None and twin in failed_full_rank:
             row["skipped"] = "the same maps at full rank failed the probe (a reduced rank keeps less)"
             continue
+        if refine is not None:
+            m = refine(m)
+            candidates[-1] = (m, num_exact)
+            row["inputs"] = _inputs_label(m)
         r = probe("repeated spans", spans, m, num_exact)
         row.update(retention=r["retention"], retention_ci=r["retention_ci"])
         if r["retention"] is not None and r["retention"] >= min_retention:
@@ -350,8 +377,21 @@ def choose_configuration(
             nll = c["nll_per_item"]
             diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], cued_reference, higher_is_better=False,
                                         seed=seed)  # fmt: skip
-            row.update(cued_retention=c["retention"], cued_retention_ci=c["retention_ci"],
-                       cued_minus_reference=diff["difference"], cued_minus_reference_ci=diff["difference_ci"])  # fmt: skip
+            row.update(cued_retention=c["retention"], cued_retention_ci=c["retention_ci"], cued_items=len(cued))
+            if _undecided(diff, 1 - min_retention):
+                if more_cued is None:
+                    more_cued = cued_recall_items(stream, CUED_MORE_ITEMS_FACTOR * len(cued), seed=seed + 1,
+                                                  prefix_len=report["prefix_len"], num_records=num_records,
+                                                  continuation_len=PROBE_CONTINUATION_LEN)  # fmt: skip
+                    if cued_reference is not None:
+                        more_reference = probe("cued recall, more items", more_cued, mapper, chosen_kv)["nll_per_item"]["transfer"]
+                more = probe("cued recall, more items", more_cued, m, num_exact)["nll_per_item"]
+                nll = {k: list(nll[k]) + list(more[k]) for k in ("own", "no_context", "transfer")}
+                reference = None if cued_reference is None else list(cued_reference) + list(more_reference)
+                diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], reference, higher_is_better=False,
+                                            seed=seed)  # fmt: skip
+                row["cued_items"] = len(cued) + len(more_cued)
+            row.update(cued_minus_reference=diff["difference"], cued_minus_reference_ci=diff["difference_ci"])
             # Kept only where the paired interval rules out losing more than 1 - min_retention of the reference's.
             low = (diff["difference_ci"] or [None])[0]
             row["passes"] = low is not None and math.isfinite(low) and low >= -(1 - min_retention)
@@ -390,6 +430,12 @@ def choose_configuration(
            if rows[best]["residual_layer"] is not None else "")
     )
     return _with_num_exact(chosen_mapper, num_exact), report
+
+
+def _undecided(diff: dict[str, Any], max_loss: float) -> bool:
+    """Whether a paired cued-recall difference is within the allowed loss while its interval is not."""
+    point, ci = diff["difference"], diff["difference_ci"]
+    return point is not None and ci is not None and math.isfinite(ci[0]) and point >= -max_loss > ci[0]
 
 
 def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:

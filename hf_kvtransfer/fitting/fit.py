@@ -26,6 +26,7 @@ from ..core.mapper_types import MLP, RIDGE
 from ..core.ridge import effective_top_k, heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
 from ..core.rope import text_config
 from ..core.stats import KINDS, BlockStatistics, KVLayout, KVStatistics
+from ..core.token_tables import token_table_parameters
 from .accumulate import run_fit_pass
 from .calibration import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, build_calibration
 from .calibration_pass import as_token_tensor
@@ -42,6 +43,7 @@ from .config import (
 from .exact_layers import choose_configuration, probe_stream, residual_candidates
 from .mlp import fit_mlp
 from .residual_stats import ResidualStatistics, residual_statistics_nbytes, residual_variants
+from .token_tables import TableInputs, capture_table_inputs, fit_token_tables, table_inputs_nbytes, with_token_tables
 
 logger = logging.getLogger(__name__)
 
@@ -442,6 +444,49 @@ def _residual_statistics(source: PreTrainedModel, target: PreTrainedModel, confi
     return stats
 
 
+# Token tables a fit adds to one candidate stay under this size (float32): the bundled family's are tens of MiB;
+# a 150K-token vocabulary's are ~5 GiB per target layer of 1024 KV features, where the fit keeps to the maps alone.
+TOKEN_TABLE_BYTES = 2 * 2**30
+# The fit runs both models over its training sequences once for every candidate's tables when their states fit in
+# this many bytes (float32; the bundled family: about 1 GiB), else once per candidate.
+TABLE_INPUTS_BYTES = 4 * 2**30
+
+
+def _token_tables_step(source, target, input_ids, attention_mask, num_heldout: int, config: FitConfig, log):
+    """What the probe does to each residual candidate before it probes it: token tables on every mapped layer
+    (`token_tables.py`), fit on the calibration sequences the probe does not score, where they fit
+    `TOKEN_TABLE_BYTES`; None when the fit does not add them. The tables are fit once per residual layer, on what
+    the first candidate of that layer tried (its fullest maps) misses, and shared by its other candidates: a solve
+    per candidate would cost the fit minutes each, for tables that differ little between maps of one layer."""
+    if config.token_tables != "auto":
+        return None
+    train = slice(None, -num_heldout) if num_heldout else slice(None)
+    ids, mask = input_ids[train], attention_mask[train] if attention_mask is not None else None
+    # Both models' states of these sequences, captured once for every candidate's tables where they fit in memory.
+    shared: list[TableInputs] = []
+    keep = table_inputs_nbytes(source, target, ids.numel()) <= TABLE_INPUTS_BYTES
+    fitted: dict[int, KVMapper] = {}  # residual layer -> its first candidate with tables
+
+    def refine(candidate: KVMapper) -> KVMapper:
+        readers = list(range(candidate.num_exact_layers, candidate.target_layout.num_layers))
+        config_with = dataclasses.replace(candidate.config, token_lags=list(config.token_lags), token_readers=readers)
+        nbytes = 4 * token_table_parameters(config_with)
+        if nbytes > TOKEN_TABLE_BYTES:
+            (log or logger.info)(f"token tables: not added, {nbytes / 2**30:,.1f} GiB for layers {readers} (over {TOKEN_TABLE_BYTES / 2**30:.0f} GiB)")
+            return candidate
+        layer = candidate.config.residual_layer
+        if layer in fitted:
+            return with_token_tables(candidate, fitted[layer].tokens)
+        if keep and not shared:
+            shared.append(capture_table_inputs(source, target, ids, mask, batch_size=config.batch_size))
+        fitted[layer] = fit_token_tables(source, target, candidate, ids, mask, readers=readers, lags=config.token_lags,
+                                         batch_size=config.batch_size, inputs=shared[0] if shared else None,
+                                         progress=config.progress)  # fmt: skip
+        return fitted[layer]
+
+    return refine
+
+
 def with_exact_layers(
     source: PreTrainedModel,
     target: PreTrainedModel,
@@ -470,11 +515,12 @@ def with_exact_layers(
             for variant in residual_variants(mapper, residual, layer, residual_lambda=config.residual_lambda,
                                              residual_rank=config.residual_rank)
         ]  # fmt: skip
+    refine = _token_tables_step(source, target, input_ids, attention_mask, num_heldout, config, log) if residual_mappers else None
     with torch.no_grad():
         mapper, report = choose_configuration(
             source, target, mapper, probe_stream(input_ids[rows], mask), residual_mappers=residual_mappers,
             min_retention=config.exact_layers_retention, num_items=config.exact_layers_items,
-            timing_tokens=config.exact_layers_timing_tokens, progress=config.progress,
+            timing_tokens=config.exact_layers_timing_tokens, refine=refine, progress=config.progress,
         )  # fmt: skip
     report["probe_sequences"] = "held-out" if num_heldout else "all calibration sequences (no held-out shard)"
     mapper.report = {**mapper.report, "exact_layers": report}

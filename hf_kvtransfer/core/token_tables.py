@@ -1,0 +1,107 @@
+"""Map inputs read from the prompt itself: one table row per token id, at a few positions back.
+
+The layers that copy from the context ("induction" heads) have keys that say which tokens came just before each
+position. A linear map of the source's K/V, or of the target's residual stream, gives that only as far as it is
+linear in those inputs; on the bundled family it is not, and those layers lose what the context said. A token table
+is the cheapest non-linear function of the ids: for each lag `a` of `token_lags`, one row per vocabulary entry, and
+a mapper with tables adds `sum_a T_a[ids[t - a]]` to the RoPE-stripped keys and values its maps produce for the
+layers in `token_readers` (after the key norm the cache applies to a residual reader). At transfer time that is a
+gather and an add per layer, no multiply-add; the price is memory: `2 * len(token_lags) * (vocab_size + 1) *
+kv_heads * head_dim` numbers per layer. Row `vocab_size` stands for "no token": positions before a row's first token
+and padding. The tables are fit in closed form on what the maps miss (`fitting/token_tables.py`).
+
+Example:
+    ```python
+    lagged = lagged_token_ids(input_ids, [0, 1, 2, 3], vocab_size)  # [batch, seq, 4]
+    delta = mapper.tokens.lookup("key", layer_idx, lagged)          # [batch, seq, kv_heads * head_dim]
+    ```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
+MapperConfig = Any
+
+
+def lagged_token_ids(
+    input_ids: torch.Tensor, lags: list[int], vocab_size: int, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[batch, seq, len(lags)]` table rows: the id at position `t - lag` for each lag, `vocab_size` (the "no token"
+    row) where that position is before the sequence or padded (`attention_mask` 0)."""
+    ids = input_ids.long()
+    if attention_mask is not None:
+        ids = ids.masked_fill(attention_mask.to(ids.device) == 0, vocab_size)
+    batch, seq = ids.shape
+    out = ids.new_full((batch, seq, len(lags)), vocab_size)
+    for i, lag in enumerate(lags):
+        if lag < seq:
+            out[:, lag:, i] = ids[:, : seq - lag]
+    return out
+
+
+def token_table_readers(config: MapperConfig | dict[str, Any]) -> list[int]:
+    """The target layers whose maps add token tables (empty for a mapper without)."""
+    data = config if isinstance(config, dict) else config.to_dict()
+    return list(data.get("token_readers") or [])
+
+
+def token_table_parameters(config: MapperConfig | dict[str, Any]) -> int:
+    """Numbers held by a mapper's token tables (0 without)."""
+    data = config if isinstance(config, dict) else config.to_dict()
+    readers = token_table_readers(data)
+    if not readers:
+        return 0
+    fp = data["target_fingerprint"]
+    return 2 * len(readers) * len(data["token_lags"]) * (fp["vocab_size"] + 1) * fp["num_key_value_heads"] * fp["head_dim"]
+
+
+def validate_token_config(config: MapperConfig) -> None:
+    """Raise `ValueError` for inconsistent token-table fields of a mapper config."""
+    lags, readers = config.token_lags, config.token_readers
+    if lags is None and readers is None:
+        return
+    if lags is None or readers is None:
+        raise ValueError("token_lags and token_readers go together (the positions back the tables read, and the layers that add them)")
+    if not lags or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in lags) or len(set(lags)) != len(lags):
+        raise ValueError(f"token_lags must be distinct non-negative token offsets (e.g. [0, 1, 2, 3]), got {lags}")
+    num_layers = config.target_fingerprint["num_hidden_layers"]
+    if not readers or sorted(set(readers)) != list(readers) or not all(0 <= t < num_layers for t in readers):
+        raise ValueError(f"token_readers must be ascending distinct target layers in [0, {num_layers}), got {readers}")
+    if not config.target_fingerprint.get("vocab_size"):
+        raise ValueError("token tables need the target's vocab_size in its config fingerprint")
+
+
+class TokenTables(nn.Module):
+    """The token tables of a mapper: `key.<t>` / `value.<t>` weights `[len(token_lags), vocab_size + 1, n_kv * d]`
+    for each reader layer `t`."""
+
+    def __init__(self, config: MapperConfig):
+        super().__init__()
+        self.lags = list(config.token_lags)
+        self.vocab_size = config.target_fingerprint["vocab_size"]
+        shape = (len(self.lags), self.vocab_size + 1, config.target_layout.layer_dim)
+        self.layers = token_table_readers(config)
+        self.key = nn.ParameterDict({str(t): nn.Parameter(torch.zeros(shape)) for t in self.layers})
+        self.value = nn.ParameterDict({str(t): nn.Parameter(torch.zeros(shape)) for t in self.layers})
+
+    def lagged(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`lagged_token_ids` with this mapper's lags and vocabulary."""
+        return lagged_token_ids(input_ids, self.lags, self.vocab_size, attention_mask)
+
+    def lookup(self, kind: str, layer_idx: int, lagged: torch.Tensor) -> torch.Tensor:
+        """`sum_a T_a[lagged[..., a]]`: `[batch, seq, n_kv * d]` for `lagged` `[batch, seq, len(lags)]`."""
+        table = (self.key if kind == "key" else self.value)[str(layer_idx)]
+        rows = table.shape[1]
+        # One embedding bag over the lags' tables stacked end to end: a gather and a sum, no product.
+        offsets = torch.arange(len(self.lags), device=lagged.device) * rows
+        flat = (lagged.to(table.device) + offsets).reshape(-1, len(self.lags))
+        out = nn.functional.embedding_bag(flat, table.reshape(-1, table.shape[-1]), mode="sum")
+        return out.view(*lagged.shape[:-1], -1)
+
+
+__all__ = ["TokenTables", "lagged_token_ids", "token_table_parameters", "token_table_readers", "validate_token_config"]

@@ -1,0 +1,264 @@
+"""Token tables for a mapper, fit in closed form on what its maps miss (`core/token_tables.py`).
+
+One pass over calibration sequences: each sequence's source cache goes through `TransferredCache` with the mapper
+(its exact layers computed, the other layers mapped; keys taken before the key norm where the mapper predicts them
+so), next to the target's own keys (before its key norm, likewise) and values; what the maps miss at each token is
+kept for the reader layers. The tables are the ridge solution on one-hot ids at each lag, penalty `pseudo_count`
+(an id seen `n` times at one lag and nowhere else gets `n / (n + pseudo_count)` of its mean), solved jointly over
+the lags by conjugate gradients (`solve_token_tables`). Under `torch.distributed` each rank keeps its own sequences
+and the per-id sums are all-reduced at each step.
+
+Memory: the kept rows, `tokens x readers x 2 x kv_heads x head_dim` float32 (`token_table_rows_nbytes`).
+
+Example:
+    ```python
+    mapper = fit_token_tables(source, target, mapper, calibration_ids)   # every mapped layer gets tables
+    ```
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from huggingface_hub.utils import tqdm
+from transformers import PreTrainedModel
+
+from ..core.cache import TransferredCache
+from ..core.capture import capture_kv_and_inputs, prefill
+from ..core.mapper import KVMapper
+from ..core.residual import residual_readers
+from ..core.rope import position_ids_from_mask, rotary_cos_sin, strip_rope, text_config
+from ..core.stats import KVLayout
+from ..core.token_tables import TokenTables, lagged_token_ids
+from .residual_stats import has_key_norm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKEN_LAGS = (0, 1, 2, 3)
+DEFAULT_TOKEN_PSEUDO_COUNT = 1.0
+# The tables' solve (conjugate gradients): relative residual of the normal equations to reach, and most steps. At
+# 1e-3 the fitted values are within about 0.2% of the exact solve on the bundled family's calibration ids, far
+# inside what the tables' own sampling noise moves them; 1e-6 takes about three times as long.
+TOKEN_TABLE_TOLERANCE = 1e-3
+TOKEN_TABLE_MAX_ITERATIONS = 200
+
+
+def token_table_rows_nbytes(num_tokens: int, num_readers: int, layer_dim: int) -> int:
+    """Bytes of what `fit_token_tables` keeps while it runs: float32 rows of keys and values per reader layer."""
+    return 4 * num_tokens * num_readers * 2 * layer_dim
+
+
+def solve_token_tables(
+    lagged: torch.Tensor, targets: torch.Tensor, vocab_size: int, *, pseudo_count: float = DEFAULT_TOKEN_PSEUDO_COUNT,
+    tolerance: float = TOKEN_TABLE_TOLERANCE, max_iterations: int = TOKEN_TABLE_MAX_ITERATIONS,
+) -> torch.Tensor:
+    """Tables `[L, vocab_size + 1, D]` minimising `|targets - sum_a T_a[lagged[:, a]]|^2 + pseudo_count * |T|^2`.
+
+    Solved by conjugate gradients on the normal equations `(O^T O + pseudo_count I) T = O^T targets` (O: the one-hot
+    ids of every lag side by side), preconditioned by their diagonal (each id's count + pseudo_count), each output
+    column on its own; `O^T O` is never formed: each step is one gather and one scatter-add per lag over the tokens.
+    Stops when every column's residual is below `tolerance` of its right-hand side.
+
+    Args:
+        lagged: `[N, L]` table rows per token (`lagged_token_ids`, flattened over kept tokens).
+        targets: `[N, D]` what the tables should predict.
+    """
+    num_lags, rows = lagged.shape[1], vocab_size + 1
+    dist = _dist()
+
+    def scatter(per_token: torch.Tensor) -> torch.Tensor:  # O^T x: per-id sums for each lag, over every rank's tokens
+        out = per_token.new_zeros(num_lags, rows, per_token.shape[1])
+        for a in range(num_lags):
+            out[a].index_add_(0, lagged[:, a], per_token)
+        if dist is not None:
+            dist.all_reduce(out)
+        return out
+
+    def gather(tables: torch.Tensor) -> torch.Tensor:  # O T: what the tables predict per token
+        return sum(tables[a][lagged[:, a]] for a in range(num_lags))
+
+    def dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # per output column
+        return (x * y).sum((0, 1))
+
+    counts = torch.stack([torch.bincount(lagged[:, a], minlength=rows) for a in range(num_lags)]).to(targets.dtype)
+    if dist is not None:
+        dist.all_reduce(counts)
+    inverse_diagonal = 1 / (counts + pseudo_count).unsqueeze(-1)
+    rhs = scatter(targets)
+    tables = torch.zeros_like(rhs)
+    residual = rhs.clone()
+    step = inverse_diagonal * residual
+    direction = step.clone()
+    rz = dot(residual, step)
+    stop = tolerance**2 * dot(rhs, rhs)
+    for _ in range(max_iterations):
+        if bool((dot(residual, residual) <= stop).all()):
+            break
+        product = scatter(gather(direction)) + pseudo_count * direction
+        alpha = rz / dot(direction, product).clamp_min(torch.finfo(targets.dtype).tiny)
+        tables += alpha * direction
+        residual -= alpha * product
+        step = inverse_diagonal * residual
+        rz_next = dot(residual, step)
+        direction = step + (rz_next / rz.clamp_min(torch.finfo(targets.dtype).tiny)) * direction
+        rz = rz_next
+    return tables
+
+
+@dataclass
+class TableInputs:
+    """What every table fit over the same calibration sequences shares (`capture_table_inputs`): per batch of
+    sequences their ids and mask, the source's cache, and the target's own stripped keys, values and keys before
+    its key norm (None for a target without one), one tensor `[batch, kv_heads, seq, head_dim]` per layer."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor | None, Any, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]]
+
+
+def table_inputs_nbytes(source: PreTrainedModel, target: PreTrainedModel, num_tokens: int) -> int:
+    """Bytes `capture_table_inputs` holds for `num_tokens` calibration tokens (float32)."""
+    src, tgt = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
+    return 4 * num_tokens * (2 * src.total_dim + 3 * tgt.total_dim)
+
+
+@torch.no_grad()
+def capture_table_inputs(
+    source: PreTrainedModel, target: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    *, batch_size: int = 8,
+) -> TableInputs:
+    """Run both models once over the calibration sequences, for several `fit_token_tables` calls."""
+    batches = []
+    for start in range(0, input_ids.shape[0], batch_size):
+        ids = input_ids[start : start + batch_size]
+        mask = attention_mask[start : start + batch_size] if attention_mask is not None else None
+        keys, values, _, before_norm = capture_kv_and_inputs(target, ids, mask, key_projections=has_key_norm(target))
+        batches.append((ids, mask, prefill(source, ids, mask), keys, values, before_norm))
+    return TableInputs(batches)
+
+
+def _with_empty_tables(mapper: KVMapper, lags: Sequence[int], readers: Sequence[int]) -> KVMapper:
+    config = dataclasses.replace(mapper.config, token_lags=list(lags), token_readers=list(readers))
+    new = KVMapper(config, layer_maps=mapper.layers, report=dict(mapper.report))
+    new.residual = mapper.residual
+    new.tokens.to(mapper.dtype)
+    return new
+
+
+def with_token_tables(mapper: KVMapper, tables: TokenTables) -> KVMapper:
+    """A copy of `mapper` (same maps) that adds `tables` (another mapper's `tokens`) on its layers that are mapped:
+    the layers of `tables` from `mapper.num_exact_layers` on."""
+    readers = [t for t in tables.layers if t >= mapper.num_exact_layers]
+    if not readers:
+        raise ValueError(f"the tables' layers {tables.layers} are all exact with this mapper")
+    new = _with_empty_tables(mapper, tables.lags, readers)
+    for kind in ("key", "value"):
+        for t in readers:
+            getattr(new.tokens, kind)[str(t)].data.copy_(getattr(tables, kind)[str(t)].data)
+    return new
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def _flat(states: torch.Tensor) -> torch.Tensor:
+    # (B, H, T, D) -> (B, T, H * D)
+    return states.permute(0, 2, 1, 3).flatten(2)
+
+
+@torch.no_grad()
+def fit_token_tables(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    readers: Sequence[int] | None = None,
+    lags: Sequence[int] = DEFAULT_TOKEN_LAGS,
+    pseudo_count: float = DEFAULT_TOKEN_PSEUDO_COUNT,
+    batch_size: int = 8,
+    inputs: TableInputs | None = None,
+    progress: bool = False,
+) -> KVMapper:
+    """A copy of `mapper` whose `readers` layers also add token tables, fit on what its maps miss on `input_ids`.
+
+    Args:
+        source, target: the pair `mapper` was fit for.
+        mapper: a "ridge" mapper without tables; its `num_exact_layers` are computed, the rest mapped.
+        input_ids: `[num_sequences, seq_len]` calibration ids (not the probe's held-out ones), `attention_mask` the
+            same shape or None. Tables need many tokens: each id's row is a mean over its occurrences.
+        readers: target layers that get tables (default: every layer after the exact ones).
+        lags: positions back the tables read (`t - lag`).
+        pseudo_count: the ridge penalty, in occurrences of an id.
+        inputs: `capture_table_inputs` of the same sequences, for several fits (default: run both models here).
+
+    Returns:
+        The new mapper (the same maps, `token_lags` / `token_readers` recorded, `num_exact_layers` kept).
+    """
+    if mapper.tokens is not None or mapper.config.mapper_type != "ridge":
+        raise ValueError("fit_token_tables adds tables to a 'ridge' mapper without them")
+    num_layers, exact = mapper.target_layout.num_layers, mapper.num_exact_layers
+    readers = list(range(exact, num_layers)) if readers is None else sorted(set(readers))
+    if not readers or not all(exact <= t < num_layers for t in readers):
+        raise ValueError(f"readers must be mapped target layers in [{exact}, {num_layers}), got {readers}")
+    lags = list(lags)
+    vocab = text_config(target.config).vocab_size
+    # What the maps predict, before the key norm the cache applies for a mapper that predicts keys before it.
+    raw = copy.copy(mapper)
+    raw.config = dataclasses.replace(mapper.config, key_before_norm=False)
+    prenorm = set(residual_readers(mapper.config)) if mapper.config.key_before_norm else set()
+    rotary = mapper.target_rotary()
+    device = next(target.parameters()).device
+    kept_ids: list[torch.Tensor] = []
+    kept: dict[tuple[int, str], list[torch.Tensor]] = {(t, kind): [] for t in readers for kind in ("key", "value")}
+    if inputs is None:
+        inputs = capture_table_inputs(source, target, input_ids, attention_mask, batch_size=batch_size)
+    bar = tqdm(total=input_ids.shape[0], desc="token tables: what the maps miss", unit="seq", disable=not progress)
+    for ids, mask, source_cache, own_keys, own_values, before_norm in inputs.batches:
+        cache = TransferredCache(source_cache, raw, attention_mask=mask, num_recompute_tokens=0, input_ids=ids,
+                                 num_exact_layers=exact)  # fmt: skip
+        cache.compute_exact_layers(target).convert_all()
+        positions = position_ids_from_mask(mask, *ids.shape, device)
+        cos, sin = rotary_cos_sin(rotary, positions, device)
+        keep = (mask.bool() if mask is not None else torch.ones(ids.shape, dtype=torch.bool)).to(device)
+        kept_ids.append(lagged_token_ids(ids, lags, vocab, mask).to(device)[keep].cpu())
+        for t in readers:
+            own_k = before_norm[t] if t in prenorm else own_keys[t]
+            mapped_k = strip_rope(cache.layers[t].keys, cos, sin)
+            kept[t, "key"].append(_flat(own_k.float() - mapped_k)[keep].cpu())
+            kept[t, "value"].append(_flat(own_values[t].float() - cache.layers[t].values.float())[keep].cpu())
+        bar.update(ids.shape[0])
+    bar.close()
+    lagged = torch.cat(kept_ids)
+    new = _with_empty_tables(mapper, lags, readers)
+    # One solve for every layer and kind: the one-hot ids are the same, only the right-hand sides differ.
+    width = mapper.target_layout.layer_dim
+    tables = solve_token_tables(lagged, torch.cat([torch.cat(rows) for rows in kept.values()], dim=1), vocab,
+                                pseudo_count=pseudo_count)  # fmt: skip
+    for i, (t, kind) in enumerate(kept):
+        getattr(new.tokens, kind)[str(t)].data.copy_(tables[..., i * width : (i + 1) * width].to(mapper.dtype))
+    logger.info("token tables: layers %s, lags %s, %d tokens", readers, lags, lagged.shape[0])
+    return new
+
+
+__all__ = [
+    "DEFAULT_TOKEN_LAGS",
+    "DEFAULT_TOKEN_PSEUDO_COUNT",
+    "TableInputs",
+    "capture_table_inputs",
+    "TOKEN_TABLE_MAX_ITERATIONS",
+    "TOKEN_TABLE_TOLERANCE",
+    "fit_token_tables",
+    "solve_token_tables",
+    "table_inputs_nbytes",
+    "token_table_rows_nbytes",
+    "with_token_tables",
+]

@@ -1,0 +1,51 @@
+"""Fit a mapper of the bundled family with the library's defaults (`fit_mapper`: the content probe's search over
+exact layers x map inputs, token tables on every residual candidate unless `token_tables=off`), save it, and print
+the probe's frontier (one line per candidate).
+
+    python research/token_tables/fit_pair.py small large 512 DIR [FitConfig field=value ...]
+
+512 = calibration rows of 256 tokens from `examples/family/calibration.txt` (the last tenth held out for the probe).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "content_at_speed"))
+from content_at_speed import load_pair  # noqa: E402
+
+from hf_kvtransfer import fit_mapper  # noqa: E402
+
+FIELDS = ("inputs", "num_exact_layers", "retention", "cued_retention", "cued_minus_reference_ci", "cued_items",
+          "passes", "transfer_ms", "target_prefill_ms", "speedup", "skipped", "chosen")  # fmt: skip
+
+
+def main() -> None:
+    if len(sys.argv) < 5 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if len(sys.argv) > 1 else 2)
+    source, target, rows, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    overrides = dict(arg.split("=", 1) for arg in sys.argv[5:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    pair = load_pair(source, target)
+    started = time.perf_counter()
+    mapper = fit_mapper(pair.source, pair.target, pair.calibration_rows(rows), progress=False, **overrides)
+    print(f"fit {time.perf_counter() - started:.0f} s", flush=True)
+    mapper.save_pretrained(out)
+    report = mapper.report["exact_layers"]
+    for row in report.get("candidates", report["tried"]):
+        print({k: row.get(k) for k in FIELDS}, flush=True)
+    c = mapper.config
+    print(f"chosen: {c.num_exact_layers} exact layers, residual layer {c.residual_layer}, token tables on "
+          f"{c.token_readers}: {report.get('reason')}")
+
+
+if __name__ == "__main__":
+    main()

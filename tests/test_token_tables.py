@@ -1,0 +1,274 @@
+"""Token tables (`core/token_tables.py`, `fitting/token_tables.py`): the table rows of the prompt's ids, the
+closed-form solve, what the cache adds, refusals, persistence, and the search's refine step."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import VOCAB, random_ids, tiny_model
+from rope_reference import apply_rope
+from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
+from hf_kvtransfer.core.capture import capture_kv
+from hf_kvtransfer.core.rope import rotary_cos_sin
+from hf_kvtransfer.core.token_tables import lagged_token_ids, token_table_parameters
+from hf_kvtransfer.fitting import exact_layers
+from hf_kvtransfer.fitting.calibration_pass import calibration_pass
+from hf_kvtransfer.fitting.config import FitConfig
+from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
+from hf_kvtransfer.fitting.token_tables import capture_table_inputs, fit_token_tables, solve_token_tables, with_token_tables
+
+
+
+@pytest.fixture(scope="module")
+def pair():
+    source = tiny_model("qwen3", num_hidden_layers=2, seed=0)
+    target = tiny_model("qwen3", num_hidden_layers=3, seed=1)
+    ids = random_ids(6, 40, seed=5)
+    base = fit_mapper(source, target, ids, top_k=2, num_exact_layers=1, heldout_fraction=0, progress=False)
+    stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=(0, 1), stride=1)
+    calibration_pass(source, target, ids, consumers=[stats], progress=False)
+    return source, target, ids, base, solve_residual_mapper(base, stats, residual_layer=0)
+
+
+def with_random_tables(mapper, readers, lags=(0, 1, 2), seed=0):
+    """`mapper` with tables of random entries on `readers` (the fit's output shape, any numbers)."""
+    m = KVMapper(replace(mapper.config, token_lags=list(lags), token_readers=list(readers)), layer_maps=mapper.layers)
+    m.residual = mapper.residual
+    g = torch.Generator().manual_seed(seed)
+    for table in (*m.tokens.key.values(), *m.tokens.value.values()):
+        table.data.copy_(0.1 * torch.randn(table.shape, generator=g))
+    return m
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 9), st.lists(st.integers(0, 10), min_size=1, max_size=4, unique=True),
+       st.integers(0, 2**16))
+def test_lagged_ids_are_the_id_that_many_positions_back_or_the_no_token_row(batch, seq, lags, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    pads = torch.randint(0, seq + 1, (batch,), generator=g)
+    mask = (torch.arange(seq)[None] >= pads[:, None]).long()  # left padding
+    got = lagged_token_ids(ids, lags, VOCAB, mask)
+    for b in range(batch):
+        for t in range(seq):
+            for i, lag in enumerate(lags):
+                want = int(ids[b, t - lag]) if t - lag >= 0 and mask[b, t - lag] else VOCAB
+                assert int(got[b, t, i]) == want
+
+
+@pytest.mark.parametrize("pseudo_count", [0.5, 3.0])
+def test_solve_is_the_joint_ridge_solution_on_one_hot_ids(pseudo_count):
+    # Few ids, strongly correlated lags: the joint solve, not the per-lag means.
+    g = torch.Generator().manual_seed(0)
+    vocab, lags, n = 5, 3, 400
+    stream = torch.randint(0, vocab, (n + lags,), generator=g)
+    stream[1::2] = stream[::2][: len(stream[1::2])]  # every other id repeats the one before
+    lagged = torch.stack([stream[lags - a : lags - a + n] for a in range(lags)], 1)
+    targets = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    got = solve_token_tables(lagged, targets, vocab, pseudo_count=pseudo_count, tolerance=1e-10)
+    one_hot = np.zeros((n, lags * (vocab + 1)))
+    for a in range(lags):
+        one_hot[np.arange(n), a * (vocab + 1) + lagged[:, a].numpy()] = 1
+    want = np.linalg.solve(one_hot.T @ one_hot + pseudo_count * np.eye(one_hot.shape[1]), one_hot.T @ targets.numpy())
+    np.testing.assert_allclose(got.reshape(-1, 4).numpy(), want, rtol=1e-6, atol=1e-8)
+
+
+def test_the_cache_adds_the_tables_to_what_the_maps_predict(pair):
+    source, target, _, base, residual = pair
+    ids = random_ids(1, 24, seed=9)
+    held = ids.shape[1] - 1
+    positions = torch.arange(held).unsqueeze(0)
+    cos, sin = rotary_cos_sin(target.model.rotary_emb, positions, torch.device("cpu"))
+
+    def run(m):
+        cache = TransferredCache(prefill(source, ids), m, num_recompute_tokens=1)
+        with torch.no_grad():
+            target(ids[:, held:], cache=cache)
+        return cache
+
+    # Source-only maps: tables in the stripped space, written out with the reference RoPE.
+    plain, tabled = run(base), run(with_random_tables(base, [1, 2]))
+    rows = lagged_token_ids(ids[:, :held], [0, 1, 2], VOCAB)[0]
+    for t in (1, 2):
+        delta = {kind: sum(getattr(tabled.mapper.tokens, kind)[str(t)][a, rows[:, a]] for a in range(3)) for kind in ("key", "value")}
+        stripped = apply_rope(plain.layers[t].keys[:, :, :held], cos, -sin)  # RoPE is a rotation: -sin undoes it
+        want_k = apply_rope(stripped + delta["key"].view(held, 2, 16).transpose(0, 1)[None], cos, sin)
+        want_v = plain.layers[t].values[:, :, :held] + delta["value"].view(held, 2, 16).transpose(0, 1)[None]
+        torch.testing.assert_close(tabled.layers[t].keys[:, :, :held], want_k, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(tabled.layers[t].values[:, :, :held], want_v, rtol=1e-4, atol=1e-5)
+    # Keys a mapper predicts before the key norm get the tables before the norm too.
+    tabled = run(with_random_tables(residual, [2]))
+    raw = with_random_tables(residual, [2])
+    raw.config = replace(raw.config, key_before_norm=False)
+    unnormed = run(raw)
+    pre = apply_rope(unnormed.layers[2].keys[:, :, :held], cos, -sin).transpose(1, 2)  # (B, T, H, D)
+    with torch.no_grad():
+        want = apply_rope(target.model.layers[2].self_attn.k_norm(pre).transpose(1, 2), cos, sin)
+    torch.testing.assert_close(tabled.layers[2].keys[:, :, :held], want, rtol=1e-4, atol=1e-5)
+    # Layer 1 reads the residual but has no table: unchanged by the tables of layer 2.
+    torch.testing.assert_close(tabled.layers[1].keys, run(residual).layers[1].keys)
+
+
+def test_generate_gives_the_tables_the_prompt_and_refusals_say_why(pair):
+    source, target, _, base, _ = pair
+    mapper = with_random_tables(base, [1, 2])
+    ids = random_ids(1, 20, seed=3)
+    src_cache = prefill(source, ids)
+    legacy = tuple((layer.keys, layer.values) for layer in src_cache.layers)  # no prompt ids
+    with pytest.raises(ValueError, match="token tables.*input_ids="):
+        with torch.no_grad():
+            target(ids[:, -1:], cache=TransferredCache(legacy, mapper, num_recompute_tokens=1))
+    # generate's own sequence starts with the prompt: the same answer as with the ids given.
+    outs = [target.generate(ids, cache=TransferredCache(c, mapper), max_new_tokens=4, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True) for c in (legacy, src_cache)]  # fmt: skip
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    torch.testing.assert_close(outs[0].logits[0], outs[1].logits[0])
+    with pytest.raises(ValueError, match="TransferredCache"):
+        mapper(2, torch.zeros(1, 4, 64), torch.zeros(1, 4, 64))
+    with pytest.raises(ValueError, match="token_lags and token_readers go together"):
+        replace(base.config, token_lags=[0, 1])
+    with pytest.raises(ValueError, match="token_readers must be ascending"):
+        replace(mapper.config, token_readers=[2, 1])
+    with pytest.raises(ValueError, match="token_lags must be distinct"):
+        replace(mapper.config, token_lags=[1, 1])
+
+
+def test_tables_survive_a_round_trip_and_follow_beam_search(pair, tmp_path):
+    source, target, _, base, residual = pair
+    mapper = with_random_tables(residual, [1, 2])
+    mapper.save_pretrained(tmp_path / "m")
+    loaded = KVMapper.from_pretrained(tmp_path / "m")
+    assert loaded.config.token_lags == [0, 1, 2] and loaded.config.token_readers == [1, 2]
+    for name, tensor in mapper.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert loaded.num_parameters() - residual.num_parameters() == token_table_parameters(loaded.config)
+    ids = random_ids(1, 18, seed=4)
+    # Beam search reorders the cache's rows before the layers are converted: tables follow the rows.
+    kw = dict(max_new_tokens=3, num_beams=2, do_sample=False)
+    got = target.generate(ids, cache=TransferredCache(prefill(source, ids), loaded), **kw)
+    want = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper), **kw)
+    assert torch.equal(got, want)
+
+
+def test_fit_token_tables_fits_what_the_maps_miss(pair):
+    source, target, ids, base, residual = pair
+    fitted = fit_token_tables(source, target, residual, ids, readers=[1, 2], lags=(0, 1), pseudo_count=1.0)
+    assert fitted.config.token_readers == [1, 2] and fitted.config.num_exact_layers == residual.config.num_exact_layers
+    # Independently: what the maps miss on the same tokens (target's own values minus the transferred ones, keys
+    # before the key norm for the residual readers), then a dense one-hot ridge solve in numpy.
+    cache = TransferredCache(prefill(source, ids), residual, num_recompute_tokens=0, input_ids=ids)
+    cache.compute_exact_layers(target).convert_all()
+    _, own_values = capture_kv(target, ids)
+    for t in (1, 2):
+        miss = (own_values[t] - cache.layers[t].values).permute(0, 2, 1, 3).flatten(2).reshape(-1, 32).double().numpy()
+        lagged = lagged_token_ids(ids, [0, 1], VOCAB).reshape(-1, 2).numpy()
+        one_hot = np.zeros((len(lagged), 2 * (VOCAB + 1)))
+        for a in range(2):
+            one_hot[np.arange(len(lagged)), a * (VOCAB + 1) + lagged[:, a]] = 1
+        want = np.linalg.solve(one_hot.T @ one_hot + np.eye(one_hot.shape[1]), one_hot.T @ miss)
+        got = fitted.tokens.value[str(t)].detach().double().reshape(-1, 32).numpy()
+        # The solve stops at a relative residual of 1e-3: what the tables predict per token is that close.
+        fit_got, fit_want = one_hot @ got, one_hot @ want
+        assert np.sqrt(((fit_got - fit_want) ** 2).mean() / (fit_want**2).mean()) < 5e-3
+        assert np.sqrt(((fit_want - miss) ** 2).mean()) < np.sqrt((miss**2).mean())  # and they explain part of the miss
+    # Both models' states captured once for several fits give the same tables.
+    again = fit_token_tables(source, target, residual, ids, readers=[1, 2], lags=(0, 1), pseudo_count=1.0,
+                             inputs=capture_table_inputs(source, target, ids, batch_size=4))  # fmt: skip
+    for name, tensor in fitted.tokens.state_dict().items():
+        torch.testing.assert_close(again.tokens.state_dict()[name], tensor)
+    with pytest.raises(ValueError, match="readers must be mapped target layers"):
+        fit_token_tables(source, target, residual, ids, readers=[0])
+
+
+def test_the_search_probes_each_candidate_with_its_tables(pair, monkeypatch):
+    source, target, _, base, residual = pair
+
+    def fake_probe(*args, **kwargs):
+        return 3, {"tried": [{"num_exact_layers": 1, "retention": 0.1, "retention_ci": [0, 0.2]}], "prefix_len": 64,
+                   "copy_gain": {"mean": 5.0, "ci": [4, 6]}, "reason": "the fewest"}  # fmt: skip
+
+    def fake_retention(s, t, m, items, num_exact_layers, **kw):
+        ret = 0.99 if m.tokens is not None else 0.5  # only the refined candidate keeps the content
+        n = len(items)
+        return {"retention": ret, "retention_ci": [ret - 0.01, ret + 0.01],
+                "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [3.0 - 2.0 * ret] * n}}
+
+    monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
+    monkeypatch.setattr(exact_layers, "_time_candidates", lambda s, t, configs, ids: [
+        {"transfer_ms": 10.0, "target_prefill_ms": 50.0, "speedup": 5.0} for _ in configs])
+    refined = []
+
+    def refine(m):
+        refined.append(m)
+        return with_random_tables(m, [1, 2])
+
+    stream = random_ids(1, 600, seed=1)[0].tolist()
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[residual],
+                                                      refine=refine)  # fmt: skip
+    assert refined == [residual] and chosen.tokens is not None and chosen.config.num_exact_layers == 1
+    assert "token tables (t, t-1, t-2) on layers 1, 2" in report["chosen_inputs"]
+    with pytest.raises(ValueError, match="token_tables must be 'auto' or 'off'"):
+        FitConfig(token_tables="yes")
+    with pytest.raises(ValueError, match="token_lags must be distinct"):
+        FitConfig(token_lags="1,1")
+
+
+def test_an_undecided_cued_comparison_is_decided_on_more_items(pair, monkeypatch):
+    source, target, _, base, residual = pair
+    monkeypatch.setattr(exact_layers, "choose_num_exact_layers", lambda *a, **k: (2, {
+        "tried": [{"num_exact_layers": 1, "retention": 0.1, "retention_ci": [0, 0.2]},
+                  {"num_exact_layers": 2, "retention": 0.97, "retention_ci": [0.95, 0.99]}], "prefix_len": 64,
+        "copy_gain": {"mean": 5.0, "ci": [4, 6]}, "reason": "the fewest"}))
+    scored = []
+
+    def fake_retention(s, t, m, items, num_exact_layers, **kw):
+        scored.append((kw.get("desc", ""), len(items)))
+        n = len(items)
+        return {"retention": 0.99, "retention_ci": [0.98, 1.0],
+                "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [1.1] * n}}
+
+    # The paired interval is wide on the first items and narrow on all of them (its width shrinks with their count).
+    def fake_difference(own, no_context, transfer, reference, **kw):
+        half = 0.08 if len(own) <= 4 * 64 else 0.02
+        return {"difference": -0.01, "difference_ci": [-0.01 - half, -0.01 + half]}
+
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
+    monkeypatch.setattr(exact_layers, "retention_difference", fake_difference)
+    monkeypatch.setattr(exact_layers, "_time_candidates", lambda s, t, configs, ids: [
+        {"transfer_ms": 5.0 if m.needs_target_residual else 10.0, "target_prefill_ms": 50.0, "speedup": 5.0}
+        for m, _ in configs])  # fmt: skip
+    stream = random_ids(1, 3000, seed=1)[0].tolist()
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[residual])
+    row = next(r for r in report["candidates"] if r["residual_layer"] == 0)
+    assert row["passes"] and row["cued_items"] == 3 * 4 * 64 and chosen.needs_target_residual
+    # The source-only answer and the candidate were both scored on the extra items.
+    assert sum(n == 2 * 4 * 64 for _, n in scored) == 2
+    # Decided the first time: no extra items.
+    monkeypatch.setattr(exact_layers, "retention_difference", lambda *a, **k: {"difference": -0.01, "difference_ci": [-0.03, 0.01]})
+    scored.clear()
+    _, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[residual])
+    assert all(n != 2 * 4 * 64 for _, n in scored)
+
+
+def test_tables_move_to_another_candidate_of_the_same_layer(pair):
+    source, target, ids, base, residual = pair
+    fitted = fit_token_tables(source, target, residual, ids, readers=[1, 2], lags=(0, 1))
+    # Another candidate of the same residual layer (other maps) gets the same tables on its mapped layers.
+    other = replace(residual.config, selected_layers=[[0], [1], [1]])
+    other_mapper = KVMapper(other, layer_maps=residual.layers)
+    other_mapper.residual = residual.residual
+    moved = with_token_tables(other_mapper, fitted.tokens)
+    assert moved.config.token_readers == [1, 2] and moved.config.selected_layers == [[0], [1], [1]]
+    for kind in ("key", "value"):
+        for t in (1, 2):
+            assert torch.equal(getattr(moved.tokens, kind)[str(t)], getattr(fitted.tokens, kind)[str(t)])
+    # A mapper computing more layers itself keeps only the tables of the layers it maps.
+    deeper = KVMapper(replace(residual.config, num_exact_layers=2), layer_maps=residual.layers)
+    deeper.residual = residual.residual
+    assert with_token_tables(deeper, fitted.tokens).config.token_readers == [2]
+    assert FitConfig().token_tables == "off"  # opt-in
