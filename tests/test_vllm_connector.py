@@ -391,30 +391,13 @@ def test_residual_mapper_is_served_as_transformers_applies_it(tmp_path):
     """A mapper whose maps read the target's residual (and predict keys before its k_norm): the worker loads the
     layers whose key norms it needs, and its transfer equals transformers' TransferredCache on the same ids."""
     _need_vllm()
-    from transformers import AutoModelForCausalLM
-
-    from hf_kvtransfer import TransferredCache, fit_mapper, prefill
-    from hf_kvtransfer.fitting.calibration_pass import calibration_pass
-    from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
+    from hf_kvtransfer.fitting.residual_stats import solve_residual_mapper
     from hf_kvtransfer.integrations.vllm_connector import ConnectorConfigError
 
-    small, large = (AutoModelForCausalLM.from_pretrained(FAMILY / name, dtype=torch.float32).eval() for name in ("small", "large"))
-    ids = torch.randint(5, 4000, (4, 64), generator=torch.Generator().manual_seed(0))
-    base = fit_mapper(small, large, ids, top_k=2, num_exact_layers=1, residual_inputs="off", heldout_fraction=0, progress=False)
-    stats = ResidualStatistics.for_models(small, large, layers=[1])
-    calibration_pass(small, large, ids, consumers=[stats], progress=False)
+    small, large, ids, (base, stats) = _family_residual_statistics()
     mapper = solve_residual_mapper(base, stats, residual_layer=1, readers=[3, 5], sources={t: [] for t in range(4, 8)})
-    mapper.save_pretrained(tmp_path / "mapper")
-    worker = _connector_alone(tmp_path, "WORKER", tmp_path / "mapper")
+    worker = _served_as_transformers_applies_it(tmp_path, small, large, mapper)
     assert worker.num_exact_layers == 2 and len(worker._exact_model.model.layers) == 6  # key norms of layers 3 and 5
-    prompt = list(range(7, 47))
-    source_kv = tuple((layer.keys, layer.values) for layer in prefill(small, torch.tensor([prompt])).layers)
-    got = worker._transfer(source_kv, prompt, "cpu", torch.float32)
-    want = TransferredCache(prefill(small, torch.tensor([prompt])), mapper, num_recompute_tokens=0).compute_exact_layers(large)
-    want.convert_all()
-    for t in range(8):
-        torch.testing.assert_close(got.layers[t].keys, want.layers[t].keys, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got.layers[t].values, want.layers[t].values, rtol=1e-4, atol=1e-5)
     with pytest.raises(ConnectorConfigError, match="needs 2 exact layers"):
         _connector_alone(tmp_path, "WORKER", tmp_path / "mapper", num_exact_layers=1, allow_lossy=True)
 
@@ -423,19 +406,36 @@ def test_token_table_mapper_is_served_as_transformers_applies_it(tmp_path):
     """A mapper that adds token tables of the prompt's ids (and reads the target's residual): the worker's transfer
     equals transformers' TransferredCache on the same ids."""
     _need_vllm()
+    from hf_kvtransfer import fit_token_tables
+    from hf_kvtransfer.fitting.residual_stats import solve_residual_mapper
+
+    small, large, ids, (base, stats) = _family_residual_statistics()
+    mapper = fit_token_tables(small, large, solve_residual_mapper(base, stats, residual_layer=1), ids)
+    assert mapper.config.token_readers == list(range(2, 8))
+    _served_as_transformers_applies_it(tmp_path, small, large, mapper)
+
+
+def _family_residual_statistics():
+    """The bundled small -> large pair, calibration ids, a source-only mapper and residual statistics of layer 1."""
     from transformers import AutoModelForCausalLM
 
-    from hf_kvtransfer import TransferredCache, fit_mapper, fit_token_tables, prefill
+    from hf_kvtransfer import fit_mapper
     from hf_kvtransfer.fitting.calibration_pass import calibration_pass
-    from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
+    from hf_kvtransfer.fitting.residual_stats import ResidualStatistics
 
     small, large = (AutoModelForCausalLM.from_pretrained(FAMILY / name, dtype=torch.float32).eval() for name in ("small", "large"))
     ids = torch.randint(5, 4000, (4, 64), generator=torch.Generator().manual_seed(0))
     base = fit_mapper(small, large, ids, top_k=2, num_exact_layers=1, residual_inputs="off", heldout_fraction=0, progress=False)
     stats = ResidualStatistics.for_models(small, large, layers=[1])
     calibration_pass(small, large, ids, consumers=[stats], progress=False)
-    mapper = fit_token_tables(small, large, solve_residual_mapper(base, stats, residual_layer=1), ids)
-    assert mapper.config.token_readers == list(range(2, 8))
+    return small, large, ids, (base, stats)
+
+
+def _served_as_transformers_applies_it(tmp_path, small, large, mapper):
+    """Save `mapper`, start a worker-side connector on it, and check its transfer of one prompt against
+    transformers' `TransferredCache` (exact layers computed, every layer converted); returns the connector."""
+    from hf_kvtransfer import TransferredCache, prefill
+
     mapper.save_pretrained(tmp_path / "mapper")
     worker = _connector_alone(tmp_path, "WORKER", tmp_path / "mapper")
     prompt = list(range(7, 47))
@@ -443,9 +443,10 @@ def test_token_table_mapper_is_served_as_transformers_applies_it(tmp_path):
     got = worker._transfer(source_kv, prompt, "cpu", torch.float32)
     want = TransferredCache(prefill(small, torch.tensor([prompt])), mapper, num_recompute_tokens=0).compute_exact_layers(large)
     want.convert_all()
-    for t in range(8):
+    for t in range(len(want.layers)):
         torch.testing.assert_close(got.layers[t].keys, want.layers[t].keys, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.layers[t].values, want.layers[t].values, rtol=1e-4, atol=1e-5)
+    return worker
 
 
 def test_helpers():

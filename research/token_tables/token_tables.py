@@ -87,7 +87,8 @@ def main():
                 captured[t] = args[0].detach().reshape(args[0].shape[1], -1).clone()  # (T, H * D)
         return pre
 
-    handles = [norms[t].register_forward_pre_hook(hook(t)) for t in prenorm]
+    for t in prenorm:
+        norms[t].register_forward_pre_hook(hook(t))
 
     def caches(ids, held, r):
         captured.clear()
