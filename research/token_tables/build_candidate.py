@@ -1,5 +1,6 @@
 """Save the fit's fullest candidate for one residual layer J (J + 1 exact layers; source K/V + the target's residual
-entering layer J, read by every mapped layer), with token tables on every mapped layer unless --no-tables, built as
+entering layer J, read by every mapped layer, or by --readers, optionally through one shared reduced-rank
+projection, --energy), with token tables on every mapped layer unless --no-tables, built as
 `fit_mapper` builds it: maps from the first nine tenths of `rows` calibration sequences of 256 tokens (k = 8,
 residual statistics every 4th token), tables from the same sequences.
 
@@ -29,6 +30,8 @@ def main() -> None:
     p.add_argument("--residual-layer", type=int, required=True)
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--no-tables", action="store_true")
+    p.add_argument("--readers", help="comma-separated target layers that read the residual (default: every mapped layer)")
+    p.add_argument("--energy", type=float, help="a shared reduced-rank residual projection keeping this fraction")
     p.add_argument("--output", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -37,7 +40,8 @@ def main() -> None:
     base = fit_mapper(pair.source, pair.target, train, top_k=8, num_exact_layers=1, heldout_fraction=0, progress=False)
     stats = ResidualStatistics.for_models(pair.source, pair.target, [args.residual_layer], stride=4)
     calibration_pass(pair.source, pair.target, train, consumers=[stats], progress=False)
-    mapper = solve_residual_mapper(base, stats, args.residual_layer)
+    readers = [int(t) for t in args.readers.split(",")] if args.readers else None
+    mapper = solve_residual_mapper(base, stats, args.residual_layer, readers=readers, residual_energy=args.energy)
     if not args.no_tables:
         mapper = fit_token_tables(pair.source, pair.target, mapper, train)
     mapper.save_pretrained(args.output)
