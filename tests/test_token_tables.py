@@ -272,3 +272,25 @@ def test_tables_move_to_another_candidate_of_the_same_layer(pair):
     deeper.residual = residual.residual
     assert with_token_tables(deeper, fitted.tokens).config.token_readers == [2]
     assert FitConfig().token_tables == "off"  # opt-in
+
+
+def test_the_fit_fits_tables_once_per_residual_layer_and_says_their_memory(pair):
+    from hf_kvtransfer.fitting import fit
+
+    source, target, ids, base, residual = pair
+    lines = []
+    refine = fit._token_tables_step(source, target, ids, None, 1, FitConfig(token_tables="auto", token_lags="0,1"),
+                                    lines.append)  # fmt: skip
+    first = refine(residual)
+    other = KVMapper(replace(residual.config, selected_layers=[[0], [1], [1]]), layer_maps=residual.layers)
+    other.residual = residual.residual
+    second = refine(other)
+    assert first.config.token_readers == second.config.token_readers == [1, 2]
+    for name, tensor in first.tokens.state_dict().items():
+        assert torch.equal(second.tokens.state_dict()[name], tensor)  # shared, not fit again
+    assert len(lines) == 1 and "MiB of rows kept" in lines[0]
+    # Fit on the sequences the probe does not score (the last one is held out): the same tables as fit directly.
+    direct = fit_token_tables(source, target, residual, ids[:-1], readers=[1, 2], lags=(0, 1))
+    for name, tensor in direct.tokens.state_dict().items():
+        torch.testing.assert_close(first.tokens.state_dict()[name], tensor)
+    assert fit._token_tables_step(source, target, ids, None, 1, FitConfig(), lines.append) is None  # off by default

@@ -43,7 +43,14 @@ from .config import (
 from .exact_layers import choose_configuration, probe_stream, residual_candidates
 from .mlp import fit_mlp
 from .residual_stats import ResidualStatistics, residual_statistics_nbytes, residual_variants
-from .token_tables import TableInputs, capture_table_inputs, fit_token_tables, table_inputs_nbytes, with_token_tables
+from .token_tables import (
+    TableInputs,
+    capture_table_inputs,
+    fit_token_tables,
+    table_inputs_nbytes,
+    token_table_rows_nbytes,
+    with_token_tables,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -477,6 +484,10 @@ def _token_tables_step(source, target, input_ids, attention_mask, num_heldout: i
         layer = candidate.config.residual_layer
         if layer in fitted:
             return with_token_tables(candidate, fitted[layer].tokens)
+        kept = token_table_rows_nbytes(int(mask.sum()) if mask is not None else ids.numel(), len(readers),
+                                       candidate.target_layout.layer_dim)  # fmt: skip
+        (log or logger.info)(f"token tables for layers {readers} (residual layer {layer}): {kept / 2**20:,.0f} MiB of "
+                             f"rows kept while they are fit (float32)")  # fmt: skip
         if keep and not shared:
             shared.append(capture_table_inputs(source, target, ids, mask, batch_size=config.batch_size))
         fitted[layer] = fit_token_tables(source, target, candidate, ids, mask, readers=readers, lags=config.token_lags,
