@@ -195,3 +195,18 @@ def test_plan_reports_the_first_token_and_residual_inputs_at_scale():
         assert "comes with the exact pass" in text and "residual stream alone (no source K/V)" in text
     with pytest.raises(ValueError, match="num_exact_layers must be in"):
         plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", use_hub=False, num_exact_layers=99)
+
+
+def test_token_tables_cost_equals_the_tables_a_mapper_holds(tmp_path):
+    # Independent: the parameters of a real mapper with tables and a layer-0 table, built from the tiny target.
+    from dataclasses import replace
+
+    base = MapperConfig(source_config=SOURCE.to_dict(), target_config=TARGET.to_dict(), selected_layers=[[0]] * 5)
+    with_tables = KVMapper(replace(base, token_lags=[0, 1, 2], token_readers=[2]))
+    looked_up = KVMapper(replace(base, first_layer_table=True))
+    plain = KVMapper(base).num_parameters()
+    plan = plan_transfer(SOURCE, TARGET, top_k=1, token_positions=3, dtype="float32", use_hub=False, available_memory=2**40)
+    assert plan.token_table_parameters_per_layer == with_tables.num_parameters() - plain
+    assert plan.token_table_bytes_per_layer == 4 * plan.token_table_parameters_per_layer
+    assert plan.first_layer_table_bytes == 4 * (looked_up.num_parameters() - plain)
+    assert "layer 0's keys and values looked up per token id take 24.00 KiB" in format_plan(plan)  # 2 x 96 x 32 x 4 B

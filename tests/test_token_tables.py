@@ -19,7 +19,15 @@ from hf_kvtransfer.fitting import exact_layers
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass
 from hf_kvtransfer.fitting.config import FitConfig
 from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
-from hf_kvtransfer.fitting.token_tables import capture_table_inputs, fit_token_tables, solve_token_tables, with_token_tables
+from hf_kvtransfer.fitting.token_tables import (
+    capture_table_inputs,
+    fit_token_tables,
+    fold_residual_into_tables,
+    solve_token_tables,
+    tabulate_first_layer,
+    token_residuals,
+    with_token_tables,
+)
 
 
 
@@ -289,8 +297,143 @@ def test_the_fit_fits_tables_once_per_residual_layer_and_says_their_memory(pair)
     for name, tensor in first.tokens.state_dict().items():
         assert torch.equal(second.tokens.state_dict()[name], tensor)  # shared, not fit again
     assert len(lines) == 1 and "MiB of rows kept" in lines[0]
-    # Fit on the sequences the probe does not score (the last one is held out): the same tables as fit directly.
+    # Fit on the sequences the probe does not score (the last one is held out): the same tables as fit directly,
+    # with the residual entering layer 0 (the embedding) held in them.
     direct = fit_token_tables(source, target, residual, ids[:-1], readers=[1, 2], lags=(0, 1))
-    for name, tensor in direct.tokens.state_dict().items():
+    assert first.config.residual_in_tables and first.config.first_layer_table and not direct.config.residual_in_tables
+    for name, tensor in fold_residual_into_tables(direct, target).tokens.state_dict().items():
         torch.testing.assert_close(first.tokens.state_dict()[name], tensor)
     assert fit._token_tables_step(source, target, ids, None, 1, FitConfig(), lines.append) is None  # off by default
+
+
+def random_residual_mapper(base, lags, readers, rank, token_lags, seed):
+    """A residual-layer-0 mapper on `base`'s source maps with random residual weights (lags, readers, rank) and
+    random tables on every mapped layer at `token_lags`."""
+    config = replace(base.config, residual_layer=0, residual_lags=list(lags), residual_readers=list(readers),
+                     residual_rank=rank, key_before_norm=True)  # fmt: skip
+    m = with_random_tables(KVMapper(config, layer_maps=base.layers), [1, 2], lags=token_lags, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for weight in m.residual.parameters():
+        weight.data.copy_(0.2 * torch.randn(weight.shape, generator=g))
+    return m
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from([(0,), (0, 1), (1, 2), (0, 1, 2)]), st.sampled_from([(1, 2), (2,), (1,)]),
+       st.sampled_from([None, 5]), st.booleans(), st.integers(0, 2**16))
+def test_the_embedding_residual_held_in_the_tables_transfers_the_same(pair, lags, readers, rank, padded, seed):
+    source, target, _, base, _ = pair
+    mapper = random_residual_mapper(base, lags, readers, rank, (0, 1, 2, 3), seed)
+    folded = fold_residual_into_tables(mapper, target)
+    assert folded.config.residual_in_tables and folded.config.residual_rank is None
+    assert not list(folded.residual.parameters())  # no residual product left
+    # Each table row grew by the residual part of that id: the normalised embedding through the reader's weights.
+    emb = target.model.embed_tokens.weight.detach().double()
+    normed = emb / emb.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    width = emb.shape[1]
+    for t in readers:
+        weight = mapper.residual.weight("value", t).detach().double()
+        if rank is not None:
+            weight = weight @ mapper.residual.down.detach().double()
+        for i, lag in enumerate(lags):
+            grown = folded.tokens.value[str(t)][lag, :VOCAB].double() - mapper.tokens.value[str(t)][lag, :VOCAB].double()
+            torch.testing.assert_close(grown, normed @ weight[:, i * width : (i + 1) * width].T, rtol=1e-4, atol=1e-5)
+        assert torch.equal(folded.tokens.key[str(t)][:, VOCAB], mapper.tokens.key[str(t)][:, VOCAB])  # "no token"
+    # The transfer: the same keys and values as with the residual product, padded rows included.
+    ids = random_ids(2, 21, seed=seed % 97)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :6] = 0
+    outs = []
+    for m in (mapper, folded):
+        cache = TransferredCache(prefill(source, ids, mask), m, num_recompute_tokens=1)
+        with torch.no_grad():
+            logits = target(ids[:, -1:], attention_mask=mask, cache=cache).logits
+        outs.append((logits, cache))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
+    for t in (1, 2):
+        for kind in ("keys", "values"):
+            torch.testing.assert_close(getattr(outs[1][1].layers[t], kind), getattr(outs[0][1].layers[t], kind),
+                                       rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+def test_folding_refuses_what_it_cannot_hold_and_survives_a_round_trip(pair, tmp_path):
+    source, target, _, base, residual = pair
+    mapper = random_residual_mapper(base, (0, 1, 2), (1, 2), None, (0, 1, 2, 3), seed=3)
+    with pytest.raises(ValueError, match="must cover the residual readers"):
+        fold_residual_into_tables(random_residual_mapper(base, (0, 2), (1, 2), None, (0, 1), seed=3), target)
+    with pytest.raises(ValueError, match="residual_layer 0"):
+        fold_residual_into_tables(base, target)  # no residual, no tables
+    with pytest.raises(ValueError, match="residual_in_tables needs residual_layer 0"):
+        replace(mapper.config, token_readers=[2], residual_in_tables=True)  # layer 1 reads the residual, no table
+    with pytest.raises(ValueError, match="need residual_layer"):
+        replace(base.config, residual_in_tables=True)
+    folded = fold_residual_into_tables(mapper, target)
+    with pytest.raises(ValueError, match="not in them already"):
+        fold_residual_into_tables(folded, target)
+    folded.save_pretrained(tmp_path / "m")
+    loaded = KVMapper.from_pretrained(tmp_path / "m")
+    assert loaded.config.residual_in_tables
+    assert "held in the token tables" in (tmp_path / "m" / "README.md").read_text()  # the card says so
+    assert mapper.num_parameters() - loaded.num_parameters() == sum(p.numel() for p in mapper.residual.parameters())
+    ids = random_ids(1, 16, seed=8)
+    kw = dict(max_new_tokens=3, do_sample=False)
+    got = target.generate(ids, cache=TransferredCache(prefill(source, ids), loaded), **kw)
+    want = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper), **kw)
+    assert torch.equal(got, want)
+    # A model whose layer-0 input depends on the position cannot hold it in tables.
+    shifted = tiny_model("qwen3", num_hidden_layers=3, seed=1)
+    hook = shifted.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: out + 0.1 * torch.arange(out.shape[1], dtype=out.dtype)[:, None])
+    with pytest.raises(ValueError, match="depends on more than the token id"):
+        token_residuals(shifted)
+    hook.remove()
+    torch.testing.assert_close(token_residuals(shifted), shifted.model.embed_tokens.weight.detach())
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.sampled_from(["qwen3", "llama3-scaling", "yarn"]), st.integers(1, 3), st.booleans(), st.integers(0, 2**16))
+def test_the_first_layer_looked_up_is_the_targets_own(arch, batch, padded, seed):
+    # Independent of the cache: the target's own layer-0 K/V from its own forward, padded rows included.
+    source = tiny_model(arch, num_hidden_layers=2, seed=0)
+    target = tiny_model(arch, num_hidden_layers=3, seed=1)
+    ids = random_ids(batch, 19, seed=seed)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[-1, :5] = 0
+    base = fit_mapper(source, target, random_ids(2, 24, seed=seed + 1), top_k=1, num_exact_layers=1, heldout_fraction=0,
+                      residual_inputs="off", progress=False)  # fmt: skip
+    mapper = tabulate_first_layer(base, target)
+    assert mapper.config.first_layer_table and base.first_layer is None
+    cache = TransferredCache(prefill(source, ids, mask), mapper, attention_mask=mask, num_recompute_tokens=0, input_ids=ids)
+    cache.compute_exact_layers(target).convert_all()
+    own = prefill(target, ids, mask).layers  # the target's own cache: keys with its RoPE
+    keep = mask.bool()
+    for got, want in ((cache.layers[0].keys, own[0].keys), (cache.layers[0].values, own[0].values)):
+        torch.testing.assert_close(got.transpose(1, 2)[keep], want.transpose(1, 2)[keep], rtol=1e-4, atol=1e-5)
+    # The same answer as the projections give, through generate; more exact layers do not use the table.
+    kw = dict(max_new_tokens=3, do_sample=False, attention_mask=mask)
+    outs = [target.generate(ids, cache=TransferredCache(prefill(source, ids, mask), m, attention_mask=mask), **kw)
+            for m in (mapper, base)]  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    deeper = TransferredCache(prefill(source, ids, mask), mapper, attention_mask=mask, num_exact_layers=2,
+                              num_recompute_tokens=0, input_ids=ids).compute_exact_layers(target)  # fmt: skip
+    torch.testing.assert_close(deeper.convert_all().layers[1].keys.transpose(1, 2)[keep],
+                               own[1].keys.transpose(1, 2)[keep], rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+def test_a_first_layer_that_is_not_a_look_up_is_refused_and_the_table_survives_a_round_trip(pair, tmp_path):
+    source, target, _, base, _ = pair
+    mapper = tabulate_first_layer(base, target)
+    mapper.save_pretrained(tmp_path / "m")
+    loaded = KVMapper.from_pretrained(tmp_path / "m")
+    assert loaded.config.first_layer_table
+    assert "looked up per token id" in (tmp_path / "m" / "README.md").read_text()
+    assert loaded.num_parameters() - base.num_parameters() == 2 * VOCAB * base.target_layout.layer_dim
+    for name, tensor in mapper.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    shifted = tiny_model("qwen3", num_hidden_layers=3, seed=1)
+    shifted.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: out + 0.1 * torch.arange(out.shape[1], dtype=out.dtype)[:, None])
+    with pytest.raises(ValueError, match="cannot be looked up"):
+        tabulate_first_layer(base, shifted)

@@ -415,8 +415,23 @@ def test_token_table_mapper_is_served_as_transformers_applies_it(tmp_path):
     _served_as_transformers_applies_it(tmp_path, small, large, mapper)
 
 
-def _family_residual_statistics():
-    """The bundled small -> large pair, calibration ids, a source-only mapper and residual statistics of layer 1."""
+def test_embedding_residual_held_in_tables_is_served_as_transformers_applies_it(tmp_path):
+    """A mapper reading the residual entering layer 0 with that part held in its token tables, and layer 0's K/V
+    looked up: the worker's transfer equals transformers' TransferredCache with the residual product and the
+    target's own projections (the mapper before folding)."""
+    _need_vllm()
+    from hf_kvtransfer import fit_token_tables, fold_residual_into_tables, tabulate_first_layer
+    from hf_kvtransfer.fitting.residual_stats import solve_residual_mapper
+
+    small, large, ids, (base, stats) = _family_residual_statistics(layer=0)
+    unfolded = fit_token_tables(small, large, solve_residual_mapper(base, stats, residual_layer=0), ids)
+    mapper = tabulate_first_layer(fold_residual_into_tables(unfolded, large), large)
+    assert mapper.config.residual_in_tables and mapper.config.first_layer_table
+    _served_as_transformers_applies_it(tmp_path, small, large, mapper, reference=unfolded)
+
+
+def _family_residual_statistics(layer: int = 1):
+    """The bundled small -> large pair, calibration ids, a source-only mapper and residual statistics of `layer`."""
     from transformers import AutoModelForCausalLM
 
     from hf_kvtransfer import fit_mapper
@@ -426,14 +441,15 @@ def _family_residual_statistics():
     small, large = (AutoModelForCausalLM.from_pretrained(FAMILY / name, dtype=torch.float32).eval() for name in ("small", "large"))
     ids = torch.randint(5, 4000, (4, 64), generator=torch.Generator().manual_seed(0))
     base = fit_mapper(small, large, ids, top_k=2, num_exact_layers=1, residual_inputs="off", heldout_fraction=0, progress=False)
-    stats = ResidualStatistics.for_models(small, large, layers=[1])
+    stats = ResidualStatistics.for_models(small, large, layers=[layer])
     calibration_pass(small, large, ids, consumers=[stats], progress=False)
     return small, large, ids, (base, stats)
 
 
-def _served_as_transformers_applies_it(tmp_path, small, large, mapper):
+def _served_as_transformers_applies_it(tmp_path, small, large, mapper, reference=None):
     """Save `mapper`, start a worker-side connector on it, and check its transfer of one prompt against
-    transformers' `TransferredCache` (exact layers computed, every layer converted); returns the connector."""
+    transformers' `TransferredCache` with `reference` (default: the same mapper; exact layers computed, every layer
+    converted); returns the connector."""
     from hf_kvtransfer import TransferredCache, prefill
 
     mapper.save_pretrained(tmp_path / "mapper")
@@ -441,7 +457,8 @@ def _served_as_transformers_applies_it(tmp_path, small, large, mapper):
     prompt = list(range(7, 47))
     source_kv = tuple((layer.keys, layer.values) for layer in prefill(small, torch.tensor([prompt])).layers)
     got = worker._transfer(source_kv, prompt, "cpu", torch.float32)
-    want = TransferredCache(prefill(small, torch.tensor([prompt])), mapper, num_recompute_tokens=0).compute_exact_layers(large)
+    want = TransferredCache(prefill(small, torch.tensor([prompt])), reference or mapper, num_recompute_tokens=0)
+    want.compute_exact_layers(large)
     want.convert_all()
     for t in range(len(want.layers)):
         torch.testing.assert_close(got.layers[t].keys, want.layers[t].keys, rtol=1e-4, atol=1e-5)

@@ -108,6 +108,7 @@ class TransferPlan:
     token_positions: int  # positions the token tables read (t, t-1, ...)
     token_table_parameters_per_layer: int  # keys and values of one target layer with tables
     token_table_bytes_per_layer: int  # at `dtype`
+    first_layer_table_bytes: int  # layer 0's keys and values per token id (one exact layer, looked up), at `dtype`
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,12 +192,17 @@ def token_tables_cost(target_config: PreTrainedConfig, token_positions: int, dty
     (t, t-1, ...): one row per vocabulary entry (and one for "no token") per position, for keys and values, each
     `kv_heads * head_dim` wide. At transfer time a table is a look-up and an add per token (no multiply-add).
 
+    Also the table of layer 0's own keys and values per token id (`exact.FirstLayerTable`), which replaces one
+    exact layer's projections by a look-up.
+
     Returns:
-        `{"parameters": per layer, "bytes": per layer at `dtype`}`.
+        `{"parameters": per layer, "bytes": per layer at `dtype`, "first_layer_bytes": layer 0's table at `dtype`}`.
     """
     config = text_config(target_config)
-    parameters = 2 * token_positions * (config.vocab_size + 1) * KVLayout.from_config(config).layer_dim
-    return {"parameters": parameters, "bytes": parameters * _itemsize(_dtype(dtype))}
+    layer_dim = KVLayout.from_config(config).layer_dim
+    parameters = 2 * token_positions * (config.vocab_size + 1) * layer_dim
+    item = _itemsize(_dtype(dtype))
+    return {"parameters": parameters, "bytes": parameters * item, "first_layer_bytes": 2 * config.vocab_size * layer_dim * item}
 
 
 def first_token_flops(
@@ -418,6 +424,7 @@ def plan_transfer(
         token_positions=token_positions,
         token_table_parameters_per_layer=tables["parameters"],
         token_table_bytes_per_layer=tables["bytes"],
+        first_layer_table_bytes=tables["first_layer_bytes"],
         notes=notes,
     )
 
@@ -513,5 +520,9 @@ def _first_token_lines(plan: TransferPlan) -> list[str]:
             f"numbers per layer, {_bytes(plan.token_table_bytes_per_layer)} in {plan.dtype}): no FLOPs (a look-up per "
             f"token); on all {mapped} mapped layers {_bytes(mapped * plan.token_table_bytes_per_layer)}, "
             f"{mapped * plan.token_table_parameters_per_layer / plan.mapper_parameters:.1f}x the mapper"
+        )
+        lines.append(
+            f"  with 1 exact layer: maps reading the embeddings hold that part in the tables (no product), and layer "
+            f"0's keys and values looked up per token id take {_bytes(plan.first_layer_table_bytes)} (no projection)"
         )
     return lines

@@ -414,16 +414,21 @@ class TransferredCache(DynamicCache):
                 "`input_ids=` (the ids the source cache was built from) here or to TransferredCache"
             )
         exact = range(self.num_exact_layers)
-        layer = self.mapper.config.residual_layer
-        own = own_prefix(model, prompt[:, : transfer.length], transfer.attention_mask, transfer.rope.position_ids,
-                         len(exact), hidden_of=layer)  # fmt: skip
+        config = self.mapper.config
+        # The residual the maps read, unless it is in the token tables (then only its readers' key norms are needed).
+        layer = config.residual_layer if self.mapper.needs_target_residual and not self.mapper.residual.in_tables else None
+        if len(exact) == 1 and layer is None and self.mapper.first_layer is not None:
+            # Layer 0's K/V depend on the ids alone: looked up (the target's own numbers), not projected.
+            own = [transfer.first_layer(prompt[:, : transfer.length], model.get_input_embeddings().weight)]
+        else:
+            own = own_prefix(model, prompt[:, : transfer.length], transfer.attention_mask, transfer.rope.position_ids,
+                             len(exact), hidden_of=layer)  # fmt: skip
         if layer is not None:
             own, hidden = own
             # (B, T, hidden) -> (B, T, F): the residual features the maps of the layers after `layer` read
-            config = self.mapper.config
             transfer.residual = self.mapper.residual.project(residual_features(hidden, config.residual_lags, transfer.attention_mask))
-            if config.key_before_norm:
-                transfer.key_norms = _key_norms(model, residual_readers(config))  # only the readers' keys pass them
+        if config.key_before_norm:
+            transfer.key_norms = _key_norms(model, residual_readers(config))  # only the readers' keys pass them
         for t, kv in zip(exact, own):
             transfer.ahead[t] = kv
         for s, layer in list(transfer.sources.items()):

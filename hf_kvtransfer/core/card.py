@@ -202,8 +202,12 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
     if config.get("num_recompute_tokens") is not None:
         facts.append(("Prompt tokens the target recomputes (default `num_recompute_tokens`)", str(config["num_recompute_tokens"])))
     if config.get("residual_layer") is not None:
+        held = "; held in the token tables, a look-up of the ids" if config.get("residual_in_tables") else ""
         facts.append(("Maps also read", f"the target's residual stream entering layer {config['residual_layer']} "
-                      f"(readers: {', '.join(map(str, config.get('residual_readers') or ['every mapped layer']))})"))  # fmt: skip
+                      f"(readers: {', '.join(map(str, config.get('residual_readers') or ['every mapped layer']))}{held})"))  # fmt: skip
+    if config.get("first_layer_table"):
+        facts.append(("Layer 0's keys and values", "looked up per token id when it is the one exact layer (the target's "
+                      "own numbers, no projection)"))  # fmt: skip
     if config.get("token_lags") is not None:
         lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in config["token_lags"])
         facts.append(("Maps also add", f"token tables of the prompt's ids at positions {lags} "

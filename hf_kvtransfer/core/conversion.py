@@ -303,19 +303,18 @@ class PendingTransfer:
 
     def _with_residual(self, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """The group's mapped rows plus their residual part for the layers that read it (`residual.py`)."""
-        if self.residual is None or (self.mapper.config.key_before_norm and self.key_norms is None):
+        maps = self.mapper.residual
+        readers = [(i, t) for i, t in enumerate(group) if str(t) in maps.key]  # none when it is in the token tables
+        if not readers:
+            return rows
+        if self.residual is None:
             raise ValueError(
                 "this mapper's maps read the target's residual stream, which the cache computes in its exact layers "
                 "from the prompt's ids, but none were computed (no prompt ids known, a legacy tuple cache, or every "
                 "layer mapped with convert_all): pass input_ids= to TransferredCache (or build the source cache with "
                 "`prefill`) and let the target's forward or compute_exact_layers(model) run first"
             )
-        maps = self.mapper.residual
-        tgt = self.mapper.target_layout
-        width = tgt.layer_dim
-        readers = [(i, t) for i, t in enumerate(group) if str(t) in maps.key]
-        if not readers:
-            return rows
+        width = self.mapper.target_layout.layer_dim
         out = []
         for kind, x in zip(("key", "value"), rows):
             weights = [maps.weight(kind, t) for _, t in readers]
@@ -329,10 +328,18 @@ class PendingTransfer:
     def _key_norm(self, group: tuple[int, ...], keys: torch.Tensor) -> None:
         """The target's own key norms on the keys of the group's residual readers, which a mapper with
         `key_before_norm` predicts before them (in place)."""
+        readers = set(self.mapper.residual.layers)
+        if self.key_norms is None and readers.intersection(group):
+            raise ValueError(
+                "this mapper predicts keys before the target's key norm, which the cache takes from the target in its "
+                "exact layers, but none were computed (no prompt ids known, a legacy tuple cache, or every layer mapped "
+                "with convert_all): pass input_ids= to TransferredCache (or build the source cache with `prefill`) and "
+                "let the target's forward or compute_exact_layers(model) run first"
+            )
         tgt = self.mapper.target_layout
         keys = keys.view(*keys.shape[:-1], len(group), tgt.num_kv_heads, tgt.head_dim)
         for i, t in enumerate(group):
-            if str(t) in self.mapper.residual.key:
+            if t in readers:
                 keys[..., i, :, :] = self.key_norms[t](keys[..., i, :, :])
 
     def _with_tables(self, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -352,6 +359,13 @@ class PendingTransfer:
             for i, t in readers:
                 x[..., i * width : (i + 1) * width] += tables.lookup(kind, t, self.token_ids).to(x.device, x.dtype)
         return rows
+
+    @torch.no_grad()
+    def first_layer(self, input_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's own layer-0 keys and values `[B, n_kv, T, d]` looked up from the mapper's table
+        (`exact.FirstLayerTable`) for the prompt's ids `[B, T]`, the target's RoPE applied; in `like`'s dtype."""
+        keys, values = self._finish(*self.mapper.first_layer.lookup(input_ids), 1, like)
+        return keys[0], values[0]
 
     def mapped(self, layer_idx: int, like: torch.Tensor, pending: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Finished target keys and values of `layer_idx` `[B, n_kv, T, d]`, computed with the other layers of its

@@ -17,6 +17,7 @@ from transformers import PreTrainedConfig
 
 from ..version import __version__
 from .card import render_model_card
+from .exact import FirstLayerTable
 from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolve_mapper_dir
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
 from .mapper_types import LOWRANK, RIDGE
@@ -101,6 +102,14 @@ class MapperConfig:
             the others keep source-only maps.
         key_before_norm: the key maps of the residual readers predict keys before the target's per-head key norm
             (Qwen3's `k_norm`), which the cache applies with the target's own module.
+        residual_in_tables: the residual part of the maps is held in the token tables, not as weights: with
+            `residual_layer = 0` the residual is the token embedding, a function of the id alone, so its product
+            with each reader's weights is one table row per id (`fitting.fold_residual_into_tables`). The cache
+            then gathers it with the tables (no residual product); the exact layer and key norms stay as they were.
+        first_layer_table: the mapper holds the target's own layer-0 keys (RoPE-free, after its key norm) and
+            values for every token id (`exact.FirstLayerTable`): they depend on the id alone, so a cache that
+            computes exactly one layer looks them up instead of running the target's projections (the same
+            numbers). Made by `fitting.tabulate_first_layer`.
         token_lags / token_readers: the maps of the layers `token_readers` also add token tables (`token_tables.py`):
             one row per token id at each position `t - lag` back; the cache reads the prompt's ids for them. None:
             no tables.
@@ -133,6 +142,8 @@ class MapperConfig:
     residual_rank: int | None = None
     residual_readers: list[int] | None = None
     key_before_norm: bool = False
+    residual_in_tables: bool = False
+    first_layer_table: bool = False
     token_lags: list[int] | None = None
     token_readers: list[int] | None = None
     num_parameters: int | None = None
@@ -189,6 +200,8 @@ class MapperConfig:
             )
         validate_residual_config(self)
         validate_token_config(self)
+        if self.first_layer_table and not self.target_fingerprint.get("vocab_size"):
+            raise ValueError("first_layer_table needs the target's vocab_size in its config fingerprint")
         if self.token_lags is not None and self.mapper_type != RIDGE:
             raise ValueError(f"token tables apply to 'ridge' mappers only, got mapper_type={self.mapper_type!r}")
 
@@ -250,6 +263,8 @@ class KVMapper(nn.Module):
         self.residual = ResidualMaps(config) if config.residual_layer is not None else None
         # Per-token tables some layers' maps add (`token_tables.py`), None without.
         self.tokens = TokenTables(config) if config.token_lags is not None else None
+        # The target's own layer-0 K/V per token id (`exact.py`), None without.
+        self.first_layer = FirstLayerTable(config) if config.first_layer_table else None
         # How the mapper was made (selection curves, training logs, timings, evaluations): `fit_report.json`.
         self.report: dict[str, Any] = dict(report or {})
 

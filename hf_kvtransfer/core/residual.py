@@ -9,6 +9,10 @@ target layer `t > residual_layer` adds `W_res[t] @ r` to its affine map of the s
 RMS-normalised residual (no weight) at positions `t - lag` for the mapper's `residual_lags` (zeros before a row's
 first token), optionally through one shared reduced-rank projection (`residual_rank`).
 
+With `residual_layer = 0` the residual is the token embedding: `W_res[t] @ r` is then a function of the ids at
+`t - lag` alone, one row per id, and a mapper with token tables may hold it there (`residual_in_tables`): the same
+maps, applied as a gather instead of a product.
+
 A mapper with `key_before_norm` predicts keys *before* the target's per-head key norm (Qwen3's `k_norm`), which
 the cache then applies with the target's own module: a normalisation is not linear, and the linear part of the key
 is what a linear map can fit.
@@ -53,8 +57,9 @@ def residual_features(hidden: torch.Tensor, lags: list[int], attention_mask: tor
 
 def residual_input_features(config: MapperConfig | dict[str, Any]) -> list[int]:
     """Extra input features each target layer's key and value maps read beyond the source's K/V (0 for layers that
-    read none): `len(residual_lags) * hidden_size`, or `residual_rank` after the shared projection (which itself is
-    `residual_rank x len(residual_lags) * hidden_size`, applied once per token; see `residual_projection_shape`).
+    read none, and for a mapper whose residual part is in its token tables): `len(residual_lags) * hidden_size`, or
+    `residual_rank` after the shared projection (which itself is `residual_rank x len(residual_lags) * hidden_size`,
+    applied once per token; see `residual_projection_shape`).
 
     Args:
         config: a `MapperConfig` or its dict (`config.json`).
@@ -62,7 +67,7 @@ def residual_input_features(config: MapperConfig | dict[str, Any]) -> list[int]:
     data = config if isinstance(config, dict) else config.to_dict()
     num_layers = data["target_fingerprint"]["num_hidden_layers"]
     layer = data.get("residual_layer")
-    if layer is None:
+    if layer is None or data.get("residual_in_tables"):
         return [0] * num_layers
     width = data.get("residual_rank") or len(data["residual_lags"]) * data["target_fingerprint"]["hidden_size"]
     readers = set(residual_readers(data))
@@ -83,7 +88,7 @@ def residual_projection_shape(config: MapperConfig | dict[str, Any]) -> tuple[in
     """`(residual_rank, len(lags) * hidden_size)` of the shared residual projection of a reduced-rank residual
     mapper, else None."""
     data = config if isinstance(config, dict) else config.to_dict()
-    if data.get("residual_layer") is None or not data.get("residual_rank"):
+    if data.get("residual_layer") is None or not data.get("residual_rank") or data.get("residual_in_tables"):
         return None
     return data["residual_rank"], len(data["residual_lags"]) * data["target_fingerprint"]["hidden_size"]
 
@@ -92,10 +97,11 @@ def validate_residual_config(config: MapperConfig) -> None:
     """Raise `ValueError` for inconsistent residual fields of a mapper config."""
     num_layers = config.target_fingerprint["num_hidden_layers"]
     if config.residual_layer is None:
-        if config.residual_lags is not None or config.residual_rank is not None or config.key_before_norm or config.residual_readers is not None:
+        if (config.residual_lags is not None or config.residual_rank is not None or config.key_before_norm
+                or config.residual_readers is not None or config.residual_in_tables):  # fmt: skip
             raise ValueError(
-                "residual_lags / residual_rank / key_before_norm need residual_layer (the target layer whose input "
-                "feeds the maps)"
+                "residual_lags / residual_rank / key_before_norm / residual_in_tables need residual_layer (the target "
+                "layer whose input feeds the maps)"
             )
         return
     if not 0 <= config.residual_layer < num_layers - 1:
@@ -116,6 +122,15 @@ def validate_residual_config(config: MapperConfig) -> None:
             f"residual_rank must be in [1, {len(lags) * config.target_fingerprint['hidden_size']}] (lags x hidden "
             f"size), got {config.residual_rank}"
         )
+    if config.residual_in_tables and not (
+        config.residual_layer == 0
+        and set(residual_readers(config)) <= set(config.token_readers or ())
+        and set(lags) <= set(config.token_lags or ())
+    ):
+        raise ValueError(
+            "residual_in_tables needs residual_layer 0 (the residual is then the token embedding, a function of the "
+            "id) and token tables on every residual reader at every residual lag (they hold the residual part)"
+        )
     if config.num_exact_layers is not None and config.num_exact_layers < config.residual_layer + 1:
         raise ValueError(
             f"a mapper reading the residual entering target layer {config.residual_layer} needs num_exact_layers >= "
@@ -126,17 +141,20 @@ def validate_residual_config(config: MapperConfig) -> None:
 class ResidualMaps(nn.Module):
     """The residual part of the maps of the layers after `residual_layer`: `key.<t>` / `value.<t>` weights
     `[n_kv * d, F]` (F: `residual_input_features`), and the shared projection `down` `[rank, len(lags) * hidden]`
-    of a reduced-rank one."""
+    of a reduced-rank one. None of them when the residual part is in the token tables (`in_tables`): the readers
+    are then kept for their key norms only."""
 
     def __init__(self, config: MapperConfig):
         super().__init__()
         out = config.target_layout.layer_dim
         widths = residual_input_features(config)
         self.layers = residual_readers(config)
+        self.in_tables = bool(config.residual_in_tables)
+        weighted = [] if self.in_tables else self.layers
         shape = residual_projection_shape(config)
         self.down = nn.Parameter(torch.zeros(shape)) if shape is not None else None
-        self.key = nn.ParameterDict({str(t): nn.Parameter(torch.zeros(out, widths[t])) for t in self.layers})
-        self.value = nn.ParameterDict({str(t): nn.Parameter(torch.zeros(out, widths[t])) for t in self.layers})
+        self.key = nn.ParameterDict({str(t): nn.Parameter(torch.zeros(out, widths[t])) for t in weighted})
+        self.value = nn.ParameterDict({str(t): nn.Parameter(torch.zeros(out, widths[t])) for t in weighted})
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """Residual features `[B, T, len(lags) * hidden]` -> what the per-layer weights read `[B, T, F]`."""

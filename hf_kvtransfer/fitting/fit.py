@@ -47,6 +47,8 @@ from .token_tables import (
     TableInputs,
     capture_table_inputs,
     fit_token_tables,
+    fold_residual_into_tables,
+    tabulate_first_layer,
     table_inputs_nbytes,
     token_table_rows_nbytes,
     with_token_tables,
@@ -482,18 +484,26 @@ def _token_tables_step(source, target, input_ids, attention_mask, num_heldout: i
             (log or logger.info)(f"token tables: not added, {nbytes / 2**30:,.1f} GiB for layers {readers} (over {TOKEN_TABLE_BYTES / 2**30:.0f} GiB)")
             return candidate
         layer = candidate.config.residual_layer
-        if layer in fitted:
-            return with_token_tables(candidate, fitted[layer].tokens)
+        if layer not in fitted:
+            fitted[layer] = fit_tables(candidate, readers, layer)
+        with_tables = with_token_tables(candidate, fitted[layer].tokens)
+        # The residual entering layer 0 is the token embedding: its part of the maps is one more table row per id
+        # and lag, a gather at transfer time instead of a product (the same maps); and the one exact layer's K/V
+        # are the target's own per id, looked up instead of projected.
+        if layer == 0 and set(with_tables.config.residual_lags) <= set(with_tables.tokens.lags):
+            return tabulate_first_layer(fold_residual_into_tables(with_tables, target), target)
+        return with_tables
+
+    def fit_tables(candidate: KVMapper, readers: list[int], layer: int) -> KVMapper:
         kept = token_table_rows_nbytes(int(mask.sum()) if mask is not None else ids.numel(), len(readers),
                                        candidate.target_layout.layer_dim)  # fmt: skip
         (log or logger.info)(f"token tables for layers {readers} (residual layer {layer}): {kept / 2**20:,.0f} MiB of "
                              f"rows kept while they are fit (float32)")  # fmt: skip
         if keep and not shared:
             shared.append(capture_table_inputs(source, target, ids, mask, batch_size=config.batch_size))
-        fitted[layer] = fit_token_tables(source, target, candidate, ids, mask, readers=readers, lags=config.token_lags,
-                                         batch_size=config.batch_size, inputs=shared[0] if shared else None,
-                                         progress=config.progress)  # fmt: skip
-        return fitted[layer]
+        return fit_token_tables(source, target, candidate, ids, mask, readers=readers, lags=config.token_lags,
+                                batch_size=config.batch_size, inputs=shared[0] if shared else None,
+                                progress=config.progress)  # fmt: skip
 
     return refine
 

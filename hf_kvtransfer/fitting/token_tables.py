@@ -10,6 +10,10 @@ and the per-id sums are all-reduced at each step.
 
 Memory: the kept rows, `tokens x readers x 2 x kv_heads x head_dim` float32 (`token_table_rows_nbytes`).
 
+A mapper reading the residual entering layer 0 (the token embedding) with tables on its readers can hold that
+residual part in the tables (`fold_residual_into_tables`): the same maps, a gather at transfer time instead of a
+product with `len(residual_lags) * hidden_size` inputs per token.
+
 Example:
     ```python
     mapper = fit_token_tables(source, target, mapper, calibration_ids)   # every mapped layer gets tables
@@ -31,8 +35,9 @@ from transformers import PreTrainedModel
 
 from ..core.cache import TransferredCache
 from ..core.capture import capture_kv_and_inputs, prefill
+from ..core.exact import own_prefix
 from ..core.mapper import KVMapper
-from ..core.residual import residual_readers
+from ..core.residual import residual_features, residual_readers
 from ..core.rope import position_ids_from_mask, rotary_cos_sin, strip_rope, text_config
 from ..core.stats import KVLayout
 from ..core.token_tables import TokenTables, lagged_token_ids
@@ -132,13 +137,17 @@ def capture_table_inputs(
     *, batch_size: int = 8,
 ) -> TableInputs:
     """Run both models once over the calibration sequences, for several `fit_token_tables` calls."""
-    batches = []
+    return TableInputs(list(_table_batches(source, target, input_ids, attention_mask, batch_size)))
+
+
+@torch.no_grad()
+def _table_batches(source, target, input_ids, attention_mask, batch_size: int):
+    """`TableInputs.batches`, one batch at a time (what one fit holds at once when nothing is shared)."""
     for start in range(0, input_ids.shape[0], batch_size):
         ids = input_ids[start : start + batch_size]
         mask = attention_mask[start : start + batch_size] if attention_mask is not None else None
         keys, values, _, before_norm = capture_kv_and_inputs(target, ids, mask, key_projections=has_key_norm(target))
-        batches.append((ids, mask, prefill(source, ids, mask), keys, values, before_norm))
-    return TableInputs(batches)
+        yield ids, mask, prefill(source, ids, mask), keys, values, before_norm
 
 
 def _with_empty_tables(mapper: KVMapper, lags: Sequence[int], readers: Sequence[int]) -> KVMapper:
@@ -159,6 +168,121 @@ def with_token_tables(mapper: KVMapper, tables: TokenTables) -> KVMapper:
     for kind in ("key", "value"):
         for t in readers:
             getattr(new.tokens, kind)[str(t)].data.copy_(getattr(tables, kind)[str(t)].data)
+    return new
+
+
+@torch.no_grad()
+def token_residuals(target: PreTrainedModel, *, batch_size: int = 4096, check_tokens: int = 64) -> torch.Tensor:
+    """`[vocab_size, hidden]`: the residual stream entering `target`'s layer 0 for each token id (its embedding, as
+    the model's own forward computes it: any scale included), float32 on the target's device.
+
+    Raises:
+        ValueError: when that residual depends on more than the id (position embeddings, for one): checked on a
+            sequence of `check_tokens` ids against the per-id rows.
+    """
+    vocab = text_config(target.config).vocab_size
+    device = next(target.parameters()).device
+    ids = torch.arange(vocab, device=device)
+    rows = []
+    for chunk in ids.split(batch_size):  # each id a one-token sequence at position 0
+        _, hidden = own_prefix(target, chunk[:, None], None, torch.zeros_like(chunk)[:, None], 1, hidden_of=0)
+        rows.append(hidden[:, 0].float())
+    table = torch.cat(rows)
+    sample = torch.randint(vocab, (1, check_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(check_tokens, device=device)[None]
+    _, hidden = own_prefix(target, sample, None, positions, 1, hidden_of=0)
+    if not torch.allclose(hidden[0].float(), table[sample[0]], rtol=1e-4, atol=1e-5):
+        raise ValueError(
+            f"the residual entering layer 0 of {type(target).__name__} depends on more than the token id (position or "
+            "context): its residual part cannot be held in token tables; keep the mapper as it is"
+        )
+    return table
+
+
+@torch.no_grad()
+def tabulate_first_layer(mapper: KVMapper, target: PreTrainedModel, *, batch_size: int = 4096, check_tokens: int = 64) -> KVMapper:
+    """`mapper` with the target's own layer-0 keys and values per token id (`MapperConfig.first_layer_table`): a
+    cache computing exactly one layer then looks them up instead of running the target's projections.
+
+    Each id's keys and values are the target's own of a one-token sequence, RoPE stripped (keys after the key norm).
+
+    Raises:
+        ValueError: when layer 0's keys or values depend on more than the id (checked on a sequence of
+            `check_tokens` ids against the looked-up rows with the target's RoPE).
+
+    Returns:
+        A new mapper (maps and tables shared with `mapper`); `mapper` is not changed.
+    """
+    vocab = text_config(target.config).vocab_size
+    device = next(target.parameters()).device
+    rotary = mapper.target_rotary()
+
+    def own_layer0(ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = own_prefix(target, ids, None, positions, 1)[0]
+        keys = strip_rope(keys, *rotary_cos_sin(rotary, positions, device))
+        return _flat(keys), _flat(values.float())  # (B, T, n_kv * d)
+
+    rows = [own_layer0(chunk[:, None], torch.zeros_like(chunk)[:, None]) for chunk in torch.arange(vocab, device=device).split(batch_size)]
+    keys, values = (torch.cat([r[i][:, 0] for r in rows]) for i in (0, 1))
+    sample = torch.randint(vocab, (1, check_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    got = own_layer0(sample, torch.arange(check_tokens, device=device)[None])
+    if not all(torch.allclose(g[0], table[sample[0]], rtol=1e-3, atol=1e-4) for g, table in zip(got, (keys, values))):
+        raise ValueError(
+            f"layer 0's keys and values of {type(target).__name__} depend on more than the token id: they cannot be "
+            "looked up; keep the mapper as it is"
+        )
+    new = KVMapper(dataclasses.replace(mapper.config, first_layer_table=True), layer_maps=mapper.layers,
+                   report=dict(mapper.report))  # fmt: skip
+    new.residual, new.tokens = mapper.residual, mapper.tokens
+    new.first_layer.to(mapper.dtype)
+    new.first_layer.key.data.copy_(keys)
+    new.first_layer.value.data.copy_(values)
+    return new
+
+
+@torch.no_grad()
+def fold_residual_into_tables(mapper: KVMapper, target: PreTrainedModel) -> KVMapper:
+    """The same maps with their residual part held in the token tables (`MapperConfig.residual_in_tables`).
+
+    With `residual_layer = 0` a reader's residual part at position `t` is `sum_i W_i @ norm(e[ids[t - lag_i]])`
+    (`e` the residual entering layer 0 of each id, `token_residuals`): one row per id and lag, added to the table
+    of that lag. The "no token" row stays as it is (the residual features are zero there too). The transfer then
+    computes no residual product; it still runs the exact layer and the key norms.
+
+    Args:
+        mapper: a mapper with `residual_layer = 0` and token tables on every residual reader at every residual lag.
+        target: the target model (for its embeddings).
+
+    Returns:
+        A new mapper (the source maps shared with `mapper`, new tables); `mapper` is not changed.
+    """
+    config = mapper.config
+    readers = residual_readers(config)
+    if config.residual_layer != 0 or config.residual_in_tables or mapper.tokens is None:
+        raise ValueError(
+            "fold_residual_into_tables needs a mapper reading the residual entering layer 0 (residual_layer 0), with "
+            "token tables, whose residual part is not in them already"
+        )
+    if not set(readers) <= set(mapper.tokens.layers) or not set(config.residual_lags) <= set(mapper.tokens.lags):
+        raise ValueError(
+            f"the token tables (layers {mapper.tokens.layers}, lags {mapper.tokens.lags}) must cover the residual readers "
+            f"{readers} at the residual lags {config.residual_lags}"
+        )
+    embeddings = token_residuals(target).to(mapper.dtype)
+    features = residual_features(embeddings[None], [0])[0]  # [vocab, hidden], normalised as the cache does
+    width = features.shape[1]
+    folded = dataclasses.replace(config, residual_in_tables=True, residual_rank=None)
+    new = KVMapper(folded, layer_maps=mapper.layers, report=dict(mapper.report)).to(mapper.dtype)
+    new.tokens.load_state_dict(mapper.tokens.state_dict())
+    for kind in ("key", "value"):
+        for t in readers:
+            weight = mapper.residual.weight(kind, t)
+            if mapper.residual.down is not None:
+                weight = weight @ mapper.residual.down  # [out, len(lags) * hidden]
+            table = getattr(new.tokens, kind)[str(t)].data
+            for i, lag in enumerate(config.residual_lags):
+                block = weight[:, i * width : (i + 1) * width].to(features.device)
+                table[mapper.tokens.lags.index(lag), : features.shape[0]] += (features @ block.T).to(table.device, table.dtype)
     return new
 
 
@@ -220,9 +344,11 @@ def fit_token_tables(
     kept_ids: list[torch.Tensor] = []
     kept: dict[tuple[int, str], list[torch.Tensor]] = {(t, kind): [] for t in readers for kind in ("key", "value")}
     if inputs is None:
-        inputs = capture_table_inputs(source, target, input_ids, attention_mask, batch_size=batch_size)
+        batches = _table_batches(source, target, input_ids, attention_mask, batch_size)  # not kept: one at a time
+    else:
+        batches = inputs.batches
     bar = tqdm(total=input_ids.shape[0], desc="token tables: what the maps miss", unit="seq", disable=not progress)
-    for ids, mask, source_cache, own_keys, own_values, before_norm in inputs.batches:
+    for ids, mask, source_cache, own_keys, own_values, before_norm in batches:
         cache = TransferredCache(source_cache, raw, attention_mask=mask, num_recompute_tokens=0, input_ids=ids,
                                  num_exact_layers=exact)  # fmt: skip
         cache.compute_exact_layers(target).convert_all()
@@ -241,8 +367,14 @@ def fit_token_tables(
     new = _with_empty_tables(mapper, lags, readers)
     # One solve for every layer and kind: the one-hot ids are the same, only the right-hand sides differ.
     width = mapper.target_layout.layer_dim
-    tables = solve_token_tables(lagged, torch.cat([torch.cat(rows) for rows in kept.values()], dim=1), vocab,
-                                pseudo_count=pseudo_count)  # fmt: skip
+    targets = torch.empty(lagged.shape[0], len(kept) * width)
+    for i, rows in enumerate(kept.values()):  # into one matrix, each piece freed once copied (no second copy of all)
+        start = 0
+        while rows:
+            piece = rows.pop(0)
+            targets[start : start + piece.shape[0], i * width : (i + 1) * width] = piece
+            start += piece.shape[0]
+    tables = solve_token_tables(lagged, targets, vocab, pseudo_count=pseudo_count)
     for i, (t, kind) in enumerate(kept):
         getattr(new.tokens, kind)[str(t)].data.copy_(tables[..., i * width : (i + 1) * width].to(mapper.dtype))
     logger.info("token tables: layers %s, lags %s, %d tokens", readers, lags, lagged.shape[0])
@@ -257,8 +389,11 @@ __all__ = [
     "TOKEN_TABLE_MAX_ITERATIONS",
     "TOKEN_TABLE_TOLERANCE",
     "fit_token_tables",
+    "fold_residual_into_tables",
     "solve_token_tables",
+    "tabulate_first_layer",
     "table_inputs_nbytes",
+    "token_residuals",
     "token_table_rows_nbytes",
     "with_token_tables",
 ]

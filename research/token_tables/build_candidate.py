@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "content_at_speed"))
 from content_at_speed import load_pair  # noqa: E402
 
-from hf_kvtransfer import fit_mapper, fit_token_tables  # noqa: E402
+from hf_kvtransfer import fit_mapper, fit_token_tables, fold_residual_into_tables, tabulate_first_layer  # noqa: E402
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass  # noqa: E402
 from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper  # noqa: E402
 
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--residual-layer", type=int, required=True)
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--no-tables", action="store_true")
+    p.add_argument("--no-fold", action="store_true", help="J = 0: keep the residual product and layer 0's projections (the fit folds and looks them up)")
     p.add_argument("--readers", help="comma-separated target layers that read the residual (default: every mapped layer)")
     p.add_argument("--energy", type=float, help="a shared reduced-rank residual projection keeping this fraction")
     p.add_argument("--output", required=True)
@@ -44,6 +45,8 @@ def main() -> None:
     mapper = solve_residual_mapper(base, stats, args.residual_layer, readers=readers, residual_energy=args.energy)
     if not args.no_tables:
         mapper = fit_token_tables(pair.source, pair.target, mapper, train)
+        if args.residual_layer == 0 and not args.no_fold:  # as the fit does: the embedding's part in the tables,
+            mapper = tabulate_first_layer(fold_residual_into_tables(mapper, pair.target), pair.target)  # layer 0 looked up
     mapper.save_pretrained(args.output)
     print(f"saved {args.output}: {mapper.num_exact_layers} exact layers, tables on {mapper.config.token_readers}")
 

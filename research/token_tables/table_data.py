@@ -4,7 +4,7 @@ calibration sequences, scored on the fit's own probe: repeated spans and cued re
 sequences (the last tenth), as `choose_configuration` scores them.
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/token_tables/table_data.py --source small --target large \
-        --residual-layer 0 --rows 512 --table-rows 0 64 461 1843
+        --residual-layer 0 --rows 512 --table-rows 0 64 461 1843 [--lags 0 1 2 3 4 5 6 7]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--residual-layer", type=int, default=0)
     p.add_argument("--rows", type=int, default=512, help="calibration rows of 256 tokens of the maps (a tenth held out)")
     p.add_argument("--table-rows", type=int, nargs="+", default=[0, 64, 461], help="rows the tables are fit on (0: none)")
+    p.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 3], help="positions back the tables read")
     p.add_argument("--items", type=int, default=64, help="repeated spans; cued recall gets 4x")
     p.add_argument("--output", type=Path)
     args = p.parse_args()
@@ -56,11 +57,11 @@ def main() -> None:
     results = {}
     for n in args.table_rows:
         rows = torch.cat([train, extra[: max(0, n - len(train)) * 256].reshape(-1, 256)])[:n]
-        m = fit_token_tables(pair.source, pair.target, mapper, rows) if n else mapper
+        m = fit_token_tables(pair.source, pair.target, mapper, rows, lags=args.lags) if n else mapper
         with torch.no_grad():
             s = repeated_span_retention(pair.source, pair.target, m, spans, num_recompute_tokens=1, progress=False)
             c = repeated_span_retention(pair.source, pair.target, m, cued, num_recompute_tokens=1, progress=False)
-        results[n] = {"tokens": n * 256, "spans": s["retention"], "spans_ci": s["retention_ci"], "cued": c["retention"],
+        results[n] = {"tokens": n * 256, "lags": args.lags, "spans": s["retention"], "spans_ci": s["retention_ci"], "cued": c["retention"],
                       "cued_ci": c["retention_ci"]}  # fmt: skip
         print(f"tables on {n} rows ({n * 256} tokens): spans {s['retention']:.3f} {[round(x, 3) for x in s['retention_ci']]}, "
               f"cued {c['retention']:.3f} {[round(x, 3) for x in c['retention_ci']]}", flush=True)
