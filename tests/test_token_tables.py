@@ -437,3 +437,10 @@ def test_a_first_layer_that_is_not_a_look_up_is_refused_and_the_table_survives_a
         lambda module, args, out: out + 0.1 * torch.arange(out.shape[1], dtype=out.dtype)[:, None])
     with pytest.raises(ValueError, match="cannot be looked up"):
         tabulate_first_layer(base, shifted)
+    # A bf16 target rounds its products differently at other shapes: still a look-up, to its own precision.
+    half = tiny_model("qwen3", num_hidden_layers=3, seed=1).to(torch.bfloat16)
+    own = prefill(half, (ids := random_ids(1, 12, seed=2))).layers[0]
+    cache = TransferredCache(prefill(source, ids), tabulate_first_layer(base, half), num_recompute_tokens=0, input_ids=ids)
+    got = cache.compute_exact_layers(half).convert_all().layers[0]
+    torch.testing.assert_close(got.keys.float(), own.keys.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.values.float(), own.values.float(), rtol=2e-2, atol=2e-2)
