@@ -171,11 +171,27 @@ def with_token_tables(mapper: KVMapper, tables: TokenTables) -> KVMapper:
     return new
 
 
-def _same_per_id(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether states computed in a sequence equal the per-id rows up to the rounding of the model's `dtype` (a
-    few units in its last place: a bf16 product may round differently at another shape), relative to their scale."""
-    tolerance = max(1e-4, 8 * torch.finfo(dtype).eps)
-    return bool((got - want).abs().max() <= tolerance * want.abs().max().clamp_min(1e-6))
+def _per_id(target: PreTrainedModel, states, refusal: str, batch_size: int, check_tokens: int) -> list[torch.Tensor]:
+    """Rows `[vocab_size, F]` of what `states(ids, positions)` returns (float32 tensors `[B, T, F]`) for every token
+    id, each run as a one-token sequence at position 0.
+
+    Raises:
+        ValueError(refusal): when a sequence of `check_tokens` ids gives other states than its ids' rows, beyond
+            the rounding of the model's dtype (a few units in its last place: a bf16 product may round differently
+            at another shape), relative to their scale.
+    """
+    vocab = text_config(target.config).vocab_size
+    device = next(target.parameters()).device
+    chunks = [states(c[:, None], torch.zeros_like(c)[:, None]) for c in torch.arange(vocab, device=device).split(batch_size)]
+    rows = [torch.cat([chunk[i][:, 0] for chunk in chunks]) for i in range(len(chunks[0]))]
+    sample = torch.randint(vocab, (1, check_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    got = states(sample, torch.arange(check_tokens, device=device)[None])
+    tolerance = max(1e-4, 8 * torch.finfo(next(target.parameters()).dtype).eps)
+    for g, r in zip(got, rows):
+        want = r[sample[0]]
+        if (g[0] - want).abs().max() > tolerance * want.abs().max().clamp_min(1e-6):
+            raise ValueError(refusal)
+    return rows
 
 
 @torch.no_grad()
@@ -184,26 +200,15 @@ def token_residuals(target: PreTrainedModel, *, batch_size: int = 4096, check_to
     the model's own forward computes it: any scale included), float32 on the target's device.
 
     Raises:
-        ValueError: when that residual depends on more than the id (position embeddings, for one): checked on a
-            sequence of `check_tokens` ids against the per-id rows.
+        ValueError: when that residual depends on more than the id (position embeddings, for one).
     """
-    vocab = text_config(target.config).vocab_size
-    device = next(target.parameters()).device
-    ids = torch.arange(vocab, device=device)
-    rows = []
-    for chunk in ids.split(batch_size):  # each id a one-token sequence at position 0
-        _, hidden = own_prefix(target, chunk[:, None], None, torch.zeros_like(chunk)[:, None], 1, hidden_of=0)
-        rows.append(hidden[:, 0].float())
-    table = torch.cat(rows)
-    sample = torch.randint(vocab, (1, check_tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    positions = torch.arange(check_tokens, device=device)[None]
-    _, hidden = own_prefix(target, sample, None, positions, 1, hidden_of=0)
-    if not _same_per_id(hidden[0].float(), table[sample[0]], hidden.dtype):
-        raise ValueError(
-            f"the residual entering layer 0 of {type(target).__name__} depends on more than the token id (position or "
-            "context): its residual part cannot be held in token tables; keep the mapper as it is"
-        )
-    return table
+
+    def hidden(ids: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        return [own_prefix(target, ids, None, positions, 1, hidden_of=0)[1].float()]
+
+    refusal = (f"the residual entering layer 0 of {type(target).__name__} depends on more than the token id (position "
+               "or context): its residual part cannot be held in token tables; keep the mapper as it is")  # fmt: skip
+    return _per_id(target, hidden, refusal, batch_size, check_tokens)[0]
 
 
 @torch.no_grad()
@@ -214,31 +219,21 @@ def tabulate_first_layer(mapper: KVMapper, target: PreTrainedModel, *, batch_siz
     Each id's keys and values are the target's own of a one-token sequence, RoPE stripped (keys after the key norm).
 
     Raises:
-        ValueError: when layer 0's keys or values depend on more than the id (checked on a sequence of
-            `check_tokens` ids against the looked-up rows with the target's RoPE).
+        ValueError: when layer 0's keys or values depend on more than the id.
 
     Returns:
         A new mapper (maps and tables shared with `mapper`); `mapper` is not changed.
     """
-    vocab = text_config(target.config).vocab_size
-    device = next(target.parameters()).device
     rotary = mapper.target_rotary()
 
-    def own_layer0(ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer0(ids: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         keys, values = own_prefix(target, ids, None, positions, 1)[0]
-        keys = strip_rope(keys, *rotary_cos_sin(rotary, positions, device))
-        return _flat(keys), _flat(values.float())  # (B, T, n_kv * d)
+        keys = strip_rope(keys, *rotary_cos_sin(rotary, positions, ids.device))
+        return [_flat(keys), _flat(values.float())]  # (B, T, n_kv * d)
 
-    rows = [own_layer0(chunk[:, None], torch.zeros_like(chunk)[:, None]) for chunk in torch.arange(vocab, device=device).split(batch_size)]
-    keys, values = (torch.cat([r[i][:, 0] for r in rows]) for i in (0, 1))
-    sample = torch.randint(vocab, (1, check_tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    got = own_layer0(sample, torch.arange(check_tokens, device=device)[None])
-    dtype = next(target.parameters()).dtype
-    if not all(_same_per_id(g[0], table[sample[0]], dtype) for g, table in zip(got, (keys, values))):
-        raise ValueError(
-            f"layer 0's keys and values of {type(target).__name__} depend on more than the token id: they cannot be "
-            "looked up; keep the mapper as it is"
-        )
+    refusal = (f"layer 0's keys and values of {type(target).__name__} depend on more than the token id: they cannot "
+               "be looked up; keep the mapper as it is")  # fmt: skip
+    keys, values = _per_id(target, layer0, refusal, batch_size, check_tokens)
     new = KVMapper(dataclasses.replace(mapper.config, first_layer_table=True), layer_maps=mapper.layers,
                    report=dict(mapper.report))  # fmt: skip
     new.residual, new.tokens = mapper.residual, mapper.tokens
