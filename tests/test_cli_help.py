@@ -51,7 +51,6 @@ def test_building_the_parser_imports_neither_torch_nor_transformers():
 
 # -- issue 23: the first commands a newcomer types ---------------------------------------------------------------
 
-import os
 import re
 from pathlib import Path
 

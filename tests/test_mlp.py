@@ -12,7 +12,6 @@ import torch
 from conftest import linear_pair, random_ids
 from hf_kvtransfer import KVMapper, TransferredCache, capture_kv, fit_mapper, fit_mlp_mapper, prefill
 from hf_kvtransfer.fitting.mlp import MLPKindMap, mlp_fit_nbytes, train_mlp_map
-from hub_fixtures import hub_server  # noqa: F401
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -290,7 +289,7 @@ def test_loading_is_strict_for_mlp_weights(nonlinear_pair, tmp_path):
         KVMapper.from_pretrained(tmp_path)
 
 
-def test_push_pull_round_trip(nonlinear_pair, hub_server):  # noqa: F811
+def test_push_pull_round_trip(nonlinear_pair, hub_server):
     _, _, mlp, _ = nonlinear_pair
     repo_id = f"{hub_server.user}/tiny-mlp-mapper"
     mlp.push_to_hub(repo_id, token=hub_server.write_token)
