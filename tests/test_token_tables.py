@@ -287,8 +287,8 @@ def test_the_fit_fits_tables_once_per_residual_layer_and_says_their_memory(pair)
 
     source, target, ids, base, residual = pair
     lines = []
-    refine = fit._token_tables_step(source, target, ids, None, 1, FitConfig(token_tables="auto", token_lags="0,1"),
-                                    lines.append)  # fmt: skip
+    config = FitConfig(token_tables="auto", token_lags="0,1")
+    refine = fit._token_tables_step(source, target, *fit._table_rows(ids, None, 1, None, config), config, lines.append)
     first = refine(residual)
     other = KVMapper(replace(residual.config, selected_layers=[[0], [1], [1]]), layer_maps=residual.layers)
     other.residual = residual.residual
@@ -303,7 +303,82 @@ def test_the_fit_fits_tables_once_per_residual_layer_and_says_their_memory(pair)
     assert first.config.residual_in_tables and first.config.first_layer_table and not direct.config.residual_in_tables
     for name, tensor in fold_residual_into_tables(direct, target).tokens.state_dict().items():
         torch.testing.assert_close(first.tokens.state_dict()[name], tensor)
-    assert fit._token_tables_step(source, target, ids, None, 1, FitConfig(), lines.append) is None  # off by default
+    assert fit._token_tables_step(source, target, ids, None, FitConfig(), lines.append) is None  # off by default
+
+
+def test_tables_fit_on_more_sequences_than_the_maps(pair):
+    from hf_kvtransfer.fitting import fit
+
+    source, target, ids, _, residual = pair
+    extra = random_ids(3, ids.shape[1], seed=9)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # a padded training row keeps its mask; the extra rows are whole
+    config = FitConfig(token_tables="auto", token_lags="0,1", token_table_sequences=7)
+    rows, rows_mask = fit._table_rows(ids, mask, 1, extra, config)
+    # The 5 training rows (the last of 6 is the probe's), then the first 2 extra rows: 7 in all.
+    assert torch.equal(rows, torch.cat([ids[:5], extra[:2]]))
+    assert torch.equal(rows_mask, torch.cat([mask[:5], torch.ones(2, ids.shape[1], dtype=mask.dtype)]))
+    lines = []
+    fitted = fit._token_tables_step(source, target, rows, rows_mask, config, lines.append)(residual)
+    assert "on 7 sequences" in lines[0]
+    direct = fit_token_tables(source, target, residual, torch.cat([ids[:5], extra[:2]]), rows_mask, readers=[1, 2],
+                              lags=(0, 1))  # fmt: skip
+    for name, tensor in fold_residual_into_tables(direct, target).tokens.state_dict().items():
+        torch.testing.assert_close(fitted.tokens.state_dict()[name], tensor)
+    # Fewer than the training rows: the first of them.
+    fewer, _ = fit._table_rows(ids, None, 1, extra, config.replace(token_table_sequences=2))
+    assert torch.equal(fewer, ids[:2])
+    with pytest.raises(ValueError, match=r"must be \[sequences, 40\]"):
+        fit._table_rows(ids, None, 1, extra[:, :10], config)
+
+
+def test_table_sequences_are_read_after_the_maps_and_the_maps_see_the_same_sample(tmp_path, monkeypatch):
+    from fit_fixtures import make_tokenizer, write_corpus
+    from hf_kvtransfer.fitting import fit
+    from hf_kvtransfer.fitting.calibration import build_calibration, sample_hash
+
+    corpus = write_corpus(tmp_path / "corpus.txt", num_paragraphs=200)
+    tok = make_tokenizer()
+    source = tiny_model("qwen3", num_hidden_layers=2, seed=0)
+    target = tiny_model("qwen3", num_hidden_layers=3, seed=1)
+    seen = {}
+
+    def record(source, target, mapper, ids, mask, config, log=None, residual=None, token_table_input_ids=None):
+        seen.update(ids=ids, extra=token_table_input_ids)
+        return mapper
+
+    monkeypatch.setattr(fit, "with_exact_layers", record)
+    kwargs = dict(tokenizer=tok, num_sequences=10, seq_len=16, top_k=1, token_tables="auto", progress=False)
+    mapper = fit_mapper(source, target, str(corpus), token_table_sequences=15, **kwargs)
+    # The maps' sample is the one a fit without the option reads; the tables' 6 more sequences follow it.
+    alone, _ = build_calibration(tok, str(corpus), num_sequences=10, seq_len=16)
+    longer, _ = build_calibration(tok, str(corpus), num_sequences=16, seq_len=16)
+    assert torch.equal(seen["ids"], alone) and torch.equal(seen["extra"], longer[10:])
+    calibration = mapper.config.calibration
+    assert calibration["num_sequences"] == 10 and calibration["sample_sha256"] == sample_hash(alone)
+    assert calibration["token_table_extra_sequences"] == 6
+    # Token ids: the extra sequences are passed as they are.
+    extra = random_ids(2, 16, seed=3)
+    fit_mapper(source, target, alone, token_table_input_ids=extra, **kwargs)
+    assert torch.equal(seen["ids"], alone) and torch.equal(seen["extra"], extra)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"token_table_sequences": 5}, "add --token-tables auto"),
+    ({"token_tables": "auto", "token_table_sequences": 0}, "integer >= 1"),
+])  # fmt: skip
+def test_table_sequences_are_refused_where_they_would_do_nothing(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FitConfig(**kwargs)
+    config = FitConfig(token_tables="auto", num_sequences=10, token_table_sequences=15)
+    assert config.token_table_extra_sequences == 15 - 9  # 9 training sequences, one held out
+    assert config.replace(token_table_sequences=4).token_table_extra_sequences == 0
+
+
+def test_table_ids_without_tables_are_refused(pair):
+    source, target, ids, _, _ = pair
+    with pytest.raises(ValueError, match="token tables, which are off"):
+        fit_mapper(source, target, ids, token_table_input_ids=ids, top_k=1, progress=False)
 
 
 def random_residual_mapper(base, lags, readers, rank, token_lags, seed):

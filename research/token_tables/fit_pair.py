@@ -5,6 +5,8 @@ the probe's frontier (one line per candidate).
     python research/token_tables/fit_pair.py small large 512 DIR [FitConfig field=value ...]
 
 512 = calibration rows of 256 tokens from `examples/family/calibration.txt` (the last tenth held out for the probe).
+With `token_tables=auto token_table_sequences=N` the tables are fit on the maps' training rows and the rows of
+`calibration.txt` after the maps' (never the probe's), N in all.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ def main() -> None:
     torch.manual_seed(0)
     pair = load_pair(source, target)
     started = time.perf_counter()
-    mapper = fit_mapper(pair.source, pair.target, pair.calibration_rows(rows), progress=False, **overrides)
+    more = None
+    if "token_table_sequences" in overrides:
+        overrides["token_table_sequences"] = int(overrides["token_table_sequences"])
+        usable = pair.calibration_ids.shape[0] // 256 * 256
+        more = pair.calibration_ids[rows * 256 : usable].reshape(-1, 256)  # after the maps' rows and the probe's
+    mapper = fit_mapper(pair.source, pair.target, pair.calibration_rows(rows), progress=False,
+                        token_table_input_ids=more, **overrides)  # fmt: skip
     print(f"fit {time.perf_counter() - started:.0f} s", flush=True)
     mapper.save_pretrained(out)
     report = mapper.report["exact_layers"]
