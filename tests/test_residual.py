@@ -412,6 +412,14 @@ def test_variants_pick_the_layer_that_gains_most_from_the_residual(pair):
     readers = [v.config.residual_readers for v in variants]
     assert readers[0] is None and readers[1] == [max(gain, key=gain.get)]
     assert variants[2].config.selected_layers[1:] == [[1], [1]] and variants[-1].config.selected_layers[1:] == [[], []]
+    # The probe's table names what each one reads (two of them differ only in the source layers).
+    from hf_kvtransfer.fitting import exact_layers
+
+    labels = [exact_layers._inputs_label(v) for v in variants]
+    assert labels[0].startswith("source K/V + target residual entering layer 0") and "read by every mapped layer" in labels[0]
+    assert f"read by layer {readers[1][0]}" in labels[1]
+    assert labels[2].startswith("source layer 1's K/V + ") and labels[-1].startswith("no source K/V + ")
+    assert len(set(labels)) == len(labels)
 
 
 def test_variants_end_with_a_reduced_rank_residual_alone_map_where_it_is_cheaper(pair, monkeypatch):

@@ -201,7 +201,10 @@ def _inputs_label(mapper: KVMapper) -> str:
     mapped = range(c.residual_layer + 1, len(c.selected_layers))
     who = "every mapped layer" if readers == list(mapped) else "layer" + ("s " if len(readers) > 1 else " ") + ", ".join(map(str, readers))
     alone = [t for t in mapped if not c.selected_layers[t]]
-    if not alone:
+    read = {tuple(c.selected_layers[t]) for t in mapped}
+    if not alone and len(read) == 1 and len(next(iter(read))) == 1:  # e.g. the last source layer only
+        source = f"source layer {next(iter(read))[0]}'s K/V"
+    elif not alone:
         source = "source K/V"
     elif len(alone) == len(mapped):
         source = "no source K/V"
