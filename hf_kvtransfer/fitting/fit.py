@@ -581,7 +581,7 @@ def with_exact_layers(
                                              residual_rank=config.residual_rank)
         ]  # fmt: skip
     refine = None
-    if residual_mappers:
+    if residual_mappers and config.token_tables == "auto":
         table_ids, table_mask = _table_rows(input_ids, attention_mask, num_heldout, token_table_input_ids, config)
         refine = _token_tables_step(source, target, table_ids, table_mask, config, log)
     with torch.no_grad():
