@@ -104,6 +104,17 @@ def random_ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, seq), generator=g)
 
 
+def steady_timings(ms_of):
+    """A stand-in for `exact_layers._time_candidates` on a machine without noise: every round of a candidate
+    `(mapper, num_exact_layers)` takes `ms_of(mapper, num_exact_layers)` ms (both clocks); the own prefill 100 ms."""
+
+    def fake(source, target, configs, ids, rounds=5, measure_own=True):
+        per = [{"wall": [ms_of(m, n)] * rounds, "cpu": [ms_of(m, n)] * rounds} for m, n in configs]
+        return per, {"wall": [100.0] * rounds if measure_own else [], "cpu": [100.0] * rounds if measure_own else []}
+
+    return fake
+
+
 def left_pad(ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad row i to keep only its last `lengths[i]` tokens; returns (ids, mask)."""
     ids = ids.clone()

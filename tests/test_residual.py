@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_ids, tiny_model
+from conftest import random_ids, steady_timings, tiny_model
 from rope_reference import apply_rope
 from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.core.capture import capture_kv
@@ -239,9 +239,7 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
 
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
     times = {(False, 1): 10.0, (False, 2): 30.0, (True, 1): 20.0, (True, 2): 25.0}
-    monkeypatch.setattr(exact_layers, "_time_candidates", lambda s, t, configs, ids: [{
-        "transfer_ms": times[(m.needs_target_residual, n)], "target_prefill_ms": 100.0,
-        "speedup": 100.0 / times[(m.needs_target_residual, n)]} for m, n in configs])  # fmt: skip
+    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: times[(m.needs_target_residual, n)]))
     stream = random_ids(1, 600, seed=1)[0].tolist()
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
                                                       min_retention=0.95)  # fmt: skip
@@ -249,6 +247,20 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
     assert chosen.config.residual_layer == 0 and chosen.config.num_exact_layers == 1
     assert [r["chosen"] for r in report["candidates"]] == [False, False, True, False]
     assert report["chosen"] == 1 and "residual" in report["chosen_inputs"]
+    # On CPU the choice and the frontier's figures follow process CPU time: a wall clock that waited for a core
+    # (another process on the machine) while the residual candidate ran does not make it look slower.
+    def disturbed(s, t, configs, ids, rounds=5, measure_own=True):
+        per, own = steady_timings(lambda m, n: times[(m.needs_target_residual, n)])(s, t, configs, ids, rounds, measure_own)
+        for (m, n), p in zip(configs, per):
+            p["wall"] = [100.0 if m.needs_target_residual else ms for ms in p["wall"]]
+        return per, own
+
+    monkeypatch.setattr(exact_layers, "_time_candidates", disturbed)
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
+                                                      min_retention=0.95)  # fmt: skip
+    row = next(r for r in report["candidates"] if r["chosen"])
+    assert chosen.config.residual_layer == 0 and report["timing"]["clock"] == "process CPU time"
+    assert row["transfer_ms"] == 20.0 and row["transfer_wall_ms"] == 100.0 and row["speedup"] == 100.0 / 20.0
     retention.update({1: 0.5, 2: 0.5})
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
                                                       min_retention=0.95)  # fmt: skip
@@ -277,8 +289,7 @@ def test_a_reduced_rank_candidate_is_kept_when_faster_and_skipped_when_its_full_
 
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
     times = {id(base): 10.0, id(every): 40.0, id(full): 30.0, id(low): 20.0}
-    monkeypatch.setattr(exact_layers, "_time_candidates", lambda s, t, configs, ids: [
-        {"transfer_ms": times[id(m)], "target_prefill_ms": 100.0, "speedup": 100.0 / times[id(m)]} for m, _ in configs])
+    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: times[id(m)]))
     stream = random_ids(1, 600, seed=1)[0].tolist()
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[every, full, low])
     assert chosen.config.residual_rank == 4 and chosen.residual.down.shape == (4, len(LAGS) * 64)
@@ -341,6 +352,10 @@ def test_card_has_the_frontier_table(pair):
             "| 20.0 / 50.0 | 2.50x | yes |") in card
     assert "| source K/V | 1 | default | 2.0% [0.0, 4.0] | – | 10.0 / 50.0 | 5.00x |  |" in card
     assert "not probed at all" not in card  # skipped candidates stay in fit_report.json
+    report["exact_layers"]["timing"].update(clock="process CPU time", rounds=5, decision={"tie": True, "wins": 8, "rounds": 15})
+    card = str(render_model_card(mapper.config.to_dict(), report=report))
+    assert "512 prompt tokens, 1 thread, medians of process CPU time over 5 interleaved rounds; the two fastest timed " \
+           "alike (8 of 15 paired rounds), so the one computing more of the target was chosen" in card
     assert "**Maps also read**: the target's residual stream entering layer 1 (readers: every mapped layer)" in card
 
 
@@ -510,9 +525,7 @@ def test_a_mapper_can_record_its_recomputed_tokens(pair):
 
 def test_candidates_are_timed_in_interleaved_rounds(monkeypatch):
     """A load that comes and goes falls on every candidate alike: each round times every candidate once (and the own
-    prefill once), and the medians are taken over rounds."""
-    import numpy as np
-
+    prefill once), per-round figures of both clocks come back, and the row's medians are taken over rounds."""
     import hf_kvtransfer.evaluation.timing as timing
     from hf_kvtransfer.fitting import exact_layers
 
@@ -520,16 +533,77 @@ def test_candidates_are_timed_in_interleaved_rounds(monkeypatch):
     calls, returned = [], {"a": [], "b": [], "own": []}
 
     def fake(source, target, mapper, ids, *, num_exact_layers, repeats, measure_own):
-        slow = 3.0 if len(calls) < 3 else 1.0  # a load during the first calls only
+        slow = 3.0 if len(calls) < 3 else 1.0  # a load during the first calls only (wall clock: waiting for a core)
         calls.append((mapper, num_exact_layers, measure_own))
         returned[mapper].append(true_ms[mapper] * slow)
         own = 50.0 * slow if measure_own else None
         if own is not None:
             returned["own"].append(own)
-        return {"transfer_ms": true_ms[mapper] * slow, "target_prefill_ms": own}
+        return {"transfer_ms": true_ms[mapper] * slow, "target_prefill_ms": own, "transfer_cpu_ms": true_ms[mapper],
+                "target_prefill_cpu_ms": 50.0 if measure_own else None}  # fmt: skip
 
     monkeypatch.setattr(timing, "time_to_first_token", fake)
-    out = exact_layers._time_candidates(None, None, [("a", 1), ("b", 2)], torch.zeros(1, 4, dtype=torch.long), rounds=5)
+    out, own = exact_layers._time_candidates(None, None, [("a", 1), ("b", 2)], torch.zeros(1, 4, dtype=torch.long), rounds=5)
     assert calls == [("a", 1, True), ("b", 2, False)] * 5
-    assert [o["transfer_ms"] for o in out] == [float(np.median(returned["a"])), float(np.median(returned["b"]))] == [10.0, 12.0]
-    assert out[0]["speedup"] == pytest.approx(np.median(returned["own"]) / 10.0)
+    assert [o["wall"] for o in out] == [returned["a"], returned["b"]] and own["wall"] == returned["own"]
+    assert [o["cpu"] for o in out] == [[10.0] * 5, [12.0] * 5]
+    row = exact_layers._timing_row(out[0], own, "wall")
+    assert row["transfer_ms"] == float(np.median(returned["a"])) == 10.0
+    assert row["speedup"] == pytest.approx(np.median(returned["own"]) / 10.0)
+    calls.clear()
+    out, own = exact_layers._time_candidates(None, None, [("a", 1)], torch.zeros(1, 4, dtype=torch.long), rounds=2,
+                                             measure_own=False)  # fmt: skip
+    assert calls == [("a", 1, False)] * 2 and own == {"wall": [], "cpu": []}
+
+
+def test_sign_test_threshold_matches_counting_every_outcome():
+    """The fewest wins of n paired rounds whose two-sided sign test is at 5%, against an enumeration of all 2^n
+    outcomes of fair coin tosses."""
+    import itertools
+
+    from hf_kvtransfer.evaluation.metrics import sign_test_min_wins
+
+    for n in range(1, 15):
+        counts = [sum(o) for o in itertools.product((0, 1), repeat=n)]
+        expected = next((w for w in range(n // 2 + 1, n + 1)
+                         if sum(max(c, n - c) >= w for c in counts) / len(counts) <= 0.05), None)  # fmt: skip
+        assert sign_test_min_wins(n) == expected, n
+
+
+def test_the_choice_of_speed_follows_paired_rounds_and_breaks_ties_toward_more_exact_layers():
+    from hf_kvtransfer.fitting import exact_layers
+
+    def rounds(*ms):
+        return {"wall": list(ms), "cpu": list(ms)}
+
+    asked = []
+
+    def never(indices):
+        raise AssertionError("decided on the first rounds: nothing to time again")
+
+    # Faster in every round: decided without more rounds.
+    times = [rounds(10, 11, 10, 12, 10), rounds(12, 13, 11, 13, 12)]
+    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", never)
+    assert best == 0 and decision["wins"] == 5 and "every one of 5" in decision["rule"]
+
+    # Mixed rounds, then a clear lead on the more rounds: the faster by median over all 15 rounds.
+    def again(indices, ms):
+        asked.append(indices)
+        return [rounds(*ms[i]) for i in indices]
+
+    times = [rounds(10, 14, 10, 14, 10), rounds(12, 12, 12, 12, 12)]
+    more = {0: [10] * 10, 1: [12] * 10}
+    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", lambda idx: again(idx, more))
+    assert asked == [[0, 1]] and best == 0 and decision["rounds"] == 15 and decision["wins"] == 13 and not decision.get("tie")
+    assert len(times[0]["cpu"]) == 15  # the row's figures cover every round timed
+
+    # Alternating rounds: a tie, which goes to the candidate with more exact layers whichever the median favours.
+    times = [rounds(10, 13, 10, 13, 10), rounds(12, 11, 12, 11, 12)]
+    more = {0: [10, 13] * 5, 1: [12, 11] * 5}
+    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", lambda idx: again(idx, more))
+    assert decision["tie"] and best == 1 and "more of the target" in decision["rule"]
+
+    # The clock named decides: a wall clock disturbed in most rounds does not turn a slower candidate into a faster one.
+    times = [{"wall": [30, 30, 30, 10, 10], "cpu": [10] * 5}, {"wall": [12] * 5, "cpu": [8] * 5}]
+    best, _ = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", never)
+    assert best == 1

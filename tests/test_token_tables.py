@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, random_ids, tiny_model
+from conftest import VOCAB, random_ids, steady_timings, tiny_model
 from rope_reference import apply_rope
 from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.core.capture import capture_kv
@@ -207,8 +207,7 @@ def test_the_search_probes_each_candidate_with_its_tables(pair, monkeypatch):
 
     monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
-    monkeypatch.setattr(exact_layers, "_time_candidates", lambda s, t, configs, ids: [
-        {"transfer_ms": 10.0, "target_prefill_ms": 50.0, "speedup": 5.0} for _ in configs])
+    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: 10.0))
     refined = []
 
     def refine(m):
@@ -247,9 +246,7 @@ def test_an_undecided_cued_comparison_is_decided_on_more_items(pair, monkeypatch
 
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
     monkeypatch.setattr(exact_layers, "retention_difference", fake_difference)
-    monkeypatch.setattr(exact_layers, "_time_candidates", lambda s, t, configs, ids: [
-        {"transfer_ms": 5.0 if m.needs_target_residual else 10.0, "target_prefill_ms": 50.0, "speedup": 5.0}
-        for m, _ in configs])  # fmt: skip
+    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: 5.0 if m.needs_target_residual else 10.0))
     stream = random_ids(1, 3000, seed=1)[0].tolist()
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[residual])
     row = next(r for r in report["candidates"] if r["residual_layer"] == 0)

@@ -257,7 +257,14 @@ def _frontier_timing(probe: Any) -> str:
     timing = (probe or {}).get("timing") if isinstance(probe, dict) else None
     if not timing:
         return ""
-    return f"{timing.get('num_tokens')} prompt tokens, {timing.get('threads')} thread, medians"
+    clock = f" of {timing['clock']}" if timing.get("clock") else ""
+    decision = timing.get("decision") or {}
+    rounds = f" over {timing.get('rounds')} interleaved rounds" if timing.get("rounds") else ""
+    tie = ""
+    if decision.get("tie"):
+        tie = (f"; the two fastest timed alike ({decision['wins']} of {decision['rounds']} paired rounds), so the one "
+               "computing more of the target was chosen")  # fmt: skip
+    return f"{timing.get('num_tokens')} prompt tokens, {timing.get('threads')} thread, medians{clock}{rounds}{tie}"
 
 
 def _checkpoint_facts(checkpoint: dict | None) -> list[tuple[str, str]]:

@@ -139,6 +139,16 @@ def retention_difference(
     return {"difference": stat(np.arange(own.size)), "difference_ci": bootstrap_ci(stat, own.size, num_bootstrap, seed)}
 
 
+def sign_test_min_wins(rounds: int, level: float = 0.05) -> int | None:
+    """The fewest of `rounds` paired rounds one candidate must win for its lead to be real at `level` (two-sided
+    sign test: under no difference each round is a coin toss); None when no count is enough."""
+    for wins in range(rounds // 2 + 1, rounds + 1):
+        if 2 * sum(math.comb(rounds, k) for k in range(wins, rounds + 1)) / 2**rounds <= level:
+            return wins
+    return None
+
+
 __all__ = [
     "REFEED_WARNING", "bootstrap_ci", "mean_and_ci", "normalized_retention", "retention_difference", "retention_over_items",
+    "sign_test_min_wins",
 ]

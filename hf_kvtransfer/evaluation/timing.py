@@ -73,7 +73,8 @@ def time_to_first_token(
 
     Returns:
         `{"num_tokens", "num_recompute_tokens", "num_exact_layers", "transfer_ms", "target_prefill_ms", "speedup"}`
-        with the numbers actually used."""
+        with the numbers actually used (wall clock), and `"transfer_cpu_ms"`, `"target_prefill_cpu_ms"`: the same
+        calls' process CPU time (`time_call`), the steadier figure where other processes share the cores."""
     import inspect
 
     import torch
@@ -97,11 +98,14 @@ def time_to_first_token(
         target(ids[:, -num_recompute_tokens:], use_cache=True, **keep, **{cache_argument(target): cache})
 
     with torch.no_grad():
-        transfer = median_ms(time_call(from_transfer, device, repeats)[0])
-        own = median_ms(time_call(lambda: target(ids, use_cache=True, **keep), device, repeats)[0]) if measure_own else None
+        transfer, transfer_cpu = (median_ms(t) for t in time_call(from_transfer, device, repeats))
+        own = own_cpu = None
+        if measure_own:
+            own, own_cpu = (median_ms(t) for t in time_call(lambda: target(ids, use_cache=True, **keep), device, repeats))
     return {"num_tokens": int(ids.shape[-1]), "num_recompute_tokens": num_recompute_tokens,
             "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers), "transfer_ms": transfer,
-            "target_prefill_ms": own, "speedup": None if own is None else own / transfer}  # fmt: skip
+            "target_prefill_ms": own, "speedup": None if own is None else own / transfer,
+            "transfer_cpu_ms": transfer_cpu, "target_prefill_cpu_ms": own_cpu}  # fmt: skip
 
 
 __all__ = ["DEFAULT_SEQ_LENS", "QUICK_SEQ_LENS", "median_ms", "synchronize", "time_call", "time_to_first_token"]

@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS, KVMapper
 from ..core.residual import residual_readers
 from ..evaluation.content import repeated_span_retention
-from ..evaluation.metrics import retention_difference
+from ..evaluation.metrics import retention_difference, sign_test_min_wins
 from ..evaluation.tasks import cued_recall_items, repeated_span_items
 
 logger = logging.getLogger(__name__)
@@ -222,33 +222,93 @@ def _span(layers: list[int]) -> str:
 
 # Timing rounds of the candidates: each round times every candidate once, then the target's own prefill.
 TIMING_ROUNDS = 5
+# When the fastest passing candidate does not beat the next fastest in every one of those rounds, the two are timed
+# on this many more rounds and decided on all of them by a sign test (5%, two-sided); a difference those rounds
+# cannot tell from noise is a tie, and a tie goes to the candidate that computes more of the target itself.
+TIMING_MORE_ROUNDS = 10
+SIGN_TEST_LEVEL = 0.05
+
+
+def _clock(target: PreTrainedModel) -> str:
+    """The clock the choice is made by: process CPU time on CPU (one thread: what the transfer computed, not the
+    time it waited for a core while other processes ran), wall time on an accelerator (there the host's CPU time is
+    only a share of the work)."""
+    return "cpu" if next(target.parameters()).device.type == "cpu" else "wall"
 
 
 def _time_candidates(
-    source, target, configs: Sequence[tuple[KVMapper, int]], ids: torch.Tensor, rounds: int = TIMING_ROUNDS
-) -> list[dict[str, float]]:
-    """Median time to the first token of each `(mapper, num_exact_layers)` and of the target's own prefill, one
-    thread, timed in interleaved rounds: a load that comes and goes while the fit times (a shared machine) falls on
-    every candidate alike instead of on whichever was timed then, so the choice between close candidates does not
-    follow it."""
+    source, target, configs: Sequence[tuple[KVMapper, int]], ids: torch.Tensor, rounds: int = TIMING_ROUNDS,
+    measure_own: bool = True,
+) -> tuple[list[dict[str, list[float]]], dict[str, list[float]]]:
+    """Per-round milliseconds, `{"wall": [...], "cpu": [...]}`, of each `(mapper, num_exact_layers)`'s time to the
+    first token and of the target's own prefill (empty lists without `measure_own`), one thread, timed in
+    interleaved rounds: a load that comes and goes while the fit times (a shared machine) falls on every candidate
+    alike instead of on whichever was timed then, and round i of two candidates can be compared as a pair."""
     from ..evaluation.timing import time_to_first_token
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the figure of one core, comparable across machines' core counts and loads
-    transfer: list[list[float]] = [[] for _ in configs]
-    own: list[float] = []
+    transfer: list[dict[str, list[float]]] = [{"wall": [], "cpu": []} for _ in configs]
+    own: dict[str, list[float]] = {"wall": [], "cpu": []}
     try:
         for _ in range(rounds):
             for i, (mapper, num_exact) in enumerate(configs):
-                t = time_to_first_token(source, target, mapper, ids, num_exact_layers=num_exact, repeats=1, measure_own=i == 0)
-                transfer[i].append(t["transfer_ms"])
-                if i == 0:
-                    own.append(t["target_prefill_ms"])
+                first = measure_own and i == 0
+                t = time_to_first_token(source, target, mapper, ids, num_exact_layers=num_exact, repeats=1, measure_own=first)
+                transfer[i]["wall"].append(t["transfer_ms"])
+                transfer[i]["cpu"].append(t["transfer_cpu_ms"])
+                if first:
+                    own["wall"].append(t["target_prefill_ms"])
+                    own["cpu"].append(t["target_prefill_cpu_ms"])
     finally:
         torch.set_num_threads(threads)
-    own_ms = statistics.median(own) if own else None
-    return [{"transfer_ms": statistics.median(ms), "target_prefill_ms": own_ms, "speedup": own_ms / statistics.median(ms)}
-            for ms in transfer]  # fmt: skip
+    return transfer, own
+
+
+def _timing_row(times: dict[str, list[float]], own: dict[str, list[float]], clock: str) -> dict[str, Any]:
+    """A candidate's medians by `clock` (and the wall clock's beside CPU time's), with the speed-up they give."""
+    ms, own_ms = statistics.median(times[clock]), statistics.median(own[clock])
+    row = {"transfer_ms": ms, "target_prefill_ms": own_ms, "speedup": own_ms / ms, "timing_rounds": len(times[clock])}
+    if clock != "wall":
+        row.update(transfer_wall_ms=statistics.median(times["wall"]), target_prefill_wall_ms=statistics.median(own["wall"]))
+    return row
+
+
+def _wins(a: list[float], b: list[float]) -> int:
+    return sum(x < y for x, y in zip(a, b))
+
+
+def _pick_fastest(
+    passing: list[int], exact: list[int], times: list[dict[str, list[float]]], clock: str,
+    time_again: Callable[[list[int]], list[dict[str, list[float]]]],
+) -> tuple[int, dict[str, Any]]:
+    """The fastest of the `passing` candidates (indices into `times`), or, when it cannot be told from the next
+    fastest, the one of the two with more exact layers (`exact`). Extends `times` of the two it re-times."""
+
+    def by_median(i: int) -> float:
+        return statistics.median(times[i][clock])
+
+    order = sorted(passing, key=by_median)
+    if len(order) == 1:
+        return order[0], {"rule": "the only candidate that passes"}
+    best, runner = order[:2]
+    rounds = len(times[best][clock])
+    decision: dict[str, Any] = {"between": [best, runner], "rounds": rounds, "wins": _wins(times[best][clock], times[runner][clock])}
+    if decision["wins"] == rounds:
+        return best, {**decision, "rule": f"faster in every one of {rounds} paired rounds"}
+    for i, more in zip((best, runner), time_again([best, runner])):
+        for key in more:
+            times[i][key] = times[i][key] + more[key]
+    best, runner = sorted((best, runner), key=by_median)
+    rounds = min(len(times[best][clock]), len(times[runner][clock]))
+    wins, needed = _wins(times[best][clock], times[runner][clock]), sign_test_min_wins(rounds, SIGN_TEST_LEVEL)
+    decision.update(between=[best, runner], rounds=rounds, wins=wins, min_wins=needed)
+    if needed is not None and wins >= needed:
+        return best, {**decision, "rule": f"faster in {wins} of {rounds} paired rounds (sign test, "
+                                          f"{SIGN_TEST_LEVEL:.0%})"}  # fmt: skip
+    pick = runner if exact[runner] > exact[best] else best
+    return pick, {**decision, "tie": True, "rule": f"a tie ({wins} of {rounds} paired rounds; the sign test needs "
+                  f"{needed}): the one computing more of the target itself"}  # fmt: skip
 
 
 def choose_configuration(
@@ -289,9 +349,13 @@ def choose_configuration(
     candidate, deeper layers are not tried (they compute more of the target); a reduced-rank candidate whose
     full-rank twin (same layer, sources and readers) failed is skipped too. Each tried candidate is timed to
     the first token (`evaluation.timing.time_to_first_token`, one thread, the first `timing_tokens` probe tokens;
-    medians of `TIMING_ROUNDS` interleaved rounds) on this machine with the cache's default recomputed tokens (the
-    probes feed the question themselves, so they cannot vouch for fewer: on large -> small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed
-    tokens and 25% with 1). The chosen one is the fastest that passes, else the source-only answer.
+    medians of `TIMING_ROUNDS` interleaved rounds, by process CPU time on CPU) on this machine with the cache's
+    default recomputed tokens (the probes feed the question themselves, so they cannot vouch for fewer: on large ->
+    small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed tokens and 25% with 1). The chosen one
+    is the fastest that passes, else the source-only answer. When the fastest does not beat the next fastest
+    passing candidate in every round, the two are timed on `TIMING_MORE_ROUNDS` more rounds and decided by a sign
+    test over all paired rounds; if it cannot tell them apart, the one with more exact layers is chosen (speed the
+    machine cannot measure is not worth computing less of the target).
 
     `refine`, when given, turns each residual candidate into the one that is probed, timed and possibly chosen,
     just before it is probed (the fit adds token tables fit on what its maps miss: `fitting/token_tables.py`);
@@ -406,28 +470,42 @@ def choose_configuration(
         if row["passes"]:
             passed_layers.add(layer)
     timed = [i for i, (row, (_, n)) in enumerate(zip(rows, candidates)) if not row.get("skipped") and n < num_layers]
-    timings = dict(zip(timed, _time_candidates(source, target, [candidates[i] for i in timed], ids))) if timed else {}
-    for i, row in enumerate(rows):
-        # Not timed: skipped (no figure), or every layer exact (the target's own prefill).
-        row.update(timings.get(i) or {"transfer_ms": None, "target_prefill_ms": None, "speedup": None if row.get("skipped") else 1.0})
-    for row, (m, _) in zip(rows, candidates):
-        row["num_recompute_tokens"] = m.config.num_recompute_tokens  # None: TransferredCache's default
+    clock = _clock(target)
+    times: dict[int, dict[str, list[float]]] = {}
+    own: dict[str, list[float]] = {}
+    if timed:
+        per_candidate, own = _time_candidates(source, target, [candidates[i] for i in timed], ids)
+        times = dict(zip(timed, per_candidate))
     report["timing"] = {"num_tokens": int(ids.shape[-1]), "threads": 1, "rounds": TIMING_ROUNDS, "interleaved": True,
+                        "clock": "process CPU time" if clock == "cpu" else "wall",
                         "num_recompute_tokens": "per candidate (None: TransferredCache's default)"}  # fmt: skip
     report["candidates"] = rows
-    ok = [i for i, row in enumerate(rows) if row["passes"] and row["transfer_ms"] is not None]
-    if not ok:
-        for row in rows:
-            row["chosen"] = False
-        return _with_num_exact(mapper, chosen_kv), report
-    best = min(ok, key=lambda i: rows[i]["transfer_ms"])
+    ok = [i for i, row in enumerate(rows) if row["passes"] and i in times]
+    best = None
+    if ok:
+        def time_again(indices: list[int]) -> list[dict[str, list[float]]]:
+            return _time_candidates(source, target, [candidates[i] for i in indices], ids, rounds=TIMING_MORE_ROUNDS,
+                                    measure_own=False)[0]  # fmt: skip
+
+        best, decision = _pick_fastest(ok, [n for _, n in candidates], times, clock, time_again)
+        decision["between"] = [{"inputs": rows[i]["inputs"], "num_exact_layers": candidates[i][1]}
+                               for i in decision.get("between", [])]  # fmt: skip
+        report["timing"]["decision"] = decision
     for i, row in enumerate(rows):
+        # Not timed: skipped (no figure), or every layer exact (the target's own prefill).
+        row.update(_timing_row(times[i], own, clock) if i in times else
+                   {"transfer_ms": None, "target_prefill_ms": None, "speedup": None if row.get("skipped") else 1.0})  # fmt: skip
+        row["num_recompute_tokens"] = candidates[i][0].config.num_recompute_tokens  # None: TransferredCache's default
         row["chosen"] = i == best
+    if best is None:
+        return _with_num_exact(mapper, chosen_kv), report
     chosen_mapper, num_exact = candidates[best]
     report["chosen"] = num_exact
     report["chosen_inputs"] = rows[best]["inputs"]
     report["reason"] = (
-        f"the fastest candidate (time to the first token on {int(ids.shape[-1])} tokens, one thread) with "
+        f"the fastest candidate (time to the first token on {int(ids.shape[-1])} tokens, one thread"
+        + (", or of two that time alike the one with more exact layers" if report["timing"]["decision"].get("tie") else "")
+        + f") with "
         f"repeated-span retention >= {min_retention:.0%}"
         + (f" and cued recall not {1 - min_retention:.0%} below the source-only answer's (paired 95% interval)"
            if rows[best]["residual_layer"] is not None else "")
@@ -448,4 +526,4 @@ def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
     return chosen
 
 
-__all__ = ["MIN_COPY_GAIN", "TIMING_ROUNDS", "choose_configuration", "choose_num_exact_layers", "probe_stream", "residual_candidates"]
+__all__ = ["MIN_COPY_GAIN", "TIMING_MORE_ROUNDS", "TIMING_ROUNDS", "choose_configuration", "choose_num_exact_layers", "probe_stream", "residual_candidates"]
