@@ -304,3 +304,30 @@ def test_group_members_land_on_their_own_layers_dtype(qwen3_model, grouped_ident
     ref = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
     assert cache.layers[1].keys.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.float32
     assert torch.equal(cache.layers[1].keys, ref.layers[1].keys.bfloat16())
+
+
+def test_a_cache_computing_every_layer_recomputes_one_token_by_default(qwen3_model, identity_mapper):
+    """With every target layer exact nothing is mapped: the transferred K/V are the target's own, and the default
+    leaves one token (not 32) to the forward; the answer is the target's own. The maps here are scrambled, so any
+    layer that were mapped instead would change it."""
+    from dataclasses import replace
+
+    from conftest import scrambled_mapper
+    from hf_kvtransfer import resolve_num_recompute_tokens
+
+    every = scrambled_mapper(identity_mapper)
+    every.config = replace(every.config, num_exact_layers=3)
+    ids = random_ids(1, 80, seed=31)
+    ref = qwen3_model.generate(ids, do_sample=False, **GEN)
+    cache = TransferredCache(prefill(qwen3_model, ids), every)
+    assert cache.num_recompute_tokens == 1 and cache.get_seq_length() == 79
+    out = qwen3_model.generate(ids, cache=cache, do_sample=False, **GEN)
+    assert torch.equal(out.sequences, ref.sequences) and _max_logit_diff(out, ref) < 1e-4
+    # Fewer exact layers asked for, a recorded number, or no prompt ids at hand (the cache may have to map): the
+    # mapped transfer's default.
+    assert TransferredCache(prefill(qwen3_model, ids), every, num_exact_layers=2).num_recompute_tokens == 32
+    assert resolve_num_recompute_tokens(None, 80, replace(every.config, num_recompute_tokens=5)) == 5
+    legacy = tuple((layer.keys, layer.values) for layer in prefill(qwen3_model, ids).layers)
+    assert TransferredCache(legacy, every).num_recompute_tokens == 32
+    assert TransferredCache(legacy, every, input_ids=ids).num_recompute_tokens == 1
+    assert resolve_num_recompute_tokens(None, 80, every) == 1 and resolve_num_recompute_tokens(None, 80, every, 0) == 32

@@ -356,6 +356,9 @@ def test_card_has_the_frontier_table(pair):
     card = str(render_model_card(mapper.config.to_dict(), report=report))
     assert "512 prompt tokens, 1 thread, medians of process CPU time over 5 interleaved rounds; the two fastest timed " \
            "alike (8 of 15 paired rounds), so the one computing more of the target was chosen" in card
+    report["exact_layers"]["timing"]["decision"] = {"wins": 13, "rounds": 15}
+    card = str(render_model_card(mapper.config.to_dict(), report=report))
+    assert "over 5 interleaved rounds; the two fastest on 15 rounds (13 won by the faster)" in card
     assert "**Maps also read**: the target's residual stream entering layer 1 (readers: every mapped layer)" in card
 
 

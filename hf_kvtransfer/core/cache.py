@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
 from .exact import decoder_layers, own_prefix
-from .mapper import KVMapper, MapperConfig
+from .mapper import DEFAULT_NUM_EXACT_LAYERS, KVMapper, MapperConfig
 from .residual import residual_features, residual_readers
 from .rope import position_ids_from_mask
 
@@ -33,14 +33,23 @@ from .rope import position_ids_from_mask
 DEFAULT_NUM_RECOMPUTE_TOKENS = 32
 
 
-def resolve_num_recompute_tokens(requested: int | None, num_tokens: int, mapper: KVMapper | MapperConfig | None = None) -> int:
+def resolve_num_recompute_tokens(
+    requested: int | None, num_tokens: int, mapper: KVMapper | MapperConfig | None = None, num_exact_layers: int | None = None
+) -> int:
     """What a caller's `num_recompute_tokens` means for a prompt of `num_tokens`: as given, and None is the default:
     the mapper's own (`MapperConfig.num_recompute_tokens`, when its config records one) or `DEFAULT_NUM_RECOMPUTE_TOKENS`,
     but at most half of a short prompt (most of it is still transferred) and at least 1 (`generate` must feed a
-    token)."""
+    token). When the exact layers (`num_exact_layers`, default the mapper's) are all of the target's, the default
+    is 1: nothing is mapped, the transferred K/V are the target's own, and recomputing more of the prompt would
+    only compute it twice."""
     if requested is not None:
         return requested
-    preferred = getattr(getattr(mapper, "config", mapper), "num_recompute_tokens", None)
+    config = getattr(mapper, "config", mapper)
+    preferred = getattr(config, "num_recompute_tokens", None)
+    if preferred is None and config is not None:
+        exact = num_exact_layers if num_exact_layers is not None else config.num_exact_layers
+        exact = DEFAULT_NUM_EXACT_LAYERS if exact is None else exact
+        preferred = 1 if exact >= len(config.selected_layers) else None
     return min(DEFAULT_NUM_RECOMPUTE_TOKENS if preferred is None else preferred, max(1, num_tokens // 2))
 
 
@@ -126,8 +135,9 @@ class TransferredCache(DynamicCache):
             stripped and re-applied at the per-row positions `cumsum(mask) - 1`. Default: the mask `prefill`
             recorded on its cache (a different one is an error); the target must be given the same mask.
         num_recompute_tokens: trailing prompt tokens left for the target to recompute. Default (None):
-            `resolve_num_recompute_tokens(None, prompt length, mapper)`: the mapper's recorded number, else 32; at
-            most half the prompt, at least 1. 1 is the
+            `resolve_num_recompute_tokens(None, prompt length, mapper, num_exact_layers)`: the mapper's recorded
+            number, else 32 (1 when every layer is exact and the prompt's ids are known); at most half the prompt,
+            at least 1. 1 is the
             fastest under `generate`; 0 only suits a direct forward of new tokens.
         strict: when the source cache comes from `prefill`, its model's config is compared with the one the
             mapper was fit for; a difference beyond KV shapes warns, or raises with `strict=True`.
@@ -180,7 +190,11 @@ class TransferredCache(DynamicCache):
             mapper.check_compatible(source_config=source_config, strict=strict)
         sources, length, batch_size = self._read_source(source_cache)
         attention_mask = _prompt_mask(attention_mask, source_cache, batch_size, length)
-        num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, length, self.mapper)
+        # Exact layers need the prompt's ids: without them at hand the cache may end up mapping every layer (it
+        # warns then), and the default recomputed tokens stay those of a mapped transfer.
+        knows_ids = input_ids is not None or getattr(source_cache, "prompt_ids", None) is not None
+        exact = mapper.resolve_num_exact_layers(num_exact_layers) if knows_ids else 0
+        num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, length, self.mapper, exact)
         if not 0 <= num_recompute_tokens <= length:
             raise ValueError(f"num_recompute_tokens must be in [0, {length}] (the cached tokens), got {num_recompute_tokens}")
         self.num_recompute_tokens = num_recompute_tokens

@@ -212,9 +212,9 @@ def repeated_span_retention(
     """
     settings = _settings(source, mapper)
     items = _check_items(items, RepeatedSpanItem, "repeated_span_retention")
-    used = {resolve_num_recompute_tokens(num_recompute_tokens, len(item.prefix_ids), mapper) for item in items}
+    used = {resolve_num_recompute_tokens(num_recompute_tokens, len(item.prefix_ids), mapper, num_exact_layers) for item in items}
     for i, item in enumerate(items):
-        r = resolve_num_recompute_tokens(num_recompute_tokens, len(item.prefix_ids), mapper)
+        r = resolve_num_recompute_tokens(num_recompute_tokens, len(item.prefix_ids), mapper, num_exact_layers)
         if not 0 <= r < len(item.prefix_ids):
             raise ValueError(f"num_recompute_tokens must be in [0, {len(item.prefix_ids)}) (item {i}'s prefix), got {r}")
         if not any(item.repeat_mask) or len(item.repeat_mask) != len(item.continuation_ids):
@@ -238,7 +238,7 @@ def repeated_span_retention(
         cont = _ids([it.continuation_ids for it in batch], target)  # (B, C)
         mask = torch.tensor([it.repeat_mask for it in batch], device=cont.device)
         t = prefix.shape[1]
-        r = resolve_num_recompute_tokens(num_recompute_tokens, t, mapper)
+        r = resolve_num_recompute_tokens(num_recompute_tokens, t, mapper, num_exact_layers)
         # Fed token k sits at position t - r + k and predicts position t - r + k + 1: continuation token j is
         # predicted at k = r + j - 1, so with r = 0 token 0 is not scored (never in a repeat: validated above).
         first = max(0, 1 - r)
@@ -349,8 +349,8 @@ def passage_recall(
         if not item.answer_ids or not item.prompt_ids or not item.no_passage_prompt_ids:
             raise ValueError(f"item {i} has an empty prompt, no-passage prompt or answer")
         prompt, alone = _ids(item.prompt_ids, target), _ids(item.no_passage_prompt_ids, target)
-        r = min(resolve_num_recompute_tokens(num_recompute_tokens, prompt.shape[1], mapper), prompt.shape[1])
-        r_alone = min(resolve_num_recompute_tokens(num_recompute_tokens, alone.shape[1], mapper), alone.shape[1])
+        r = min(resolve_num_recompute_tokens(num_recompute_tokens, prompt.shape[1], mapper, num_exact_layers), prompt.shape[1])
+        r_alone = min(resolve_num_recompute_tokens(num_recompute_tokens, alone.shape[1], mapper, num_exact_layers), alone.shape[1])
         used.add(r)
         # Every setting reads its prompt into a cache once, then scores the candidates on top of it.
         runs = {
@@ -427,7 +427,7 @@ def handoff(
         answer1 = _greedy_tokens(answerer, item.prompt_ids, len(item.answer1_ids))
         q1[i] = answer1 == list(item.answer1_ids)
         dialogue = item.prompt_ids + answer1  # what was said before the hand-off, the answerer's answer included
-        r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(dialogue), mapper), len(dialogue))
+        r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(dialogue), mapper, num_exact_layers), len(dialogue))
         used.add(r)
         feed = dialogue[len(dialogue) - r :] + item.followup_ids
         head = _ids(dialogue, target)
@@ -499,7 +499,7 @@ def greedy_agreement(
     if input_ids.ndim != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be [num_prompts, prompt_len] with >= 1 prompt, got shape {list(input_ids.shape)}")
     num_prompts, prompt_len = input_ids.shape
-    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prompt_len, mapper)
+    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prompt_len, mapper, num_exact_layers)
     if not 1 <= num_recompute_tokens <= prompt_len:
         raise ValueError(
             f"num_recompute_tokens must be in [1, {prompt_len}] (generate feeds the target at least one prompt token), "

@@ -172,7 +172,7 @@ def prefix_perplexity(
     prefix_len = prefix_len if prefix_len is not None else window // 2
     if not 1 <= prefix_len <= window - 2:
         raise ValueError(f"prefix_len must leave >= 2 tokens to score in a {window}-token window, got {prefix_len}")
-    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prefix_len, mapper)
+    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prefix_len, mapper, num_exact_layers)
     if not 0 <= num_recompute_tokens < prefix_len:
         raise ValueError(f"num_recompute_tokens must be in [0, {prefix_len}), got {num_recompute_tokens}")
     r, t = num_recompute_tokens, prefix_len

@@ -216,7 +216,7 @@ def multiple_choice(
     used = set()
     bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
     for item in items:
-        r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(item.context_ids), mapper), len(item.context_ids))
+        r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(item.context_ids), mapper, num_exact_layers), len(item.context_ids))
         used.add(r)
         ctx = torch.tensor([item.context_ids])
         n = len(item.choice_ids)

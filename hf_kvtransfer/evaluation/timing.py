@@ -82,7 +82,7 @@ def time_to_first_token(
     from ..core.cache import TransferredCache, resolve_num_recompute_tokens
     from ..core.capture import cache_argument, prefill
 
-    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, input_ids.shape[-1], mapper)
+    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, input_ids.shape[-1], mapper, num_exact_layers)
 
     src_cache = prefill(source, input_ids.to(next(source.parameters()).device))
     device = next(target.parameters()).device

@@ -481,7 +481,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         """Tokens reported as computed for a stored match of `matched` tokens: all but the last
         `num_recompute_tokens` (resolved as `TransferredCache` does for a cache of `matched` tokens), and never the
         last prompt token (vLLM samples from its logits)."""
-        recompute = resolve_num_recompute_tokens(self.num_recompute_tokens, matched, self.mapper_config)
+        recompute = resolve_num_recompute_tokens(self.num_recompute_tokens, matched, self.mapper_config, self.num_exact_layers)
         return max(min(matched - recompute, prompt_len - 1), 0)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

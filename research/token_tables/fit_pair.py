@@ -1,5 +1,5 @@
 """Fit a mapper of the bundled family with the library's defaults (`fit_mapper`: the content probe's search over
-exact layers x map inputs, token tables on every residual candidate unless `token_tables=off`), save it, and print
+exact layers x map inputs; with `token_tables=auto` token tables on the residual candidates), save it, and print
 the probe's frontier (one line per candidate).
 
     python research/token_tables/fit_pair.py small large 512 DIR [FitConfig field=value ...]

@@ -3,7 +3,7 @@ target's own prefill, timed in interleaved rounds in one process: each round tim
 mapper's transfer once, at each prompt length; medians of wall and process CPU time, ratios own / transfer.
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/token_tables/ttft.py --source small --target large \
-        --mappers DIR_A DIR_B --lengths 512 1024 4096 --rounds 15 --output results/ttft.json
+        --mappers DIR_A DIR_B --lengths 512 1024 4096 --rounds 15 [--recompute-tokens 32] --output results/ttft.json
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--mappers", nargs="+", required=True, help="saved mapper directories, timed at their defaults")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 4096])
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--recompute-tokens", type=int, nargs="*", default=[],
+                   help="also time every mapper with these recomputed tokens (besides the cache's default)")
     p.add_argument("--output", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -46,11 +48,13 @@ def main() -> None:
         def own():
             pair.target(ids, use_cache=True, logits_to_keep=1)
 
-        def transfer(m):
-            cache = TransferredCache(src_cache, m)
+        def transfer(m, r=None):
+            cache = TransferredCache(src_cache, m, num_recompute_tokens=r)
             pair.target(ids[:, -cache.num_recompute_tokens:], use_cache=True, logits_to_keep=1, cache=cache)
 
-        calls = {"own": own, **{d: (lambda m=m: transfer(m)) for d, m in mappers.items()}}
+        runs = {d: (m, None) for d, m in mappers.items()}
+        runs.update({f"{d}@r={r}": (m, r) for d, m in mappers.items() for r in args.recompute_tokens})
+        calls = {"own": own, **{d: (lambda m=m, r=r: transfer(m, r)) for d, (m, r) in runs.items()}}
         times = {name: ([], []) for name in calls}
         with torch.no_grad():
             for fn in calls.values():  # warm-up
@@ -62,11 +66,13 @@ def main() -> None:
                     times[name][1].append(cpu[0])
         med = {name: (1e3 * statistics.median(w), 1e3 * statistics.median(c)) for name, (w, c) in times.items()}
         row = {"own_ms": med["own"][0], "own_cpu_ms": med["own"][1], "mappers": {}}
-        for d, m in mappers.items():
-            row["mappers"][d] = {"num_exact_layers": m.num_exact_layers, "transfer_ms": med[d][0], "transfer_cpu_ms": med[d][1],
-                                 "speedup": med["own"][0] / med[d][0], "speedup_cpu": med["own"][1] / med[d][1]}  # fmt: skip
+        for d, (m, r) in runs.items():
+            used = TransferredCache(src_cache, m, num_recompute_tokens=r).num_recompute_tokens
+            row["mappers"][d] = {"num_exact_layers": m.num_exact_layers, "num_recompute_tokens": used, "transfer_ms": med[d][0],
+                                 "transfer_cpu_ms": med[d][1], "speedup": med["own"][0] / med[d][0],
+                                 "speedup_cpu": med["own"][1] / med[d][1]}  # fmt: skip
             print(f"{n} tokens, {d}: own {med['own'][0]:.1f} ms, transfer {med[d][0]:.1f} ms ({med['own'][0] / med[d][0]:.2f}x wall, "
-                  f"{med['own'][1] / med[d][1]:.2f}x CPU), {m.num_exact_layers} exact layers", flush=True)
+                  f"{med['own'][1] / med[d][1]:.2f}x CPU), {m.num_exact_layers} exact layers, {used} recomputed tokens", flush=True)
         result["lengths"][str(n)] = row
     result["load_average_after"] = os.getloadavg()
     if args.output:
