@@ -267,6 +267,53 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
     assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 2
 
 
+def test_the_search_bounds_candidates_by_the_source_only_answer(pair, monkeypatch):
+    """Residual layers up to the last but one are candidates; those with more exact layers than the source-only
+    answer are not probed; when that answer is the whole target, a candidate that keeps the content must also beat
+    the target's own prefill (100 ms here) to be kept."""
+    source, target, _, base, stats = pair
+    assert exact_layers.residual_candidates(8) == list(range(7)) and exact_layers.residual_candidates(3) == [0, 1]
+    assert exact_layers.residual_candidates(1) == [0]
+    residual = {j: solve_residual_mapper(base, stats, residual_layer=j) for j in (0, 1)}
+    answer = {"num_exact": 1}
+
+    def fake_probe(*args, **kwargs):
+        k = answer["num_exact"]
+        return k, {"tried": [{"num_exact_layers": k, "retention": 0.97, "retention_ci": [0.95, 0.99]}], "prefix_len": 64,
+                   "copy_gain": {"mean": 5.0, "ci": [4, 6]}, "reason": "the fewest"}  # fmt: skip
+
+    retention = {0: 0.5, 1: 0.99}  # by residual layer; the source-only answer keeps 0.99
+    probed = []
+
+    def fake_retention(s, t, m, items, num_exact_layers, **kw):
+        probed.append(m.config.residual_layer)
+        ret = retention[m.config.residual_layer] if m.needs_target_residual else 0.99
+        n = len(items)
+        return {"retention": ret, "retention_ci": [ret - 0.01, ret + 0.01],
+                "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [3.0 - 2.0 * ret] * n}}
+
+    monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
+    ms = {"ms": 50.0}
+    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: ms["ms"] if m.needs_target_residual else 40.0))
+    stream = random_ids(1, 600, seed=1)[0].tolist()
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
+    # 1 exact layer suffices source-only: residual layer 1 (2 exact) is not probed.
+    assert 1 not in probed and "more exact layers than the source-only answer's 1" in report["candidates"][-1]["skipped"]
+    assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 1
+    # The source-only answer computes all 3 layers: a residual candidate that keeps the content is kept when it is
+    # faster than the own prefill, and not when it is slower.
+    answer["num_exact"] = 3
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
+    assert chosen.config.residual_layer == 1 and chosen.config.num_exact_layers == 2
+    ms["ms"] = 120.0
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
+    assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 3
+    row = next(r for r in report["candidates"] if r.get("residual_layer") == 1)
+    assert row["passes"] and row["not_faster_than_own_prefill"] and not row["chosen"]
+    assert "not faster than the target's own prefill" in report["reason"]
+
+
 def test_a_reduced_rank_candidate_is_kept_when_faster_and_skipped_when_its_full_rank_twin_fails(pair, monkeypatch):
     source, target, _, base, stats = pair
     alone = {t: [] for t in (1, 2)}
@@ -367,7 +414,7 @@ def test_fit_with_residual_inputs_runs_the_statistics_in_the_same_pass(pair):
     logs = []
     mapper = fit_mapper(source, target, ids, top_k=2, residual_inputs="auto", heldout_fraction=0, progress=False,
                         log=logs.append)  # fmt: skip
-    assert any("residual-input statistics for residual layers [0]" in line for line in logs), logs
+    assert any("residual-input statistics for residual layers [0, 1]" in line for line in logs), logs
     # Too few tokens for the probe here (6 x 40): it keeps the source-only default.
     assert not mapper.needs_target_residual and "default 1 kept" in mapper.report["exact_layers"]["reason"]
 

@@ -180,11 +180,11 @@ def choose_num_exact_layers(
 
 # -- the search over configurations: exact layers x map inputs, by retention and time to the first token ---------
 
-# Residual layers the search tries: those leaving at least half of the target mapped (more exact layers than half
-# the target cannot save half of its prefill, whatever the maps read).
+# Residual layers the search tries: every one that leaves a target layer to map. Those with more exact layers than
+# the source-only answer needs are skipped once it is known (they compute more of the target, for maps that cost more).
 def residual_candidates(num_layers: int) -> list[int]:
     """Candidate `residual_layer`s J (J + 1 exact layers) for a target of `num_layers` layers."""
-    return list(range(0, max(1, num_layers // 2)))
+    return list(range(0, max(1, num_layers - 1)))
 
 
 def _inputs_label(mapper: KVMapper) -> str:
@@ -346,8 +346,10 @@ def choose_configuration(
 
     Candidates are tried by residual layer, shallowest first, each layer's candidates in the given order; when the
     first of a layer fails, the rest of that layer are skipped (they read less), and once a layer has a passing
-    candidate, deeper layers are not tried (they compute more of the target); a reduced-rank candidate whose
-    full-rank twin (same layer, sources and readers) failed is skipped too. Each tried candidate is timed to
+    candidate, deeper layers are not tried (they compute more of the target), nor those with more exact layers than
+    the source-only answer; a reduced-rank candidate whose full-rank twin (same layer, sources and readers) failed
+    is skipped too. When the source-only answer is the whole target, a candidate must also be faster than the
+    target's own prefill to be kept. Each tried candidate is timed to
     the first token (`evaluation.timing.time_to_first_token`, one thread, the first `timing_tokens` probe tokens;
     medians of `TIMING_ROUNDS` interleaved rounds, by process CPU time on CPU) on this machine with the cache's
     default recomputed tokens (the probes feed the question themselves, so they cannot vouch for fewer: on large ->
@@ -429,6 +431,9 @@ def choose_configuration(
         if any(passed < layer for passed in passed_layers):
             row["skipped"] = "a shallower residual layer passed (deeper ones compute more of the target)"
             continue
+        if chosen_kv is not None and num_exact > chosen_kv:
+            row["skipped"] = f"more exact layers than the source-only answer's {chosen_kv} (more of the target computed)"
+            continue
         twin = (layer, repr(m.config.selected_layers), repr(residual_readers(m.config)))
         if m.config.residual_rank is not None and twin in failed_full_rank:
             row["skipped"] = "the same maps at full rank failed the probe (a reduced rank keeps less)"
@@ -481,6 +486,17 @@ def choose_configuration(
                         "num_recompute_tokens": "per candidate (None: TransferredCache's default)"}  # fmt: skip
     report["candidates"] = rows
     ok = [i for i, row in enumerate(rows) if row["passes"] and i in times]
+    if ok and chosen_kv is not None and chosen_kv >= num_layers:
+        # The source-only answer is the target's own prefill: a candidate must beat that, not only keep the content.
+        own_ms = statistics.median(own[clock])
+        for i in [i for i in ok if statistics.median(times[i][clock]) >= own_ms]:
+            rows[i]["not_faster_than_own_prefill"] = True
+            ok.remove(i)
+        if not ok:
+            report["reason"] = (
+                "the candidates that keep the content are not faster than the target's own prefill on this machine: "
+                f"the target computes its whole cache itself (all {num_layers} layers exact)"
+            )
     best = None
     if ok:
         def time_again(indices: list[int]) -> list[dict[str, list[float]]]:
