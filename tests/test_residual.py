@@ -405,7 +405,7 @@ def test_card_has_the_frontier_table(pair):
            "alike (8 of 15 paired rounds), so the one computing more of the target was chosen" in card
     report["exact_layers"]["timing"]["decision"] = {"wins": 13, "rounds": 15}
     card = str(render_model_card(mapper.config.to_dict(), report=report))
-    assert "over 5 interleaved rounds; the two fastest on 15 rounds (13 won by the faster)" in card
+    assert "over 5 interleaved rounds; the passing ones again, 15 rounds in all (13 won by the fastest against the next)" in card
     assert "**Maps also read**: the target's residual stream entering layer 1 (readers: every mapped layer)" in card
 
 
@@ -632,28 +632,36 @@ def test_the_choice_of_speed_follows_paired_rounds_and_breaks_ties_toward_more_e
         raise AssertionError("decided on the first rounds: nothing to time again")
 
     # Faster in every round: decided without more rounds.
-    times = [rounds(10, 11, 10, 12, 10), rounds(12, 13, 11, 13, 12)]
+    times = {0: rounds(10, 11, 10, 12, 10), 1: rounds(12, 13, 11, 13, 12)}
     best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", never)
     assert best == 0 and decision["wins"] == 5 and "every one of 5" in decision["rule"]
 
-    # Mixed rounds, then a clear lead on the more rounds: the faster by median over all 15 rounds.
-    def again(indices, ms):
-        asked.append(indices)
-        return [rounds(*ms[i]) for i in indices]
+    def again(more):
+        def time_again(indices):
+            asked.append(sorted(indices))
+            for i in indices:
+                times[i] = {k: times[i][k] + more[i] for k in times[i]}
+        return time_again
 
-    times = [rounds(10, 14, 10, 14, 10), rounds(12, 12, 12, 12, 12)]
-    more = {0: [10] * 10, 1: [12] * 10}
-    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", lambda idx: again(idx, more))
-    assert asked == [[0, 1]] and best == 0 and decision["rounds"] == 15 and decision["wins"] == 13 and not decision.get("tie")
-    assert len(times[0]["cpu"]) == 15  # the row's figures cover every round timed
+    # Mixed rounds: every passing candidate is timed again (a third one too), then the two fastest over all 15
+    # rounds are compared; here the third, slower over the first rounds, is fastest over all of them.
+    times = {0: rounds(10, 14, 10, 14, 10), 1: rounds(12, 12, 12, 12, 12), 2: rounds(13, 13, 13, 13, 13)}
+    best, decision = exact_layers._pick_fastest([0, 1, 2], [2, 3, 4], times, "cpu", again({0: [10] * 10, 1: [12] * 10, 2: [8] * 10}))
+    assert asked == [[0, 1, 2]] and best == 2 and decision["rounds"] == 15 and not decision.get("tie")
+    assert decision["wins"] == 12 and decision["min_wins"] == 12  # 2 of the first 5 rounds, all 10 after
+    assert all(len(t["cpu"]) == 15 for t in times.values())  # the rows' figures cover the same rounds
+
+    # A clear lead over the 15 rounds between the first two.
+    times = {0: rounds(10, 14, 10, 14, 10), 1: rounds(12, 12, 12, 12, 12)}
+    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", again({0: [10] * 10, 1: [12] * 10}))
+    assert best == 0 and decision["wins"] == 13 and not decision.get("tie")
 
     # Alternating rounds: a tie, which goes to the candidate with more exact layers whichever the median favours.
-    times = [rounds(10, 13, 10, 13, 10), rounds(12, 11, 12, 11, 12)]
-    more = {0: [10, 13] * 5, 1: [12, 11] * 5}
-    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", lambda idx: again(idx, more))
+    times = {0: rounds(10, 13, 10, 13, 10), 1: rounds(12, 11, 12, 11, 12)}
+    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", again({0: [10, 13] * 5, 1: [12, 11] * 5}))
     assert decision["tie"] and best == 1 and "more of the target" in decision["rule"]
 
     # The clock named decides: a wall clock disturbed in most rounds does not turn a slower candidate into a faster one.
-    times = [{"wall": [30, 30, 30, 10, 10], "cpu": [10] * 5}, {"wall": [12] * 5, "cpu": [8] * 5}]
+    times = {0: {"wall": [30, 30, 30, 10, 10], "cpu": [10] * 5}, 1: {"wall": [12] * 5, "cpu": [8] * 5}}
     best, _ = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", never)
     assert best == 1

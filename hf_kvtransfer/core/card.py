@@ -262,7 +262,7 @@ def _frontier_timing(probe: Any) -> str:
     rounds = f" over {timing.get('rounds')} interleaved rounds" if timing.get("rounds") else ""
     tie = ""
     if (decision.get("rounds") or 0) > (timing.get("rounds") or 0) and not decision.get("tie"):
-        tie = f"; the two fastest on {decision['rounds']} rounds ({decision['wins']} won by the faster)"
+        tie = f"; the passing ones again, {decision['rounds']} rounds in all ({decision['wins']} won by the fastest against the next)"
     if decision.get("tie"):
         tie = (f"; the two fastest timed alike ({decision['wins']} of {decision['rounds']} paired rounds), so the one "
                "computing more of the target was chosen")  # fmt: skip

@@ -222,9 +222,10 @@ def _span(layers: list[int]) -> str:
 
 # Timing rounds of the candidates: each round times every candidate once, then the target's own prefill.
 TIMING_ROUNDS = 5
-# When the fastest passing candidate does not beat the next fastest in every one of those rounds, the two are timed
-# on this many more rounds and decided on all of them by a sign test (5%, two-sided); a difference those rounds
-# cannot tell from noise is a tie, and a tie goes to the candidate that computes more of the target itself.
+# When the fastest passing candidate does not beat the next fastest in every one of those rounds, every passing
+# candidate (and the own prefill) is timed on this many more rounds, and the two fastest are decided on all of them
+# by a sign test (5%, two-sided); a difference those rounds cannot tell from noise is a tie, and a tie goes to the
+# candidate that computes more of the target itself.
 TIMING_MORE_ROUNDS = 10
 SIGN_TEST_LEVEL = 0.05
 
@@ -279,11 +280,12 @@ def _wins(a: list[float], b: list[float]) -> int:
 
 
 def _pick_fastest(
-    passing: list[int], exact: list[int], times: list[dict[str, list[float]]], clock: str,
-    time_again: Callable[[list[int]], list[dict[str, list[float]]]],
+    passing: list[int], exact: list[int], times: dict[int, dict[str, list[float]]], clock: str,
+    time_again: Callable[[list[int]], None],
 ) -> tuple[int, dict[str, Any]]:
-    """The fastest of the `passing` candidates (indices into `times`), or, when it cannot be told from the next
-    fastest, the one of the two with more exact layers (`exact`). Extends `times` of the two it re-times."""
+    """The fastest of the `passing` candidates (keys of `times`), or, when it cannot be told from the next fastest,
+    the one of the two with more exact layers (`exact`). `time_again(indices)` adds rounds to those candidates'
+    `times` (all the passing ones, so that every median it compares covers the same rounds)."""
 
     def by_median(i: int) -> float:
         return statistics.median(times[i][clock])
@@ -296,10 +298,8 @@ def _pick_fastest(
     decision: dict[str, Any] = {"between": [best, runner], "rounds": rounds, "wins": _wins(times[best][clock], times[runner][clock])}
     if decision["wins"] == rounds:
         return best, {**decision, "rule": f"faster in every one of {rounds} paired rounds"}
-    for i, more in zip((best, runner), time_again([best, runner])):
-        for key in more:
-            times[i][key] = times[i][key] + more[key]
-    best, runner = sorted((best, runner), key=by_median)
+    time_again(order)
+    best, runner = sorted(order, key=by_median)[:2]
     rounds = min(len(times[best][clock]), len(times[runner][clock]))
     wins, needed = _wins(times[best][clock], times[runner][clock]), sign_test_min_wins(rounds, SIGN_TEST_LEVEL)
     decision.update(between=[best, runner], rounds=rounds, wins=wins, min_wins=needed)
@@ -355,9 +355,9 @@ def choose_configuration(
     default recomputed tokens (the probes feed the question themselves, so they cannot vouch for fewer: on large ->
     small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed tokens and 25% with 1). The chosen one
     is the fastest that passes, else the source-only answer. When the fastest does not beat the next fastest
-    passing candidate in every round, the two are timed on `TIMING_MORE_ROUNDS` more rounds and decided by a sign
-    test over all paired rounds; if it cannot tell them apart, the one with more exact layers is chosen (speed the
-    machine cannot measure is not worth computing less of the target).
+    passing candidate in every round, every passing candidate is timed on `TIMING_MORE_ROUNDS` more rounds and the
+    two fastest are decided by a sign test over all paired rounds; if it cannot tell them apart, the one with more
+    exact layers is chosen (speed the machine cannot measure is not worth computing less of the target).
 
     `refine`, when given, turns each residual candidate into the one that is probed, timed and possibly chosen,
     just before it is probed (the fit adds token tables fit on what its maps miss: `fitting/token_tables.py`);
@@ -499,9 +499,11 @@ def choose_configuration(
             )
     best = None
     if ok:
-        def time_again(indices: list[int]) -> list[dict[str, list[float]]]:
-            return _time_candidates(source, target, [candidates[i] for i in indices], ids, rounds=TIMING_MORE_ROUNDS,
-                                    measure_own=False)[0]  # fmt: skip
+        def time_again(indices: list[int]) -> None:
+            more, more_own = _time_candidates(source, target, [candidates[i] for i in indices], ids, rounds=TIMING_MORE_ROUNDS)
+            for i, m in zip(indices, more):
+                times[i] = {key: times[i][key] + m[key] for key in m}
+            own.update({key: own[key] + more_own[key] for key in more_own})
 
         best, decision = _pick_fastest(ok, [n for _, n in candidates], times, clock, time_again)
         decision["between"] = [{"inputs": rows[i]["inputs"], "num_exact_layers": candidates[i][1]}
