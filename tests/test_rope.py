@@ -79,3 +79,19 @@ def test_unsupported_architecture_is_named():
 
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
         build_rotary_embedding(GPT2Config())
+
+
+def test_mapper_rotary_is_built_once_matches_the_target_and_is_never_moved(identity_mapper, qwen3_model):
+    rotary = identity_mapper.rotary("target")
+    assert identity_mapper.target_rotary() is rotary and identity_mapper.rotary("target", "cpu") is rotary
+    # The same cos/sin as the model's own rotary module (the one its attention uses), from the stored config alone.
+    positions = torch.arange(23).unsqueeze(0)
+    probe = torch.empty(0, dtype=torch.float32)
+    own_cos, own_sin = qwen3_model.model.rotary_emb(probe, positions)
+    cos, sin = rotary_cos_sin(rotary, positions, probe.device)
+    assert torch.allclose(cos[:, 0], own_cos) and torch.allclose(sin[:, 0], own_sin)
+    # Tables on another device come from a copy: the module every cache of this mapper shares stays where it is.
+    cos, _ = rotary_cos_sin(rotary, positions, torch.device("meta"))
+    assert cos.device.type == "meta" and next(rotary.buffers()).device.type == "cpu"
+    with pytest.raises(ValueError, match="'source' or 'target'"):
+        identity_mapper.rotary("strip")

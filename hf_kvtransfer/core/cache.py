@@ -203,7 +203,7 @@ class TransferredCache(DynamicCache):
             layer.keys, layer.values = layer.keys[:, :, :transferred], layer.values[:, :, :transferred]
         device = next(iter(sources.values())).keys.device
         position_ids = position_ids_from_mask(attention_mask, batch_size, length, device)[:, :transferred]
-        rope = RopeTables(mapper.source_rotary(), mapper.target_rotary(), position_ids)
+        rope = RopeTables(mapper.rotary, position_ids)
         mask = attention_mask[:, :transferred] if attention_mask is not None else None
         self._transfer: PendingTransfer | None = PendingTransfer(mapper, sources, rope, transferred, batch_size, mask, compile_rope)
         self._pending = set(range(len(self.layers)))
@@ -275,8 +275,7 @@ class TransferredCache(DynamicCache):
         shared = [self.mapper]
         if self._exact_inputs is not None:
             shared.append(self._exact_inputs[0])  # the target model itself
-        if self._transfer is not None:
-            shared += [self._transfer.rope.source_rotary, self._transfer.rope.target_rotary]
+        if self._transfer is not None:  # (its RoPE tables' rotary modules are the mapper's)
             shared += list((self._transfer.key_norms or {}).values())  # the target's own modules
         for module in shared:
             memo[id(module)] = module

@@ -100,8 +100,7 @@ class RopeTables:
     same multiply-add as applying RoPE (`rope.rotate_into`) and removes the rope type's attention scaling.
     """
 
-    source_rotary: nn.Module
-    target_rotary: nn.Module
+    rotary: Callable[[str, torch.device], nn.Module]  # ("source" | "target", device) -> rotary module (`KVMapper.rotary`)
     position_ids: torch.Tensor  # (B, T)
     tables: dict[tuple[str, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -111,7 +110,7 @@ class RopeTables:
             if dtype != torch.float32:  # computed in float32, as the models' own rotary modules do, then cast
                 self.tables[key] = tuple(t.to(dtype) for t in self.get(which, device))
             else:
-                rotary = self.source_rotary if which == "strip" else self.target_rotary
+                rotary = self.rotary("source" if which == "strip" else "target", key[1])
                 cos, sin = rotary_cos_sin(rotary, self.position_ids.to(device), device)
                 if which == "strip":
                     norm = cos * cos + sin * sin

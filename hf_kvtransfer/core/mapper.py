@@ -319,12 +319,26 @@ class KVMapper(nn.Module):
     def target_model_config(self) -> PreTrainedConfig:
         return config_from_dict(self.config.target_config)
 
-    def source_rotary(self) -> nn.Module:
-        """The source architecture's rotary module, rebuilt from the stored config (no model needed)."""
-        return build_rotary_embedding(self.source_model_config)
+    def rotary(self, side: str, device: torch.device | str | None = None) -> nn.Module:
+        """The `side` ("source" or "target") architecture's rotary module on `device` (default CPU), built from the
+        stored config (no model needed) once per mapper and device: every cache of this mapper shares it, so read it,
+        never move or change it."""
+        if side not in ("source", "target"):
+            raise ValueError(f"side must be 'source' or 'target', got {side!r}")
+        key = (side, torch.device(device if device is not None else "cpu"))
+        modules = self.__dict__.setdefault("_rotary_modules", {})  # derived from the config: not a parameter
+        if key not in modules:
+            config = self.source_model_config if side == "source" else self.target_model_config
+            modules[key] = build_rotary_embedding(config).to(key[1])
+        return modules[key]
 
-    def target_rotary(self) -> nn.Module:
-        return build_rotary_embedding(self.target_model_config)
+    def source_rotary(self, device: torch.device | str | None = None) -> nn.Module:
+        """The source architecture's rotary module (`rotary("source", device)`)."""
+        return self.rotary("source", device)
+
+    def target_rotary(self, device: torch.device | str | None = None) -> nn.Module:
+        """The target architecture's rotary module (`rotary("target", device)`)."""
+        return self.rotary("target", device)
 
     def consumers(self) -> dict[int, list[int]]:
         """For each source layer that is used, the target layers that read it."""

@@ -64,7 +64,7 @@ def residual_input_features(config: MapperConfig | dict[str, Any]) -> list[int]:
     Args:
         config: a `MapperConfig` or its dict (`config.json`).
     """
-    data = config if isinstance(config, dict) else config.to_dict()
+    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
     num_layers = data["target_fingerprint"]["num_hidden_layers"]
     layer = data.get("residual_layer")
     if layer is None or data.get("residual_in_tables"):
@@ -76,7 +76,7 @@ def residual_input_features(config: MapperConfig | dict[str, Any]) -> list[int]:
 
 def residual_readers(config: MapperConfig | dict[str, Any]) -> list[int]:
     """The target layers whose maps read the residual (empty for a source-only mapper)."""
-    data = config if isinstance(config, dict) else config.to_dict()
+    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
     layer = data.get("residual_layer")
     if layer is None:
         return []
@@ -87,7 +87,7 @@ def residual_readers(config: MapperConfig | dict[str, Any]) -> list[int]:
 def residual_projection_shape(config: MapperConfig | dict[str, Any]) -> tuple[int, int] | None:
     """`(residual_rank, len(lags) * hidden_size)` of the shared residual projection of a reduced-rank residual
     mapper, else None."""
-    data = config if isinstance(config, dict) else config.to_dict()
+    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
     if data.get("residual_layer") is None or not data.get("residual_rank") or data.get("residual_in_tables"):
         return None
     return data["residual_rank"], len(data["residual_lags"]) * data["target_fingerprint"]["hidden_size"]

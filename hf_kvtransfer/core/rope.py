@@ -9,6 +9,7 @@ that applied it in the first place.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from typing import Any
@@ -102,7 +103,9 @@ def rotary_cos_sin(rotary: nn.Module, position_ids: torch.Tensor, device: torch.
     """
     # A float32 probe makes the module return float32 cos/sin even when the model runs in bf16.
     probe = torch.empty(0, dtype=torch.float32, device=device)
-    rotary = rotary.to(device)
+    held = next(rotary.buffers(), probe).device
+    if held != probe.device:  # a copy on the device: the module may be shared (`KVMapper.rotary`), never moved
+        rotary = copy.deepcopy(rotary).to(device)
     with torch.no_grad():
         cos, sin = rotary(probe, position_ids.to(device))
     return cos.float().unsqueeze(1), sin.float().unsqueeze(1)

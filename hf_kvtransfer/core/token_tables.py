@@ -46,13 +46,13 @@ def lagged_token_ids(
 
 def token_table_readers(config: MapperConfig | dict[str, Any]) -> list[int]:
     """The target layers whose maps add token tables (empty for a mapper without)."""
-    data = config if isinstance(config, dict) else config.to_dict()
+    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
     return list(data.get("token_readers") or [])
 
 
 def token_table_parameters(config: MapperConfig | dict[str, Any]) -> int:
     """Numbers held by a mapper's token tables (0 without)."""
-    data = config if isinstance(config, dict) else config.to_dict()
+    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
     readers = token_table_readers(data)
     if not readers:
         return 0

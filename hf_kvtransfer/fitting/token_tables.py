@@ -342,8 +342,8 @@ def fit_token_tables(
     raw = copy.copy(mapper)
     raw.config = dataclasses.replace(mapper.config, key_before_norm=False)
     prenorm = set(residual_readers(mapper.config)) if mapper.config.key_before_norm else set()
-    rotary = mapper.target_rotary()
     device = next(target.parameters()).device
+    rotary = mapper.target_rotary(device)
     kept_ids: list[torch.Tensor] = []
     kept: dict[tuple[int, str], list[torch.Tensor]] = {(t, kind): [] for t in readers for kind in ("key", "value")}
     if inputs is None:

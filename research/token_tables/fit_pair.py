@@ -32,7 +32,7 @@ def main() -> None:
         print(__doc__)
         raise SystemExit(0 if len(sys.argv) > 1 else 2)
     source, target, rows, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    overrides = dict(arg.split("=", 1) for arg in sys.argv[5:])
+    overrides = {k: int(v) if v.isdigit() else v for k, v in (arg.split("=", 1) for arg in sys.argv[5:])}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -40,7 +40,6 @@ def main() -> None:
     started = time.perf_counter()
     more = None
     if "token_table_sequences" in overrides:
-        overrides["token_table_sequences"] = int(overrides["token_table_sequences"])
         usable = pair.calibration_ids.shape[0] // 256 * 256
         more = pair.calibration_ids[rows * 256 : usable].reshape(-1, 256)  # after the maps' rows and the probe's
     mapper = fit_mapper(pair.source, pair.target, pair.calibration_rows(rows), progress=False,

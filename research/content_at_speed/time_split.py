@@ -1,0 +1,115 @@
+"""Where the time to the first token of a transfer goes, at a saved mapper's defaults, next to the target's own
+prefill: the cache's construction, the exact pass (the target's first layers on the prompt), the maps of the other
+layers, and the forward of the recomputed tokens over the converted cache. Each round times the own prefill, the
+whole transfer (layers converted lazily inside the target's forward, as `generate` does) and the same transfer in
+stages (`compute_exact_layers`, `convert_all`, then the forward), at each prompt length; medians of wall and process
+CPU time over interleaved rounds, one thread. The last columns are the speed-ups left if a stage cost nothing.
+
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --source small \
+        --target large --mapper DIR --lengths 512 1024 4096 --rounds 15 [--recompute-tokens 1] \
+        --output results/time_split_s2l.json
+
+DIR is a mapper fit at the defaults: `python research/token_tables/fit_pair.py small large 512 DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from content_at_speed import load_pair
+
+from hf_kvtransfer import KVMapper, TransferredCache, prefill
+
+STAGES = ("construct", "exact", "maps", "recomputed")
+
+
+def clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--source", default="small")
+    p.add_argument("--target", default="large")
+    p.add_argument("--mapper", required=True, help="a saved mapper directory, timed at its defaults")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 4096])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--recompute-tokens", type=int, nargs="*", default=[],
+                   help="also time the whole transfer with these recomputed tokens (besides the cache's default)")
+    p.add_argument("--output", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    pair = load_pair(args.source, args.target)
+    mapper = KVMapper.from_pretrained(args.mapper)
+    target = pair.target
+    stream = pair.tokenizer(pair.heldout, verbose=False)["input_ids"]
+    result = {"mapper": args.mapper, "threads": 1, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "rounds": args.rounds, "load_average_before": os.getloadavg(), "lengths": {}}  # fmt: skip
+    for n in args.lengths:
+        ids = torch.tensor(stream[:n]).unsqueeze(0)
+        src_cache = prefill(pair.source, ids)
+        others = [f"transfer@{r}" for r in args.recompute_tokens]
+        times: dict[str, list[tuple[float, float]]] = {k: [] for k in ("own", "transfer", *others, *STAGES)}
+
+        def own():
+            target(ids, use_cache=True, logits_to_keep=1)
+
+        def transfer(recompute: int | None = None):
+            cache = TransferredCache(src_cache, mapper, num_recompute_tokens=recompute)
+            target(ids[:, -cache.num_recompute_tokens :], use_cache=True, logits_to_keep=1, cache=cache)
+
+        def staged() -> list[tuple[float, float]]:
+            marks = [clocks()]
+            cache = TransferredCache(src_cache, mapper)
+            marks.append(clocks())
+            cache.compute_exact_layers(target)
+            marks.append(clocks())
+            cache.convert_all()
+            marks.append(clocks())
+            target(ids[:, -cache.num_recompute_tokens :], use_cache=True, logits_to_keep=1, cache=cache)
+            marks.append(clocks())
+            return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+
+        with torch.no_grad():
+            own(), transfer(), staged()  # warm-up
+            for _ in range(args.rounds):
+                calls = [("own", own), ("transfer", transfer)]
+                calls += [(name, lambda r=r: transfer(r)) for name, r in zip(others, args.recompute_tokens)]
+                for name, fn in calls:
+                    start = clocks()
+                    fn()
+                    end = clocks()
+                    times[name].append((end[0] - start[0], end[1] - start[1]))
+                for name, spent in zip(STAGES, staged()):
+                    times[name].append(spent)
+        med = {k: tuple(1e3 * statistics.median(t[i] for t in v) for i in (0, 1)) for k, v in times.items()}
+        used = TransferredCache(src_cache, mapper)
+        row = {k: {"wall_ms": w, "cpu_ms": c} for k, (w, c) in med.items()}
+        row["num_exact_layers"], row["num_recompute_tokens"] = used.num_exact_layers, used.num_recompute_tokens
+        total = sum(med[s][1] for s in STAGES)
+        row["stages_sum_cpu_ms"] = total
+        row["speedup_cpu"] = med["own"][1] / med["transfer"][1]
+        # What the own prefill over the staged transfer would be with one stage free (CPU time: robust to load).
+        row["speedup_cpu_if_free"] = {s: med["own"][1] / (total - med[s][1]) for s in STAGES}
+        for name in others:
+            row[f"speedup_cpu_{name}"] = med["own"][1] / med[name][1]
+        result["lengths"][str(n)] = row
+        print(f"{n} tokens ({used.num_exact_layers} exact layers, {used.num_recompute_tokens} recomputed tokens): own "
+              f"{med['own'][1]:.1f} ms, transfer {med['transfer'][1]:.1f} ms ({row['speedup_cpu']:.2f}x); stages "
+              + ", ".join(f"{s} {med[s][1]:.1f}" for s in STAGES) + f" ms (sum {total:.1f}); speed-up if free: "
+              + ", ".join(f"{s} {v:.2f}x" for s, v in row["speedup_cpu_if_free"].items())
+              + "".join(f"; {name} {med[name][1]:.1f} ms ({row[f'speedup_cpu_{name}']:.2f}x)" for name in others)
+              + "  [CPU time]", flush=True)  # fmt: skip
+    result["load_average_after"] = os.getloadavg()
+    if args.output:
+        args.output.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
