@@ -224,11 +224,9 @@ def tabulate_first_layer(mapper: KVMapper, target: PreTrainedModel, *, batch_siz
     Returns:
         A new mapper (maps and tables shared with `mapper`); `mapper` is not changed.
     """
-    rotary = mapper.target_rotary()
-
     def layer0(ids: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         keys, values = own_prefix(target, ids, None, positions, 1)[0]
-        keys = strip_rope(keys, *rotary_cos_sin(rotary, positions, ids.device))
+        keys = strip_rope(keys, *rotary_cos_sin(mapper.target_rotary(ids.device), positions, ids.device))
         return [_flat(keys), _flat(values.float())]  # (B, T, n_kv * d)
 
     refusal = (f"layer 0's keys and values of {type(target).__name__} depend on more than the token id: they cannot "

@@ -76,11 +76,11 @@ def main() -> None:
             marks.append(clocks())
             return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
 
+        calls = [("own", own), ("transfer", transfer)]
+        calls += [(name, lambda r=r: transfer(r)) for name, r in zip(others, args.recompute_tokens)]
         with torch.no_grad():
             own(), transfer(), staged()  # warm-up
             for _ in range(args.rounds):
-                calls = [("own", own), ("transfer", transfer)]
-                calls += [(name, lambda r=r: transfer(r)) for name, r in zip(others, args.recompute_tokens)]
                 for name, fn in calls:
                     start = clocks()
                     fn()
