@@ -21,7 +21,7 @@ _EXPORTS = {
     "MapperConfig": "core.mapper",
     "MapperHubError": "core.hub",
     "TransferredCache": "core.cache",
-    "resolve_num_recompute_tokens": "core.cache",
+    "resolve_num_recompute_tokens": "core.defaults",
     "capture_kv": "core.capture",
     "prefill": "core.capture",
     "reduce_mapper_rank": "core.lowrank",
@@ -41,7 +41,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORTS
-    from .core.cache import TransferredCache, resolve_num_recompute_tokens
+    from .core.cache import TransferredCache
+    from .core.defaults import resolve_num_recompute_tokens
     from .core.capture import capture_kv, prefill
     from .core.hub import MapperHubError
     from .core.lowrank import reduce_mapper_rank

@@ -75,7 +75,7 @@ def test_fast_conversion_matches_plain_reference(arch, selected, rank, monkeypat
     ids, mask = left_pad(random_ids(2, 14, seed=5), [14, 9])
     cache = prefill(source, ids, attention_mask=mask)
     expected = _reference_conversion(source, target, cache, mapper, mask, length=13)
-    got = TransferredCache(cache, mapper, attention_mask=mask, num_recompute_tokens=1).convert_all()
+    got = TransferredCache(cache, mapper, attention_mask=mask, num_recompute_tokens=1, num_exact_layers=0).convert_all()
     for (k_ref, v_ref), layer in zip(expected, got.layers):
         torch.testing.assert_close(layer.keys, k_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.values, v_ref, rtol=1e-5, atol=1e-5)
@@ -86,11 +86,11 @@ def test_fast_conversion_matches_plain_reference(arch, selected, rank, monkeypat
         with torch.no_grad():
             mapper.layers[2].key.down.weight.mul_(2)
         expected = _reference_conversion(source, target, cache, mapper, mask, length=13)
-        again = TransferredCache(cache, mapper, attention_mask=mask, num_recompute_tokens=1).convert_all()
+        again = TransferredCache(cache, mapper, attention_mask=mask, num_recompute_tokens=1, num_exact_layers=0).convert_all()
         torch.testing.assert_close(again.layers[2].keys, expected[2][0], rtol=1e-5, atol=1e-5)
     # Into a bf16 cache: the float32 result rounded once (not per step): at most one bf16 ulp apart, where a
     # float32 round-off difference flips a rounding tie.
-    half = TransferredCache(cache, mapper, attention_mask=mask, num_recompute_tokens=1).convert_all(dtype=torch.bfloat16)
+    half = TransferredCache(cache, mapper, attention_mask=mask, num_recompute_tokens=1, num_exact_layers=0).convert_all(dtype=torch.bfloat16)
     for (k_ref, v_ref), layer in zip(expected, half.layers):
         assert layer.keys.dtype == torch.bfloat16
         for got_t, ref in ((layer.keys, k_ref), (layer.values, v_ref)):
@@ -108,12 +108,12 @@ def test_bf16_source_and_nonfinite_detection():
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.bfloat16(), layer.values.bfloat16()
     expected = _reference_conversion(source, target, cache, mapper, None, length=11)
-    got = TransferredCache(cache, mapper, num_recompute_tokens=1).convert_all(dtype=torch.float32)
+    got = TransferredCache(cache, mapper, num_recompute_tokens=1, num_exact_layers=0).convert_all(dtype=torch.float32)
     for (k_ref, v_ref), layer in zip(expected, got.layers):
         torch.testing.assert_close(layer.keys, k_ref, rtol=1e-5, atol=1e-5)
     cache.layers[1].values[0, 1, 4, 2] = float("inf")
     with pytest.raises(ValueError, match="source cache layer 1 has non-finite"):
-        TransferredCache(cache, mapper, num_recompute_tokens=1).convert_all()
+        TransferredCache(cache, mapper, num_recompute_tokens=1, num_exact_layers=0).convert_all()
 
 
 def test_flop_formulas_match_torch_flop_counter(monkeypatch):
@@ -137,9 +137,9 @@ def test_flop_formulas_match_torch_flop_counter(monkeypatch):
         )
         mapper = KVMapper(config)
         cache = prefill(source, ids)
-        TransferredCache(cache, mapper, num_recompute_tokens=0).convert_all()  # builds the stacked weights once
+        TransferredCache(cache, mapper, num_recompute_tokens=0, num_exact_layers=0).convert_all()  # builds the stacked weights once
         with FlopCounterMode(display=False) as counter:
-            TransferredCache(cache, mapper, num_recompute_tokens=0).convert_all()
+            TransferredCache(cache, mapper, num_recompute_tokens=0, num_exact_layers=0).convert_all()
         assert counter.get_total_flops() == mapping_flops(mapper, seq)
     dense = [d for _, d in conversion_groups(mapper, seq)]
     assert dense == [True]  # the last case: one group of both layers, taken densely
@@ -300,7 +300,7 @@ def test_compiled_rope_matches_reference():
     ids, mask = left_pad(random_ids(2, 14, seed=5), [14, 9])
     cache = prefill(source, ids, attention_mask=mask)
     expected = _reference_conversion(source, target, cache, mapper, mask, length=13)
-    got = TransferredCache(cache, mapper, attention_mask=mask, compile_rope=True, num_recompute_tokens=1).convert_all()
+    got = TransferredCache(cache, mapper, attention_mask=mask, compile_rope=True, num_recompute_tokens=1, num_exact_layers=0).convert_all()
     for (k_ref, v_ref), layer in zip(expected, got.layers):
         torch.testing.assert_close(layer.keys, k_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.values, v_ref, rtol=1e-5, atol=1e-5)

@@ -186,7 +186,7 @@ def test_source_layers_released_and_deepcopy_shares_mapper(qwen3_model, mapper):
 
 def test_dtype_and_device_follow_key_states(qwen3_model, identity_mapper):
     ids = random_ids(1, 12, seed=15)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1, model=qwen3_model)
     cache.convert_all(dtype=torch.bfloat16)
     assert all(layer.keys.dtype == torch.bfloat16 for layer in cache.layers)
 
@@ -215,7 +215,7 @@ def test_errors_for_wrong_source_cache(qwen3_model, identity_mapper):
     bad = prefill(qwen3_model, ids)
     bad.layers[0].keys[0, 0, 3, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
-        TransferredCache(bad, identity_mapper).convert_all()
+        TransferredCache(bad, identity_mapper, num_exact_layers=0).convert_all()
 
 
 def test_error_for_wrong_target_model(qwen3_model, identity_mapper):
@@ -254,10 +254,10 @@ def test_grouped_products_split_and_bf16_mapper(qwen3_model, identity_mapper, gr
 
     ids = random_ids(2, 18, seed=16)
     own = prefill(qwen3_model, ids)
-    grouped = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
+    grouped = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0, num_exact_layers=0).convert_all()
     # One layer per product (what a big model gets): the same numbers.
     monkeypatch.setattr(conversion_module, "GROUP_OUT_FEATURES", 1)
-    single = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
+    single = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0, num_exact_layers=0).convert_all()
     for a, b, ref in zip(grouped.layers, single.layers, own.layers):
         assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5
         # ... and the target's own KV (an independent computation), to the identity map's fit accuracy
@@ -267,7 +267,7 @@ def test_grouped_products_split_and_bf16_mapper(qwen3_model, identity_mapper, gr
 
     # A bf16 mapper fills a float32 cache: float32 tensors, within bf16 rounding of the float32 mapper's.
     half = copy.deepcopy(grouped_identity_mapper).to(torch.bfloat16)
-    cache = TransferredCache(prefill(qwen3_model, ids), half, num_recompute_tokens=0).convert_all()
+    cache = TransferredCache(prefill(qwen3_model, ids), half, num_recompute_tokens=0, num_exact_layers=0).convert_all()
     for a, ref in zip(cache.layers, grouped.layers):
         assert a.keys.dtype == torch.float32
         scale = ref.keys.abs().max()
@@ -283,7 +283,8 @@ def test_exact_identity_transfer_reproduces_own_cache(arch, mode):
     model = tiny_model(arch, num_hidden_layers=3)
     ids, mask = left_pad(random_ids(2, 21, seed=17), [21, 12])
     own = prefill(model, ids, attention_mask=mask)
-    cache = TransferredCache(own, exact_identity_mapper(model, mode), attention_mask=mask, num_recompute_tokens=0)
+    cache = TransferredCache(own, exact_identity_mapper(model, mode), attention_mask=mask, num_recompute_tokens=0,
+                             num_exact_layers=0)
     cache.convert_all()
     real = mask.bool()
     for a, b in zip(cache.layers, own.layers):
@@ -296,12 +297,12 @@ def test_group_members_land_on_their_own_layers_dtype(qwen3_model, grouped_ident
     # Layer 0's conversion computes the whole group; layer 1 then asks in another dtype (as a layer on another
     # device would ask on its device) and must get its KV in that dtype, equal to the float32 result rounded.
     ids = random_ids(1, 10, seed=18)
-    cache = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0)
+    cache = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0, num_exact_layers=0)
     shape = (1, 2, 0, grouped_identity_mapper.target_layout.head_dim)
     cache.update(torch.empty(shape), torch.empty(shape), 0)
     assert cache.num_pending_layers == 2  # layers 1 and 2 were computed ahead, not converted
     cache.update(torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16), 1)
-    ref = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0).convert_all()
+    ref = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0, num_exact_layers=0).convert_all()
     assert cache.layers[1].keys.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.float32
     assert torch.equal(cache.layers[1].keys, ref.layers[1].keys.bfloat16())
 
@@ -323,11 +324,11 @@ def test_a_cache_computing_every_layer_recomputes_one_token_by_default(qwen3_mod
     assert cache.num_recompute_tokens == 1 and cache.get_seq_length() == 79
     out = qwen3_model.generate(ids, cache=cache, do_sample=False, **GEN)
     assert torch.equal(out.sequences, ref.sequences) and _max_logit_diff(out, ref) < 1e-4
-    # Fewer exact layers asked for, a recorded number, or no prompt ids at hand (the cache may have to map): the
-    # mapped transfer's default.
+    # Fewer exact layers asked for, or a recorded number: the mapped transfer's default. Without the prompt's ids at
+    # hand the default is the same (the cache then takes them from generate, or refuses: it never maps in their place).
     assert TransferredCache(prefill(qwen3_model, ids), every, num_exact_layers=2).num_recompute_tokens == 32
     assert resolve_num_recompute_tokens(None, 80, replace(every.config, num_recompute_tokens=5)) == 5
     legacy = tuple((layer.keys, layer.values) for layer in prefill(qwen3_model, ids).layers)
-    assert TransferredCache(legacy, every).num_recompute_tokens == 32
+    assert TransferredCache(legacy, every).num_recompute_tokens == 1
     assert TransferredCache(legacy, every, input_ids=ids).num_recompute_tokens == 1
     assert resolve_num_recompute_tokens(None, 80, every) == 1 and resolve_num_recompute_tokens(None, 80, every, 0) == 32

@@ -117,7 +117,7 @@ def test_mapper_config_rejects_more_exact_layers_than_the_target_has(qwen3_model
         replace(mapper.config, num_exact_layers=4)
 
 
-def test_exact_layers_without_prompt_ids_come_from_generate_or_warn(qwen3_model):
+def test_exact_layers_without_prompt_ids_come_from_generate_or_refuse(qwen3_model):
     # Layers 0-1 map to zero: only computing them gives the target's own keys there.
     mapper = exact_identity_mapper(qwen3_model)
     with torch.no_grad():
@@ -142,11 +142,12 @@ def test_exact_layers_without_prompt_ids_come_from_generate_or_warn(qwen3_model)
     for t in range(2):
         for row in range(2):
             torch.testing.assert_close(beams.layers[t].keys[row : row + 1, :, :9], own.layers[t].keys, rtol=1e-5, atol=1e-5)
+    # A direct forward on a cache that knows no ids cannot compute them: one line naming the fix, nothing mapped.
     direct = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1)
-    with pytest.warns(UserWarning, match="mapped, not computed from the prompt"):
+    with pytest.raises(ValueError, match="does not know them: .*input_ids= to TransferredCache"):
         with torch.no_grad():
             qwen3_model(ids[:, -1:], cache=direct)
-    assert direct.layers[0].keys[:, :, :9].abs().max() == 0  # mapped (to zero), as the warning says
+    assert direct.num_pending_layers == 3
 
 
 def test_no_getter_runs_the_exact_layers_forward(qwen3_model, monkeypatch):
@@ -192,3 +193,54 @@ def test_compute_exact_layers_explicitly_matches_the_targets_own_prefill(qwen3_m
     bare = tuple((layer.keys, layer.values) for layer in src.layers)  # no prompt ids known
     with pytest.raises(ValueError, match="needs the prompt's ids: pass `input_ids=`"):
         TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1).compute_exact_layers(qwen3_model)
+
+
+def _zeroed_first_layers(model, count: int):
+    """An exact identity mapper whose first `count` layers map to zero: only computing them gives the target's own
+    keys there, so a transfer that maps them in silence changes the logits."""
+    mapper = exact_identity_mapper(model)
+    with torch.no_grad():
+        for layer in mapper.layers[:count]:
+            layer.key.weight.zero_()
+            layer.value.weight.zero_()
+    return mapper
+
+
+def test_inputs_embeds_calls_compute_the_exact_layers(qwen3_model):
+    """`inputs_embeds` (soft prompts, multimodal front-ends) gets the same exact layers as ids: a forward of the
+    recomputed tokens' embeddings, and generate on the prompt's embeddings, equal the same calls with ids; the
+    reference is the target's own prefill (an independent computation)."""
+    mapper = _zeroed_first_layers(qwen3_model, 2)
+    ids = random_ids(1, 40, seed=21)
+    emb = qwen3_model.get_input_embeddings()
+    r = 8
+
+    def cache():
+        return TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=r)
+
+    with torch.no_grad():
+        own = qwen3_model(ids).logits[:, -r:]
+        by_ids = qwen3_model(ids[:, -r:], cache=cache()).logits
+        by_embeds = qwen3_model(inputs_embeds=emb(ids[:, -r:]), cache=cache()).logits
+        body = qwen3_model.model(inputs_embeds=emb(ids[:, -r:]), cache=cache()).last_hidden_state
+    torch.testing.assert_close(by_ids, own, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(by_embeds, own, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(qwen3_model.lm_head(body), own, rtol=1e-4, atol=1e-4)
+    gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = qwen3_model.generate(ids, **gen)
+    out = qwen3_model.generate(inputs_embeds=emb(ids), cache=cache(), **gen)
+    assert torch.equal(out.sequences, ref.sequences[:, ids.shape[1]:])
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_convert_all_computes_the_exact_layers_of_the_model_it_was_given(qwen3_model):
+    mapper = _zeroed_first_layers(qwen3_model, 2)
+    ids = random_ids(2, 30, seed=22)
+    own = prefill(qwen3_model, ids[:, :-1])
+    with pytest.raises(ValueError, match="not given the target model"):
+        TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=1).convert_all()
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=1, model=qwen3_model)
+    cache.convert_all()
+    for t in range(3):  # layers 0-1 computed, layer 2 mapped by the identity
+        torch.testing.assert_close(cache.layers[t].keys, own.layers[t].keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.layers[t].values, own.layers[t].values, rtol=1e-5, atol=1e-5)

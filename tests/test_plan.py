@@ -92,7 +92,7 @@ def test_transfer_cache_bytes_equal_a_real_transfer():
     selected = [[0, 2]] * 4
     mapper = KVMapper(MapperConfig(source.config.to_dict(), target.config.to_dict(), selected, top_k=2))
     ids = random_ids(2, 33)
-    cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1).convert_all()  # 32 tokens transferred, 1 recomputed
+    cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1, num_exact_layers=0).convert_all()  # 32 tokens transferred, 1 recomputed
     plan = plan_transfer(source.config, target.config, top_k=2, seq_len=32, batch_size=2, dtype="float32")
     assert plan.target_cache_bytes == sum(
         t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)

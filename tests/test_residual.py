@@ -187,8 +187,17 @@ def test_refusals_say_why(pair):
     src_cache = prefill(source, ids)
     with pytest.raises(ValueError, match="num_exact_layers must be >= 2"):
         TransferredCache(src_cache, mapper, num_exact_layers=1)
-    with pytest.raises(ValueError, match="residual"):
+    with pytest.raises(ValueError, match="not given the target model: pass model=target"):
         TransferredCache(src_cache, mapper, num_recompute_tokens=1).convert_all()
+    # Given the target, convert_all computes the exact layers and the residual the maps read: the same K/V as the
+    # lazy conversion inside the target's own forward.
+    eager = TransferredCache(src_cache, mapper, num_recompute_tokens=1, model=target).convert_all()
+    lazy = TransferredCache(src_cache, mapper, num_recompute_tokens=1)
+    with torch.no_grad():
+        target(ids[:, -1:], cache=lazy)
+    for a, b in zip(eager.layers, lazy.layers):
+        torch.testing.assert_close(a.keys, b.keys[:, :, :-1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values[:, :, :-1], rtol=1e-5, atol=1e-5)
     legacy = tuple((layer.keys, layer.values) for layer in src_cache.layers)  # no prompt ids
     with pytest.raises(ValueError, match="residual stream.*input_ids="):
         with torch.no_grad():

@@ -1,8 +1,8 @@
 """Latency and memory of KV transfer against the target's own prefill, measured in one process.
 
 For each sequence length: (a) the target's own prefill (transformer body, as the paper times it, and the full
-forward with logits), (b) the transfer itself (strip source RoPE + map + apply target RoPE for every layer,
-`TransferredCache(...).convert_all()`), (c) time to first token (`timing.time_to_first_token`) **at the mapper's
+forward with logits), (b) the transfer itself (the mapper's exact layers computed by the target, then strip source
+RoPE + map + apply target RoPE for every other layer: `TransferredCache(..., model=target).convert_all()`), (c) time to first token (`timing.time_to_first_token`) **at the mapper's
 defaults** (its exact layers, which the target computes itself, and `TransferredCache`'s recomputed tokens) and, beside
 it, with every layer mapped (0 exact layers, 1 recomputed token: the transfer's own cost, which loses what the context
 said on a mapper that needs exact layers), both against the target's own prefill, (d) one decode step on a
@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from huggingface_hub.utils import tqdm
 
-from ..core.cache import DEFAULT_NUM_RECOMPUTE_TOKENS, TransferredCache
+from ..core.cache import TransferredCache
+from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS
 from ..core.capture import prefill
 from ..core.conversion import conversion_groups
 from ..core.loading import DTYPES, check_device, load_model
@@ -307,8 +308,9 @@ def run_benchmark(
         row["prefill_gflop"] = flops["total"] / 1e9
         row["transfer"] = {}
         for name, mapper, compiled in variants:
+            # The whole transfer at the mapper's exact layers: computed by the target, then the maps.
             convert = lambda m=mapper, c=compiled: TransferredCache(  # noqa: E731
-                source_cache, m, num_recompute_tokens=0, compile_rope=c
+                source_cache, m, num_recompute_tokens=0, compile_rope=c, num_exact_layers=num_exact_layers, model=target
             ).convert_all()
             entry: dict[str, Any] = {"compile_rope": compiled}
             ms = _measure(entry, "ms", convert, device, repeats, warmup)
@@ -380,7 +382,7 @@ def _decode_times(target, ids, source_cache, mapper, device, repeats, warmup, st
     new = torch.randint(4, vocab, (1, steps), generator=generator).to(device)
     caches = {
         "own": prefill(target, ids),
-        "transfer": TransferredCache(source_cache, mapper, num_recompute_tokens=0).convert_all(),
+        "transfer": TransferredCache(source_cache, mapper, num_recompute_tokens=0, model=target).convert_all(),
     }
     times: dict[str, list[float]] = {name: [] for name in caches}
     cpu: dict[str, list[float]] = {name: [] for name in caches}

@@ -190,7 +190,7 @@ def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -
     ]
     if config.get("rank"):
         lines.append("rank:        K/V per target layer " + ", ".join(f"{k}/{v}" for k, v in config["rank"]))
-    from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS
+    from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
 
     exact = config.get("num_exact_layers")
     lines.append(

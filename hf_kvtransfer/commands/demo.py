@@ -156,7 +156,9 @@ def run_demo(
         return tgt_model.generate(ids, attention_mask=mask, **cache, **gen)[0, ids.shape[1] :].tolist()
 
     with torch.no_grad():
-        transferred = TransferredCache(prefill(src_model, input_ids), kv_mapper, num_exact_layers=num_exact_layers)
+        transferred = TransferredCache(
+            prefill(src_model, input_ids), kv_mapper, num_exact_layers=num_exact_layers, model=tgt_model
+        )
         tokens = {"own": answer(input_ids), "transfer": answer(input_ids, **{cache_argument(tgt_model): transferred})}
         if no_context_ids is not None:
             tokens["no_context"] = answer(torch.tensor([no_context_ids], device=device))

@@ -348,8 +348,7 @@ def plan_transfer(
     mapping = mapping_flops(mapper, seq_len)
 
     # To the first token: the exact layers, the maps, optionally the residual inputs, the recomputed tokens.
-    from ..core.cache import resolve_num_recompute_tokens
-    from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS
+    from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_recompute_tokens
 
     exact = DEFAULT_NUM_EXACT_LAYERS if num_exact_layers is None else num_exact_layers
     recompute = resolve_num_recompute_tokens(num_recompute_tokens, seq_len)

@@ -42,7 +42,7 @@ def transfer_settings(
     """`"4 of 8 target layers exact (recorded by the mapper's fit), 32 recomputed tokens (TransferredCache's default:
     ...)"`: what the target computed itself in a transfer. `num_recompute_tokens`: the number used, the numbers used
     by prompt length, or None (not resolved yet: the default); `recompute_default` says it is the default."""
-    from ..core.cache import DEFAULT_NUM_RECOMPUTE_TOKENS
+    from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS
 
     of = f" of {num_layers}" if num_layers else ""
     exact = f"{num_exact_layers}{of} target layers exact" + (f" ({origin})" if origin else "")

@@ -23,35 +23,10 @@ from transformers.cache_utils import DynamicLayer
 from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
 from .exact import decoder_layers, own_prefix
-from .mapper import DEFAULT_NUM_EXACT_LAYERS, KVMapper, MapperConfig
+from .defaults import DEFAULT_NUM_RECOMPUTE_TOKENS, resolve_num_recompute_tokens, resolve_transfer
+from .mapper import KVMapper
 from .residual import residual_features, residual_readers
 from .rope import position_ids_from_mask
-
-# The prompt's last tokens are prefilled by the target itself unless asked otherwise: the next tokens depend most on
-# the nearest context, so exact keys and values there buy the most fidelity per token of the target's forward (the
-# docs' results pages measure the trade: `hf-kvtransfer eval --tasks agreement --recompute N`).
-DEFAULT_NUM_RECOMPUTE_TOKENS = 32
-
-
-def resolve_num_recompute_tokens(
-    requested: int | None, num_tokens: int, mapper: KVMapper | MapperConfig | None = None, num_exact_layers: int | None = None
-) -> int:
-    """What a caller's `num_recompute_tokens` means for a prompt of `num_tokens`: as given, and None is the default:
-    the mapper's own (`MapperConfig.num_recompute_tokens`, when its config records one) or `DEFAULT_NUM_RECOMPUTE_TOKENS`,
-    but at most half of a short prompt (most of it is still transferred) and at least 1 (`generate` must feed a
-    token). When the exact layers (`num_exact_layers`, default the mapper's) are all of the target's, the default
-    is 1: nothing is mapped, the transferred K/V are the target's own, and recomputing more of the prompt would
-    only compute it twice."""
-    if requested is not None:
-        return requested
-    config = getattr(mapper, "config", mapper)
-    preferred = getattr(config, "num_recompute_tokens", None)
-    if preferred is None and config is not None:
-        exact = num_exact_layers if num_exact_layers is not None else config.num_exact_layers
-        exact = DEFAULT_NUM_EXACT_LAYERS if exact is None else exact
-        preferred = 1 if exact >= len(config.selected_layers) else None
-    return min(DEFAULT_NUM_RECOMPUTE_TOKENS if preferred is None else preferred, max(1, num_tokens // 2))
-
 
 @functools.lru_cache(maxsize=8)
 def _load_mapper(name_or_path: str, revision: str | None, token: str | bool | None) -> KVMapper:
@@ -145,14 +120,16 @@ class TransferredCache(DynamicCache):
             read from there when not given. With them, the cache refuses input that does not continue that prompt.
         num_exact_layers: the target's first layers computed by the target itself from the prompt ids instead of
             mapped, at the cost of that share of a prefill (layer 0's keys and values depend only on each token and
-            its position: one layer's K/V projections). Needs the prompt ids (see `input_ids`) and happens when the
-            target's first layer runs on the cache (`compute_exact_layers` does it without a forward; `convert_all`
-            alone maps every layer). Default (None): the mapper's `num_exact_layers`, which a fit chooses as the
-            fewest layers that keep the target's copying from the context (`fitting/exact_layers.py`; 1 for mappers
-            that record none).
+            its position: one layer's K/V projections). Needs the prompt ids (see `input_ids`) and the target model
+            (see `model`); happens when the target's first layer runs on the cache, or in `convert_all`. Default
+            (None): the mapper's `num_exact_layers`, which a fit chooses as the fewest layers that keep the target's
+            copying from the context (1 for mappers that record none; `defaults.resolve_transfer`). 0 maps every layer.
         compile_rope: strip and apply RoPE through `torch.compile` (one fused kernel instead of four passes):
             faster transfers on long prompts after a one-off compile of several seconds (`hf-kvtransfer bench
             --compile both` measures both). Off by default.
+        model: the target model the exact layers are computed with. Default: the model whose forward first runs
+            on the cache (`generate` or `target(...)`, with ids or `inputs_embeds`); give it to convert without a
+            forward (`convert_all`). A cache that must compute exact layers and has neither refuses with one line.
         revision, token: used when `mapper` is a Hub repo id.
 
     Example:
@@ -174,6 +151,7 @@ class TransferredCache(DynamicCache):
         input_ids: torch.Tensor | None = None,
         num_exact_layers: int | None = None,
         compile_rope: bool = False,
+        model: PreTrainedModel | None = None,
         revision: str | None = None,
         token: str | bool | None = None,
     ):
@@ -190,15 +168,9 @@ class TransferredCache(DynamicCache):
             mapper.check_compatible(source_config=source_config, strict=strict)
         sources, length, batch_size = self._read_source(source_cache)
         attention_mask = _prompt_mask(attention_mask, source_cache, batch_size, length)
-        # Exact layers need the prompt's ids: without them at hand the cache may end up mapping every layer (it
-        # warns then), and the default recomputed tokens stay those of a mapped transfer.
-        knows_ids = input_ids is not None or getattr(source_cache, "prompt_ids", None) is not None
-        exact = mapper.resolve_num_exact_layers(num_exact_layers) if knows_ids else 0
-        num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, length, self.mapper, exact)
-        if not 0 <= num_recompute_tokens <= length:
-            raise ValueError(f"num_recompute_tokens must be in [0, {length}] (the cached tokens), got {num_recompute_tokens}")
-        self.num_recompute_tokens = num_recompute_tokens
-        transferred = length - num_recompute_tokens
+        settings = resolve_transfer(mapper, length, num_exact_layers, num_recompute_tokens)
+        self.num_exact_layers, self.num_recompute_tokens = settings.num_exact_layers, settings.num_recompute_tokens
+        transferred = length - self.num_recompute_tokens
         for layer in sources.values():
             layer.keys, layer.values = layer.keys[:, :, :transferred], layer.values[:, :, :transferred]
         device = next(iter(sources.values())).keys.device
@@ -218,14 +190,15 @@ class TransferredCache(DynamicCache):
         self.prompt_ids = prompt_ids
         if prompt_ids is not None:
             self._give_token_ids(prompt_ids)
+        if model is not None:
+            mapper.check_compatible(target_config=model.config)
+        # What the exact layers are computed with: the target model (given, else the forward that first runs on the
+        # cache) and the prompt's ids (known here, else generate's sequence). Dropped once they are computed.
+        self._exact_model: PreTrainedModel | None = model if self.num_exact_layers and transferred else None
+        self._exact_prompt: torch.Tensor | None = None
+        self._exact_pending = self.num_exact_layers > 0 and transferred > 0
         self._first_input_checked = False
         self._only_new_tokens = False  # the first forward fed only new tokens (a mask covering the cached ones)
-        num_exact_layers = mapper.resolve_num_exact_layers(num_exact_layers)
-        if not 0 <= num_exact_layers <= len(self.layers):
-            raise ValueError(f"num_exact_layers must be in [0, {len(self.layers)}] (the target's layers), got {num_exact_layers}")
-        self.num_exact_layers = num_exact_layers
-        self._exact_pending = num_exact_layers > 0  # exact layers not computed yet
-        self._exact_inputs: tuple[PreTrainedModel, torch.Tensor] | None = None  # (model, prompt ids) once known
 
     def _read_source(self, source_cache: Cache | tuple) -> tuple[dict[int, SourceLayer], int, int]:
         """The source layers the mapper reads, checked against the mapper's source layout."""
@@ -273,8 +246,8 @@ class TransferredCache(DynamicCache):
     def __deepcopy__(self, memo):
         # Share the mapper and rotary modules: a copy of a cache must not copy model-sized weights.
         shared = [self.mapper]
-        if self._exact_inputs is not None:
-            shared.append(self._exact_inputs[0])  # the target model itself
+        if self._exact_model is not None:
+            shared.append(self._exact_model)  # the target model itself
         if self._transfer is not None:  # (its RoPE tables' rotary modules are the mapper's)
             shared += list((self._transfer.key_norms or {}).values())  # the target's own modules
         for module in shared:
@@ -331,12 +304,10 @@ class TransferredCache(DynamicCache):
     def _check_first_input(self) -> None:
         """Check the first forward on the transferred tokens, before it builds positions and masks from them."""
         caller = CallerInputs.from_stack()
+        self._learn_model(caller.model)
         if caller.forward_ids is None:
-            return  # not inside a model forward (e.g. generate asking for the length first)
+            return  # not a forward of ids: generate asking for the length first, or inputs_embeds (nothing to check)
         self._first_input_checked = True
-        if caller.model is not None:
-            # A model of another shape than the mapper's target (fewer layers, other heads) never gets output.
-            self.mapper.check_compatible(target_config=caller.model.config)
         held, fed = self._transfer.length, caller.forward_ids
         prompt = self.prompt_ids if self.prompt_ids is not None else (None if caller.direct else caller.sequence)
         if held > 0 and prompt is not None and fed.shape[-1] >= held and first_difference(fed[:, :held], prompt[:, :held]) is None:
@@ -358,34 +329,46 @@ class TransferredCache(DynamicCache):
         # From here the cache holds what the target is given: a later turn continues that, not the rest of the prompt
         # (generate on a prefix of the prompt goes on with its own tokens; assisted decoding's drafts are not given).
         self._keep_prompt(held + fed.shape[-1] if caller.direct else max(caller.sequence.shape[-1], held))
-        if self._exact_pending and held > 0 and caller.model is not None:
-            prompt = self.prompt_ids
-            rows = caller.sequence.shape[0]
-            if prompt is None and not caller.direct and rows % self._transfer.batch_size == 0:
-                # generate's whole sequence starts with the prompt (checked above); beam search and
-                # num_return_sequences repeat each row in place (repeat_interleave): take one of each
-                prompt = caller.sequence[:: rows // self._transfer.batch_size]
-            if (prompt is None or prompt.shape[-1] < held) and self.mapper.needs_prompt_ids:
-                raise ValueError(
-                    "this mapper's maps read the target's residual stream or token tables, which the cache computes "
-                    "from the prompt's ids, and this cache does not know them: build the source cache with "
-                    "`prefill` or pass `input_ids=` to TransferredCache"
-                )
-            if prompt is None or prompt.shape[-1] < held:
-                warnings.warn(
-                    f"the target's first {self.num_exact_layers} layer(s) are mapped, not computed from the prompt: "
-                    "this cache does not know the prompt's ids; build the source cache with `prefill` or pass "
-                    "`input_ids=` to TransferredCache (or num_exact_layers=0 to map every layer on purpose)",
-                    stacklevel=4,
-                )
-            else:
-                # Run where the forward needs them (its first `update`), not here: this is a getter.
-                self._exact_inputs = (caller.model, prompt[:, :held])
-                self._give_token_ids(prompt)
-        elif self._transfer is not None and self._transfer.token_ids is None and self.mapper.tokens is not None:
-            rows = caller.sequence.shape[0] if caller.sequence is not None else 0
-            if not caller.direct and rows and rows % self._transfer.batch_size == 0 and caller.sequence.shape[-1] >= held:
-                self._give_token_ids(caller.sequence[:: rows // self._transfer.batch_size])
+        if self.prompt_ids is None and not caller.direct:
+            self._learn_prompt(caller.sequence)
+
+    def _learn_model(self, model: PreTrainedModel | None) -> None:
+        """The target model of the forward running on the cache: checked against the mapper's target (a model of
+        another shape never gets output) and kept for the exact layers when none was given (`model=`)."""
+        if model is None or model is self._exact_model:
+            return
+        self.mapper.check_compatible(target_config=model.config)
+        if self._exact_pending and self._exact_model is None:
+            self._exact_model = model
+
+    def _learn_prompt(self, sequence: torch.Tensor) -> None:
+        """The prompt's ids from generate's sequence, for a cache built without them: it starts with the prompt
+        (checked by `check_prompt`); beam search and num_return_sequences repeat each row in place."""
+        rows, batch = sequence.shape[0], self._transfer.batch_size
+        if rows % batch or sequence.shape[-1] < self._transfer.length:
+            return  # not this cache's prompt: the exact layers then say what is missing
+        prompt = sequence[:: rows // batch]
+        self._exact_prompt = prompt[:, : self._transfer.length] if self._exact_pending else None
+        self._give_token_ids(prompt)
+
+    def _compute_exact_from_context(self) -> None:
+        """Compute the exact layers with what the cache was told or learned; refuse in one line when it lacks the
+        target model or the prompt's ids (never map those layers in their place)."""
+        n, held = self.num_exact_layers, self._transfer.length
+        undo = "or num_exact_layers=0 to map every layer"
+        if self._exact_model is None:
+            raise ValueError(
+                f"this cache computes the target's first {n} layer(s) itself (num_exact_layers={n}) but was not given "
+                f"the target model: pass model=target to TransferredCache or call compute_exact_layers(target), {undo}"
+            )
+        prompt = self.prompt_ids if self.prompt_ids is not None else self._exact_prompt
+        if prompt is None or prompt.shape[-1] < held:
+            raise ValueError(
+                f"this cache computes the target's first {n} layer(s) from the prompt's ids (the residual stream and "
+                "token tables its maps read come from there too), and it does not know them: build the source cache "
+                f"with `prefill` or pass input_ids= to TransferredCache, {undo}"
+            )
+        self.compute_exact_layers(self._exact_model, prompt)
 
     def _give_token_ids(self, prompt: torch.Tensor) -> None:
         """Hand the transfer the table rows of the prompt's transferred tokens, for a mapper with token tables."""
@@ -448,7 +431,7 @@ class TransferredCache(DynamicCache):
             layer.readers.difference_update(exact)
             if not layer.readers:
                 del transfer.sources[s]
-        self._exact_pending, self._exact_inputs = False, None
+        self._exact_pending, self._exact_model, self._exact_prompt = False, None, None
         return self
 
     def _check_continuation(self, query_length: int) -> None:
@@ -469,8 +452,8 @@ class TransferredCache(DynamicCache):
                 f"{self.mapper.config.target_model_id}); load the mapper made for this target model"
             )
         if layer_idx in self._pending:
-            if self._exact_inputs is not None:  # planned by the first forward's checks (`_check_first_input`)
-                self.compute_exact_layers(*self._exact_inputs)
+            if self._exact_pending:  # here, where the forward needs them: the checks before it are getters
+                self._compute_exact_from_context()
             self._convert(layer_idx, key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -526,9 +509,16 @@ class TransferredCache(DynamicCache):
         return keys.repeat_interleave(repeats, dim=0), values.repeat_interleave(repeats, dim=0)
 
     def convert_all(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "TransferredCache":
-        """Convert every pending layer now (e.g. to time the mapping or to inspect the target KV)."""
+        """Convert every pending layer now (e.g. to time the transfer or to inspect the target KV): the exact layers
+        with the target model (`model=` at construction, or `compute_exact_layers` first), then the maps.
+
+        Raises:
+            ValueError: when exact layers are pending and the cache was not given the target model.
+        """
         if self._transfer is None:
             return self
+        if self._exact_pending:
+            self._compute_exact_from_context()
         transfer = self._transfer
         # Device and dtype of what is there: a source layer still read, else (maps without source inputs) the
         # exact layers' own K/V, computed or already stored.

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 class CallerInputs:
     """What the model calling the cache was given, read off the call stack (a cache only sees key/value states).
 
+    `model` is the outermost model forward on the stack (also when it was given `inputs_embeds`, not ids);
     `forward_ids` are the token ids of the running model forward; `sequence` the ids of the nearest caller of that
     forward that is not a forward (generate's decoding loop: the whole sequence so far), or the forward's own ids when
     it was called directly; `mask_length` the length of the 2D attention mask given, if any; `mask` that mask
@@ -43,18 +44,23 @@ class CallerInputs:
         compiled graph) returns an empty `CallerInputs`: the checks are then skipped, never guessed.
         """
         found = cls()
+        seen_model = None  # the outermost model forward, found with or without ids (inputs_embeds)
         frame = sys._getframe(2)
         for _ in range(max_frames):
             if frame is None:
                 break
             local = frame.f_locals
             owner, ids = local.get("self"), local.get("input_ids")
+            if isinstance(owner, PreTrainedModel) and frame.f_code.co_name == "forward":
+                seen_model = owner
             if isinstance(owner, PreTrainedModel) and isinstance(ids, torch.Tensor) and ids.ndim == 2:
                 if ids.is_floating_point():
                     break
                 if found.forward_ids is None:
                     if frame.f_code.co_name != "forward":
-                        return cls()  # asked from generate itself, before any forward: nothing fed yet
+                        # generate itself: before any forward nothing is fed yet; a forward of inputs_embeds
+                        # below it gave no ids (only its model is known)
+                        return cls(model=seen_model)
                     mask = local.get("attention_mask")
                     found.forward_ids = ids
                     found.mask_length = mask.shape[-1] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
@@ -73,6 +79,8 @@ class CallerInputs:
                     break
                 found.model, found.sequence = owner, ids
             frame = frame.f_back
+        if found.model is None:
+            found.model = seen_model
         return found
 
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedConfig
 
 from ..version import __version__
 from .card import render_model_card
+from .defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_exact_layers
 from .exact import FirstLayerTable
 from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolve_mapper_dir
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
@@ -31,9 +32,6 @@ logger = logging.getLogger(__name__)
 # Fields older versions kept in config.json that now live in the run report.
 _REPORT_FIELDS = ("eval_results", "model_selection")
 
-# `TransferredCache`'s number of exact layers for a mapper that records none (fit before the content probe, or
-# solved from statistics without the models): layer 0's keys and values depend only on each token and its position.
-DEFAULT_NUM_EXACT_LAYERS = 1
 
 # Config fields that fix tensor shapes: a mismatch there can never work.
 _SHAPE_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
@@ -285,19 +283,8 @@ class KVMapper(nn.Module):
         return DEFAULT_NUM_EXACT_LAYERS if recorded is None else recorded
 
     def resolve_num_exact_layers(self, requested: int | None) -> int:
-        """What a caller's `num_exact_layers` means with this mapper: None is the mapper's own number.
-
-        Raises:
-            ValueError: for fewer exact layers than a mapper reading the target's residual needs.
-        """
-        resolved = self.num_exact_layers if requested is None else requested
-        layer = self.config.residual_layer
-        if layer is not None and resolved < layer + 1:
-            raise ValueError(
-                f"this mapper's maps read the target's residual entering layer {layer}, which the cache computes in its "
-                f"exact layers: num_exact_layers must be >= {layer + 1}, got {resolved}"
-            )
-        return resolved
+        """What a caller's `num_exact_layers` means with this mapper (`defaults.resolve_num_exact_layers`)."""
+        return resolve_num_exact_layers(self, requested)
 
     @property
     def needs_target_residual(self) -> bool:

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from huggingface_hub.utils import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from ..core.cache import TransferredCache, resolve_num_recompute_tokens
+from ..core.cache import TransferredCache
+from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import cache_argument, prefill
 from ..core.loading import dtype_name, model_device
 from ..core.mapper import KVMapper
@@ -89,12 +90,13 @@ def _exact_layers(mapper: KVMapper | None, num_exact_layers: int | None) -> int 
 
 
 def _transferred(
-    source: PreTrainedModel, mapper: KVMapper, ids: torch.Tensor, num_recompute_tokens: int, num_exact_layers: int | None
+    source: PreTrainedModel, target: PreTrainedModel, mapper: KVMapper, ids: torch.Tensor, num_recompute_tokens: int,
+    num_exact_layers: int | None,
 ) -> TransferredCache:
     """What a hand-off gives the target: the source's prefill of `ids`, mapped, its last tokens left to the target."""
     return TransferredCache(
         prefill(source, ids.to(model_device(source))), mapper,
-        num_recompute_tokens=num_recompute_tokens, num_exact_layers=num_exact_layers,
+        num_recompute_tokens=num_recompute_tokens, num_exact_layers=num_exact_layers, model=target,
     )  # fmt: skip
 
 
@@ -247,7 +249,7 @@ def repeated_span_retention(
             for name, ids in (("own", prefix), ("no_context", control)) if name not in reused
         }  # fmt: skip
         if "transfer" in settings:
-            caches["transfer"] = (prefix, _transferred(source, mapper, prefix, r, num_exact_layers))
+            caches["transfer"] = (prefix, _transferred(source, target, mapper, prefix, r, num_exact_layers))
         for name, (context, cache) in caches.items():
             feed = torch.cat([context[:, t - r :], cont[:, :-1]], dim=1)
             logits = _logits(target, feed, cache)[:, r + first - 1 :]  # (B, C - first, V)
@@ -358,7 +360,7 @@ def passage_recall(
             "no_context": (item.no_passage_prompt_ids[-r_alone:], _own_cache(target, alone, r_alone)),
         }
         if "transfer" in settings:
-            runs["transfer"] = (item.prompt_ids[-r:], _transferred(source, mapper, prompt, r, num_exact_layers))
+            runs["transfer"] = (item.prompt_ids[-r:], _transferred(source, target, mapper, prompt, r, num_exact_layers))
         for name, (feed, cache) in runs.items():
             nll, correct, value = _answer_scores(target, feed, item.answer_ids, item.passage_values, cache)
             scores["nll"][name][i], scores["correct"][name][i], scores["value"][name][i] = nll, correct, value
@@ -433,7 +435,7 @@ def handoff(
         head = _ids(dialogue, target)
         runs = {"own": (feed, _own_cache(target, head, r)), "no_context": (item.followup_ids, None)}
         if "transfer" in settings:
-            runs["transfer"] = (feed, _transferred(source, mapper, head, r, num_exact_layers))
+            runs["transfer"] = (feed, _transferred(source, target, mapper, head, r, num_exact_layers))
         for name, (fed, cache) in runs.items():
             nll, correct, _ = _answer_scores(target, fed, item.answer2_ids, [], cache)
             scores["nll"][name][i], scores["correct"][name][i] = nll, correct
@@ -527,7 +529,7 @@ def greedy_agreement(
             return target.generate(ids, attention_mask=mask, **caches, **gen)[:, prompt_len:]
 
         own = generate(None)
-        transferred = generate(_transferred(source, mapper, ids, num_recompute_tokens, num_exact_layers))
+        transferred = generate(_transferred(source, target, mapper, ids, num_recompute_tokens, num_exact_layers))
         same_rows.append((own == transferred).cpu())  # (B, max_new_tokens)
         if rounded:
             reference = generate(_rounded(_own_cache(target, ids, num_recompute_tokens), reference_dtype))

@@ -26,7 +26,8 @@ from huggingface_hub.utils import tqdm
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ..core.cache import TransferredCache, resolve_num_recompute_tokens
+from ..core.cache import TransferredCache
+from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import capture_kv, prefill
 from ..core.loading import model_device
 from ..core.mapper import KVMapper
@@ -192,7 +193,9 @@ def prefix_perplexity(
             own_attn = recorder.take() if recorder else None
 
             src_cache = prefill(source, ids[:, :t].to(src_device))
-            cache = TransferredCache(src_cache, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers)
+            cache = TransferredCache(
+                src_cache, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers, model=target
+            )
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=REFEED_WARNING)
                 trans_logits = target(feed, cache=cache, use_cache=True).logits[:, r:-1].float()
@@ -371,7 +374,8 @@ def multi_turn_drift(
             if prev is not None and prev != role:
                 # the conversation so far, so the new model computes its exact layers from the ids
                 cache = TransferredCache(
-                    cache, mappers[(prev, role)], num_recompute_tokens=0, input_ids=ids[:, : i * turn_len].to(model_device(model))
+                    cache, mappers[(prev, role)], num_recompute_tokens=0,
+                    input_ids=ids[:, : i * turn_len].to(model_device(model)), model=model,
                 )
             chunk = ids[:, i * turn_len : (i + 1) * turn_len].to(model_device(model))
             with warnings.catch_warnings():

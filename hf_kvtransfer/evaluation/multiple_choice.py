@@ -15,7 +15,8 @@ import torch
 from huggingface_hub.utils import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from ..core.cache import TransferredCache, resolve_num_recompute_tokens
+from ..core.cache import TransferredCache
+from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import prefill
 from ..core.loading import model_device
 from ..core.mapper import KVMapper
@@ -227,7 +228,8 @@ def multiple_choice(
         own.batch_repeat_interleave(n)
         caches["target"] = own
         src = prefill(source, ctx.to(model_device(source)))
-        caches["transfer"] = TransferredCache(src, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers)
+        caches["transfer"] = TransferredCache(src, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers,
+                                              model=target)
         for mode in modes:
             scores, _ = score_continuations(target, head, item.choice_ids, caches[mode], pad_id)
             correct[mode].append(int(scores.argmax()) == item.label)

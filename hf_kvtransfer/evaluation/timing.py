@@ -79,7 +79,8 @@ def time_to_first_token(
 
     import torch
 
-    from ..core.cache import TransferredCache, resolve_num_recompute_tokens
+    from ..core.cache import TransferredCache
+    from ..core.defaults import resolve_num_recompute_tokens
     from ..core.capture import cache_argument, prefill
 
     num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, input_ids.shape[-1], mapper, num_exact_layers)
@@ -94,7 +95,7 @@ def time_to_first_token(
 
     def from_transfer():
         cache = TransferredCache(src_cache, mapper, num_recompute_tokens=num_recompute_tokens,
-                                 num_exact_layers=num_exact_layers)  # fmt: skip
+                                 num_exact_layers=num_exact_layers, model=target)  # fmt: skip
         target(ids[:, -num_recompute_tokens:], use_cache=True, **keep, **{cache_argument(target): cache})
 
     with torch.no_grad():

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS, KVMapper
+from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
+from ..core.mapper import KVMapper
 from ..core.residual import residual_readers
 from ..evaluation.content import repeated_span_retention
 from ..evaluation.metrics import retention_difference, sign_test_min_wins

