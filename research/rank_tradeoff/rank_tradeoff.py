@@ -83,7 +83,7 @@ for spec, mapper in zip(specs, mappers):
 
 # Timing round-robin (every mapper once per round, the target's prefill every round too), so drifting machine
 # load hits all of them alike; medians over rounds.
-converts = [lambda m=m: TransferredCache(timing_cache, m, num_recompute_tokens=0).convert_all() for m in mappers]
+converts = [lambda m=m: TransferredCache(timing_cache, m, num_recompute_tokens=0, num_exact_layers=0).convert_all() for m in mappers]
 own = lambda: prefill(target, timing_ids)  # noqa: E731
 times: list[list[float]] = [[] for _ in mappers]
 own_times: list[float] = []

@@ -249,7 +249,7 @@ def run(args) -> dict:
             # run with MALLOC_MMAP_THRESHOLD_ set so freed tensors leave the resident set).
             before, _ = _rss()
             _reset_peak()
-            cache = TransferredCache(source_cache, mapper).convert_all()
+            cache = TransferredCache(source_cache, mapper, num_exact_layers=0).convert_all()
             after, peak = _rss()
             del cache
             # Own prefill of the T transferred tokens (transformer body, as bench.py times it); one warm-up.
@@ -257,7 +257,7 @@ def run(args) -> dict:
             if not args.no_prefill:
                 target.model(ids[:, :T])
                 prefill_s, _ = _median_time(lambda: target.model(ids[:, :T]), args.repeats)
-            transfer_s, cache = _median_time(lambda: TransferredCache(source_cache, mapper).convert_all(), args.repeats)
+            transfer_s, cache = _median_time(lambda: TransferredCache(source_cache, mapper, num_exact_layers=0).convert_all(), args.repeats)
         kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         del cache, source_cache
         gemm = _gemm_flops_per_s(mapper, T, dtype)
