@@ -387,7 +387,8 @@ def bench_markdown(report: dict[str, Any]) -> str:
             cells += [
                 f"{row['ttft_own_ms']:.1f}",
                 f"{row['ttft_defaults_ms']:.1f} ({row['ttft_defaults_speedup']:.2f}x)",
-                f"{row['ttft_all_mapped_ms']:.1f} ({row['ttft_all_mapped_speedup']:.2f}x)",
+                f"{row['ttft_all_mapped_ms']:.1f} ({row['ttft_all_mapped_speedup']:.2f}x)"
+                if row["ttft_all_mapped_ms"] is not None else "- (maps read the residual)",
             ]
         cells.append(
             f"{row['decode_own_ms']:.2f} / {row['decode_transfer_ms']:.2f} ({row['decode_overhead_pct']:+.1f}%, "
@@ -421,7 +422,8 @@ def plot_bench(report: dict[str, Any], path: str | os.PathLike) -> None:
         ax2.plot(seq, [r["ttft_own_ms"] for r in rows], "o-", color="C0", label="target's own prefill")
         ax2.plot(seq, [r["ttft_defaults_ms"] for r in rows], "s-", color="C2",
                  label=f"transfer at the mapper's defaults ({defaults['num_exact_layers']} exact layers)")  # fmt: skip
-        ax2.plot(seq, [r["ttft_all_mapped_ms"] for r in rows], "^--", color="C3", label="all mapped (0 exact; lossy)")
+        if report["settings"].get("ttft_all_mapped"):
+            ax2.plot(seq, [r["ttft_all_mapped_ms"] for r in rows], "^--", color="C3", label="all mapped (0 exact; lossy)")
         ax2.set_title("time to first token", fontsize=9)
     env = report["environment"]
     for a in axes[0]:

@@ -1,0 +1,135 @@
+"""Every surface with every mapper kind the fit saves: one matrix.
+
+Each kind is made by the fit's own functions on a tiny saved pair whose target has another KV layout than its source,
+saved with `save_pretrained` and loaded back from disk, as a user gets it. Each surface must give the target's answer
+or one line saying why not (`error:` and at most a `hint:`), never a traceback. Where an answer can be checked
+against an independent computation it is: the same prompt as ids or as embeddings, alone or in a left-padded batch,
+gives the same logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import left_pad, random_ids
+from fit_fixtures import save_pair, write_corpus
+from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
+from hf_kvtransfer.commands.cli import main
+from hf_kvtransfer.fitting.calibration_pass import calibration_pass
+from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
+from hf_kvtransfer.fitting.token_tables import fit_token_tables, tabulate_first_layer
+
+KINDS = ["source-only", "k1", "low-rank", "mlp", "residual", "residual-alone", "token-tables", "first-layer-table"]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """A tiny saved pair (source: 2 layers, 2 KV heads of 16; target: 3 layers, 1 KV head of 8), a corpus, and one
+    saved mapper of each kind."""
+    root = tmp_path_factory.mktemp("surfaces")
+    source_dir, target_dir = save_pair(root, source_layers=2, target_layers=3)
+    corpus = write_corpus(root / "corpus.txt", num_paragraphs=120)
+    source = AutoModelForCausalLM.from_pretrained(source_dir).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    ids = torch.tensor(tok(corpus.read_text())["input_ids"][: 16 * 48]).view(16, 48)
+    fit = dict(num_exact_layers=1, heldout_fraction=0, progress=False)
+    base = fit_mapper(source, target, ids, top_k=2, **fit)
+    stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=[0, 1], stride=1)
+    calibration_pass(source, target, ids, consumers=[stats], progress=False)
+    residual = solve_residual_mapper(base, stats, residual_layer=1)
+    made = {
+        "source-only": base,
+        "k1": fit_mapper(source, target, ids, top_k=1, **fit),
+        "low-rank": fit_mapper(source, target, ids, top_k=2, rank="2", **fit),
+        "mlp": fit_mapper(source, target, ids, top_k=2, mapper_type="mlp", mlp_epochs=1, **{**fit, "heldout_fraction": 0.25}),
+        "residual": residual,
+        "residual-alone": solve_residual_mapper(base, stats, residual_layer=1, sources={2: []}),
+        "token-tables": fit_token_tables(source, target, residual, ids, readers=[2], lags=(0, 1), pseudo_count=1.0),
+        "first-layer-table": tabulate_first_layer(base, target),
+    }
+    dirs = {}
+    for name, mapper in made.items():
+        mapper.save_pretrained(root / name)
+        dirs[name] = root / name
+    return {"source": source_dir, "target": target_dir, "corpus": corpus, "models": (source, target), "dirs": dirs}
+
+
+def _answer_or_one_line(code: int, err: str) -> None:
+    """The contract of every command: success, or `error:` on one line (plus at most a `hint:` line)."""
+    assert "Traceback" not in err, err
+    if code != 0:
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert lines[0].startswith("error: ") and (len(lines) == 1 or lines[1].startswith("hint: ")), err
+
+
+def test_every_kind_loads_as_saved(family):
+    for name, path in family["dirs"].items():
+        mapper = KVMapper.from_pretrained(path)
+        assert mapper.config.selected_layers and mapper.num_parameters() > 0, name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_commands(kind, family, tmp_path, capsys):
+    path, source, target = str(family["dirs"][kind]), str(family["source"]), str(family["target"])
+    runs = {
+        "info": ["info", path],
+        "bench": ["bench", "--no-reexec", "--source", source, "--target", target, "--mapper", path, "--seq-lens", "24",
+                  "--repeats", "1", "--warmup", "0", "--decode-steps", "1", "--threads", "1",
+                  "--output-dir", str(tmp_path / "bench")],
+        "eval": ["eval", "--source", source, "--target", target, "--mapper", path, "--text", str(family["corpus"]),
+                 "--tasks", "repeat,recall", "--items", "4", "--prefix-len", "32", "--json", str(tmp_path / "e.json")],
+        "demo": ["demo", "--source", source, "--target", target, "--mapper", path, "--text", str(family["corpus"]),
+                 "--prompt", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12", "--max-new-tokens", "3", "--recall-items", "0"],
+    }  # fmt: skip
+    for command, argv in runs.items():
+        code = main(argv)
+        err = capsys.readouterr().err
+        _answer_or_one_line(code, err)
+        assert code == 0, f"{command} refused the {kind} mapper the fit saved: {err}"
+
+
+def _cache(family, mapper, ids, mask=None):
+    source, _ = family["models"]
+    return TransferredCache(prefill(source, ids, attention_mask=mask), mapper, attention_mask=mask)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_paths_agree(kind, family):
+    """ids and inputs_embeds, one row and a left-padded batch: the same prompt, the same logits; sampling and beams
+    run on the default cache."""
+    _, target = family["models"]
+    mapper = KVMapper.from_pretrained(family["dirs"][kind])
+    ids = random_ids(1, 40, seed=3) % 60 + 4
+    emb = target.get_input_embeddings()
+    gen = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        by_ids = target.generate(ids, cache=_cache(family, mapper, ids), **gen)
+        by_embeds = target.generate(inputs_embeds=emb(ids), cache=_cache(family, mapper, ids), **gen)
+    assert torch.equal(by_ids.sequences[:, ids.shape[1]:], by_embeds.sequences)
+    torch.testing.assert_close(torch.stack(by_ids.logits), torch.stack(by_embeds.logits), rtol=1e-4, atol=1e-4)
+    # A left-padded batch: the longer row is the prompt above, unpadded (position ids and RoPE follow the mask).
+    short = random_ids(1, 30, seed=4) % 60 + 4
+    batch, mask = left_pad(torch.cat([ids, torch.nn.functional.pad(short, (10, 0), value=5)]), [40, 30])
+    with torch.no_grad():
+        padded = target.generate(batch, attention_mask=mask, cache=_cache(family, mapper, batch, mask), **gen)
+    torch.testing.assert_close(torch.stack(padded.logits)[:, :1], torch.stack(by_ids.logits), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        sampled = target.generate(ids, cache=_cache(family, mapper, ids), max_new_tokens=3, do_sample=True, top_k=5)
+        beams = target.generate(ids, cache=_cache(family, mapper, ids), max_new_tokens=3, num_beams=2, do_sample=False)
+    assert sampled.shape == beams.shape == (1, ids.shape[1] + 3)
+
+
+@pytest.mark.parametrize("kind", ["source-only", "residual", "token-tables"])
+def test_push_pull_round_trip(kind, family, hub_server):
+    mapper = KVMapper.from_pretrained(family["dirs"][kind])
+    repo = f"{hub_server.user}/surfaces-{kind}"
+    mapper.push_to_hub(repo, token=hub_server.write_token)
+    pulled = KVMapper.from_pretrained(repo, token=hub_server.write_token)
+    assert pulled.config == mapper.config
+    ours, theirs = mapper.state_dict(), pulled.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
