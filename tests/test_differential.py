@@ -10,7 +10,7 @@ size and left padding, the mask given or not to each of `prefill` / `Transferred
 tables of the prompt's ids), the generation mode
 (greedy, seeded sampling, beams, assisted decoding with another model, prompt lookup; `cache=` or
 `past_key_values=`), the ids passed to `generate` (the prompt, a prefix of it, another prompt, only new tokens, the
-prompt plus new tokens) and a second `generate` on the same cache.
+prompt plus new tokens; the prompt as `inputs_embeds` instead of ids) and a second `generate` on the same cache.
 
 Budget: `DIFFERENTIAL_EXAMPLES` (default 800, 2-3 minutes on one CPU thread); `HYPOTHESIS_PROFILE=slow` or
 `-m slow` runs 3000. `--hypothesis-show-statistics` prints how many ran and what each ended as.
@@ -87,6 +87,8 @@ def cases(draw):
         prefix_len=draw(st.integers(1, length)),
         num_return_sequences=draw(st.sampled_from([1, 2])) if mode == "beams" else 1,
         second_turn=draw(st.booleans()) if mode in ("greedy", "sample") else False,
+        # The prompt as embeddings (`inputs_embeds`: soft prompts, multimodal front-ends) instead of ids.
+        embeds=draw(st.booleans()) if mode in ("greedy", "sample", "beams") else False,
     )
 
 
@@ -104,7 +106,7 @@ def _ids(case):
     return ids, mask, other, new
 
 
-def _generate(model, ids, mask, case, assistant, **cache):
+def _generate(model, ids, mask, case, assistant, embeds=False, **cache):
     kwargs = dict(
         max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, return_dict_in_generate=True, output_logits=True,
         pad_token_id=0,
@@ -127,6 +129,8 @@ def _generate(model, ids, mask, case, assistant, **cache):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
+            if embeds:  # generate returns only the new tokens then
+                return model.generate(inputs_embeds=model.get_input_embeddings()(ids), **kwargs, **cache), None, counter.steps
             return model.generate(ids, **kwargs, **cache), None, counter.steps
         except Exception as exc:  # noqa: BLE001 - what it raised is the result
             return None, exc, counter.steps
@@ -170,6 +174,8 @@ def _careful(case) -> bool:
     batch given to `prefill`): it must be answered, not only never answered wrongly."""
     padded = min(case["rows"]) < case["rows"][0]
     give = case["mask_to"]
+    if case["embeds"] and padded and not give["generate"]:
+        return False  # generate cannot infer padding from embeddings: the mask is the caller's to give
     return case["ids"] in ("prompt", "prompt_plus_new") and (not padded or give["prefill"])
 
 
@@ -183,7 +189,9 @@ def check_case(case, models):
     own_gen_mask = own_mask if give["generate"] else None
     if case["ids"] == "new_only" and gen_mask is None:
         own_gen_mask = None  # the target's own call: the full sequence, mask inferred as generate does
-    ref, ref_exc, _ = _generate(target, own_ids, own_gen_mask, case, assistant)
+    # The prompt as embeddings: the target's own call gets them too (generate infers no padding from embeddings).
+    embeds = case["embeds"] and case["ids"] in ("prompt", "prompt_plus_new")
+    ref, ref_exc, _ = _generate(target, own_ids, own_gen_mask, case, assistant, embeds)
 
     try:
         source_cache = prefill(target, ids, attention_mask=mask if give["prefill"] else None)
@@ -196,7 +204,7 @@ def check_case(case, models):
         assert not _careful(case), f"a careful call was refused: {exc}"
         event(f"refused at construction: {type(exc).__name__}")
         return
-    out, exc, steps = _generate(target, fed, gen_mask, case, assistant, **{case["cache_kwarg"]: cache})
+    out, exc, steps = _generate(target, fed, gen_mask, case, assistant, embeds, **{case["cache_kwarg"]: cache})
     if exc is not None:
         if ref_exc is not None:
             event("the target's own call fails too")
@@ -206,6 +214,10 @@ def check_case(case, models):
         event(f"refused: {re.sub(r'[0-9]+', 'N', str(exc))[:70]}")
         return
     assert ref_exc is None, f"the target's own call raised {ref_exc!r}, the transferred one answered"
+    if embeds:  # (both return the new tokens only)
+        _same(out, ref, f"generate ({case['mode']}, inputs_embeds)")
+        event(f"answered as the target: {case['mode']}, inputs_embeds")
+        return
     if case["ids"] == "new_only":  # compare what was generated, after the (different) inputs
         assert torch.equal(out.sequences[:, -NEW_TOKENS:], ref.sequences[:, -NEW_TOKENS:]), (out.sequences, ref.sequences)
         for a, b in zip(out.logits, ref.logits):

@@ -306,7 +306,11 @@ class TransferredCache(DynamicCache):
         caller = CallerInputs.from_stack()
         self._learn_model(caller.model)
         if caller.forward_ids is None:
-            return  # not a forward of ids: generate asking for the length first, or inputs_embeds (nothing to check)
+            if caller.forward_embeds is not None:
+                self._first_input_checked = True
+                check_mask(caller, self._transfer.attention_mask, self._transfer.length)
+                self._check_embeds(caller.forward_embeds, caller.model or self._exact_model)
+            return  # generate asking for the length first (nothing fed yet), or a forward of inputs_embeds
         self._first_input_checked = True
         held, fed = self._transfer.length, caller.forward_ids
         prompt = self.prompt_ids if self.prompt_ids is not None else (None if caller.direct else caller.sequence)
@@ -331,6 +335,29 @@ class TransferredCache(DynamicCache):
         self._keep_prompt(held + fed.shape[-1] if caller.direct else max(caller.sequence.shape[-1], held))
         if self.prompt_ids is None and not caller.direct:
             self._learn_prompt(caller.sequence)
+
+    def _check_embeds(self, fed: torch.Tensor, model: PreTrainedModel | None) -> None:
+        """A first forward of `inputs_embeds`: its ids are unknown, so only a re-fed prompt is recognised (the
+        embeddings of the cached prompt's ids, as generate feeds with num_recompute_tokens=0), and then recomputed
+        as with ids; anything else is taken as what follows the cached tokens."""
+        held, prompt = self._transfer.length, self.prompt_ids
+        if held == 0 or model is None or prompt is None or fed.shape[1] < held:
+            return
+        if fed.shape[0] % prompt.shape[0]:
+            return
+        # beam search and num_return_sequences repeat each row in place
+        rows = prompt[:, :held].repeat_interleave(fed.shape[0] // prompt.shape[0], dim=0)
+        own = model.get_input_embeddings()(rows.to(fed.device))
+        if not torch.equal(own.to(fed.dtype), fed[:, :held]):
+            return
+        warnings.warn(
+            f"the target is fed the {held} transferred prompt tokens again (as embeddings; generate does with "
+            "num_recompute_tokens=0): it recomputes them itself and the transferred cache is not used",
+            stacklevel=5,
+        )
+        self._pending.clear()
+        self._transfer = None
+        self._exact_pending = False
 
     def _learn_model(self, model: PreTrainedModel | None) -> None:
         """The target model of the forward running on the cache: checked against the mapper's target (a model of
@@ -438,8 +465,10 @@ class TransferredCache(DynamicCache):
         caller = CallerInputs.from_stack()
         if caller.forward_ids is None or caller.direct:
             return
-        if self._only_new_tokens and caller.sequence.shape[-1] < self.get_seq_length():
-            return  # the caller feeds only new tokens (checked on the first forward); later steps continue so
+        if self._only_new_tokens:
+            # The caller feeds only new tokens (checked on the first forward): its sequence never holds the prompt,
+            # so later steps have no prompt to compare (prompt lookup's steps can be as long as the cache).
+            return
         check_prompt(caller, self.prompt_ids, self.get_seq_length(), query_length, self.num_recompute_tokens)
 
     # -- conversion ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ class CallerInputs:
 
     model: PreTrainedModel | None = None
     forward_ids: torch.Tensor | None = None
+    forward_embeds: torch.Tensor | None = None  # the running forward's inputs_embeds, when it was given no ids
     mask_length: int | None = None
     mask: torch.Tensor | None = None
     sequence: torch.Tensor | None = None
@@ -53,6 +54,12 @@ class CallerInputs:
             owner, ids = local.get("self"), local.get("input_ids")
             if isinstance(owner, PreTrainedModel) and frame.f_code.co_name == "forward":
                 seen_model = owner
+                embeds = local.get("inputs_embeds")
+                if found.forward_ids is None and found.forward_embeds is None and isinstance(embeds, torch.Tensor):
+                    found.forward_embeds = embeds
+                    mask = local.get("attention_mask")
+                    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+                        found.mask, found.mask_length = mask, mask.shape[-1]
             if isinstance(owner, PreTrainedModel) and isinstance(ids, torch.Tensor) and ids.ndim == 2:
                 if ids.is_floating_point():
                     break
@@ -60,7 +67,8 @@ class CallerInputs:
                     if frame.f_code.co_name != "forward":
                         # generate itself: before any forward nothing is fed yet; a forward of inputs_embeds
                         # below it gave no ids (only its model is known)
-                        return cls(model=seen_model)
+                        return cls(model=seen_model, forward_embeds=found.forward_embeds, mask=found.mask,
+                                   mask_length=found.mask_length)
                     mask = local.get("attention_mask")
                     found.forward_ids = ids
                     found.mask_length = mask.shape[-1] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
@@ -169,7 +177,8 @@ def check_mask(caller: CallerInputs, cache_mask: torch.Tensor | None, held: int)
         return
     if given is not None and given.shape[-1] < held:
         return  # a mask of the new tokens only: not ours to read (transformers refuses or pads it)
-    rows = given.shape[0] if given is not None else caller.forward_ids.shape[0]
+    fed = caller.forward_ids if caller.forward_ids is not None else caller.forward_embeds
+    rows = given.shape[0] if given is not None else fed.shape[0]
     seen = given[:, :held] if given is not None else torch.ones(rows, held, dtype=torch.long)
     ours = cache_mask[:, :held] if cache_mask is not None else torch.ones(1, held, dtype=torch.long)
     if cache_mask is None or ours.shape[0] != seen.shape[0] and seen.shape[0] % ours.shape[0] == 0:
