@@ -1,0 +1,564 @@
+"""The results tables of the README and the docs, rendered from the result files the studies wrote.
+
+    python docs/render_tables.py            # write docs/snippets/*.md and the README's generated blocks
+    python docs/render_tables.py --check    # exit 1, naming them, where either differs from the result files
+
+Each table is a function of result files under `research/`; its last line names, for each file, the command that
+wrote it and the date it was measured (`RESULTS` below). A docs page includes a table with
+`--8<-- "docs/snippets/NAME.md"` (pymdownx.snippets); the README, which GitHub shows without includes, holds a copy
+between `<!-- table:NAME -->` and `<!-- /table -->`. `tests/test_results_tables.py` fails when a snippet or a README
+block differs from what the result files give, so a re-run study shows up as a failing test until this script is
+run again. The library never imports this file; it needs only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SNIPPETS = ROOT / "docs" / "snippets"
+README = ROOT / "README.md"
+BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A result file, the command that wrote it and the date it was measured."""
+
+    path: str
+    command: str
+    date: str
+
+    def load(self):
+        return json.loads((ROOT / self.path).read_text(encoding="utf-8"))
+
+    def text(self) -> str:
+        return (ROOT / self.path).read_text(encoding="utf-8")
+
+
+_CAS = "research/content_at_speed"
+_RP = "research/recall_probe"
+_ONE_THREAD = "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE"
+_FIT = "python research/token_tables/fit_pair.py"  # the library's fit_mapper at its defaults, 512 x 256 tokens
+
+# Every result file a table reads. DIR, DIR_1 and DIR_OFF are the mapper folders of those runs: DIR a fit at the
+# defaults, DIR_1 the same mapper with num_recompute_tokens 1 in its config.json, DIR_OFF the fit with
+# --residual-inputs off (the JSONs name the folders).
+RESULTS = {
+    "fit_s2l": Result(f"{_CAS}/results/time_split_fit_small_to_large.log", f"{_FIT} small large 512 DIR",
+                      "2026-12-03"),  # fmt: skip
+    "fit_l2s": Result(f"{_CAS}/results/time_split_fit_large_to_small.log", f"{_FIT} large small 512 DIR",
+                      "2026-12-03"),  # fmt: skip
+    "time_split_s2l": Result(
+        f"{_CAS}/results/time_split_small_to_large.json",
+        f"{_ONE_THREAD} python {_CAS}/time_split.py --source small --target large --mapper DIR --recompute-tokens 1",
+        "2026-12-03",
+    ),
+    "time_split_l2s": Result(
+        f"{_CAS}/results/time_split_large_to_small.json",
+        f"{_ONE_THREAD} python {_CAS}/time_split.py --source large --target small --mapper DIR",
+        "2026-12-03",
+    ),
+    "recompute_s2l": Result(
+        f"{_CAS}/results/recompute_1_vs_32_small_to_large.json",
+        f"python {_CAS}/content_at_speed.py --source small --target large --variants dir:DIR_1 --reference dir:DIR "
+        "--handoff-items 600 --recall-items 600 --span-items 0",
+        "2026-12-03",
+    ),
+    "agreement_32_s2l": Result(
+        f"{_CAS}/results/agreement_recompute_32_small_to_large.json",
+        "hf-kvtransfer eval --source examples/family/small --target examples/family/large --mapper DIR "
+        "--text examples/family/heldout.txt --tasks agreement --items 600 --recompute 32",
+        "2026-12-03",
+    ),
+    "agreement_1_s2l": Result(
+        f"{_CAS}/results/agreement_recompute_1_small_to_large.json",
+        "hf-kvtransfer eval --source examples/family/small --target examples/family/large --mapper DIR "
+        "--text examples/family/heldout.txt --tasks agreement --items 600 --recompute 1",
+        "2026-12-03",
+    ),
+    "l2s_three_exact": Result(
+        f"{_CAS}/results/large_to_small_three_exact.json",
+        f"python {_CAS}/content_at_speed.py --source large --target small --variants kv:3 res:2 res:2:-:-:none "
+        "--reference kv:4 --recall-items 200 --handoff-items 200 --span-items 200 --ttft-lengths 1024 4096 "
+        "--ttft-repeats 7",
+        "2026-12-02",
+    ),
+    "probe_s2l": Result(
+        f"{_RP}/results/defaults_small_to_large.json",
+        f"python {_CAS}/content_at_speed.py --source small --target large --variants dir:DIR --reference dir:DIR_OFF",
+        "2026-12-01",
+    ),
+    "probe_l2s_kv4": Result(
+        f"{_RP}/results/defaults_large_to_small_kv4.json",
+        f"python {_CAS}/content_at_speed.py --source large --target small_kv4 --variants dir:DIR "
+        "--reference dir:DIR_OFF",
+        "2026-12-01",
+    ),
+    "probe_ttft_s2l": Result(
+        f"{_RP}/results/ttft_small_to_large_defaults.json",
+        f"python {_CAS}/content_at_speed.py --source small --target large --variants dir:DIR --reference dir:DIR_OFF "
+        "--recall-items 0 --handoff-items 0 --span-items 0 --ttft-repeats 7",
+        "2026-12-01",
+    ),
+    "probe_ttft_l2s_kv4": Result(
+        f"{_RP}/results/ttft_large_to_small_kv4.json",
+        f"python {_CAS}/content_at_speed.py --source large --target small_kv4 --variants dir:DIR "
+        "--reference dir:DIR_OFF --recall-items 0 --handoff-items 0 --span-items 0 --ttft-repeats 9",
+        "2026-12-01",
+    ),
+    "mlp_l2s": Result(
+        f"{_RP}/results/copy_layer_mlp_large_to_small.json",
+        f"python {_RP}/copy_layer_mlp.py --source large --target small --residual-layer 1 --layer 3 --items 600 "
+        "--hidden 64 256 1024",
+        "2026-12-02",
+    ),
+    "cas_s2l": Result(
+        f"{_CAS}/results/small_to_large.json",
+        f"{_ONE_THREAD} python {_CAS}/content_at_speed.py --source small --target large "
+        "--variants kv:4 kv:2 res:1 res:1:-:2,3 --reference kv:4",
+        "2026-12-01",
+    ),
+    "cas_l2s": Result(
+        f"{_CAS}/results/large_to_small.json",
+        f"{_ONE_THREAD} python {_CAS}/content_at_speed.py --source large --target small "
+        "--variants kv:4 kv:2 res:1 --reference kv:4",
+        "2026-12-01",
+    ),
+    "rank_principal": Result(
+        f"{_CAS}/results/shared_rank_principal_small_to_large.json",
+        f"python {_CAS}/content_at_speed.py --source small --target large --variants res:2:-:-:none "
+        "res:2:128:-:none res:2:64:-:none res:2:32:-:none --reference res:2:-:-:none --recall-items 600 "
+        "--handoff-items 0 --span-items 0 --ttft-lengths 1024 --ttft-repeats 7",
+        "2026-12-02",
+    ),
+    "rank_reduced": Result(
+        f"{_CAS}/results/shared_rank_reduced_rank_small_to_large.json",
+        f"python {_CAS}/content_at_speed.py --source small --target large --variants res:2:-:-:none "
+        "res:2:64:-:none res:2:32:-:none res:2:16:-:none --reference res:2:-:-:none --recall-items 600 "
+        "--handoff-items 0 --span-items 0 --ttft-lengths 1024 --ttft-repeats 7",
+        "2026-12-02",
+    ),
+}
+
+
+# --- formatting ---------------------------------------------------------------------------------------------------
+
+
+def _num(x: float, digits: int = 1) -> str:
+    text = f"{x:.{digits}f}"
+    return text[1:] if re.fullmatch(r"-0\.?0*", text) else text
+
+
+def pct(x: float, digits: int = 1) -> str:
+    """A fraction as a percentage: 0.978 -> '97.8%'."""
+    return _num(100 * x, digits) + "%"
+
+
+def ci(bounds) -> str:
+    """A fraction's interval in percentage points: [0.948, 1.009] -> '[94.8, 100.9]'."""
+    return "[" + ", ".join(_num(100 * b) for b in bounds) + "]"
+
+
+def signed(x: float) -> str:
+    text = _num(100 * x)
+    return text if text.startswith("-") or text == "0.0" else "+" + text
+
+
+def times(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    align = align or "-" * len(header)
+    marks = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def sources(*keys: str) -> str:
+    """The line under a table: each result file, the command that wrote it and its date."""
+    parts = [f"`{RESULTS[k].command}` -> `{RESULTS[k].path}` ({RESULTS[k].date})" for k in keys]
+    return "Results: " + "; ".join(parts) + "."
+
+
+def _fit_seconds(result: Result) -> tuple[float, float]:
+    """The fit's total and calibration-pass seconds, from its log."""
+    text = result.text()
+    total = float(re.search(r"^fit (\d+(?:\.\d+)?) s$", text, re.M).group(1))
+    calibration = float(re.search(r"calibration pass: (\d+(?:\.\d+)?) s", text).group(1))
+    return total, calibration
+
+
+def describe(variant: dict) -> str:
+    """What a mapper computes and what its maps read, from a content_at_speed.py variant."""
+    layers = variant["selected_layers"]
+    exact, residual = variant["num_exact_layers"], variant.get("residual_layer")
+    total = len(layers)
+    if exact >= total:
+        return f"{exact} of {total} exact: the target's own cache"
+    if residual is None:
+        return f"{exact} of {total} exact; the other layers mapped from the source's K/V"
+    mapped = layers[exact:]
+    read = sorted({s for sel in mapped for s in sel})
+    what = f"the target's residual entering layer {residual}"
+    if not read:
+        return f"{exact} of {total} exact; layers {exact}-{total - 1} mapped from {what} alone"
+    names = "source layer " + ", ".join(map(str, read)) if len(read) < 4 else "the source's K/V"
+    return f"{exact} of {total} exact; layers {exact}-{total - 1} mapped from {what} and {names}"
+
+
+# --- tables -------------------------------------------------------------------------------------------------------
+
+
+def at_a_glance() -> str:
+    """Today's defaults, both directions of the bundled pair: what the fit keeps, what the transfer keeps and costs."""
+    s2l_content = RESULTS["recompute_s2l"].load()
+    s2l = s2l_content["variants"][s2l_content["reference"]]
+    agreement = RESULTS["agreement_32_s2l"].load()["greedy_agreement"]
+    split_s2l = RESULTS["time_split_s2l"].load()["lengths"]["1024"]
+    split_l2s = RESULTS["time_split_l2s"].load()["lengths"]["1024"]
+    fit_s2l, _ = _fit_seconds(RESULTS["fit_s2l"])
+    fit_l2s, _ = _fit_seconds(RESULTS["fit_l2s"])
+    exact, layers = s2l["num_exact_layers"], len(s2l["selected_layers"])
+    assert exact == split_s2l["num_exact_layers"] and split_l2s["num_exact_layers"] == 4
+
+    def ttft(split: dict) -> str:
+        return f"{times(split['speedup_cpu'])} ({split['transfer']['cpu_ms']:.0f} vs {split['own']['cpu_ms']:.0f} ms)"
+
+    alone = all(not sel for sel in s2l["selected_layers"][exact:])
+    rows = [
+        [
+            "small -> large",
+            f"computes its first {exact} of {layers} layers, maps the other {layers - exact} from its own residual "
+            f"stream entering layer {s2l['residual_layer']}" + (" (no source K/V)" if alone else ""),
+            f"{pct(s2l['recall']['retention'])} {ci(s2l['recall']['retention_ci'])}",
+            f"{pct(s2l['handoff']['retention'])} {ci(s2l['handoff']['retention_ci'])}",
+            f"{pct(agreement['first_token_agreement']['mean'])} / {pct(agreement['all_tokens_agreement']['mean'])}",
+            ttft(split_s2l),
+            f"{fit_s2l:.0f} s",
+        ],
+        [
+            "large -> small",
+            f"computes all {split_l2s['num_exact_layers']} of its layers: no map kept the content",
+            "all (its own cache)",
+            "all",
+            "all",
+            ttft(split_l2s),
+            f"{fit_l2s:.0f} s",
+        ],
+    ]
+    header = ["pair", "what the fit chose", "passage recall kept [95% CI]", "hand-off kept",
+              "greedy tokens as the target's own: first / all 16", "time to the first token, 1024 tokens",
+              "one-time fit"]  # fmt: skip
+    note = (
+        f"The bundled family (`examples/family/`). Recall and hand-off: {s2l['recall']['num_items']} items each; "
+        f"greedy agreement: {agreement['num_prompts']} prompts of {agreement['prompt_len']} tokens "
+        f"({pct(agreement['reference']['all_tokens_agreement']['mean'])} of all 16 from the target's own cache "
+        "rounded to bf16); times: one CPU thread, medians of "
+        f"{RESULTS['time_split_s2l'].load()['rounds']} interleaved rounds; fit: 512 x 256 calibration tokens."
+    )
+    return "\n\n".join([table(header, rows), note, sources("recompute_s2l", "agreement_32_s2l", "time_split_s2l",
+                                                          "time_split_l2s", "fit_s2l", "fit_l2s")])  # fmt: skip
+
+
+def fit_vs_source_only() -> str:
+    """The fit's search (residual inputs) against source-only maps, paired, on the pairs where it changed the choice."""
+    rows = []
+    for content_key, ttft_key, pair in (("probe_s2l", "probe_ttft_s2l", "small -> large"),
+                                        ("probe_l2s_kv4", "probe_ttft_l2s_kv4", "large -> small_kv4")):  # fmt: skip
+        content, timing = RESULTS[content_key].load(), RESULTS[ttft_key].load()
+        ref = content["reference"]
+        (name,) = [n for n in content["variants"] if n != ref]
+        v = content["variants"][name]
+        fast, slow = timing["variants"][name]["ttft"], timing["variants"][ref]["ttft"]
+        lengths = ("512", "1024", "4096")
+        rows.append([
+            pair,
+            describe(v),
+            f"**{_num(100 * v['recall']['retention'])} {ci(v['recall']['retention_ci'])}**",
+            f"{signed(v['recall']['minus_reference'])} {ci(v['recall']['minus_reference_ci'])}",
+            f"{_num(100 * v['handoff']['retention'])} {ci(v['handoff']['retention_ci'])}",
+            f"{signed(v['handoff']['minus_reference'])} {ci(v['handoff']['minus_reference_ci'])}",
+            _num(100 * v["spans"]["retention"]),
+            " / ".join(f"{fast[n]['speedup']:.2f}" for n in lengths) + "x ("
+            + " / ".join(f"{slow[n]['speedup']:.2f}" for n in lengths) + "x)",
+        ])  # fmt: skip
+    header = ["pair", "what the fit chose", "passage recall [95% CI]", "minus source-only [paired CI]", "hand-off",
+              "minus source-only", "repeated spans", "TTFT speed-up 512 / 1024 / 4096 (source-only)"]  # fmt: skip
+    items = RESULTS["probe_s2l"].load()["variants"]
+    n = next(iter(items.values()))
+    note = (
+        f"Retention in %, {n['recall']['num_items']} passage-recall and {n['handoff']['num_items']} hand-off items, "
+        f"{n['spans']['num_items']} repeated spans, 32 recomputed tokens; the source-only maps are the same fit with "
+        "`--residual-inputs off`. Time to the first token: medians, wall clock, one thread."
+    )
+    return "\n\n".join([table(header, rows), note, sources("probe_s2l", "probe_l2s_kv4", "probe_ttft_s2l",
+                                                          "probe_ttft_l2s_kv4")])  # fmt: skip
+
+
+def time_split() -> str:
+    """Where the time to the first token of the default transfer goes, stage by stage."""
+    rows = []
+    fits = {"time_split_s2l": "small -> large", "time_split_l2s": "large -> small"}
+    for key, pair in fits.items():
+        lengths = RESULTS[key].load()["lengths"]
+        for i, (n, s) in enumerate(sorted(lengths.items(), key=lambda kv: int(kv[0]))):
+            total = s["stages_sum_cpu_ms"]
+
+            def share(stage: str, s=s, total=total) -> str:
+                ms = s[stage]["cpu_ms"]
+                return f"{ms:.1f}" + (f" ({100 * ms / total:.0f}%)" if ms / total >= 0.01 else "")
+
+            label = (f"{pair} ({s['num_exact_layers']} exact, {s['num_recompute_tokens']} recomputed)"
+                     if i == 0 else "")  # fmt: skip
+            rows.append([
+                label, n, f"{s['own']['cpu_ms']:.1f} ms",
+                f"{s['transfer']['cpu_ms']:.1f} ms ({times(s['speedup_cpu'])})",
+                f"{s['construct']['cpu_ms']:.1f}", share("exact"), share("maps"), share("recomputed"),
+                f"{100 * s['exact']['cpu_ms'] / s['own']['cpu_ms']:.0f}% ({s['own']['cpu_ms'] / s['exact']['cpu_ms']:.1f}x)",
+            ])  # fmt: skip
+    header = ["pair (the fit's choice)", "tokens", "own prefill", "transfer (speed-up)", "build", "exact pass", "maps",
+              "recomputed tokens", "exact pass / own prefill (the ceiling)"]  # fmt: skip
+    note = (
+        "Stage times in ms, shares of the staged sum; medians of process CPU time over 15 interleaved rounds. The last "
+        "column is the exact pass against the own prefill, and the speed-up left if maps and recomputed tokens cost "
+        "nothing."
+    )
+    return "\n\n".join([table(header, rows), note, sources("time_split_s2l", "time_split_l2s")])
+
+
+def recomputed_tokens() -> str:
+    """Today's small -> large default with 32 recomputed tokens (the default) and with 1."""
+    content = RESULTS["recompute_s2l"].load()
+    ref = content["reference"]
+    (one,) = [n for n in content["variants"] if n != ref]
+    lengths = RESULTS["time_split_s2l"].load()["lengths"]
+    order = sorted(lengths, key=int)
+    rows = []
+    for name, key, label, speed in ((ref, "agreement_32_s2l", "**32 (the default)**", "speedup_cpu"),
+                                    (one, "agreement_1_s2l", "1", "speedup_cpu_transfer@1")):  # fmt: skip
+        v = content["variants"][name]
+        g = RESULTS[key].load()["greedy_agreement"]
+        rows.append([
+            label,
+            f"{pct(v['recall']['retention'])} {ci(v['recall']['retention_ci'])}",
+            "–" if name == ref else f"{signed(v['recall']['minus_reference'])} {ci(v['recall']['minus_reference_ci'])}",
+            f"{pct(v['handoff']['retention'])} {ci(v['handoff']['retention_ci'])}",
+            "–" if name == ref else f"{signed(v['handoff']['minus_reference'])} {ci(v['handoff']['minus_reference_ci'])}",
+            f"{pct(g['first_token_agreement']['mean'])} / {pct(g['all_tokens_agreement']['mean'])} "
+            f"{ci(g['all_tokens_agreement']['ci'])}",
+            " / ".join(f"{lengths[n][speed]:.2f}" for n in order) + "x",
+        ])  # fmt: skip
+    g = RESULTS["agreement_32_s2l"].load()["greedy_agreement"]
+    header = ["recomputed tokens", "passage recall [95% CI]", "minus 32 [paired CI]", "hand-off", "minus 32",
+              "greedy tokens as the target's own: first / all 16 [95% CI]",
+              f"TTFT speed-up {' / '.join(order)} tokens"]  # fmt: skip
+    note = (
+        f"Small -> large at the fit's choice; {content['variants'][ref]['recall']['num_items']} items per task, "
+        f"{g['num_prompts']} prompts of {g['prompt_len']} tokens; the target's own cache rounded to bf16 gives "
+        f"{pct(g['reference']['first_token_agreement']['mean'])} / {pct(g['reference']['all_tokens_agreement']['mean'])}"
+        ". Speed-ups from the same interleaved rounds (process CPU time, one thread)."
+    )
+    return "\n\n".join([table(header, rows), note, sources("recompute_s2l", "agreement_32_s2l", "agreement_1_s2l",
+                                                          "time_split_s2l")])  # fmt: skip
+
+
+_CAS_LABELS = {
+    "kv:4": "4 exact layers, source K/V maps (the source-only default)",
+    "kv:2": "2 exact layers, source K/V maps",
+    "res:1": "2 exact layers, maps + residual",
+    "res:1:-:2,3": "the same, residual read by layers 2 and 3 only",
+}
+
+
+def content_at_speed() -> str:
+    """Maps reading the target's residual stream against source-only maps, both directions (the first study)."""
+    rows = []
+    for key, pair in (("cas_s2l", "small -> large"), ("cas_l2s", "large -> small")):
+        r = RESULTS[key].load()
+        ref = r["reference"]
+        for name in [ref] + [n for n in _CAS_LABELS if n != ref and n in r["variants"]]:
+            v = r["variants"][name]
+            rec = v["recall"]
+            own = rec["retention_ci"] == [1.0, 1.0]
+            label = "4 of 4 exact (its own cache)" if own else _CAS_LABELS[name]
+            recall = "100" if own else f"{_num(100 * rec['retention'])} {ci(rec['retention_ci'])}"
+            rows.append([
+                pair, label, f"**{recall}**" if name == "res:1" else recall,
+                "–" if name == ref else f"{_num(100 * rec['minus_reference'])} {ci(rec['minus_reference_ci'])}",
+                "100" if own else _num(100 * v["handoff"]["retention"]),
+                "100" if own else _num(100 * v["spans"]["retention"]),
+                " / ".join(f"{v['ttft'][n]['speedup']:.2f}" for n in ("512", "1024", "4096")) + "x",
+            ])  # fmt: skip
+    header = ["pair", "variant", "passage recall [95% CI]", "minus source-only [paired CI]", "hand-off",
+              "repeated spans", "TTFT speed-up 512 / 1024 / 4096"]  # fmt: skip
+    note = (
+        "Retention in %, 600 passage-recall and 600 hand-off items, 660 repeated spans; TTFT medians of 5, one thread, "
+        "under other jobs' load (compare speed-ups within a row)."
+    )
+    return "\n\n".join([table(header, rows), note, sources("cas_s2l", "cas_l2s")])
+
+
+_THREE_EXACT_LABELS = {
+    "kv:4": "4 of 4 exact (the fit's choice)",
+    "kv:3": "layer 3 from source K/V",
+    "res:2": "layer 3 from source K/V + residual entering layer 2",
+    "res:2:-:-:none": "layer 3 from the residual alone",
+}
+
+
+def large_to_small_three_exact() -> str:
+    """Large -> small with only its last layer mapped."""
+    r = RESULTS["l2s_three_exact"].load()
+    ref = r["reference"]
+    rows = []
+    for name in [ref] + [n for n in _THREE_EXACT_LABELS if n != ref]:
+        v = r["variants"][name]
+        rec = v["recall"]
+        rows.append([
+            _THREE_EXACT_LABELS[name],
+            _num(100 * rec["retention"], 0) if name == ref else f"{_num(100 * rec['retention'])} {ci(rec['retention_ci'])}",
+            "–" if name == ref else (
+                _num(100 * rec["minus_reference"]) if name == "kv:3"
+                else f"{_num(100 * rec['minus_reference'])} {ci(rec['minus_reference_ci'])}"
+            ),
+            _num(100 * v["handoff"]["retention"], 0 if name == ref else 1),
+            _num(100 * v["spans"]["retention"], 0 if name == ref else 1),
+            " / ".join(f"{v['ttft'][n]['speedup']:.2f}x" for n in ("1024", "4096")),
+        ])  # fmt: skip
+    n = r["variants"][ref]["recall"]["num_items"]
+    header = ["large -> small, 3 exact layers", "passage recall [95% CI]", "minus 4 exact [paired CI]", "hand-off",
+              "repeated spans", "TTFT speed-up 1024 / 4096"]  # fmt: skip
+    note = f"Retention in %, {n} items per task."
+    return "\n\n".join([table(header, rows), note, sources("l2s_three_exact")])
+
+
+def shared_rank() -> str:
+    """A shared reduced-rank projection of the residual: principal directions vs reduced-rank regression."""
+    principal, reduced = RESULTS["rank_principal"].load(), RESULTS["rank_reduced"].load()
+    full = principal["variants"][principal["reference"]]["recall"]
+    rows = [["none (full rank)", "576", f"{_num(100 * full['retention'])} {ci(full['retention_ci'])}", "–"]]
+    for r, how in ((principal, "principal directions of the residual features"),
+                   (reduced, "reduced-rank regression (what the maps predict)")):  # fmt: skip
+        variants = [(v["residual_rank"], v) for n, v in r["variants"].items() if n != r["reference"]]
+        for i, (rank, v) in enumerate(sorted(variants, key=lambda rv: -rv[0])):
+            rec = v["recall"]
+            rows.append([
+                how if i == 0 else how.split(" (")[0].replace(" of the residual features", ""),
+                str(rank),
+                f"{_num(100 * rec['retention'])} {ci(rec['retention_ci'])}",
+                f"{_num(100 * rec['minus_reference'])} {ci(rec['minus_reference_ci'])}",
+            ])  # fmt: skip
+    header = ["shared projection", "rank (of 576)", "passage recall [95% CI]", "minus full rank [paired CI]"]
+    note = f"Retention in %, {full['num_items']} items, paired against the full-rank maps."
+    return "\n\n".join([table(header, rows), note, sources("rank_principal", "rank_reduced")])
+
+
+def copy_layer_mlp() -> str:
+    """Large -> small: a non-linear correction of the copy layer's mapped keys, by width."""
+    r = RESULTS["mlp_l2s"].load()
+    retention = r["retention"]
+    rows = []
+    for name, label in (("transfer", "the fit's linear residual map"),
+                        *((f"transfer + MLP keys ({h})", f"+ MLP, {h} hidden") for h in r["mlp"]),
+                        ("transfer, own keys", "the target's own layer-3 keys (the bound)")):  # fmt: skip
+        v = retention[name]
+        diff = v["minus_transfer"]
+        hidden = name.split("(")[-1].rstrip(")") if "MLP" in name else None
+        share = ""
+        if hidden:
+            m = r["mlp"][hidden]
+            share = f"{m['mlp_ms_1024']:.1f} of {m['target_prefill_ms_1024']:.1f} ms ({100 * m['mlp_ms_1024'] / m['target_prefill_ms_1024']:.0f}%)"
+        rows.append([
+            label,
+            f"{_num(100 * v['retention'])} {ci(v['ci'])}",
+            "" if name == "transfer" else f"{signed(diff['difference'])} {ci(diff['difference_ci'])}",
+            share,
+        ])  # fmt: skip
+    header = ["layer 3's keys", "passage recall [95% CI]", "minus the linear map [paired CI]",
+              "the correction on 1024 tokens, of the target's own prefill"]  # fmt: skip
+    note = (
+        "Retention in %, 600 items; 2 exact layers, every other layer as the fit maps it, 32 recomputed tokens. Times: "
+        "medians of 7 interleaved, one thread, under another job's load."
+    )
+    return "\n\n".join([table(header, rows), note, sources("mlp_l2s")])
+
+
+TABLES = {
+    "at-a-glance": at_a_glance,
+    "fit-vs-source-only": fit_vs_source_only,
+    "time-split": time_split,
+    "recomputed-tokens": recomputed_tokens,
+    "content-at-speed": content_at_speed,
+    "large-to-small-three-exact": large_to_small_three_exact,
+    "shared-rank": shared_rank,
+    "copy-layer-mlp": copy_layer_mlp,
+}
+
+
+# --- writing and checking -----------------------------------------------------------------------------------------
+
+
+def render(name: str) -> str:
+    return TABLES[name]().rstrip("\n") + "\n"
+
+
+def readme_with_tables(text: str, rendered: dict[str, str]) -> str:
+    """The README with each generated block replaced by its table."""
+
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in rendered:
+            raise KeyError(f"README.md has a block for an unknown table {name!r}; known: {sorted(TABLES)}")
+        return match.group(1) + rendered[name] + match.group(4)
+
+    return BLOCK.sub(replace, text)
+
+
+def outputs() -> dict[Path, str]:
+    """Every file this script writes, with the content the result files give."""
+    rendered = {name: render(name) for name in TABLES}
+    files = {SNIPPETS / f"{name}.md": text for name, text in rendered.items()}
+    files[README] = readme_with_tables(README.read_text(encoding="utf-8"), rendered)
+    return files
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def stale() -> list[str]:
+    """The files whose content differs from what the result files give."""
+    return [
+        _name(path)
+        for path, text in outputs().items()
+        if not path.is_file() or path.read_text(encoding="utf-8") != text
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        names = stale()
+        for name in names:
+            print(f"stale: {name} (run: python docs/render_tables.py)")
+        return 1 if names else 0
+    SNIPPETS.mkdir(parents=True, exist_ok=True)
+    for path, text in outputs().items():
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {_name(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Every percentage and speed-up the README and the results pages quote comes from a result file.
+
+A figure such as `97.8%` or `1.98x` in a page's prose (outside code blocks and generated tables) must be a value
+of a result file named in the same section of the page (or in the page's opening, before its first `##`), as
+the value itself, as a percentage of a fraction, or rounded; or a figure of a generated table included in that
+section (`docs/snippets/`, which `docs/render_tables.py` renders from result files). Result files are the files
+under `research/` in a `results*` folder. Numbers that are not results (a probe's threshold, a CI's level) are
+allowed by the patterns in `NOT_RESULTS`, each with its reason.
+
+So a figure whose result file is not in the repository, or not named beside it, fails here; a figure that no
+longer matches its file fails too, unless the new value happens to round to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Results pages whose figures are not checked (none: a page whose prose predates the rule would be listed here).
+PENDING: list[str] = []
+# Pages whose figures are checked: the README, the docs home, the changelog and every results page.
+CHECKED = ["README.md", "docs/index.md", "docs/changelog.md"] + [
+    page
+    for page in sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "results").glob("*.md"))
+    if page not in PENDING
+]
+
+# Figures that are settings or goals, not results: a pattern matched around the figure, and why.
+NOT_RESULTS = [
+    (r"95% (?:bootstrap )?(?:CI|confidence|interval)|95% CIs?\b|\(95% CI", "the level of a confidence interval"),
+    (r"paired 95% interval", "the level of a confidence interval"),
+    (r">= ?\d+(?:\.\d+)?(?:%|x)", "a goal or a threshold, not a measurement"),
+    (r"keeps? 9[05]% of (?:the|its) (?:target's )?copying", "the fit's probe threshold (min_retention)"),
+    (r"not 5% below", "the fit's cued-recall margin"),
+]
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+FIGURE = re.compile(r"(?<![\w.\-/\[])(?:(\d+(?:\.\d+)?)\s?-\s?)?(-?\d+(?:\.\d+)?)(%|x\b)")
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
+GENERATED = re.compile(r"<!-- table:[\w-]+ -->.*?<!-- /table -->", re.S)
+INCLUDE = re.compile(r'^--8<-- "([^"]+)"\s*$', re.M)
+HEADING = re.compile(r"^#{1,6} ", re.M)
+CODE_SPAN = re.compile(r"`([^`]+)`")
+BRACES = re.compile(r"\{([^{}]*)\}")
+
+
+def _result_files() -> list[Path]:
+    files = []
+    for path in (ROOT / "research").rglob("*"):
+        rel = path.relative_to(ROOT)
+        if (
+            path.is_file()
+            and any(part.startswith("results") for part in rel.parts[:-1])
+            and path.suffix in {".json", ".log", ".md", ".txt"}
+            and path.name != "README.md"
+        ):
+            files.append(path)
+    return sorted(files)
+
+
+RESULT_FILES = _result_files()
+
+
+def _walk(value, out: list[float]) -> None:
+    if isinstance(value, dict):
+        for item in value.values():
+            _walk(item, out)
+    elif isinstance(value, list):
+        if len(value) <= 16:  # longer lists are per-item scores, not quoted figures
+            for item in value:
+                _walk(item, out)
+    elif isinstance(value, bool):
+        return
+    elif isinstance(value, (int, float)):
+        out.append(float(value))
+    elif isinstance(value, str):
+        out.extend(float(m) for m in NUMBER.findall(value))
+
+
+def _texts(x: float) -> set[str]:
+    """x at 0 to 3 decimals, rounded half-even and half-up."""
+    out = set()
+    for digits in range(4):
+        texts = {f"{x:.{digits}f}"}
+        try:
+            texts.add(str(Decimal(repr(x)).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)))
+        except InvalidOperation:
+            pass
+        out |= {text.lstrip("-") if float(text) == 0 else text for text in texts}
+    return out
+
+
+def renderings(values, *, percentages_as_written: bool = False) -> dict[str, set[str]]:
+    """How a file's values may be quoted: as percentages ('%': a fraction times 100, or, in a log or a Markdown
+    table, the number as written) and as speed-ups ('x': the value itself)."""
+    out: dict[str, set[str]] = {"%": set(), "x": set()}
+    for value in values:
+        if not math.isfinite(value) or abs(value) > 1e9:
+            continue
+        if abs(value) <= 3:
+            out["%"] |= _texts(100 * value)
+        if percentages_as_written:
+            out["%"] |= _texts(value)
+        out["x"] |= _texts(value)
+    return out
+
+
+@lru_cache(maxsize=None)
+def file_figures(path: Path) -> dict[str, frozenset[str]]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    values: list[float] = []
+    as_written = path.suffix != ".json"
+    if path.suffix == ".json":
+        try:
+            _walk(json.loads(text), values)
+        except json.JSONDecodeError:
+            as_written = True
+    if as_written:
+        values = [float(m) for m in NUMBER.findall(text)]
+    return {kind: frozenset(v) for kind, v in renderings(values, percentages_as_written=as_written).items()}
+
+
+def _expand(token: str) -> list[str]:
+    match = BRACES.search(token)
+    if not match:
+        return [token]
+    head, tail = token[: match.start()], token[match.end() :]
+    return [e for option in match.group(1).split(",") for e in _expand(head + option + tail)]
+
+
+def cited_files(text: str) -> set[Path]:
+    """Result files a text names in code spans: repository paths (globs, braces, a folder's own files), or their
+    tails (`family_v4/eval_s2l.md`, `results/x.json`, a bare file name)."""
+    found: set[Path] = set()
+    for span in CODE_SPAN.findall(text):
+        for raw in span.split():
+            raw = raw.strip("\"'()[],;").rstrip(".:")
+            for token in _expand(raw):
+                if not token or token.startswith("-"):
+                    continue
+                if token.startswith("research/"):
+                    for match in ROOT.glob(token.rstrip("/")):
+                        if match.is_dir():  # the files directly in it: naming a study's folder is no citation
+                            found |= {f for f in RESULT_FILES if f.parent == match}
+                        elif match in RESULT_FILES:
+                            found.add(match)
+                elif re.search(r"\.(json|log|md|txt)$|\*|/$", token):
+                    tail = token.strip("/")
+                    if not tail or tail == "*":
+                        continue
+                    for f in RESULT_FILES:
+                        rel = f.relative_to(ROOT).as_posix()
+                        if f.match(tail) or rel.endswith("/" + tail) or f"/{tail}/" in rel:
+                            found.add(f)
+    return found
+
+
+def _allowed(text: str, start: int, end: int) -> bool:
+    window = text[max(0, start - 40) : end + 40]
+    return any(
+        m.start() <= start - max(0, start - 40) < m.end() or m.start() < end - max(0, start - 40) <= m.end()
+        for pattern, _ in NOT_RESULTS
+        for m in re.finditer(pattern, window)
+    )
+
+
+def _sections(text: str) -> list[str]:
+    """The page split at its headings (fenced blocks first taken out, so a `# comment` is no heading)."""
+    return HEADING.split(FENCE.sub("", text))
+
+
+def unbacked_figures(raw: str) -> list[str]:
+    """The figures of a page's text that no result file named in their section (or the opening) holds."""
+    sections = _sections(raw)
+    opening = cited_files(re.split(r"^#{2,6} ", FENCE.sub("", raw), maxsplit=1, flags=re.M)[0])
+    missing = []
+    for section in sections:
+        known: dict[str, set[str]] = {"%": set(), "x": set()}
+        for path in opening | cited_files(section):
+            for kind, figures in file_figures(path).items():
+                known[kind] |= figures
+        generated = [(ROOT / snippet).read_text(encoding="utf-8") for snippet in INCLUDE.findall(section)]
+        for text in generated + GENERATED.findall(section):
+            for kind in known:
+                known[kind] |= {m.group(0) for m in NUMBER.finditer(text)}
+        prose = INCLUDE.sub("", GENERATED.sub("", section))
+        title = section.splitlines()[0] if section.strip() else ""
+        for match in FIGURE.finditer(prose):
+            if _allowed(prose, match.start(), match.end()):
+                continue
+            kind = match.group(3)
+            for number in (match.group(1), match.group(2)):
+                if number is not None and number not in known[kind] and number.lstrip("-") not in known[kind]:
+                    missing.append(f"{number}{kind} (section {title[:50]!r})")
+    return missing
+
+
+def test_figure_pattern():
+    found = [(m.group(1), m.group(2), m.group(3)) for m in FIGURE.finditer("97.8% [94.8, 1.5x] 2.6-2.8x 500 x 1024, 0x1f")]
+    assert found == [(None, "97.8", "%"), (None, "1.5", "x"), ("2.6", "2.8", "x")]
+
+
+def test_renderings_of_a_fraction():
+    assert {"97.8", "98", "97.77"} <= renderings([0.97774])["%"]
+    assert "1.98" in renderings([1.97619])["x"] and "1.98" not in renderings([1.97619])["%"]
+    assert "97.8" not in renderings([97.8])["%"] and "97.8" in renderings([97.8], percentages_as_written=True)["%"]
+
+
+def test_a_figure_without_its_result_file_fails():
+    cited = "`research/content_at_speed/results/recompute_1_vs_32_small_to_large.json`"
+    text = (
+        f"# A page\n\nRecall 97.8% ({cited}).\n\n"
+        "## Another section\n\nRecall 97.8% again, 12.34% here, and 95% CI [1, 2].\n\n"
+        "## A third\n\nRecall 97.8%.\n"
+    )
+    assert unbacked_figures(text) == ["12.34% (section 'Another section')"]
+    assert unbacked_figures(text.replace(f"Recall 97.8% ({cited}).", "No file named here.")) == [
+        "97.8% (section 'Another section')",
+        "12.34% (section 'Another section')",
+        "97.8% (section 'A third')",
+    ]
+
+
+def test_pending_pages_exist():
+    assert all((ROOT / page).is_file() for page in PENDING), "PENDING names a page that is gone"
+
+
+@pytest.mark.parametrize("page", CHECKED)
+def test_quoted_figures_come_from_result_files(page: str):
+    missing = unbacked_figures((ROOT / page).read_text(encoding="utf-8"))
+    assert not missing, (
+        f"{page} quotes figures that no result file named in the same section holds (name the file in a code span, "
+        f"render the table from it with docs/render_tables.py, or drop the figure): {missing}"
+    )
