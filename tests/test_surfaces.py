@@ -17,13 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import left_pad, random_ids
 from fit_fixtures import save_pair, write_corpus
-from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
+from hf_kvtransfer import KVMapper, TransferredCache, prefill
 from hf_kvtransfer.commands.cli import main
-from hf_kvtransfer.fitting.calibration_pass import calibration_pass
-from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
-from hf_kvtransfer.fitting.token_tables import fit_token_tables, tabulate_first_layer
-
-KINDS = ["source-only", "k1", "low-rank", "mlp", "residual", "residual-alone", "token-tables", "first-layer-table"]
+from mapper_kinds import KINDS, calibration_ids, make_kinds
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +31,8 @@ def family(tmp_path_factory):
     corpus = write_corpus(root / "corpus.txt", num_paragraphs=120)
     source = AutoModelForCausalLM.from_pretrained(source_dir).eval()
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    ids = torch.tensor(tok(corpus.read_text())["input_ids"][: 16 * 48]).view(16, 48)
-    fit = dict(num_exact_layers=1, heldout_fraction=0, progress=False)
-    base = fit_mapper(source, target, ids, top_k=2, **fit)
-    stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=[0, 1], stride=1)
-    calibration_pass(source, target, ids, consumers=[stats], progress=False)
-    residual = solve_residual_mapper(base, stats, residual_layer=1)
-    made = {
-        "source-only": base,
-        "k1": fit_mapper(source, target, ids, top_k=1, **fit),
-        "low-rank": fit_mapper(source, target, ids, top_k=2, rank="2", **fit),
-        "mlp": fit_mapper(source, target, ids, top_k=2, mapper_type="mlp", mlp_epochs=1, **{**fit, "heldout_fraction": 0.25}),
-        "residual": residual,
-        "residual-alone": solve_residual_mapper(base, stats, residual_layer=1, sources={2: []}),
-        "token-tables": fit_token_tables(source, target, residual, ids, readers=[2], lags=(0, 1), pseudo_count=1.0),
-        "first-layer-table": tabulate_first_layer(base, target),
-    }
+    ids = calibration_ids(AutoTokenizer.from_pretrained(target_dir), corpus)
+    made = make_kinds(source, target, ids)
     dirs = {}
     for name, mapper in made.items():
         mapper.save_pretrained(root / name)
