@@ -12,20 +12,19 @@ import copy
 import functools
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
-from .exact import decoder_layers, own_prefix
-from .defaults import DEFAULT_NUM_RECOMPUTE_TOKENS, resolve_num_recompute_tokens, resolve_transfer
+from .exact import own_prefix
+from .defaults import resolve_transfer
 from .mapper import KVMapper
-from .residual import residual_features, residual_readers
+from .map_inputs import ExactPass
 from .rope import position_ids_from_mask
 
 @functools.lru_cache(maxsize=8)
@@ -73,19 +72,6 @@ def _prompt_mask(given: torch.Tensor | None, source_cache, batch_size: int, leng
             "the one `prefill` recorded is used)"
         )
     return given
-
-def _key_norms(model: PreTrainedModel, layers: Iterable[int]) -> dict[int, nn.Module]:
-    """The target's per-head key norms (Qwen3's `self_attn.k_norm`) of `layers`, for a mapper that predicts keys
-    before them."""
-    decoder = decoder_layers(model)
-    norms = {t: getattr(decoder[t].self_attn, "k_norm", None) for t in layers}
-    if any(norm is None for norm in norms.values()):
-        raise ValueError(
-            f"this mapper predicts keys before the target's key norm (key_before_norm), but {type(model).__name__} "
-            "has no `self_attn.k_norm`; load the mapper made for this target model"
-        )
-    return norms
-
 
 class TransferredCache(DynamicCache):
     """The target model's KV cache, converted from the source model's cache one layer at a time.
@@ -189,7 +175,7 @@ class TransferredCache(DynamicCache):
         # The ids of the prompt the source read (None when unknown): the target's input must continue them.
         self.prompt_ids = prompt_ids
         if prompt_ids is not None:
-            self._give_token_ids(prompt_ids)
+            self._give_ids(prompt_ids)
         if model is not None:
             mapper.check_compatible(target_config=model.config)
         # What the exact layers are computed with: the target model (given, else the forward that first runs on the
@@ -249,7 +235,8 @@ class TransferredCache(DynamicCache):
         if self._exact_model is not None:
             shared.append(self._exact_model)  # the target model itself
         if self._transfer is not None:  # (its RoPE tables' rotary modules are the mapper's)
-            shared += list((self._transfer.key_norms or {}).values())  # the target's own modules
+            for state in self._transfer.inputs.values():  # an input's modules are the target's own
+                shared += list(state.values()) if isinstance(state, dict) else []
         for module in shared:
             memo[id(module)] = module
         new = type(self).__new__(type(self))
@@ -376,7 +363,7 @@ class TransferredCache(DynamicCache):
             return  # not this cache's prompt: the exact layers then say what is missing
         prompt = sequence[:: rows // batch]
         self._exact_prompt = prompt[:, : self._transfer.length] if self._exact_pending else None
-        self._give_token_ids(prompt)
+        self._give_ids(prompt)
 
     def _compute_exact_from_context(self) -> None:
         """Compute the exact layers with what the cache was told or learned; refuse in one line when it lacks the
@@ -397,17 +384,21 @@ class TransferredCache(DynamicCache):
             )
         self.compute_exact_layers(self._exact_model, prompt)
 
-    def _give_token_ids(self, prompt: torch.Tensor) -> None:
-        """Hand the transfer the table rows of the prompt's transferred tokens, for a mapper with token tables."""
+    def _give_ids(self, prompt: torch.Tensor) -> None:
+        """Hand the map inputs that read the prompt's ids (token tables) their state for the transferred tokens."""
         transfer = self._transfer
-        if transfer is None or self.mapper.tokens is None or transfer.token_ids is not None:
+        waiting = [inp for inp in self.mapper.map_inputs if transfer is not None and inp.name not in transfer.inputs]
+        if not waiting:
             return
         ids = prompt[:, : transfer.length]
         if ids.shape[-1] < transfer.length or ids.shape[0] % transfer.batch_size:
-            return  # not this cache's prompt: converting a table layer then says what is missing
+            return  # not this cache's prompt: converting a layer that needs them then says what is missing
         if ids.shape[0] != transfer.batch_size:  # generate's beam / sample rows repeat the prompt's in place
             ids = ids[:: ids.shape[0] // transfer.batch_size]
-        transfer.token_ids = self.mapper.tokens.lagged(ids, transfer.attention_mask)
+        for inp in waiting:
+            state = inp.from_ids(ids, transfer.attention_mask)
+            if state is not None:
+                transfer.inputs[inp.name] = state
 
     def compute_exact_layers(self, model: PreTrainedModel, input_ids: torch.Tensor | None = None) -> "TransferredCache":
         """Compute the target's first `num_exact_layers` layers now, with `model` itself, instead of mapping them.
@@ -427,7 +418,7 @@ class TransferredCache(DynamicCache):
         """
         transfer = self._transfer
         if input_ids is not None:
-            self._give_token_ids(input_ids)
+            self._give_ids(input_ids)
         if transfer is None or not self.num_exact_layers or not self._exact_pending:
             return self
         prompt = input_ids if input_ids is not None else self.prompt_ids
@@ -436,22 +427,21 @@ class TransferredCache(DynamicCache):
                 f"computing the target's first {self.num_exact_layers} layer(s) needs the prompt's ids: pass "
                 "`input_ids=` (the ids the source cache was built from) here or to TransferredCache"
             )
-        exact = range(self.num_exact_layers)
-        config = self.mapper.config
-        # The residual the maps read, unless it is in the token tables (then only its readers' key norms are needed).
-        layer = config.residual_layer if self.mapper.needs_target_residual and not self.mapper.residual.in_tables else None
+        exact, ids, inputs = range(self.num_exact_layers), prompt[:, : transfer.length], self.mapper.map_inputs
+        # The residual stream an input reads, captured on the way (at most one layer: `MapperConfig.residual_layer`).
+        layer = next((inp.hidden_layer() for inp in inputs if inp.hidden_layer() is not None), None)
+        hidden = None
         if len(exact) == 1 and layer is None and self.mapper.first_layer is not None:
             # Layer 0's K/V depend on the ids alone: looked up (the target's own numbers), not projected.
-            own = [transfer.first_layer(prompt[:, : transfer.length], model.get_input_embeddings().weight)]
+            own = [transfer.first_layer(ids, model.get_input_embeddings().weight)]
         else:
-            own = own_prefix(model, prompt[:, : transfer.length], transfer.attention_mask, transfer.rope.position_ids,
-                             len(exact), hidden_of=layer)  # fmt: skip
-        if layer is not None:
-            own, hidden = own
-            # (B, T, hidden) -> (B, T, F): the residual features the maps of the layers after `layer` read
-            transfer.residual = self.mapper.residual.project(residual_features(hidden, config.residual_lags, transfer.attention_mask))
-        if config.key_before_norm:
-            transfer.key_norms = _key_norms(model, residual_readers(config))  # only the readers' keys pass them
+            own = own_prefix(model, ids, transfer.attention_mask, transfer.rope.position_ids, len(exact), hidden_of=layer)
+            own, hidden = own if layer is not None else (own, None)
+        exact_pass = ExactPass(model, ids, transfer.attention_mask, hidden)
+        for inp in inputs:
+            state = inp.from_exact_pass(exact_pass)
+            if state is not None:
+                transfer.inputs[inp.name] = state
         for t, kv in zip(exact, own):
             transfer.ahead[t] = kv
         for s, layer in list(transfer.sources.items()):

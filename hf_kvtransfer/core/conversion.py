@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from .layer_maps import LinearParts
+from .map_inputs import map_state
 from .mapper import KVMapper
 from .rope import compiled_rotate, rotary_cos_sin, rotate_into
 
@@ -141,12 +143,9 @@ class PendingTransfer:
     ahead: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Non-finite flags of stripped source layers on accelerators, checked once after the last layer (no host sync).
     nonfinite: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    # The target's residual features `[B, T, F]` (`residual.py`, projected) from its exact layers, for a mapper whose
-    # maps read them, and the target's per-layer key norms for one that predicts keys before them.
-    residual: torch.Tensor | None = None
-    key_norms: dict[int, nn.Module] | None = None
-    # The table rows of the prompt's ids `[B, T, len(token_lags)]` (`token_tables.py`), for a mapper with tables.
-    token_ids: torch.Tensor | None = None
+    # Each map input's state for this transfer, by name (`map_inputs.py`): a tensor that follows the batch and length
+    # operations (the residual features `[B, T, F]`, the token tables' rows `[B, T, lags]`) or the target's modules.
+    inputs: dict[str, Any] = field(default_factory=dict)
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch or length operation (beam reorder, crop, ...) to what is not converted yet."""
@@ -156,17 +155,20 @@ class PendingTransfer:
         self.attention_mask = fn(self.attention_mask) if self.attention_mask is not None else None
         self.features.clear()
         self.ahead.clear()  # recomputed from the changed sources when asked for
-        self.residual = fn(self.residual) if self.residual is not None else None
-        self.token_ids = fn(self.token_ids) if self.token_ids is not None else None
+        self.inputs = {name: map_state(state, fn) for name, state in self.inputs.items()}
         if self.sources:
             self.batch_size = next(iter(self.sources.values())).keys.shape[0]
-        elif self.residual is not None:  # maps without source inputs: the residual holds the rows
-            self.batch_size = self.residual.shape[0]
+        elif self._rows() is not None:  # maps without source inputs: an input's state holds the rows
+            self.batch_size = self._rows().shape[0]
+
+    def _rows(self) -> torch.Tensor | None:
+        """An input's `[B, T, ...]` state, for maps without source inputs (None when no input holds one)."""
+        return next((s for s in self.inputs.values() if isinstance(s, torch.Tensor)), None)
 
     def nbytes(self) -> int:
         tensors = [t for layer in self.sources.values() for t in (layer.keys, layer.values, *(layer.stripped or ()))]
         tensors += [t for pair in (*self.features.values(), *self.ahead.values(), *self.rope.tables.values()) for t in pair]
-        tensors += [t for t in (self.residual, self.token_ids) if t is not None]
+        tensors += [t for t in self.inputs.values() if isinstance(t, torch.Tensor)]
         # Views share storage (the caller's tensors, buffers of a selection): count each storage once.
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
@@ -217,7 +219,8 @@ class PendingTransfer:
         selected = tuple(self.mapper.config.selected_layers[layer_idx])
         if not selected:  # a map without source inputs (the residual alone, or the calibration mean)
             # Rows and tokens as the residual holds them (it follows beam reorders and crops like the sources do).
-            batch, seq = self.residual.shape[:2] if self.residual is not None else (self.batch_size, self.length)
+            rows = self._rows()
+            batch, seq = rows.shape[:2] if rows is not None else (self.batch_size, self.length)
             empty = torch.empty(batch, seq, 0, dtype=self.mapper.dtype)
             return empty, empty
         if len(selected) == 1:
@@ -300,65 +303,6 @@ class PendingTransfer:
         values.permute(1, 3, 0, 2, 4).copy_(value_rows.view(batch, seq, num_layers, tgt.num_kv_heads, tgt.head_dim))
         return keys, values
 
-    def _with_residual(self, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The group's mapped rows plus their residual part for the layers that read it (`residual.py`)."""
-        maps = self.mapper.residual
-        readers = [(i, t) for i, t in enumerate(group) if str(t) in maps.key]  # none when it is in the token tables
-        if not readers:
-            return rows
-        if self.residual is None:
-            raise ValueError(
-                "this mapper's maps read the target's residual stream, which the cache computes in its exact layers "
-                "from the prompt's ids, but none were computed (no prompt ids known, a legacy tuple cache, or every "
-                "layer mapped with convert_all): pass input_ids= to TransferredCache (or build the source cache with "
-                "`prefill`) and let the target's forward or compute_exact_layers(model) run first"
-            )
-        width = self.mapper.target_layout.layer_dim
-        out = []
-        for kind, x in zip(("key", "value"), rows):
-            weights = [maps.weight(kind, t) for _, t in readers]
-            weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-            delta = nn.functional.linear(self.residual.to(x.device, weight.dtype), weight.to(x.device)).to(x.dtype)
-            for j, (i, _) in enumerate(readers):
-                x[..., i * width : (i + 1) * width] += delta[..., j * width : (j + 1) * width]
-            out.append(x)
-        return out
-
-    def _key_norm(self, group: tuple[int, ...], keys: torch.Tensor) -> None:
-        """The target's own key norms on the keys of the group's residual readers, which a mapper with
-        `key_before_norm` predicts before them (in place)."""
-        readers = set(self.mapper.residual.layers)
-        if self.key_norms is None and readers.intersection(group):
-            raise ValueError(
-                "this mapper predicts keys before the target's key norm, which the cache takes from the target in its "
-                "exact layers, but none were computed (no prompt ids known, a legacy tuple cache, or every layer mapped "
-                "with convert_all): pass input_ids= to TransferredCache (or build the source cache with `prefill`) and "
-                "let the target's forward or compute_exact_layers(model) run first"
-            )
-        tgt = self.mapper.target_layout
-        keys = keys.view(*keys.shape[:-1], len(group), tgt.num_kv_heads, tgt.head_dim)
-        for i, t in enumerate(group):
-            if t in readers:
-                keys[..., i, :, :] = self.key_norms[t](keys[..., i, :, :])
-
-    def _with_tables(self, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The group's mapped rows plus the token tables of the layers that add them (`token_tables.py`): added to
-        what the maps predict, so a residual reader's keys get them before the key norm."""
-        tables = self.mapper.tokens
-        readers = [(i, t) for i, t in enumerate(group) if str(t) in tables.key]
-        if not readers:
-            return rows
-        if self.token_ids is None:
-            raise ValueError(
-                "this mapper's maps add token tables of the prompt's ids, which this cache does not know: build the "
-                "source cache with `prefill` or pass input_ids= to TransferredCache"
-            )
-        width = self.mapper.target_layout.layer_dim
-        for kind, x in zip(("key", "value"), rows):
-            for i, t in readers:
-                x[..., i * width : (i + 1) * width] += tables.lookup(kind, t, self.token_ids).to(x.device, x.dtype)
-        return rows
-
     @torch.no_grad()
     def first_layer(self, input_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's own layer-0 keys and values `[B, n_kv, T, d]` looked up from the mapper's table
@@ -377,12 +321,8 @@ class PendingTransfer:
                 rows = self.mapper.layers[layer_idx](key_feats, value_feats)
             else:
                 rows = [self._affine_rows(group, kind, x, dense) for kind, x in (("key", key_feats), ("value", value_feats))]
-                if self.mapper.needs_target_residual:
-                    rows = self._with_residual(group, rows)
-                if self.mapper.tokens is not None:
-                    rows = self._with_tables(group, rows)
-                if self.mapper.config.key_before_norm:
-                    self._key_norm(group, rows[0])
+                for inp in self.mapper.map_inputs:  # what the maps read beyond the source, in their order
+                    rows = inp.apply(self.inputs.get(inp.name), group, rows)
             keys, values = self._finish(*rows, len(group), like)
             for i, t in enumerate(group):
                 transfer.ahead[t] = (keys[i], values[i])

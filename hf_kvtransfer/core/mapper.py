@@ -20,7 +20,9 @@ from .card import render_model_card
 from .defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_exact_layers
 from .exact import FirstLayerTable
 from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolve_mapper_dir
+from .key_norm import KeyNormInput  # noqa: F401  (registers the input; residual and token_tables register theirs)
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
+from .map_inputs import MapInput, map_inputs_of
 from .mapper_types import LOWRANK, RIDGE
 from .residual import ResidualMaps, validate_residual_config
 from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
@@ -293,10 +295,16 @@ class KVMapper(nn.Module):
         return self.config.residual_layer is not None
 
     @property
+    def map_inputs(self) -> list[MapInput]:
+        """What the maps read beyond the source's K/V (`map_inputs.py`), in the order they apply; [] for source-only
+        maps."""
+        return map_inputs_of(self)
+
+    @property
     def needs_prompt_ids(self) -> bool:
-        """Whether applying the maps needs the prompt's token ids: they read the target's residual stream (computed
-        from the ids in the exact layers) or token tables."""
-        return self.needs_target_residual or self.tokens is not None
+        """Whether applying the maps needs the prompt's token ids: an input of theirs comes from the ids (the target's
+        residual stream, computed from them in the exact layers, or token tables)."""
+        return any(inp.needs_prompt_ids for inp in self.map_inputs)
 
     @cached_property
     def source_model_config(self) -> PreTrainedConfig:

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .map_inputs import ExactPass, MapInput, register_map_input
+
 # `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
 MapperConfig = Any
 
@@ -166,8 +168,53 @@ class ResidualMaps(nn.Module):
         return (self.key if kind == "key" else self.value)[str(layer_idx)]
 
 
+@register_map_input
+class ResidualInput(MapInput):
+    """The target's residual stream entering `residual_layer`, captured by the exact pass: each reader layer adds
+    `W_res[t] @ r` to its map of the source's features (`ResidualMaps`). Not used when the residual part is in the
+    token tables (`residual_in_tables`)."""
+
+    name, order = "residual", 10
+    missing = (
+        "this mapper's maps read the target's residual stream, which the cache computes in its exact layers from the "
+        "prompt's ids, but none were computed: pass model=target (and input_ids=, or build the source cache with "
+        "`prefill`) to TransferredCache, so that the target's forward or convert_all runs the exact layers first"
+    )
+
+    @staticmethod
+    def used_by(config: Any) -> bool:
+        return config.residual_layer is not None and not config.residual_in_tables
+
+    @property
+    def readers(self) -> list[int]:
+        return [int(t) for t in self.mapper.residual.key]
+
+    def hidden_layer(self) -> int | None:
+        return self.mapper.config.residual_layer
+
+    def from_exact_pass(self, exact: ExactPass) -> torch.Tensor:
+        # (B, T, hidden) -> (B, T, F): the residual features the reader layers' maps read
+        features = residual_features(exact.hidden, self.mapper.config.residual_lags, exact.attention_mask)
+        return self.mapper.residual.project(features)
+
+    def apply(self, state, group, rows):
+        readers = self.group_readers(group)
+        if not readers:
+            return rows
+        residual, maps = self.require(state), self.mapper.residual
+        width = self.mapper.target_layout.layer_dim
+        for kind, x in zip(("key", "value"), rows):
+            weights = [maps.weight(kind, t) for _, t in readers]
+            weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+            delta = nn.functional.linear(residual.to(x.device, weight.dtype), weight.to(x.device)).to(x.dtype)
+            for j, (i, _) in enumerate(readers):
+                x[..., i * width : (i + 1) * width] += delta[..., j * width : (j + 1) * width]
+        return rows
+
+
 __all__ = [
     "RESIDUAL_EPS",
+    "ResidualInput",
     "ResidualMaps",
     "residual_features",
     "residual_input_features",

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .map_inputs import MapInput, register_map_input
+
 # `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
 MapperConfig = Any
 
@@ -104,4 +106,38 @@ class TokenTables(nn.Module):
         return out.view(*lagged.shape[:-1], -1)
 
 
-__all__ = ["TokenTables", "lagged_token_ids", "token_table_parameters", "token_table_readers", "validate_token_config"]
+@register_map_input
+class TokenTableInput(MapInput):
+    """Table rows of the prompt's ids at the mapper's lags: each reader layer adds `sum_a T_a[ids[t - a]]` to what its
+    maps predict (`TokenTables`), before the key norm."""
+
+    name, order = "token_tables", 20
+    missing = (
+        "this mapper's maps add token tables of the prompt's ids, which this cache does not know: build the source "
+        "cache with `prefill` or pass input_ids= to TransferredCache"
+    )
+
+    @staticmethod
+    def used_by(config: Any) -> bool:
+        return config.token_lags is not None
+
+    @property
+    def readers(self) -> list[int]:
+        return list(self.mapper.tokens.layers)
+
+    def from_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.mapper.tokens.lagged(input_ids, attention_mask)
+
+    def apply(self, state, group, rows):
+        readers = self.group_readers(group)
+        if not readers:
+            return rows
+        lagged, tables = self.require(state), self.mapper.tokens
+        width = self.mapper.target_layout.layer_dim
+        for kind, x in zip(("key", "value"), rows):
+            for i, t in readers:
+                x[..., i * width : (i + 1) * width] += tables.lookup(kind, t, lagged).to(x.device, x.dtype)
+        return rows
+
+
+__all__ = ["TokenTableInput", "TokenTables", "lagged_token_ids", "token_table_parameters", "token_table_readers", "validate_token_config"]
