@@ -11,6 +11,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .map_inputs import registered_map_inputs
 from .mapper_types import LOWRANK, RIDGE
 
 LIBRARY_NAME = "hf-kvtransfer"
@@ -201,17 +202,11 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
         facts.append(("Computed by the target (default `num_exact_layers`)", f"its first {chosen} of {num_layers} layers"))
     if config.get("num_recompute_tokens") is not None:
         facts.append(("Prompt tokens the target recomputes (default `num_recompute_tokens`)", str(config["num_recompute_tokens"])))
-    if config.get("residual_layer") is not None:
-        held = "; held in the token tables, a look-up of the ids" if config.get("residual_in_tables") else ""
-        facts.append(("Maps also read", f"the target's residual stream entering layer {config['residual_layer']} "
-                      f"(readers: {', '.join(map(str, config.get('residual_readers') or ['every mapped layer']))}{held})"))  # fmt: skip
+    for inp in registered_map_inputs():  # what the maps read beyond the source's K/V, each input's own lines
+        facts += inp.card_facts(config)
     if config.get("first_layer_table"):
         facts.append(("Layer 0's keys and values", "looked up per token id when it is the one exact layer (the target's "
                       "own numbers, no projection)"))  # fmt: skip
-    if config.get("token_lags") is not None:
-        lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in config["token_lags"])
-        facts.append(("Maps also add", f"token tables of the prompt's ids at positions {lags} "
-                      f"(layers {', '.join(map(str, config['token_readers']))}; a look-up, no multiply-add)"))  # fmt: skip
     if isinstance(probe, dict):
         if probe.get("reason"):
             facts.append(("Why", _cell(probe["reason"])))

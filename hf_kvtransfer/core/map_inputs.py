@@ -78,6 +78,11 @@ class MapInput:
         """The group's mapped `[key_rows, value_rows]` (`[B, T, len(group) * n_kv * d]`, stripped) with its part."""
         raise NotImplementedError
 
+    @staticmethod
+    def card_facts(config: dict[str, Any]) -> list[tuple[str, str]]:
+        """Its lines in the model card, `(what, value)`, from a saved config's dict (`config.json`)."""
+        return []
+
     def group_readers(self, group: tuple[int, ...]) -> list[tuple[int, int]]:
         """`(position in group, layer)` of the group's layers the input acts on."""
         readers = set(self.readers)
@@ -100,10 +105,14 @@ def register_map_input(cls: type[MapInput]) -> type[MapInput]:
     return cls
 
 
+def registered_map_inputs() -> list[type[MapInput]]:
+    """Every registered input class, in the order they apply."""
+    return sorted(MAP_INPUTS.values(), key=lambda c: c.order)
+
+
 def map_inputs_of(mapper: KVMapper) -> list[MapInput]:
     """The inputs `mapper` reads, in the order they apply."""
-    classes = sorted(MAP_INPUTS.values(), key=lambda c: c.order)
-    return [cls(mapper) for cls in classes if cls.used_by(mapper.config)]
+    return [cls(mapper) for cls in registered_map_inputs() if cls.used_by(mapper.config)]
 
 
 def map_state(state: Any, fn) -> Any:
@@ -111,4 +120,4 @@ def map_state(state: Any, fn) -> Any:
     return fn(state) if isinstance(state, torch.Tensor) else state
 
 
-__all__ = ["ExactPass", "MAP_INPUTS", "MapInput", "map_inputs_of", "map_state", "register_map_input"]
+__all__ = ["ExactPass", "MAP_INPUTS", "MapInput", "map_inputs_of", "map_state", "register_map_input", "registered_map_inputs"]

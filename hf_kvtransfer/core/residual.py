@@ -192,6 +192,15 @@ class ResidualInput(MapInput):
     def hidden_layer(self) -> int | None:
         return self.mapper.config.residual_layer
 
+    @staticmethod
+    def card_facts(config: dict[str, Any]) -> list[tuple[str, str]]:
+        if config.get("residual_layer") is None:
+            return []
+        held = "; held in the token tables, a look-up of the ids" if config.get("residual_in_tables") else ""
+        readers = ", ".join(map(str, config.get("residual_readers") or ["every mapped layer"]))
+        return [("Maps also read", f"the target's residual stream entering layer {config['residual_layer']} "
+                 f"(readers: {readers}{held})")]  # fmt: skip
+
     def from_exact_pass(self, exact: ExactPass) -> torch.Tensor:
         # (B, T, hidden) -> (B, T, F): the residual features the reader layers' maps read
         features = residual_features(exact.hidden, self.mapper.config.residual_lags, exact.attention_mask)

@@ -125,6 +125,14 @@ class TokenTableInput(MapInput):
     def readers(self) -> list[int]:
         return list(self.mapper.tokens.layers)
 
+    @staticmethod
+    def card_facts(config: dict[str, Any]) -> list[tuple[str, str]]:
+        if config.get("token_lags") is None:
+            return []
+        lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in config["token_lags"])
+        return [("Maps also add", f"token tables of the prompt's ids at positions {lags} "
+                 f"(layers {', '.join(map(str, config['token_readers']))}; a look-up, no multiply-add)")]  # fmt: skip
+
     def from_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         return self.mapper.tokens.lagged(input_ids, attention_mask)
 
