@@ -53,7 +53,5 @@ def test_a_registered_input_is_applied_without_any_other_change(qwen3_model, mon
 
 
 def test_the_library_inputs_apply_additions_before_the_key_norm():
-    from hf_kvtransfer.core.mapper import KVMapper  # noqa: F401  (imports every input module)
-
-    order = [name for name, cls in sorted(map_inputs.MAP_INPUTS.items(), key=lambda item: item[1].order)]
+    order = [cls.name for cls in map_inputs.registered_map_inputs()]
     assert order == ["residual", "token_tables", "key_norm"]

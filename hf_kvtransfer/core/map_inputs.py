@@ -10,11 +10,13 @@ mapped rows to add its part to (`apply`). The conversion, the exact pass and the
 
 The inputs: `residual.ResidualInput` (the target's residual stream after its exact layers), `token_tables.TokenTableInput`
 (table rows of the prompt's ids), `key_norm.KeyNormInput` (the target's own key norm on keys predicted before it).
-Add one: a subclass in its own module, `@register_map_input`, its config fields validated in `MapperConfig`.
+Add one: a subclass in its own module, `@register_map_input`, its module named in `BUILT_IN_MAP_INPUTS`, its config
+fields validated in `MapperConfig`.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -96,6 +98,9 @@ class MapInput:
 
 MAP_INPUTS: dict[str, type[MapInput]] = {}
 
+# The modules of the library's own inputs (each registers its class when imported): the one line a new input adds.
+BUILT_IN_MAP_INPUTS = ("residual", "token_tables", "key_norm")
+
 
 def register_map_input(cls: type[MapInput]) -> type[MapInput]:
     """Class decorator: make an input known by its `name`."""
@@ -107,6 +112,8 @@ def register_map_input(cls: type[MapInput]) -> type[MapInput]:
 
 def registered_map_inputs() -> list[type[MapInput]]:
     """Every registered input class, in the order they apply."""
+    for module in BUILT_IN_MAP_INPUTS:
+        importlib.import_module(f"{__package__}.{module}")
     return sorted(MAP_INPUTS.values(), key=lambda c: c.order)
 
 

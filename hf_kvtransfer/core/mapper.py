@@ -20,7 +20,6 @@ from .card import render_model_card
 from .defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_exact_layers
 from .exact import FirstLayerTable
 from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolve_mapper_dir
-from .key_norm import KeyNormInput  # noqa: F401  (registers the input; residual and token_tables register theirs)
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
 from .map_inputs import MapInput, map_inputs_of
 from .mapper_types import LOWRANK, RIDGE
