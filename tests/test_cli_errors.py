@@ -322,3 +322,90 @@ def test_plan_says_when_it_falls_back_to_the_shipped_configs(capsys, caplog, unr
         assert main(["plan", "--source", "Qwen/Qwen3-0.6B", "--target", "Qwen/Qwen3-1.7B"]) == 0
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("Qwen/Qwen3-0.6B shipped with hf-kvtransfer" in w for w in warned), warned
+
+
+# -- issue 39: the common mistakes print a hint, the next step the error line does not already say -----------------
+
+
+@pytest.fixture(scope="module")
+def pair_mapper(pair, tmp_path_factory):
+    """A mapper (random weights) whose shapes fit `pair`'s source -> target, saved."""
+    from transformers import AutoConfig
+
+    from hf_kvtransfer import KVMapper, MapperConfig
+
+    source, target, _ = pair
+    src, tgt = AutoConfig.from_pretrained(source), AutoConfig.from_pretrained(target)
+    config = MapperConfig(source_config=src.to_dict(), target_config=tgt.to_dict(),
+                          selected_layers=[[t] for t in range(tgt.num_hidden_layers)])  # fmt: skip
+    path = tmp_path_factory.mktemp("pair-mapper") / "s2t"
+    KVMapper(config).save_pretrained(path)
+    return path
+
+
+HINTED = {
+    # case: (argv builder, what the hint must say, given the files and the working directory)
+    "mapper path typo": (
+        lambda f: ["info", "./mappers/smal-to-large"],
+        lambda f, cwd: ["hf-kvtransfer fit ... --output DIR", f"relative paths are read from the current directory, {cwd}"],
+    ),
+    "model path typo": (
+        lambda f: ["demo", "--source", str(f["source"]) + "-typo", "--target", str(f["target"])],
+        lambda f, cwd: ["a model is a folder holding config.json"],
+    ),
+    "mapper for another pair": (
+        lambda f: ["eval", "--source", str(f["source"]), "--target", str(f["target"]), "--mapper", str(f["other-pair"]),
+                   "--text", str(f["corpus"])],
+        lambda f, cwd: [f"hf-kvtransfer fit --source {f['source']} --target {f['target']}", "--mapper"],
+    ),
+    "reverse mapper for the forward pair": (
+        lambda f: ["eval", "--source", str(f["source"]), "--target", str(f["target"]), "--mapper", str(f["s2t"]),
+                   "--reverse-mapper", str(f["s2t"]), "--text", str(f["corpus"])],
+        lambda f, cwd: [f"hf-kvtransfer fit --source {f['target']} --target {f['source']}", "--reverse-mapper"],
+    ),
+    "missing calibration file": (
+        lambda f: ["fit", "--source", str(f["source"]), "--target", str(f["target"]), "--dataset", "corpus.txt",
+                   "--output", "out"],
+        lambda f, cwd: ["--dataset takes a local .txt", f"relative paths are read from the current directory, {cwd}"],
+    ),
+    "missing --text file": (
+        lambda f: ["eval", "--source", str(f["source"]), "--target", str(f["target"]), "--mapper", str(f["s2t"]),
+                   "--text", "heldout.txt"],
+        lambda f, cwd: ["--text takes a text file", "relative paths"],
+    ),
+    "unknown task": (
+        lambda f: ["eval", "--source", str(f["source"]), "--target", str(f["target"]), "--mapper", str(f["s2t"]),
+                   "--text", str(f["corpus"]), "--tasks", "recal"],
+        lambda f, cwd: ["--tasks perplexity,recall,handoff"],
+    ),
+    "missing matplotlib": (
+        lambda f: ["eval", "--source", str(f["source"]), "--target", str(f["target"]), "--mapper", str(f["s2t"]),
+                   "--text", str(f["corpus"]), "--plot", "eval.png"],
+        lambda f, cwd: ["leave out --plot"],
+    ),
+    "unknown model, --offline": (
+        lambda f: ["plan", "--source", "someone/no-such-model", "--target", str(f["target"]), "--offline"],
+        lambda f, cwd: ["leave out --offline"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HINTED))
+def test_common_mistakes_print_a_hint(case, mappers, bad_mappers, pair, pair_mapper, tmp_path, monkeypatch, capsys,
+                                      unreachable_hub):  # fmt: skip
+    argv_of, hints_of = HINTED[case]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_DEBUG", raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails: a missing optional package
+    source, target, corpus = pair
+    files = {"source": source, "target": target, "corpus": corpus, "s2t": pair_mapper,
+             **{p.name: p for p in bad_mappers.iterdir()}}  # fmt: skip
+    code = main(argv_of(files))
+    out, err = capsys.readouterr()
+    line = assert_one_line(code, err)
+    hint = err.strip().splitlines()[-1]
+    assert hint.startswith("hint: ") and hint != f"hint: {cli._DEBUG_HINT}", err
+    for text in hints_of(files, tmp_path):
+        assert text in hint, f"{text!r} not in {hint!r}"
+    assert hint.removeprefix("hint: ") not in line  # a next step, not the error again
+    assert not (tmp_path / "out").exists() and not (tmp_path / "eval.png").exists()
