@@ -11,14 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import hf_kvtransfer.fitting.calibration_pass as calibration_pass
-from conftest import exact_identity_mapper, tiny_model
+from conftest import HANG_GUARD_S, exact_identity_mapper, tiny_model
 from fit_fixtures import save_pair, write_corpus
 from hf_kvtransfer.commands import cli
 from hf_kvtransfer.commands.cli import main
@@ -87,10 +86,10 @@ def test_subprocess_one_line_and_traceback_only_with_hf_debug(mappers):
     _, broken = mappers
     command = [sys.executable, "-m", "hf_kvtransfer.commands.cli", "info", str(broken)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DEBUG": ""}
-    plain = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    plain = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=HANG_GUARD_S)
     assert plain.returncode == 1 and plain.stdout == ""
     assert_one_line(plain.returncode, plain.stderr, str(broken / "model.safetensors"))
-    debug = subprocess.run(command, capture_output=True, text=True, env={**env, "HF_DEBUG": "1"}, cwd=REPO, timeout=120)
+    debug = subprocess.run(command, capture_output=True, text=True, env={**env, "HF_DEBUG": "1"}, cwd=REPO, timeout=HANG_GUARD_S)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "model.safetensors" in debug.stderr
 
 
@@ -129,18 +128,16 @@ def test_missing_local_model_directory_is_one_line(name, pair, tmp_path, capsys,
 # -- d. a mistyped dataset id -----------------------------------------------------------------------------
 
 
-def test_mistyped_dataset_fails_once_with_one_request(pair, tmp_path, capsys, hub_server):
+def test_mistyped_dataset_fails_once_with_one_request(pair, tmp_path, capsys, hub_server, retry_waits):
     source, target, _ = pair
-    start = time.perf_counter()
     code = main(["fit", "--source", str(source), "--target", str(target), "--output", str(tmp_path / "o"),
                  "--dataset", "someone/fineweb-eud", "--num-sequences", "4", "--seq-len", "16"])  # fmt: skip
-    elapsed = time.perf_counter() - start
     err = capsys.readouterr().err
     assert_one_line(code, err, "'someone/fineweb-eud'", "is neither a local file or directory nor a dataset on the Hub")
     assert "Retry" not in err and "retry" not in err
     # One question to the Hub about it (no retries), and none about the models (local) or anything else.
     assert [path for _, path, _ in hub_server.requests] == ["/api/datasets/someone/fineweb-eud"]
-    assert elapsed < 60, elapsed  # was 29 s of retries on a fast machine; this is a loose guard, the request count is the check
+    assert retry_waits == []  # was 29 s of retries; no wait at all, whatever the machine's load
 
 
 # -- e. Ctrl-C during fit ---------------------------------------------------------------------------------
@@ -278,7 +275,8 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_files_and_paths_are_one_line_naming_them(case, mappers, bad_mappers, pair, tmp_path, monkeypatch, capsys, request):
+def test_bad_files_and_paths_are_one_line_naming_them(case, mappers, bad_mappers, pair, tmp_path, monkeypatch, capsys, request,
+                                                       retry_waits):  # fmt: skip
     argv_of, names_of, hub = BAD_INPUTS[case]
     request.getfixturevalue("hub_server" if hub == "server" else "unreachable_hub")
     (tmp_path / "mappers" / "small-to-large").mkdir(parents=True)  # a folder that shadows mappers/... Hub ids
@@ -288,12 +286,11 @@ def test_bad_files_and_paths_are_one_line_naming_them(case, mappers, bad_mappers
     source, target, corpus = pair
     files = {"good": good, "broken": broken, "source": source, "target": target, "corpus": corpus,
              **{p.name: p for p in bad_mappers.iterdir()}}  # fmt: skip
-    start = time.perf_counter()
     code = main(argv_of(files))
     out, err = capsys.readouterr()
     assert_one_line(code, err, *names_of(files))
     assert "MiB on disk" not in out  # never a summary of what does not load
-    assert time.perf_counter() - start < 30, "retried instead of failing fast"
+    assert retry_waits == [], "retried instead of failing fast"
 
 
 def test_a_mistyped_model_id_asks_the_hub_once(pair, tmp_path, monkeypatch, capsys, hub_server):

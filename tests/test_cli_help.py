@@ -4,6 +4,7 @@ import shlex
 
 import pytest
 
+from conftest import HANG_GUARD_S
 from hf_kvtransfer.commands import cli
 
 
@@ -39,7 +40,7 @@ def test_building_the_parser_imports_neither_torch_nor_transformers():
         "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'numpy') if m in sys.modules))"
     )
     repo = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"imported while building the parser: {done.stdout.strip()}"
     # The exports still resolve (lazily) to the real classes.
