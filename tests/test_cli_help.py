@@ -120,7 +120,8 @@ _TINY = {
     "fit": ["--num-sequences", "6", "--seq-len", "48", "--exact-layers", "1", "--heldout-fraction", "0"],
     "eval": ["--items", "2", "--max-windows", "2", "--num-items", "2", "--prefix-len", "64", "--context-len", "32",
              "--max-new-tokens", "2", "--turns", "2", "--turn-len", "8"],
-    "demo": ["--num-sequences", "6", "--seq-len", "48", "--recall-items", "2", "--max-new-tokens", "2"],
+    "demo": ["--num-sequences", "6", "--seq-len", "48", "--recall-items", "2", "--max-new-tokens", "2",
+             "--exact-layers-items", "8"],
 }  # fmt: skip
 # Examples only parsed, with their local paths checked: timing runs (bench), and models or mappers on the real Hub
 # (plan runs: it has the shipped configs of those models).

@@ -459,6 +459,9 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--exact-layers", type=int, default=None,
                    help="the target's first layers computed from the prompt's ids instead of mapped "
                         "(TransferredCache's num_exact_layers; default: the mapper's, chosen by its fit)")
+    p.add_argument("--exact-layers-items", type=int, default=None, metavar="N",
+                   help="items per content probe of the fit that chooses the exact layers (fit's option of that "
+                        "name; default 64): fewer fit faster and choose less surely")
     p.add_argument("--prompt", help="prompt text (default: a held-out passage-recall question drawn from --text)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: the answer's length + 2 for a recall question, else 32)")
@@ -485,7 +488,7 @@ def _run_demo(args) -> int:
         args.source, args.target, mapper, family=args.family, prompt=args.prompt,
         max_new_tokens=args.max_new_tokens, calibration=args.calibration, num_sequences=args.num_sequences,
         seq_len=args.seq_len, top_k=top_k, num_exact_layers=args.exact_layers, text=args.text,
-        recall_items=args.recall_items, device=args.device,
+        recall_items=args.recall_items, device=args.device, exact_layers_items=args.exact_layers_items,
     )
     print(format_demo(result))
     if args.json:
