@@ -21,7 +21,9 @@ parser.add_argument(
     "--family", default=Path(__file__).resolve().parent / "family", help="model family directory (default: the bundled one)"
 )
 parser.add_argument("--num-sequences", type=int, default=64, help="calibration sequences of 256 tokens")
-parser.add_argument("--new-tokens", type=int, default=24)
+parser.add_argument("--new-tokens", type=int, default=24, help="tokens each model generates (default 24)")
+parser.add_argument("--exact-layers-items", type=int, default=64,
+                    help="items per content probe of the fit (it chooses the exact layers; default 64): fewer are faster")
 args = parser.parse_args()
 
 family = Path(args.family)
@@ -29,7 +31,7 @@ tokenizer = AutoTokenizer.from_pretrained(family / "large")
 small = AutoModelForCausalLM.from_pretrained(family / "small", dtype=torch.float32).eval()
 large = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float32).eval()
 calibration_ids, _ = build_calibration(tokenizer, family / "calibration.txt", num_sequences=args.num_sequences, seq_len=256)
-mapper = fit_mapper(small, large, calibration_ids, top_k=4, progress=False)
+mapper = fit_mapper(small, large, calibration_ids, top_k=4, exact_layers_items=args.exact_layers_items, progress=False)
 
 greedy = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
 question = ":func:`os.path.join` joins one or more path components"

@@ -21,10 +21,10 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument(
     "--family", default=Path(__file__).resolve().parent / "family", help="model family directory (default: the bundled one)"
 )
-parser.add_argument("--output-dir", default="mappers/small-to-large")
+parser.add_argument("--output-dir", default="mappers/small-to-large", help="where the mapper is saved (default %(default)s)")
 parser.add_argument("--repo-id", help="publish to this Hub repo (needs a write token); omitted: save locally only")
-parser.add_argument("--num-sequences", type=int, default=128)
-parser.add_argument("--eval-windows", type=int, default=48)
+parser.add_argument("--num-sequences", type=int, default=128, help="calibration sequences of 256 tokens (default 128)")
+parser.add_argument("--eval-windows", type=int, default=48, help="held-out perplexity windows per top-k (default 48)")
 args = parser.parse_args()
 
 family = Path(args.family)

@@ -21,7 +21,7 @@ parser.add_argument(
     "--family", default=Path(__file__).resolve().parent / "family", help="model family directory (default: the bundled one)"
 )
 parser.add_argument("--num-sequences", type=int, default=64, help="calibration sequences of 256 tokens")
-parser.add_argument("--new-tokens", type=int, default=16)
+parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per turn (default 16)")
 args = parser.parse_args()
 
 family = Path(args.family)

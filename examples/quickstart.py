@@ -23,6 +23,8 @@ parser.add_argument(
 )
 parser.add_argument("--num-sequences", type=int, default=64, help="calibration sequences of 256 tokens")
 parser.add_argument("--mapper", help="a fitted mapper (directory or Hub id); default: fit one now")
+parser.add_argument("--exact-layers-items", type=int, default=64,
+                    help="items per content probe of the fit (it chooses the exact layers; default 64): fewer are faster")
 args = parser.parse_args()
 
 family = Path(args.family)
@@ -36,7 +38,7 @@ if args.mapper:
 else:
     # One pass over calibration text through both models, then a closed-form ridge solve.
     calibration_ids, info = build_calibration(tokenizer, family / "calibration.txt", num_sequences=args.num_sequences, seq_len=256)
-    mapper = fit_mapper(source, target, calibration_ids, top_k=4)
+    mapper = fit_mapper(source, target, calibration_ids, top_k=4, exact_layers_items=args.exact_layers_items)
 
 prompt = "The :mod:`json` module provides an API"
 input_ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -28,6 +28,11 @@ from transformers import (
 # The local Hub-compatible server (tests/hub_server.py) and its `hub_server` / `unreachable_hub` fixtures.
 pytest_plugins = ["hub_fixtures"]
 
+# Timeouts of subprocesses and queues in tests are hang guards, never performance checks: far above any run's time
+# on a loaded machine (a 300 s limit failed a correct change when CI shared its machine: issue 39), so only a
+# process that never ends trips one.
+HANG_GUARD_S = 3600
+
 VOCAB = 96
 COMMON = dict(
     vocab_size=VOCAB,

@@ -115,3 +115,23 @@ def unreachable_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     from huggingface_hub.utils import _http
 
     _http.close_session()
+
+
+@pytest.fixture
+def retry_waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The waits of half a second or more that anything asks `time.sleep` for during the test: recorded and not
+    slept (shorter ones sleep). huggingface_hub's and datasets' retries back off with `time.sleep`, so a test that a
+    failure comes without retries asserts this list is empty, instead of timing the call (a busy machine can make a
+    call without any retry slow, and a timed check fail: issue 39)."""
+    import time
+
+    real_sleep, waits = time.sleep, []
+
+    def sleep(seconds: float) -> None:
+        if seconds >= 0.5:
+            waits.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    return waits

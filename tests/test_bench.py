@@ -17,7 +17,7 @@ from hf_kvtransfer.commands.bench import BenchConfig, mapping_flops, prefill_flo
 from hf_kvtransfer.core.mapper import DEFAULT_NUM_EXACT_LAYERS
 from hf_kvtransfer.evaluation.timing import QUICK_SEQ_LENS
 from hf_kvtransfer.fitting.config import parse_rank_spec
-from hf_kvtransfer.commands.reporting import save_bench_report as save_report
+from hf_kvtransfer.commands.reporting import bench_markdown, save_bench_report as save_report
 from hf_kvtransfer.core.conversion import conversion_groups
 from hf_kvtransfer.commands.cli import main
 from hf_kvtransfer.core.rope import build_rotary_embedding, position_ids_from_mask, rotary_cos_sin, strip_rope
@@ -198,6 +198,9 @@ def test_run_benchmark_report_and_files(tmp_path, monkeypatch):
     assert json.loads(paths["json"].read_text())["results"][1]["seq_len"] == 80
     table = paths["markdown"].read_text()
     assert "| 80 |" in table and "OMP_WAIT_POLICY" in table
+    for threads, words in ((1, "1 thread,"), (2, "2 threads,")):  # the machine line counts them in words
+        report["environment"]["torch_num_threads"] = threads
+        assert words in bench_markdown(report).splitlines()[0]
     said = "**at the mapper's defaults**, 2 of 3 target layers exact (recorded by the mapper's fit), 4/32 recomputed tokens"
     assert said + " by prompt length (TransferredCache's default: 32" in table
     assert "all mapped: 0 exact layers, 1 recomputed token" in table and "TTFT all mapped ms (x faster; lossy)" in table

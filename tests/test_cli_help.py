@@ -4,6 +4,7 @@ import shlex
 
 import pytest
 
+from conftest import HANG_GUARD_S
 from hf_kvtransfer.commands import cli
 
 
@@ -39,7 +40,7 @@ def test_building_the_parser_imports_neither_torch_nor_transformers():
         "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'numpy') if m in sys.modules))"
     )
     repo = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"imported while building the parser: {done.stdout.strip()}"
     # The exports still resolve (lazily) to the real classes.
@@ -88,7 +89,9 @@ def test_the_debug_hint_only_when_the_line_does_not_say_everything(tmp_path, mon
     monkeypatch.delenv("HF_DEBUG", raising=False)
     assert cli.main(["info", "./no-such-mapper"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: local directory ./no-such-mapper does not exist"), lines
+    assert lines[0].startswith("error: local directory ./no-such-mapper does not exist"), lines
+    # this library's line says everything: a hint, if any, is the next step (a mistyped path's), not --debug
+    assert len(lines) == 2 and lines[1].startswith("hint: a mapper is a folder") and "--debug" not in lines[1], lines
 
     def third_party(args):  # an error worded by another library: its traceback may say more
         import json
@@ -117,7 +120,8 @@ _TINY = {
     "fit": ["--num-sequences", "6", "--seq-len", "48", "--exact-layers", "1", "--heldout-fraction", "0"],
     "eval": ["--items", "2", "--max-windows", "2", "--num-items", "2", "--prefix-len", "64", "--context-len", "32",
              "--max-new-tokens", "2", "--turns", "2", "--turn-len", "8"],
-    "demo": ["--num-sequences", "6", "--seq-len", "48", "--recall-items", "2", "--max-new-tokens", "2"],
+    "demo": ["--num-sequences", "6", "--seq-len", "48", "--recall-items", "2", "--max-new-tokens", "2",
+             "--exact-layers-items", "8"],
 }  # fmt: skip
 # Examples only parsed, with their local paths checked: timing runs (bench), and models or mappers on the real Hub
 # (plan runs: it has the shipped configs of those models).
@@ -153,3 +157,25 @@ def test_every_help_example_runs_from_the_repository_root(tmp_path, monkeypatch,
         assert code == 0, f"{line}\n{captured.err[-2000:]}"
         ran.append(argv[0])
     assert set(ran) == set(_subcommands()) - {"bench"}, ran
+
+
+# -- issue 39: every option says what it does -----------------------------------------------------------------
+
+
+def _options_without_help(parser) -> list[str]:
+    import argparse
+
+    return [
+        "/".join(action.option_strings) for action in parser._actions
+        if action.option_strings and action.help != argparse.SUPPRESS and not (action.help or "").strip()
+    ]  # fmt: skip
+
+
+def test_every_option_of_every_subcommand_has_help():
+    parser = cli.build_parser()
+    missing = {"hf-kvtransfer": _options_without_help(parser)}
+    missing.update({name: _options_without_help(sub) for name, sub in _subcommands().items()})
+    assert not {name: options for name, options in missing.items() if options}, missing
+    # the walk reaches the options that had none (eval's and demo's --device, eval's --seed, fit's --trust-remote-code)
+    walked = {(name, flag) for name, sub in _subcommands().items() for a in sub._actions for flag in a.option_strings}
+    assert {("eval", "--device"), ("demo", "--device"), ("eval", "--seed"), ("fit", "--trust-remote-code")} <= walked

@@ -1,5 +1,6 @@
 """What the demo prints adds up (issue 23): the retention beside the counts it is computed from, the calibration
-tokens the fit's progress bar counts, "1 CPU thread"; and the fit's content-probe bars say what they try."""
+tokens the fit's progress bar counts, "1 CPU thread"; and the fit's content probe shows one short bar per stage
+and logs what each candidate scored (issue 39)."""
 
 import re
 
@@ -48,16 +49,37 @@ def test_maps_that_read_the_targets_residual_say_so():
     assert "residual stream entering its layer 1" in line and "2 of them read no source layer" in line, line
 
 
-def test_the_content_probe_bars_say_what_they_try(monkeypatch):
+def test_the_content_probe_shows_one_short_bar_and_logs_each_candidate(monkeypatch, caplog):
+    # Issue 39: a bar per candidate, labelled with its whole description, made ~660 updates of one demo's stderr.
     import hf_kvtransfer.fitting.exact_layers as exact_layers
 
-    labels = []
+    retention = {1: 0.2, 2: 0.5, 3: 0.97}  # 4 layers: bisection tries 1, then 2 (fails), then 3 (passes)
+    scored, bars = [], []
 
-    def fake(*args, num_exact_layers, desc="repeated spans", **kwargs):
-        labels.append(desc)
-        return {"retention": 1.0, "retention_ci": [1.0, 1.0], "context_gain": {"mean": 1.0, "ci": [0.5, 1.5]}}
+    def fake(*args, num_exact_layers, progress=True, **kwargs):
+        scored.append((num_exact_layers, progress))
+        r = retention[num_exact_layers]
+        return {"retention": r, "retention_ci": [r - 0.05, r + 0.05], "context_gain": {"mean": 1.0, "ci": [0.5, 1.5]}}
+
+    class Bar:  # records what the stage's bar was told
+        def __init__(self, *args, **kwargs):
+            self.kwargs, self.n = kwargs, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def refresh(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
 
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake)
+    monkeypatch.setattr(exact_layers, "tqdm", Bar)
 
     class Layout:
         num_layers = 4
@@ -74,5 +96,13 @@ def test_the_content_probe_bars_say_what_they_try(monkeypatch):
     class Target:
         config = Config()
 
-    exact_layers.choose_num_exact_layers(None, Target(), Mapper(), torch.randint(3, 96, (4000,)).tolist())
-    assert labels and all(label.startswith("exact-layers probe: ") and "of 4 layers exact" in label for label in labels), labels
+    with caplog.at_level("INFO", logger=exact_layers.__name__):
+        chosen, _ = exact_layers.choose_num_exact_layers(None, Target(), Mapper(), torch.randint(3, 96, (4000,)).tolist(),
+                                                         progress=True)  # fmt: skip
+    assert chosen == 3 and scored == [(1, False), (2, False), (3, False)]  # no bar of their own
+    [bar] = bars
+    assert bar.kwargs["desc"] == "exact-layers probe" and bar.kwargs["unit"] == "candidate"
+    assert bar.n == bar.total == 3 and not bar.kwargs["disable"]  # ends full though the bisection may try fewer
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == [f"exact-layers probe: {k} of 4 layers exact: repeated-span retention {100 * r:.0f}% "
+                      f"[{100 * r - 5:.0f}, {100 * r + 5:.0f}]" for k, r in retention.items()], logged  # fmt: skip

@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+from conftest import HANG_GUARD_S
 from fit_fixtures import save_pair, write_corpus
 from hf_kvtransfer import KVMapper, KVStatistics
 from hf_kvtransfer.commands.cli import main
@@ -27,7 +28,7 @@ def test_two_ranks_equal_one(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "hf_kvtransfer.commands.cli", *args(tmp_path / "two", tmp_path / "stats-two")],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("wrote ") == 1  # rank 0 writes, rank 1 does not

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_kvtransfer.fitting.calibration_pass as calibrate_module
+from conftest import HANG_GUARD_S
 from fit_fixtures import make_tokenizer, save_pair, write_corpus
 from hf_kvtransfer import KVMapper, KVStatistics, collect_statistics, solve_mapper
 from hf_kvtransfer.fitting.accumulate import read_checkpoint
@@ -74,7 +75,7 @@ def test_cli_subprocess_fit_matches_in_memory_fit(pair, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "hf_kvtransfer.commands.cli", *_args(pair, out, "--top-k", "2", "--heldout-fraction", "0")],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "statistics: 2 x (96^2 + 96x16 + 96 + 2x16) float64 = 0.2 MiB on cpu" in proc.stderr

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from conftest import HANG_GUARD_S
 from hf_kvtransfer.integrations.kv_store import (
     FileKVStore,
     KVStore,
@@ -159,9 +160,9 @@ def test_two_consumers_while_a_producer_writes_and_prunes(tmp_path):
     while time.time() < end:
         for ids in seqs:
             store.put(ids, _tensors(ids), INFO)
-    results = [queue.get(timeout=60) for _ in readers]
+    results = [queue.get(timeout=HANG_GUARD_S) for _ in readers]
     for p in readers:
-        p.join(timeout=60)
+        p.join(timeout=HANG_GUARD_S)
     for hits, misses, bad in results:
         assert bad == []  # every entry read back is the one asked for, whole
         assert hits > 0

@@ -225,7 +225,7 @@ def test_the_search_probes_each_candidate_with_its_tables(pair, monkeypatch):
         FitConfig(token_lags="1,1")
 
 
-def test_an_undecided_cued_comparison_is_decided_on_more_items(pair, monkeypatch):
+def test_an_undecided_cued_comparison_is_decided_on_more_items(pair, monkeypatch, caplog):
     source, target, _, base, residual = pair
     monkeypatch.setattr(exact_layers, "choose_num_exact_layers", lambda *a, **k: (2, {
         "tried": [{"num_exact_layers": 1, "retention": 0.1, "retention_ci": [0, 0.2]},
@@ -248,9 +248,13 @@ def test_an_undecided_cued_comparison_is_decided_on_more_items(pair, monkeypatch
     monkeypatch.setattr(exact_layers, "retention_difference", fake_difference)
     monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: 5.0 if m.needs_target_residual else 10.0))
     stream = random_ids(1, 3000, seed=1)[0].tolist()
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[residual])
+    with caplog.at_level("INFO", logger=exact_layers.__name__):
+        chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[residual])
     row = next(r for r in report["candidates"] if r["residual_layer"] == 0)
     assert row["passes"] and row["cued_items"] == 3 * 4 * 64 and chosen.needs_target_residual
+    # what the candidate scored is in the log (the progress bar only counts candidates)
+    assert f"configuration probe, candidate 1 of 1: 1 exact, {row['inputs']}: repeated spans 99% [98, 100], cued " \
+           "recall 99% [98, 100]: passes" in caplog.messages, caplog.messages
     # The source-only answer and the candidate were both scored on the extra items.
     assert sum(n == 2 * 4 * 64 for _, n in scored) == 2
     # Decided the first time: no extra items.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import textwrap
 
@@ -44,6 +45,93 @@ def _says_everything(exc: BaseException) -> bool:
         tb = tb.tb_next
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package + os.sep)
+
+
+# -- hints: the next step after a common mistake (the error line says what is wrong) ---------------------------
+
+_MAPPER_TAKES = "a mapper is a folder that `hf-kvtransfer fit ... --output DIR` wrote, or a Hub repo id org/name"
+_MODEL_TAKES = "a model is a folder holding config.json and its weights, or a Hub repo id org/name (e.g. Qwen/Qwen3-0.6B)"
+# What each path option takes: the hint after a path that does not exist.
+_PATH_OPTIONS = {
+    "mapper": _MAPPER_TAKES,
+    "mapper_dir": _MAPPER_TAKES,
+    "reverse_mapper": _MAPPER_TAKES,
+    "source": _MODEL_TAKES,
+    "target": _MODEL_TAKES,
+    "dataset": "--dataset takes a local .txt, .jsonl or .parquet file or a folder of them, or a Hub dataset id org/name",
+    "calibration": "--calibration takes a text file (documents separated by blank lines)",
+    "text": "--text takes a text file (documents separated by lines holding only the EOS token)",
+    "mc": "--mc takes a JSONL file of multiple-choice items",
+    "family": "without --family, `hf-kvtransfer demo` finds examples/family when run from the repository's root",
+    "stats_dir": None,  # its errors say what writes one
+}
+
+
+def _missing_path_hint(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """What the option naming a path that does not exist takes, and where a relative path is read from."""
+    if not (isinstance(exc, FileNotFoundError) or "does not exist" in str(exc)):
+        return None
+    text = f"{exc} {getattr(exc, 'filename', None) or ''}"
+    for dest, takes in _PATH_OPTIONS.items():
+        value = getattr(args, dest, None)
+        if not isinstance(value, str) or not value or os.path.exists(os.path.expanduser(value)):
+            continue
+        if re.search(rf"(?<![\w/.~-]){re.escape(value)}(?![\w/-])", text):
+            where = None if os.path.isabs(os.path.expanduser(value)) else (
+                f"relative paths are read from the current directory, {os.getcwd()}"
+            )
+            return "; ".join(part for part in (takes, where) if part) or None
+    return None
+
+
+def _require_files(args: argparse.Namespace, *dests: str) -> None:
+    """Fail before anything loads when a file option names no file (`--text FILE`, `--mc FILE`)."""
+    from ..core.hub import missing_local_path_message
+
+    for dest in dests:
+        value = getattr(args, dest, None)
+        if value and not os.path.isfile(value):
+            flag = "--" + dest.replace("_", "-")
+            if os.path.isdir(value):
+                raise IsADirectoryError(f"{flag} {value} is a directory; pass a file")
+            raise FileNotFoundError(missing_local_path_message(value, f"{flag} file", bare=True))
+
+
+def _other_pair_hint(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """A mapper loaded for models it was not fit for: the fit command for these models."""
+    if not (isinstance(exc, ValueError) and "this mapper was fit for" in str(exc)):
+        return None
+    return _fit_this_pair(getattr(args, "source", None), getattr(args, "target", None), "--mapper")
+
+
+def _fit_this_pair(source: str | None, target: str | None, option: str) -> str:
+    import shlex
+
+    command = f"hf-kvtransfer fit --source {shlex.quote(source or 'SOURCE')} --target {shlex.quote(target or 'TARGET')}"
+    return f"pass the mapper fit for these models as {option}, or fit one: {command} --dataset TEXT --output DIR"
+
+
+def _offline_hint(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """Offline by a flag or by the environment, for something only the Hub has."""
+    if getattr(args, "offline", False) and "use_hub=False" in str(exc):
+        return "leave out --offline to ask the Hub for the model's config.json"
+    switches = [f"{name}={os.environ[name]}" for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+                if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")]  # fmt: skip
+    if switches and re.search(r"offline mode|couldn't connect|could not reach", str(exc)):
+        return f"{' and '.join(switches)} in your environment keeps the Hub out: unset it for one run with network access"
+    return None
+
+
+_HINTS = (_offline_hint, _missing_path_hint, _other_pair_hint)
+
+
+def _hint(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """The `hint:` line after `error:` (None: the error line says it all): the exception's own hint, else the first
+    rule that knows the mistake, else, for an error another library worded, how to see its traceback."""
+    hint = getattr(exc, "hint", None)
+    for rule in _HINTS:
+        hint = hint or rule(exc, args)
+    return hint or (None if _says_everything(exc) else _DEBUG_HINT)
 
 
 def _example(text: str) -> str:
@@ -219,6 +307,9 @@ _SUBCOMMANDS += [_add_push, _add_info]
 # -- eval / demo (evaluate.py, demo.py) ------------------------------------------------------------------
 
 
+_DEVICE_HELP = "where both models run: cpu (default), cuda or cuda:N"
+
+
 def _load_pair(args):
     from ..core.loading import load_pair
 
@@ -267,10 +358,12 @@ def _add_eval(subparsers) -> None:
     p.add_argument("--context-len", type=int, default=128, help="continuation-task context tokens (default 128)")
     p.add_argument("--turns", type=int, default=4, help="multi-turn: number of turns (default 4)")
     p.add_argument("--turn-len", type=int, default=64, help="multi-turn: tokens per turn (default 64)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="windows / items per forward pass (default 8; lower it if memory runs out)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the items drawn from --text and of the bootstrap (default 0)")
+    p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype both models are loaded in (default float32)")
     p.add_argument("--json", help="write the results as JSON here")
     p.add_argument("--markdown", help="write the markdown tables here (they are printed either way)")
     p.add_argument("--plot", help="write a PNG of per-layer cosine / R^2, content tasks and per-turn drift (needs matplotlib)")
@@ -286,8 +379,12 @@ def _run_eval(args) -> int:
     from ..evaluation.multiple_choice import load_multiple_choice
     from .reporting import eval_settings, evaluation_markdown, origin_of_exact_layers, plot_evaluation, pyplot
 
+    _require_files(args, "text", "mc")
     if args.plot:
-        pyplot()  # a missing matplotlib fails before the run, not after it
+        try:
+            pyplot()  # a missing matplotlib fails before the run, not after it
+        except ImportError as exc:
+            raise CLIError(str(exc), "or leave out --plot: the results as JSON and markdown need no matplotlib") from exc
     if args.items < 1:
         raise CLIError(f"--items must be >= 1, got {args.items}", "the content tasks default to 600 items")
     try:  # a mistyped task fails before anything loads
@@ -301,7 +398,10 @@ def _run_eval(args) -> int:
     source, target, tokenizer = _load_pair(args)
     mapper.check_compatible(source.config, target.config)
     if reverse is not None:
-        reverse.check_compatible(target.config, source.config)
+        try:
+            reverse.check_compatible(target.config, source.config)
+        except ValueError as exc:  # the pair the other way round: its hint swaps --source and --target
+            raise CLIError(str(exc), _fit_this_pair(args.target, args.source, "--reverse-mapper")) from exc
     items = load_multiple_choice(args.mc, tokenizer, args.mc_limit) if args.mc else None
     settings = {
         "num_exact_layers": mapper.resolve_num_exact_layers(args.exact_layers),
@@ -359,13 +459,16 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--exact-layers", type=int, default=None,
                    help="the target's first layers computed from the prompt's ids instead of mapped "
                         "(TransferredCache's num_exact_layers; default: the mapper's, chosen by its fit)")
+    p.add_argument("--exact-layers-items", type=int, default=None, metavar="N",
+                   help="items per content probe of the fit that chooses the exact layers (fit's option of that "
+                        "name; default 64): fewer fit faster and choose less surely")
     p.add_argument("--prompt", help="prompt text (default: a held-out passage-recall question drawn from --text)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: the answer's length + 2 for a recall question, else 32)")
     p.add_argument("--text", help="documents to draw recall questions' distractors from (default: the family's heldout.txt)")
     p.add_argument("--recall-items", type=int, default=200,
                    help="held-out passage-recall questions behind the retention number (default 200; 0 = skip)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
     p.add_argument("--json", help="write the demo's numbers as JSON here")
     p.set_defaults(func=_run_demo)
 
@@ -377,6 +480,7 @@ def _run_demo(args) -> int:
     from ..core.mapper import KVMapper
     from .demo import format_demo, run_demo
 
+    _require_files(args, "text")
     top_k = args.top_k if args.top_k in (None, "all") else int(args.top_k)
     # A given mapper loads before the models: a broken or mistyped one fails at once.
     mapper = KVMapper.from_pretrained(args.mapper) if args.mapper else None
@@ -384,7 +488,7 @@ def _run_demo(args) -> int:
         args.source, args.target, mapper, family=args.family, prompt=args.prompt,
         max_new_tokens=args.max_new_tokens, calibration=args.calibration, num_sequences=args.num_sequences,
         seq_len=args.seq_len, top_k=top_k, num_exact_layers=args.exact_layers, text=args.text,
-        recall_items=args.recall_items, device=args.device,
+        recall_items=args.recall_items, device=args.device, exact_layers_items=args.exact_layers_items,
     )
     print(format_demo(result))
     if args.json:
@@ -467,7 +571,8 @@ def _add_fit(subparsers) -> None:
     p.add_argument("--device-map", help="accelerate device map for both models, e.g. auto or cuda:0")
     p.add_argument("--source-revision", help="source model revision")
     p.add_argument("--target-revision", help="target model revision")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model repos' own modelling code (only for repos you trust; transformers' flag)")
     p.add_argument("--push-to-hub", metavar="REPO", help="also upload the mapper to this Hub repo")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     _add_config_options(p)
@@ -772,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(args, "token"):  # the library's "pass token=" is this command's --token
             message = message.replace("pass token=", "pass --token")
         print(f"error: {message}", file=sys.stderr)
-        hint = getattr(exc, "hint", None) or (None if _says_everything(exc) else _DEBUG_HINT)
+        hint = _hint(exc, args)
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
         return 1

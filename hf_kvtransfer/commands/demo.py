@@ -71,6 +71,7 @@ def run_demo(
     timing_tokens: int = 512,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    exact_layers_items: int | None = None,
 ) -> dict[str, Any]:
     """Transfer a prompt's cache source -> target, let the target answer through it, and compare with its own run.
 
@@ -79,7 +80,9 @@ def run_demo(
     from `text`): its answer is only in the passage, so the target can only get it right by *using* the
     transferred context. The retention number is the same measure over `recall_items` such questions.
     `num_exact_layers` is `TransferredCache`'s: the target's first layers computed from the prompt's ids (default:
-    the mapper's, which the fit chose with its content probe, `exact_layers.py`).
+    the mapper's, which the fit chose with its content probe, `exact_layers.py`). `exact_layers_items` is the fit's
+    option of that name (items per content probe; default `FitConfig`'s, 64): fewer make the fit faster and its
+    choice less sure.
 
     Returns:
         A dict with `prompt`, `answers` (`own`, `transfer`, `no_context` text; with the expected `answer` for a
@@ -105,7 +108,8 @@ def run_demo(
         if calibration is None:
             raise ValueError("with --source/--target, pass --mapper (a fitted mapper) or --calibration FILE to fit one")
         # all sequences fit the mapper (no held-out shard: the retention below is measured on other text)
-        fit_options = {} if top_k is None else {"top_k": top_k}
+        given = {"top_k": top_k, "exact_layers_items": exact_layers_items}
+        fit_options = {name: value for name, value in given.items() if value is not None}  # else FitConfig's
         kv_mapper = fit_mapper(
             src_model, tgt_model, calibration, tokenizer=tokenizer, num_sequences=num_sequences, seq_len=seq_len,
             heldout_fraction=0, progress=progress, **fit_options,
@@ -125,7 +129,8 @@ def run_demo(
                         "exact_layers_probe_retention": (
                             kv_mapper.report.get("exact_layers", {}).get("min_retention")
                             if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
-                        )}
+                        ),
+                        "exact_layers_probe_items": kv_mapper.report.get("exact_layers", {}).get("num_items")}
 
     docs = split_documents(Path(text).read_text(encoding="utf-8"), tokenizer.eos_token) if text else []
     items = (

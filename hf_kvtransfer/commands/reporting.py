@@ -330,15 +330,20 @@ def _fmt_bytes(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
 
+def _count(n: int, noun: str) -> str:
+    """`1 thread`, `2 threads`."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def bench_markdown(report: dict[str, Any]) -> str:
     """A readable summary of `run_benchmark` output."""
     env, settings = report["environment"], report["settings"]
     machine = env.get("cuda_device") or env["cpu"]
     lines = [
         f"Machine: {machine}; torch {env['torch']}, transformers {env['transformers']}, "
-        f"{env['torch_num_threads']} threads, OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}; device {settings['device']}, "
-        f"{settings['dtype']}, batch 1, attention {settings['attn_implementation']}; medians of {settings['repeats']} "
-        f"after {settings['warmup']} warm-up; load average {env.get('load_average')}.",
+        f"{_count(env['torch_num_threads'], 'thread')}, OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}; "
+        f"device {settings['device']}, {settings['dtype']}, batch 1, attention {settings['attn_implementation']}; "
+        f"medians of {settings['repeats']} after {settings['warmup']} warm-up; load average {env.get('load_average')}.",
         "",
         "| mapper | parameters | bytes | dtype | rank (key/value per layer) | fit R^2 K/V | held-out R^2 K/V | "
         "held-out R^2 K/V, bf16 weights |",

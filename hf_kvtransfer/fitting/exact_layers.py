@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from huggingface_hub.utils import tqdm
 from transformers import PreTrainedModel
 
 from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
@@ -132,37 +133,30 @@ def choose_num_exact_layers(
     report["prefix_len"] = prefix_len
 
     baseline: dict[str, Any] | None = None  # the target's own and no-context scores do not depend on k
+    # One bar for the stage, one step per candidate (what each scored goes to the log at INFO).
+    bar = tqdm(total=_bisection_steps(num_layers), desc="exact-layers probe", unit="candidate", disable=not progress)
 
     def retention(k: int) -> float | None:
         nonlocal baseline
         r = repeated_span_retention(
-            source, target, mapper, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=k, progress=progress,
-            reference=baseline, desc=f"exact-layers probe: {k} of {num_layers} layers exact",
+            source, target, mapper, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=k,
+            progress=False, reference=baseline,
         )  # fmt: skip
-        baseline = baseline or r
+        if baseline is None:
+            baseline = r
+            report["copy_gain"] = r["context_gain"]
         report["tried"].append({"num_exact_layers": k, "retention": r["retention"], "retention_ci": r["retention_ci"]})
+        logger.info("exact-layers probe: %d of %d layers exact: repeated-span retention %s", k, num_layers,
+                    _percent(r["retention"], r["retention_ci"]))  # fmt: skip
+        bar.update(1)
         return r["retention"]
 
-    first = retention(DEFAULT_NUM_EXACT_LAYERS)
-    gain = report["copy_gain"] = baseline["context_gain"]
-    if first is None or gain["mean"] < MIN_COPY_GAIN or gain["ci"][0] <= 0:
-        report["reason"] = (
-            f"the target barely copies from its context on the probe (NLL gain {gain['mean']:.3f} nats/token, "
-            f"95% CI [{gain['ci'][0]:.3f}, {gain['ci'][1]:.3f}]; needs >= {MIN_COPY_GAIN}): there is no content to "
-            f"keep; default {DEFAULT_NUM_EXACT_LAYERS} kept"
-        )
+    with bar:
+        hi = _bisect(retention, num_layers, min_retention, report)
+        bar.total = bar.n  # the bisection may stop before its most steps: the bar ends full
+        bar.refresh()
+    if hi is None:
         return None, report
-    # Bisection: `lo` layers are known to lose content, `hi` to keep it (all of them: the target's own prefill).
-    lo, hi = DEFAULT_NUM_EXACT_LAYERS, num_layers
-    if first >= min_retention:
-        hi = lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        value = retention(mid)
-        if value is not None and value >= min_retention:
-            hi = mid
-        else:
-            lo = mid
     report["chosen"] = hi
     report["tried"].sort(key=lambda row: row["num_exact_layers"])
     if hi == num_layers:
@@ -175,6 +169,46 @@ def choose_num_exact_layers(
     else:
         report["reason"] = f"the fewest exact layers with retention >= {min_retention:.0%}"
     return hi, report
+
+
+def _bisection_steps(num_layers: int) -> int:
+    """The most candidates `_bisect` scores: the default, then halving `DEFAULT_NUM_EXACT_LAYERS .. num_layers`."""
+    return 1 + math.ceil(math.log2(max(1, num_layers - DEFAULT_NUM_EXACT_LAYERS)))
+
+
+def _bisect(
+    retention: Callable[[int], float | None], num_layers: int, min_retention: float, report: dict[str, Any]
+) -> int | None:
+    """The fewest exact layers whose `retention(k)` reaches `min_retention`, by bisection (None, with the reason in
+    `report`, when the target barely copies from its context: nothing to keep)."""
+    first = retention(DEFAULT_NUM_EXACT_LAYERS)
+    gain = report["copy_gain"]
+    if first is None or gain["mean"] < MIN_COPY_GAIN or gain["ci"][0] <= 0:
+        report["reason"] = (
+            f"the target barely copies from its context on the probe (NLL gain {gain['mean']:.3f} nats/token, "
+            f"95% CI [{gain['ci'][0]:.3f}, {gain['ci'][1]:.3f}]; needs >= {MIN_COPY_GAIN}): there is no content to "
+            f"keep; default {DEFAULT_NUM_EXACT_LAYERS} kept"
+        )
+        return None
+    # Bisection: `lo` layers are known to lose content, `hi` to keep it (all of them: the target's own prefill).
+    lo, hi = DEFAULT_NUM_EXACT_LAYERS, num_layers
+    if first >= min_retention:
+        hi = lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        value = retention(mid)
+        if value is not None and value >= min_retention:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _percent(value: float | None, ci: Sequence[float] | None) -> str:
+    """`97% [93, 101]` (a retention and its 95% interval), or n/a."""
+    if value is None:
+        return "n/a"
+    return f"{value:.0%}" + (f" [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]" if ci else "")
 
 
 
@@ -397,10 +431,10 @@ def choose_configuration(
     references: dict[str, Any] = {}
 
     def probe(name: str, items, m: KVMapper, num_exact: int) -> dict[str, Any]:
+        logger.debug("configuration probe (%s, %d items): %d exact, %s", name, len(items), num_exact, _inputs_label(m))
         r = repeated_span_retention(
             source, target, m, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=num_exact,
-            progress=progress, reference=references.get(name),
-            desc=f"configuration probe ({name}): {num_exact} exact, {_inputs_label(m)}",
+            progress=False, reference=references.get(name),
         )  # fmt: skip
         references.setdefault(name, r)
         return r
@@ -419,62 +453,69 @@ def choose_configuration(
     failed_layers: set[int] = set()
     passed_layers: set[int] = set()
     failed_full_rank: set[tuple[int, str, str]] = set()
-    for m in candidates_in:
+    # One bar for the stage, one step per candidate (each candidate's result goes to the log at INFO, each probe
+    # it runs at DEBUG).
+    bar = tqdm(candidates_in, desc="configuration probe", unit="candidate", disable=not progress or not candidates_in)
+    for index, m in enumerate(bar, 1):
         layer, num_exact = m.config.residual_layer, m.config.residual_layer + 1
         row: dict[str, Any] = {"inputs": _inputs_label(m), "residual_layer": layer, "num_exact_layers": num_exact,
                                "readers": residual_readers(m.config), "retention": None, "retention_ci": None,
                                "cued_retention": None, "cued_retention_ci": None, "passes": False}  # fmt: skip
         candidates.append((m, num_exact))
         rows.append(row)
-        if layer in failed_layers:
-            row["skipped"] = "the first candidate of this residual layer failed the probe"
-            continue
-        if any(passed < layer for passed in passed_layers):
-            row["skipped"] = "a shallower residual layer passed (deeper ones compute more of the target)"
-            continue
-        if chosen_kv is not None and num_exact > chosen_kv:
-            row["skipped"] = f"more exact layers than the source-only answer's {chosen_kv} (more of the target computed)"
-            continue
-        twin = (layer, repr(m.config.selected_layers), repr(residual_readers(m.config)))
-        if m.config.residual_rank is not None and twin in failed_full_rank:
-            row["skipped"] = "the same maps at full rank failed the probe (a reduced rank keeps less)"
-            continue
-        if refine is not None:
-            m = refine(m)
-            candidates[-1] = (m, num_exact)
-            row["inputs"] = _inputs_label(m)
-        r = probe("repeated spans", spans, m, num_exact)
-        row.update(retention=r["retention"], retention_ci=r["retention_ci"])
-        if r["retention"] is not None and r["retention"] >= min_retention:
-            c = probe("cued recall", cued, m, num_exact)
-            nll = c["nll_per_item"]
-            diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], cued_reference, higher_is_better=False,
-                                        seed=seed)  # fmt: skip
-            row.update(cued_retention=c["retention"], cued_retention_ci=c["retention_ci"], cued_items=len(cued))
-            if _undecided(diff, 1 - min_retention):
-                if more_cued is None:
-                    more_cued = cued_recall_items(stream, CUED_MORE_ITEMS_FACTOR * len(cued), seed=seed + 1,
-                                                  prefix_len=report["prefix_len"], num_records=num_records,
-                                                  continuation_len=PROBE_CONTINUATION_LEN)  # fmt: skip
-                    if cued_reference is not None:
-                        more_reference = probe("cued recall, more items", more_cued, mapper, chosen_kv)["nll_per_item"]["transfer"]
-                more = probe("cued recall, more items", more_cued, m, num_exact)["nll_per_item"]
-                nll = {k: list(nll[k]) + list(more[k]) for k in ("own", "no_context", "transfer")}
-                reference = None if cued_reference is None else list(cued_reference) + list(more_reference)
-                diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], reference, higher_is_better=False,
+        try:
+            if layer in failed_layers:
+                row["skipped"] = "the first candidate of this residual layer failed the probe"
+                continue
+            if any(passed < layer for passed in passed_layers):
+                row["skipped"] = "a shallower residual layer passed (deeper ones compute more of the target)"
+                continue
+            if chosen_kv is not None and num_exact > chosen_kv:
+                row["skipped"] = f"more exact layers than the source-only answer's {chosen_kv} (more of the target computed)"
+                continue
+            twin = (layer, repr(m.config.selected_layers), repr(residual_readers(m.config)))
+            if m.config.residual_rank is not None and twin in failed_full_rank:
+                row["skipped"] = "the same maps at full rank failed the probe (a reduced rank keeps less)"
+                continue
+            if refine is not None:
+                m = refine(m)
+                candidates[-1] = (m, num_exact)
+                row["inputs"] = _inputs_label(m)
+            r = probe("repeated spans", spans, m, num_exact)
+            row.update(retention=r["retention"], retention_ci=r["retention_ci"])
+            if r["retention"] is not None and r["retention"] >= min_retention:
+                c = probe("cued recall", cued, m, num_exact)
+                nll = c["nll_per_item"]
+                diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], cued_reference, higher_is_better=False,
                                             seed=seed)  # fmt: skip
-                row["cued_items"] = len(cued) + len(more_cued)
-            row.update(cued_minus_reference=diff["difference"], cued_minus_reference_ci=diff["difference_ci"])
-            # Kept only where the paired interval rules out losing more than 1 - min_retention of the reference's.
-            low = (diff["difference_ci"] or [None])[0]
-            row["passes"] = low is not None and math.isfinite(low) and low >= -(1 - min_retention)
-        if not row["passes"] and layer not in seen_layers:
-            failed_layers.add(layer)
-        if not row["passes"] and m.config.residual_rank is None:
-            failed_full_rank.add(twin)
-        seen_layers.add(layer)
-        if row["passes"]:
-            passed_layers.add(layer)
+                row.update(cued_retention=c["retention"], cued_retention_ci=c["retention_ci"], cued_items=len(cued))
+                if _undecided(diff, 1 - min_retention):
+                    if more_cued is None:
+                        more_cued = cued_recall_items(stream, CUED_MORE_ITEMS_FACTOR * len(cued), seed=seed + 1,
+                                                      prefix_len=report["prefix_len"], num_records=num_records,
+                                                      continuation_len=PROBE_CONTINUATION_LEN)  # fmt: skip
+                        if cued_reference is not None:
+                            more_reference = probe("cued recall, more items", more_cued, mapper, chosen_kv)["nll_per_item"]["transfer"]
+                    more = probe("cued recall, more items", more_cued, m, num_exact)["nll_per_item"]
+                    nll = {k: list(nll[k]) + list(more[k]) for k in ("own", "no_context", "transfer")}
+                    reference = None if cued_reference is None else list(cued_reference) + list(more_reference)
+                    diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], reference, higher_is_better=False,
+                                                seed=seed)  # fmt: skip
+                    row["cued_items"] = len(cued) + len(more_cued)
+                row.update(cued_minus_reference=diff["difference"], cued_minus_reference_ci=diff["difference_ci"])
+                # Kept only where the paired interval rules out losing more than 1 - min_retention of the reference's.
+                low = (diff["difference_ci"] or [None])[0]
+                row["passes"] = low is not None and math.isfinite(low) and low >= -(1 - min_retention)
+            if not row["passes"] and layer not in seen_layers:
+                failed_layers.add(layer)
+            if not row["passes"] and m.config.residual_rank is None:
+                failed_full_rank.add(twin)
+            seen_layers.add(layer)
+            if row["passes"]:
+                passed_layers.add(layer)
+        finally:
+            logger.info("configuration probe, candidate %d of %d: %s", index, len(candidates_in), _row_line(row))
+
     timed = [i for i, (row, (_, n)) in enumerate(zip(rows, candidates)) if not row.get("skipped") and n < num_layers]
     clock = _clock(target)
     times: dict[int, dict[str, list[float]]] = {}
@@ -530,6 +571,17 @@ def choose_configuration(
            if rows[best]["residual_layer"] is not None else "")
     )
     return _with_num_exact(chosen_mapper, num_exact), report
+
+
+def _row_line(row: dict[str, Any]) -> str:
+    """A probed candidate on one line (the log's; the report keeps every figure)."""
+    what = f"{row['num_exact_layers']} exact, {row['inputs']}"
+    if row.get("skipped"):
+        return f"{what}: skipped ({row['skipped']})"
+    scores = [f"repeated spans {_percent(row['retention'], row['retention_ci'])}"]
+    if row.get("cued_retention") is not None:
+        scores.append(f"cued recall {_percent(row['cued_retention'], row['cued_retention_ci'])}")
+    return f"{what}: {', '.join(scores)}: {'passes' if row['passes'] else 'fails'}"
 
 
 def _undecided(diff: dict[str, Any], max_loss: float) -> bool:

@@ -117,6 +117,8 @@ def main(argv=None) -> None:
     p.add_argument("--prefix-len", type=int, default=128)
     p.add_argument("--num-sequences", type=int, default=None,
                    help="calibration sequences of 1024 tokens (default: fit_mapper's, i.e. all of calibration.txt)")
+    p.add_argument("--exact-layers-items", type=int, default=None,
+                   help="items per content probe of the fits (default: fit_mapper's, 64; fewer are faster)")
     p.add_argument("--ttft-len", type=int, default=1024,
                    help="prompt tokens of the time-to-first-token column (default 1024)")
     p.add_argument("--ttft-only", action="store_true",
@@ -146,6 +148,8 @@ def main(argv=None) -> None:
     calibration = args.family / "calibration.txt"
     default_sequences = args.num_sequences or FitConfig().num_sequences
     fit_data = {"num_sequences": args.num_sequences} if args.num_sequences else {}
+    if args.exact_layers_items:
+        fit_data["exact_layers_items"] = args.exact_layers_items
 
     report = {"items": len(items), "windows": len(windows), "prefix_len": args.prefix_len,
               "ttft_len": int(ttft_ids.shape[1]), "threads": torch.get_num_threads(), "directions": {}}
