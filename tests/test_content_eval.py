@@ -254,8 +254,8 @@ def test_eval_cli_recall(tmp_path, capsys):
     assert recall["num_items"] == 4 and recall["correct_per_item"]["transfer"] == recall["correct_per_item"]["own"]
     assert (tmp_path / "eval.png").read_bytes()[:4] == b"\x89PNG"
     # A mistyped task is one line before anything loads (the model paths here do not even exist).
-    assert main(["eval", "--source", "nowhere", "--target", "nowhere", "--mapper", "nowhere", "--text", "x",
-                 "--tasks", "recall,recal"]) == 1  # fmt: skip
+    assert main(["eval", "--source", "nowhere", "--target", "nowhere", "--mapper", "nowhere",
+                 "--text", str(tmp_path / "text.txt"), "--tasks", "recall,recal"]) == 1  # fmt: skip
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("error: unknown task(s) 'recal'") and err[1].startswith("hint:")
 
