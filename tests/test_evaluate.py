@@ -291,6 +291,9 @@ FAMILY_ONE_EXACT_RETENTION_FLOOR = 0.10
 FAMILY_CHOSEN_RETENTION_FLOOR = 0.85
 
 
+# Slow (a fit with the content probe, 64 perplexity windows and 100 recall items twice each: about 90 s on 2 cores;
+# .ci/run runs it).
+@pytest.mark.slow
 def test_bundled_family_reads_its_context_and_transfers_it():
     from hf_kvtransfer.commands.demo import find_family
 

@@ -1,8 +1,9 @@
 """Smoke tests: every script in examples/, the research scripts the docs quote, and the `demo` / `eval` commands run offline on the bundled family.
 
-Each is a fresh process (imports, model loads, a small fit); all of them run in the default suite. The scripts
-that fit with the content probe run it on fewer items (`--exact-layers-items`): the same code path, a cheaper
-choice. The subprocess timeout is a hang guard only (`HANG_GUARD_S`): a busy machine may take several times as long.
+Each is a fresh process (imports, model loads, a small fit). The scripts that fit with the content probe run it on
+fewer items (`--exact-layers-items`): the same code path, a cheaper choice. quickstart and cascade are marked slow
+(`pytest -m slow`; .ci/run runs them). The subprocess timeout is a hang guard only (`HANG_GUARD_S`): a busy machine
+may take several times as long.
 """
 
 import json
@@ -54,11 +55,16 @@ def fitted_mapper(tmp_path_factory):
     return out
 
 
+# Slow (a fit with the content probe, about 80 s on 2 cores; .ci/run runs it): the README's quickstart block
+# (tests/test_readme.py, in the default run) goes through the same fit, transfer and generation.
+@pytest.mark.slow
 def test_quickstart():
     out = _run([sys.executable, str(EXAMPLES / "quickstart.py"), "--num-sequences", "16", *PROBE_ITEMS])
     assert "large, transferred cache:" in out and "large, its own prefill:" in out
 
 
+# Slow (its own fit with the content probe, about 95 s on 2 cores; .ci/run runs it).
+@pytest.mark.slow
 def test_cascade():
     out = _run([sys.executable, str(EXAMPLES / "cascade.py"), "--new-tokens", "12", "--num-sequences", "16", *PROBE_ITEMS])
     assert "small answers:" in out and "greedy tokens equal" in out

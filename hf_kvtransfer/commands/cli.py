@@ -379,7 +379,6 @@ def _run_eval(args) -> int:
     from ..evaluation.multiple_choice import load_multiple_choice
     from .reporting import eval_settings, evaluation_markdown, origin_of_exact_layers, plot_evaluation, pyplot
 
-    _require_files(args, "text", "mc")
     if args.plot:
         try:
             pyplot()  # a missing matplotlib fails before the run, not after it
@@ -392,6 +391,7 @@ def _run_eval(args) -> int:
                       continuation=not args.no_continuation)
     except ValueError as exc:
         raise CLIError(str(exc), "e.g. --tasks perplexity,recall,handoff; `hf-kvtransfer eval --help` describes each") from exc
+    _require_files(args, "text", "mc")
     # Mappers (small) before models (large): a broken or mistyped one fails at once.
     mapper = KVMapper.from_pretrained(args.mapper)
     reverse = KVMapper.from_pretrained(args.reverse_mapper) if args.reverse_mapper else None
