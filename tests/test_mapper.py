@@ -92,8 +92,11 @@ def test_check_compatible(identity_mapper, qwen3_model):
     with pytest.raises(ValueError, match="rope_parameters"):
         identity_mapper.check_compatible(target_config=rope_changed.config, strict=True)
     deeper = tiny_model("qwen3", num_hidden_layers=4)
-    with pytest.raises(ValueError, match="num_hidden_layers: mapper has 3, model has 4"):
+    with pytest.raises(ValueError, match="num_hidden_layers: mapper has 3, model has 4") as refused:
         identity_mapper.check_compatible(target_config=deeper.config)
+    # A mapper that records no model id names no "None" model.
+    assert identity_mapper.config.target_model_id is None
+    assert "None" not in str(refused.value) and "another target model" in str(refused.value)
 
 
 def test_fingerprint_round_trips_through_config_dict(qwen3_model):

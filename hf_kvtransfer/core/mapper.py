@@ -400,8 +400,9 @@ class KVMapper(nn.Module):
             model_id = getattr(self.config, f"{which}_model_id")
             detail = "; ".join(f"{k}: mapper has {a!r}, model has {b!r}" for k, (a, b) in diffs.items())
             name = _model_name(config) or "the given model"
+            fit_for = f"{which} model {model_id!r}" if model_id else f"another {which} model"
             message = (
-                f"this mapper was fit for {which} model {model_id!r} but is used with {name} whose config differs: "
+                f"this mapper was fit for {fit_for} but is used with {name} whose config differs: "
                 f"{detail}. Load the mapper made for this {which} model (or fit one with `fit_mapper`)."
             )
             if strict or any(k in _SHAPE_FIELDS for k in diffs):
