@@ -26,6 +26,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
+from transformers import DynamicCache
 
 from conftest import VOCAB, exact_identity_mapper, tiny_model
 from hf_kvtransfer import TransferredCache, prefill
@@ -103,6 +104,10 @@ def _ids(case):
         ids[r, : length - n], mask[r, : length - n] = 0, 0  # pad_token_id 0, left padding
     other = torch.randint(3, VOCAB, ids.shape, generator=g)
     new = torch.randint(3, VOCAB, (len(rows), 3), generator=g)
+    # New tokens that began with a short prompt's own tokens would make "only the new tokens" (without a mask) the
+    # prompt continued, an equally valid reading of the call: keep their first token off the prompt's.
+    clash = new[:, 0] == ids[:, 0]
+    new[clash, 0] = (new[clash, 0] - 2) % (VOCAB - 3) + 3
     return ids, mask, other, new
 
 
@@ -191,7 +196,11 @@ def check_case(case, models):
         own_gen_mask = None  # the target's own call: the full sequence, mask inferred as generate does
     # The prompt as embeddings: the target's own call gets them too (generate infers no padding from embeddings).
     embeds = case["embeds"] and case["ids"] in ("prompt", "prompt_plus_new")
-    ref, ref_exc, _ = _generate(target, own_ids, own_gen_mask, case, assistant, embeds)
+    # A second turn continues the cache of the first: the target's own reference continues its own cache too (a
+    # fresh prefill of the whole conversation is not always what transformers' cache gives: a row whose prompt is
+    # all padding is computed differently).
+    own_cache = {"past_key_values": DynamicCache(config=target.config)} if case["second_turn"] else {}
+    ref, ref_exc, _ = _generate(target, own_ids, own_gen_mask, case, assistant, embeds, **own_cache)
 
     try:
         source_cache = prefill(target, ids, attention_mask=mask if give["prefill"] else None)
@@ -235,7 +244,7 @@ def check_case(case, models):
         return
     turn_mask = torch.cat([own_mask, torch.ones(turn.shape[0], turn.shape[1] - own_mask.shape[1], dtype=own_mask.dtype)], 1)
     second_mask = turn_mask if give["generate"] else None
-    ref2, ref2_exc, _ = _generate(target, turn_own, second_mask, case, assistant)
+    ref2, ref2_exc, _ = _generate(target, turn_own, second_mask, case, assistant, **own_cache)
     out2, exc2, steps2 = _generate(target, turn, second_mask, case, assistant, **{case["cache_kwarg"]: cache})
     if exc2 is not None:
         if ref2_exc is None:
