@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from conftest import linear_pair, random_ids
 from hf_kvtransfer import KVMapper, TransferredCache, capture_kv, fit_mapper, fit_mlp_mapper, prefill
-from hf_kvtransfer.fitting.mlp import MLPKindMap, mlp_fit_nbytes, train_mlp_map
+from hf_kvtransfer.fitting.mlp import MLPKindMap, MLPTraining, mlp_fit_nbytes, train_mlp_map
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -57,10 +58,8 @@ def _mse(module, x, y) -> float:
 def test_mlp_removes_most_of_ridge_error_on_nonlinear_features(residual):
     x, y = _synthetic(3000, nonlinear=True)
     xh, yh = _synthetic(1000, nonlinear=True, seed=1)
-    module, report = train_mlp_map(
-        x, y, xh, yh, num_kv_heads=2, ridge_lambda=0.0, residual=residual, hidden_size=64, epochs=40, lr=3e-3,
-        batch_size=128,
-    )  # fmt: skip
+    training = MLPTraining(ridge_lambda=0.0, residual=residual, hidden_size=64, epochs=40, lr=3e-3, batch_size=128)
+    module, report = train_mlp_map(x, y, xh, yh, num_kv_heads=2, training=training)
     ridge_mse = _numpy_ridge_heldout_mse(x, y, xh, yh)
     variance = float(yh.double().var(0, unbiased=False).mean())
     assert ridge_mse > 0.05 * variance, "the relation must leave ridge a clear error"
@@ -73,7 +72,8 @@ def test_mlp_removes_most_of_ridge_error_on_nonlinear_features(residual):
 def test_residual_mlp_stays_at_ridge_on_linear_features():
     x, y = _synthetic(2000, nonlinear=False)
     xh, yh = _synthetic(500, nonlinear=False, seed=1)
-    module, report = train_mlp_map(x, y, xh, yh, num_kv_heads=2, ridge_lambda=0.0, hidden_size=64, epochs=10, lr=3e-3)
+    training = MLPTraining(ridge_lambda=0.0, hidden_size=64, epochs=10, lr=3e-3)
+    module, report = train_mlp_map(x, y, xh, yh, num_kv_heads=2, training=training)
     ridge_mse = _numpy_ridge_heldout_mse(x, y, xh, yh)
     assert ridge_mse < 2e-4  # only the 0.01 noise is left
     assert _mse(module, xh, yh) <= ridge_mse * (1 + 1e-3)
@@ -82,15 +82,15 @@ def test_residual_mlp_stays_at_ridge_on_linear_features():
 def test_per_head_training_is_deterministic_and_folds_exactly():
     x, y = _synthetic(600, nonlinear=True)
     xh, yh = _synthetic(200, nonlinear=True, seed=1)
-    kw = dict(num_kv_heads=2, per_head=True, hidden_size=16, epochs=3, seed=3)
-    a, report = train_mlp_map(x, y, xh, yh, **kw)
-    b, _ = train_mlp_map(x, y, xh, yh, **kw)
+    training = MLPTraining(per_head=True, hidden_size=16, epochs=3, seed=3)
+    a, report = train_mlp_map(x, y, xh, yh, num_kv_heads=2, training=training)
+    b, _ = train_mlp_map(x, y, xh, yh, num_kv_heads=2, training=training)
     assert a.mlp[0].weight.shape == (2, 12, 16) and a.mlp[-1].weight.shape == (2, 16, 4)  # one MLP per head
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), f"{name} differs between two runs with the same seed"
     # The held-out error is that of the returned (folded) module on raw features.
     assert report["mlp_mse"] == pytest.approx(_mse(a, xh, yh), rel=1e-4)
-    c, _ = train_mlp_map(x, y, xh, yh, **{**kw, "seed": 4})
+    c, _ = train_mlp_map(x, y, xh, yh, num_kv_heads=2, training=dataclasses.replace(training, seed=4))
     assert not torch.equal(a.mlp[0].weight, c.mlp[0].weight)
 
 

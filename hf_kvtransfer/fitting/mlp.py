@@ -67,6 +67,158 @@ def _errors(pred: torch.Tensor, y: torch.Tensor, num_heads: int) -> tuple[float,
     return float(sse.sum() / y.numel()), float(r2.mean())
 
 
+@dataclasses.dataclass(frozen=True)
+class MLPTraining:
+    """How one (target layer, K|V) MLP map is trained.
+
+    Args:
+        hidden_size / num_hidden_layers: the MLP's width and depth.
+        per_head: one MLP per target KV head (the paper) instead of one per layer and kind.
+        residual: learn `y - ridge(x)` with a zero-initialised last layer (starts at ridge).
+        epochs / lr / batch_size: Adam's schedule.
+        patience: epochs without held-out improvement before stopping (`None`: never stop early).
+        seed: seeds initialisation and shuffling (a private generator; the global RNG is untouched).
+        ridge_lambda: the ridge base's lambda, when it is solved here from the training features.
+    """
+
+    hidden_size: int = 1024
+    num_hidden_layers: int = 2
+    per_head: bool = False
+    residual: bool = True
+    epochs: int = 20
+    lr: float = 1e-3
+    batch_size: int = 256
+    patience: int | None = 5
+    seed: int = 0
+    ridge_lambda: float = 0.01
+
+    @classmethod
+    def from_fit_config(cls, config: FitConfig, seed: int) -> MLPTraining:
+        return cls(
+            hidden_size=config.mlp_hidden_size, num_hidden_layers=config.mlp_num_hidden_layers,
+            per_head=config.mlp_per_head, residual=config.mlp_residual, epochs=config.mlp_epochs, lr=config.mlp_lr,
+            batch_size=config.mlp_batch_size, patience=config.mlp_patience, seed=seed,
+            ridge_lambda=config.ridge_lambda[0],
+        )  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Scaling:
+    """Inputs standardised per dimension, targets scaled by one number (their RMS deviation): the loss is the
+    paper's plain MSE as a fraction of the target variance. Folded into the first and last layers at the end."""
+
+    mean_x: torch.Tensor
+    std_x: torch.Tensor
+    mean_y: torch.Tensor
+    scale_y: float
+
+    @classmethod
+    def of(cls, x: torch.Tensor, y: torch.Tensor) -> _Scaling:
+        std_x = x.std(0)
+        # Near-constant input dims (dead heads, padding dims) would blow up the standardisation.
+        std_x = std_x.clamp_min(1e-3 * float(std_x.mean()) + 1e-12)
+        mean_y = y.mean(0)
+        return cls(x.mean(0), std_x, mean_y, float(((y - mean_y) ** 2).mean().sqrt()) or 1.0)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, base) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x - self.mean_x) / self.std_x, (y - base) / self.scale_y
+
+
+@dataclasses.dataclass
+class _Progress:
+    bar: Any = None
+    description: str = ""
+
+    def epoch(self, epoch: int, train_loss: float, heldout: float, best: float, best_epoch: int) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(
+                f"{self.description} epoch {epoch} train {train_loss:.4f} heldout {heldout:.4f} "
+                f"best {best:.4f}@{best_epoch}",
+                refresh=False,
+            )
+
+    def finish(self, epochs_run: int, epochs: int) -> None:
+        if self.bar is not None and epochs_run < epochs:
+            self.bar.update(epochs - epochs_run)
+
+
+def _heldout_loss(core: nn.Module, heldout: tuple[torch.Tensor, torch.Tensor] | None) -> float:
+    if heldout is None:
+        return math.inf
+    xn_h, rn_h = heldout
+    core.eval()
+    with torch.no_grad():
+        sq = sum(float(((core(xn_h[i : i + 8192]) - rn_h[i : i + 8192]) ** 2).sum()) for i in range(0, len(xn_h), 8192))
+    core.train()
+    return sq / rn_h.numel()
+
+
+def _one_epoch(core, optimizer, xn, rn, order, batch_size: int) -> float:
+    total, count = torch.zeros((), device=xn.device), 0
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        loss = nn.functional.mse_loss(core(xn.index_select(0, idx)), rn.index_select(0, idx))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += loss.detach() * len(idx)  # no per-step host sync on GPU
+        count += len(idx)
+    return float(total) / count
+
+
+def _train_core(core, xn, rn, heldout, training: MLPTraining, generator, progress: _Progress) -> dict[str, Any]:
+    """Adam on the MSE, keeping the state with the best held-out loss (the initial one included); loads it."""
+    optimizer = torch.optim.Adam(core.parameters(), lr=training.lr)
+    best_loss = _heldout_loss(core, heldout)
+    best_state = {k: v.detach().clone() for k, v in core.state_dict().items()}
+    best_epoch, stale, epochs_run, train_loss = 0, 0, 0, None
+    for epoch in range(1, training.epochs + 1):
+        order = torch.randperm(len(xn), generator=generator).to(xn.device)
+        train_loss, epochs_run = _one_epoch(core, optimizer, xn, rn, order, training.batch_size), epoch
+        loss_h = _heldout_loss(core, heldout)
+        if heldout is None or loss_h < best_loss:
+            best_loss, best_epoch, stale = loss_h, epoch, 0
+            best_state = {k: v.detach().clone() for k, v in core.state_dict().items()}
+        else:
+            stale += 1
+        progress.epoch(epoch, train_loss, loss_h if heldout is not None else float("nan"), best_loss, best_epoch)
+        if heldout is not None and training.patience is not None and stale >= training.patience:
+            break
+    progress.finish(epochs_run, training.epochs)
+    core.load_state_dict(best_state)
+    return {"best_epoch": best_epoch, "epochs_run": epochs_run, "train_loss": train_loss}
+
+
+@torch.no_grad()
+def _fold(core: MLPKindMap, scaling: _Scaling, training: MLPTraining, ridge: tuple[torch.Tensor, torch.Tensor]):
+    """The trained core with its scalings folded in: raw features in, raw targets out (plus the ridge base)."""
+    first, last = core.mlp[0], core.mlp[-1]
+    groups, (out_features, in_features) = first.weight.shape[0], ridge[0].shape
+    module = MLPKindMap(
+        in_features, out_features, training.hidden_size, training.num_hidden_layers, groups=groups,
+        residual=training.residual,
+    ).to(first.weight.device)  # fmt: skip
+    for src, dst in zip(core.mlp, module.mlp):
+        dst.weight.copy_(src.weight)
+        dst.bias.copy_(src.bias)
+    w1 = first.weight.double()  # (G, in, h)
+    inv_std = 1 / scaling.std_x.double()
+    module.mlp[0].weight.copy_(w1 * inv_std[None, :, None])
+    # (mean/std) @ W1 can be large against b1: fold in float64.
+    module.mlp[0].bias.copy_(first.bias.double() - torch.einsum("i,gih->gh", scaling.mean_x.double() * inv_std, w1))
+    # num_hidden_layers >= 1, so the first and the last layer are different modules.
+    module.mlp[-1].weight.copy_(last.weight.double() * scaling.scale_y)
+    bias = last.bias.double() * scaling.scale_y
+    if not training.residual:
+        bias = bias + scaling.mean_y.double().view(groups, -1)
+    module.mlp[-1].bias.copy_(bias)
+    if training.residual:
+        module.linear.weight.copy_(ridge[0])
+        module.linear.bias.copy_(ridge[1])
+    return module.eval()
+
+
 def train_mlp_map(
     x_train: torch.Tensor,
     y_train: torch.Tensor,
@@ -74,161 +226,62 @@ def train_mlp_map(
     y_heldout: torch.Tensor | None = None,
     *,
     num_kv_heads: int = 1,
-    ridge_weight: torch.Tensor | None = None,
-    ridge_bias: torch.Tensor | None = None,
-    ridge_lambda: float = 0.01,
-    residual: bool = True,
-    hidden_size: int = 1024,
-    num_hidden_layers: int = 2,
-    per_head: bool = False,
-    epochs: int = 20,
-    lr: float = 1e-3,
-    batch_size: int = 256,
-    patience: int | None = 5,
-    seed: int = 0,
+    training: MLPTraining = MLPTraining(),
+    ridge: tuple[torch.Tensor, torch.Tensor] | None = None,
     device: torch.device | str | None = None,
     progress_bar=None,
     description: str = "",
 ) -> tuple[MLPKindMap, dict[str, Any]]:
     """Train one (target layer, K|V) MLP map on features: `x [N, F_in] -> y [N, num_kv_heads * head_dim]`.
 
-    Inputs are standardised per dimension and targets scaled by one number (their RMS deviation), so the
-    loss is the paper's plain MSE, reported as a fraction of the target variance. The scalings are folded
-    into the first and last layers afterwards: the returned module maps raw features to raw targets.
-
     Args:
         x_train, y_train: training features and targets.
         x_heldout, y_heldout: held-out features and targets for early stopping; `None` trains all epochs.
-        ridge_weight, ridge_bias: `[F_out, F_in]`, `[F_out]` ridge solution (the residual base and the
-            baseline that is reported); solved here from the training features when not given.
-        residual: learn `y - ridge(x)` with a zero-initialised last layer (starts at ridge).
-        per_head: one MLP per target KV head (the paper) instead of one per layer and kind.
-        patience: epochs without held-out improvement before stopping (`None`: never stop early).
-        seed: seeds initialisation and shuffling (a private generator; the global RNG is untouched).
-        progress_bar: a tqdm bar to advance by one per epoch (optional).
+        training: the MLP's architecture and schedule (`MLPTraining`).
+        ridge: `([F_out, F_in], [F_out])` ridge solution (the residual base and the baseline that is reported);
+            solved here from the training features (`training.ridge_lambda`) when not given.
+        progress_bar / description: a tqdm bar to advance by one per epoch (optional) and its label.
 
     Returns:
-        `(module, report)`; `report` has `ridge_mse`, `mlp_mse`, `ridge_r2`, `mlp_r2` (held-out), `train_r2`,
-        `best_epoch` (0 = the initial state, i.e. ridge for a residual map) and `epochs_run`.
+        `(module, report)`; the module maps raw features to raw targets; `report` has `ridge_mse`, `mlp_mse`,
+        `ridge_r2`, `mlp_r2` (held-out), `train_r2`, `best_epoch` (0 = the initial state, i.e. ridge for a residual
+        map) and `epochs_run`.
     """
     device = torch.device(device) if device is not None else x_train.device
-    n, in_features = x_train.shape
-    out_features = y_train.shape[1]
-    if n < 2:
-        raise ValueError(f"need at least 2 training tokens to fit an MLP map, got {n}; feed more calibration data")
-    if ridge_weight is None:
-        ridge_weight, ridge_bias = _ridge_from_features(x_train, y_train, ridge_lambda)
-    ridge_weight = ridge_weight.to(device, torch.float32)
-    ridge_bias = ridge_bias.to(device, torch.float32)
+    if x_train.shape[0] < 2:
+        raise ValueError(
+            f"need at least 2 training tokens to fit an MLP map, got {x_train.shape[0]}; feed more calibration data"
+        )
+    weight, bias = ridge if ridge is not None else _ridge_from_features(x_train, y_train, training.ridge_lambda)
+    ridge = (weight.to(device, torch.float32), bias.to(device, torch.float32))
 
-    def ridge(x):
-        return nn.functional.linear(x.float(), ridge_weight, ridge_bias)
+    def ridge_map(x):
+        return nn.functional.linear(x.float(), *ridge)
 
-    has_heldout = x_heldout is not None and len(x_heldout) > 0
-    # -- normalisation (folded into the weights at the end)
-    x32 = x_train.to(device, torch.float32)
-    y32 = y_train.to(device, torch.float32)
-    mean_x, std_x = x32.mean(0), x32.std(0)
-    # Near-constant input dims (dead heads, padding dims) would blow up the standardisation.
-    std_x = std_x.clamp_min(1e-3 * float(std_x.mean()) + 1e-12)
-    mean_y = y32.mean(0)
-    scale_y = float(((y32 - mean_y) ** 2).mean().sqrt()) or 1.0
+    x32, y32 = x_train.to(device, torch.float32), y_train.to(device, torch.float32)
+    scaling = _Scaling.of(x32, y32)
 
     def prepare(x, y):
         x, y = x.to(device, torch.float32), y.to(device, torch.float32)
-        base = _apply_batched(ridge, x, device) if residual else mean_y
-        return (x - mean_x) / std_x, (y - base) / scale_y
+        return scaling.apply(x, y, _apply_batched(ridge_map, x, device) if training.residual else scaling.mean_y)
 
     xn, rn = prepare(x32, y32)
-    del x32
-    if has_heldout:
-        xn_h, rn_h = prepare(x_heldout, y_heldout)
-
-    groups = num_kv_heads if per_head else 1
-    core = MLPKindMap(in_features, out_features, hidden_size, num_hidden_layers, groups=groups, residual=False)
-    generator = torch.Generator().manual_seed(seed)
+    del x32, y32
+    has_heldout = x_heldout is not None and len(x_heldout) > 0
+    heldout = prepare(x_heldout, y_heldout) if has_heldout else None
+    groups = num_kv_heads if training.per_head else 1
+    core = MLPKindMap(xn.shape[1], rn.shape[1], training.hidden_size, training.num_hidden_layers, groups=groups, residual=False)
+    generator = torch.Generator().manual_seed(training.seed)
     for i, layer in enumerate(core.mlp):
-        layer.reset_parameters(generator, zero=residual and i == len(core.mlp) - 1)
-    core.to(device)
-    optimizer = torch.optim.Adam(core.parameters(), lr=lr)
-
-    @torch.no_grad()
-    def heldout_loss() -> float:
-        core.eval()
-        sq = sum(float(((core(xn_h[i : i + 8192]) - rn_h[i : i + 8192]) ** 2).sum()) for i in range(0, len(xn_h), 8192))
-        core.train()
-        return sq / rn_h.numel()
-
-    best_loss = heldout_loss() if has_heldout else math.inf
-    best_state = {k: v.detach().clone() for k, v in core.state_dict().items()}
-    best_epoch, stale, epochs_run, train_loss = 0, 0, 0, None
-    for epoch in range(1, epochs + 1):
-        order = torch.randperm(n, generator=generator).to(device)
-        total, count = torch.zeros((), device=device), 0
-        for start in range(0, n, batch_size):
-            idx = order[start : start + batch_size]
-            loss = nn.functional.mse_loss(core(xn.index_select(0, idx)), rn.index_select(0, idx))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += loss.detach() * len(idx)  # no per-step host sync on GPU
-            count += len(idx)
-        train_loss, epochs_run = float(total) / count, epoch
-        if has_heldout:
-            loss_h = heldout_loss()
-            if loss_h < best_loss:
-                best_loss, best_epoch, stale = loss_h, epoch, 0
-                best_state = {k: v.detach().clone() for k, v in core.state_dict().items()}
-            else:
-                stale += 1
-        else:
-            best_epoch, best_state = epoch, {k: v.detach().clone() for k, v in core.state_dict().items()}
-        if progress_bar is not None:
-            progress_bar.update(1)
-            progress_bar.set_postfix_str(
-                f"{description} epoch {epoch} train {train_loss:.4f} heldout "
-                f"{loss_h if has_heldout else float('nan'):.4f} best {best_loss:.4f}@{best_epoch}",
-                refresh=False,
-            )
-        if has_heldout and patience is not None and stale >= patience:
-            break
-    if progress_bar is not None and epochs_run < epochs:
-        progress_bar.update(epochs - epochs_run)
-    core.load_state_dict(best_state)
-
-    # -- fold the normalisation into the first and last layers: raw features in, raw targets out
-    module = MLPKindMap(in_features, out_features, hidden_size, num_hidden_layers, groups=groups, residual=residual)
-    module.to(device)
-    with torch.no_grad():
-        first, last = core.mlp[0], core.mlp[-1]
-        for src, dst in zip(core.mlp, module.mlp):
-            dst.weight.copy_(src.weight)
-            dst.bias.copy_(src.bias)
-        w1 = first.weight.double()  # (G, in, h)
-        inv_std = 1 / std_x.double()
-        module.mlp[0].weight.copy_(w1 * inv_std[None, :, None])
-        # (mean/std) @ W1 can be large against b1: fold in float64.
-        module.mlp[0].bias.copy_(first.bias.double() - torch.einsum("i,gih->gh", mean_x.double() * inv_std, w1))
-        # num_hidden_layers >= 1, so the first and the last layer are different modules.
-        module.mlp[-1].weight.copy_(last.weight.double() * scale_y)
-        bias = last.bias.double() * scale_y
-        if not residual:
-            bias = bias + mean_y.double().view(groups, -1)
-        module.mlp[-1].bias.copy_(bias)
-        if residual:
-            module.linear.weight.copy_(ridge_weight)
-            module.linear.bias.copy_(ridge_bias)
-    module.eval()
-
-    report: dict[str, Any] = {"best_epoch": best_epoch, "epochs_run": epochs_run, "train_loss": train_loss}
-    train_pred = _apply_batched(module, x_train, device)
-    report["train_mse"], report["train_r2"] = _errors(train_pred, y_train.to(device), num_kv_heads)
+        layer.reset_parameters(generator, zero=training.residual and i == len(core.mlp) - 1)
+    report = _train_core(core.to(device), xn, rn, heldout, training, generator, _Progress(progress_bar, description))
+    module = _fold(core, scaling, training, ridge)
+    report["train_mse"], report["train_r2"] = _errors(_apply_batched(module, x_train, device), y_train.to(device), num_kv_heads)
+    report.update(ridge_mse=None, ridge_r2=None, mlp_mse=None, mlp_r2=None)
     if has_heldout:
         y_h = y_heldout.to(device)
-        report["ridge_mse"], report["ridge_r2"] = _errors(_apply_batched(ridge, x_heldout, device), y_h, num_kv_heads)
+        report["ridge_mse"], report["ridge_r2"] = _errors(_apply_batched(ridge_map, x_heldout, device), y_h, num_kv_heads)
         report["mlp_mse"], report["mlp_r2"] = _errors(_apply_batched(module, x_heldout, device), y_h, num_kv_heads)
-    else:
-        report.update(ridge_mse=None, ridge_r2=None, mlp_mse=None, mlp_r2=None)
     return module.cpu(), report
 
 
@@ -315,6 +368,91 @@ def _count_tokens(num_rows: int, seq_len: int, stride: int, mask: torch.Tensor |
     return int(token_selection(num_rows, seq_len, stride, mask, "cpu").numel()) if num_rows else 0
 
 
+def _token_counts(input_ids, attention_mask, config: FitConfig) -> tuple[dict[str, int], int]:
+    """The MLP's training and held-out token counts (every `feature_stride`-th real token), and the held-out rows."""
+    stride = config.mlp_feature_stride or config.stride
+    num_rows, seq_len = input_ids.shape
+    num_heldout = heldout_count(num_rows, config.heldout_fraction)
+    num_train, mask = num_rows - num_heldout, attention_mask
+    counts = {
+        "train": _count_tokens(num_train, seq_len, stride, mask[:num_train] if mask is not None else None),
+        "heldout": _count_tokens(num_heldout, seq_len, stride, mask[num_train:] if mask is not None else None),
+    }
+    return counts, num_heldout
+
+
+def _log_memory(memory: dict[str, int], num_tokens: dict[str, int], config: FitConfig, device) -> None:
+    logger.info(
+        "MLP fit needs ~%.1f MiB: features %.1f MiB (%d train + %d held-out tokens, stride %d, %s), statistics "
+        "%.1f MiB, training one map %.1f MiB on %s, mapper %.1f MiB",
+        memory["total"] / 2**20, memory["features"] / 2**20, num_tokens["train"], num_tokens["heldout"],
+        config.mlp_feature_stride or config.stride, DTYPES[config.mlp_feature_dtype], memory["statistics"] / 2**20,
+        memory["training"] / 2**20, device, memory["mapper"] / 2**20,
+    )  # fmt: skip
+
+
+def _refuse_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("the MLP mapper trains in one process: run it without torchrun")
+
+
+def _train_maps(collector, solutions, selected, layouts, config: FitConfig, device):
+    """Train every (target layer, K|V) map on the collected features: `(state_dict, per-kind report lists)`."""
+    src_layout, tgt_layout = layouts
+    report: dict[str, dict[str, list]] = {kind: {} for kind in KINDS}
+    state: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=tgt_layout.num_layers * 2 * config.mlp_epochs, desc="mlp", unit="epoch", disable=not config.progress)
+    for t, sel in enumerate(selected):
+        columns = feature_index(sel, src_layout.layer_dim)
+        target_columns = slice(t * tgt_layout.layer_dim, (t + 1) * tgt_layout.layer_dim)
+        for kind in KINDS:
+            weight, bias, _ = solutions[kind][t]
+            module, layer_report = train_mlp_map(
+                collector.gather("train", f"{kind}.x", columns), collector.gather("train", f"{kind}.y", target_columns),
+                collector.gather("heldout", f"{kind}.x", columns),
+                collector.gather("heldout", f"{kind}.y", target_columns),
+                num_kv_heads=tgt_layout.num_kv_heads, ridge=(weight, bias),
+                training=MLPTraining.from_fit_config(config, seed=config.seed + 2 * t + (kind == "value")),
+                device=device, progress_bar=bar, description=f"layer {t} {kind}",
+            )  # fmt: skip
+            state.update({f"layers.{t}.{kind}.{name}": v for name, v in module.state_dict().items()})
+            for name, value in layer_report.items():
+                report[kind].setdefault(name, []).append(value)
+    bar.close()
+    return state, report
+
+
+def _training_report(config: FitConfig, num_tokens, heldout_rows: list[int], memory, report) -> dict[str, Any]:
+    return {
+        "epochs": config.mlp_epochs,
+        "lr": config.mlp_lr,
+        "batch_size": config.mlp_batch_size,
+        "patience": config.mlp_patience,
+        "heldout_fraction": config.heldout_fraction,
+        "seed": config.seed,
+        "feature_stride": config.mlp_feature_stride or config.stride,
+        "train_tokens": num_tokens["train"],
+        "heldout_tokens": num_tokens["heldout"],
+        "heldout_sequences": heldout_rows,
+        "memory_bytes": memory,
+        "heldout": report,
+    }
+
+
+def _r2_fields(report, num_heldout: int, seconds: float) -> dict[str, list[float]]:
+    r2 = {"fit_r2_key": report["key"]["train_r2"], "fit_r2_value": report["value"]["train_r2"]}
+    if num_heldout:
+        r2.update(heldout_r2_key=report["key"]["mlp_r2"], heldout_r2_value=report["value"]["mlp_r2"])
+        logger.info(
+            "MLP mapper: held-out R^2 key %.4f (ridge %.4f), value %.4f (ridge %.4f), mean over target layers; "
+            "%.1f s",
+            *(sum(report[k][m]) / len(report[k][m]) for k in KINDS for m in ("mlp_r2", "ridge_r2")), seconds,
+        )  # fmt: skip
+    return r2
+
+
 def fit_mlp(
     source: PreTrainedModel,
     target: PreTrainedModel,
@@ -341,39 +479,21 @@ def fit_mlp(
     """
     started = time.perf_counter()
     device = torch.device(config.mlp_device) if config.mlp_device else model_device(source)
-    feature_stride = config.mlp_feature_stride or config.stride
-    feature_dtype = DTYPES[config.mlp_feature_dtype]
     (top_k,), (ridge_lambda,) = config.top_k_values, config.ridge_lambda
-    num_rows, seq_len = input_ids.shape
-    num_heldout = heldout_count(num_rows, config.heldout_fraction)
-    num_train = num_rows - num_heldout
-    mask = attention_mask
-    num_tokens = {
-        "train": _count_tokens(num_train, seq_len, feature_stride, mask[:num_train] if mask is not None else None),
-        "heldout": _count_tokens(num_heldout, seq_len, feature_stride, mask[num_train:] if mask is not None else None),
-    }
-    src_layout, tgt_layout = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
-    top_k = effective_top_k(top_k, src_layout.num_layers)  # as for ridge (`fit.solve_mappers`)
+    num_tokens, num_heldout = _token_counts(input_ids, attention_mask, config)
+    layouts = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
+    top_k = effective_top_k(top_k, layouts[0].num_layers)  # as for ridge (`fit.solve_mappers`)
     memory = mlp_fit_nbytes(
-        src_layout, tgt_layout, num_tokens["train"], num_tokens["heldout"], top_k, config.mlp_hidden_size,
-        config.mlp_num_hidden_layers, config.mlp_per_head, config.mlp_batch_size, feature_dtype,
+        *layouts, num_tokens["train"], num_tokens["heldout"], top_k, config.mlp_hidden_size,
+        config.mlp_num_hidden_layers, config.mlp_per_head, config.mlp_batch_size, DTYPES[config.mlp_feature_dtype],
     )  # fmt: skip
-    logger.info(
-        "MLP fit needs ~%.1f MiB: features %.1f MiB (%d train + %d held-out tokens, stride %d, %s), statistics "
-        "%.1f MiB, training one map %.1f MiB on %s, mapper %.1f MiB",
-        memory["total"] / 2**20, memory["features"] / 2**20, num_tokens["train"], num_tokens["heldout"],
-        feature_stride, feature_dtype, memory["statistics"] / 2**20, memory["training"] / 2**20, device,
-        memory["mapper"] / 2**20,
-    )  # fmt: skip
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError("the MLP mapper trains in one process: run it without torchrun")
+    _log_memory(memory, num_tokens, config, device)
+    _refuse_distributed()
 
     # -- the one pass: ridge statistics (both shards) and the features of every sequence
-    collector = FeatureCollector(feature_stride, feature_dtype)
+    collector = FeatureCollector(config.mlp_feature_stride or config.stride, DTYPES[config.mlp_feature_dtype])
     calibration = dict(mapper_kwargs.pop("calibration", None) or {})
-    train, heldout = run_fit_pass(
+    train, _ = run_fit_pass(
         source, target, input_ids, attention_mask, config, consumers=[collector],
         metadata={"calibration": calibration} if calibration else None, log=log,
     )  # fmt: skip
@@ -382,85 +502,31 @@ def fit_mlp(
     # -- ridge: layer selection and the residual base, from the fit shard's statistics
     selected = select_layers(layer_scores(train, ridge_lambda), top_k)
     solutions = {kind: solve_layers(train, kind, dict(enumerate(selected)), ridge_lambda) for kind in KINDS}
-
+    num_rows = input_ids.shape[0]
     calibration.setdefault("num_sequences", num_rows)
     # num_tokens: the ridge base's training tokens; the MLP's are in mapper.report["mlp"] (train_tokens, ...).
     calibration.update(stride=config.stride, num_tokens=train.count, num_heldout_sequences=num_heldout)
     architecture = {
-        **DEFAULT_MLP_CONFIG,
-        "hidden_size": config.mlp_hidden_size,
-        "num_hidden_layers": config.mlp_num_hidden_layers,
-        "residual": config.mlp_residual,
-        "per_head": config.mlp_per_head,
-    }
-    mapper_config = MapperConfig(
-        source_config=train.source_config,
-        target_config=train.target_config,
-        selected_layers=selected,
-        mapper_type=MLP,
-        top_k=top_k if top_k is not None else src_layout.num_layers,
-        ridge_lambda=ridge_lambda,
-        mlp=architecture,
-        calibration=calibration,
-        **mapper_kwargs,
-    )
-
-    # -- train each (target layer, K|V) map
-    report: dict[str, dict[str, list]] = {kind: {} for kind in KINDS}
-    state: dict[str, torch.Tensor] = {}
-    epochs = config.mlp_epochs
-    bar = tqdm(total=tgt_layout.num_layers * 2 * epochs, desc="mlp", unit="epoch", disable=not config.progress)
-    for t, sel in enumerate(selected):
-        columns = feature_index(sel, src_layout.layer_dim)
-        target_columns = slice(t * tgt_layout.layer_dim, (t + 1) * tgt_layout.layer_dim)
-        for kind in KINDS:
-            weight, bias, _ = solutions[kind][t]
-            module, layer_report = train_mlp_map(
-                collector.gather("train", f"{kind}.x", columns), collector.gather("train", f"{kind}.y", target_columns),
-                collector.gather("heldout", f"{kind}.x", columns),
-                collector.gather("heldout", f"{kind}.y", target_columns),
-                num_kv_heads=tgt_layout.num_kv_heads, ridge_weight=weight, ridge_bias=bias,
-                residual=config.mlp_residual, hidden_size=config.mlp_hidden_size,
-                num_hidden_layers=config.mlp_num_hidden_layers, per_head=config.mlp_per_head, epochs=epochs,
-                lr=config.mlp_lr, batch_size=config.mlp_batch_size, patience=config.mlp_patience,
-                seed=config.seed + 2 * t + (kind == "value"), device=device, progress_bar=bar,
-                description=f"layer {t} {kind}",
-            )  # fmt: skip
-            state.update({f"layers.{t}.{kind}.{name}": v for name, v in module.state_dict().items()})
-            for name, value in layer_report.items():
-                report[kind].setdefault(name, []).append(value)
-    bar.close()
+        **DEFAULT_MLP_CONFIG, "hidden_size": config.mlp_hidden_size, "num_hidden_layers": config.mlp_num_hidden_layers,
+        "residual": config.mlp_residual, "per_head": config.mlp_per_head,
+    }  # fmt: skip
+    mapper_config = MapperConfig(  # before training: a bad setting is refused before the work
+        source_config=train.source_config, target_config=train.target_config, selected_layers=selected,
+        mapper_type=MLP, top_k=top_k if top_k is not None else layouts[0].num_layers, ridge_lambda=ridge_lambda,
+        mlp=architecture, calibration=calibration, **mapper_kwargs,
+    )  # fmt: skip
+    state, report = _train_maps(collector, solutions, selected, layouts, config, device)
     del collector
 
     fit_seconds = round(time.perf_counter() - started, 3)
-    r2 = {"fit_r2_key": report["key"]["train_r2"], "fit_r2_value": report["value"]["train_r2"]}
-    if num_heldout:
-        r2.update(heldout_r2_key=report["key"]["mlp_r2"], heldout_r2_value=report["value"]["mlp_r2"])
-        logger.info(
-            "MLP mapper: held-out R^2 key %.4f (ridge %.4f), value %.4f (ridge %.4f), mean over target layers; "
-            "%.1f s",
-            *(sum(report[k][m]) / len(report[k][m]) for k in KINDS for m in ("mlp_r2", "ridge_r2")), fit_seconds,
-        )  # fmt: skip
-    mapper = KVMapper(dataclasses.replace(mapper_config, **r2))
+    mapper = KVMapper(dataclasses.replace(mapper_config, **_r2_fields(report, num_heldout, fit_seconds)))
     mapper.load_state_dict(state)
+    heldout_rows = list(range(num_rows - num_heldout, num_rows))
     mapper.report = {
-        "mlp": {
-            "epochs": epochs,
-            "lr": config.mlp_lr,
-            "batch_size": config.mlp_batch_size,
-            "patience": config.mlp_patience,
-            "heldout_fraction": config.heldout_fraction,
-            "seed": config.seed,
-            "feature_stride": feature_stride,
-            "train_tokens": num_tokens["train"],
-            "heldout_tokens": num_tokens["heldout"],
-            "heldout_sequences": list(range(num_train, num_rows)),
-            "memory_bytes": memory,
-            "heldout": report,
-        },
+        "mlp": _training_report(config, num_tokens, heldout_rows, memory, report),
         "timings": {"calibration_seconds": round(capture_seconds, 3), "fit_seconds": fit_seconds},
     }
     return mapper.float()
 
 
-__all__ = ["FeatureCollector", "fit_mlp", "mlp_fit_nbytes", "train_mlp_map"]
+__all__ = ["FeatureCollector", "MLPTraining", "fit_mlp", "mlp_fit_nbytes", "train_mlp_map"]
