@@ -202,8 +202,8 @@ def test_token_tables_cost_equals_the_tables_a_mapper_holds(tmp_path):
     from dataclasses import replace
 
     base = MapperConfig(source_config=SOURCE.to_dict(), target_config=TARGET.to_dict(), selected_layers=[[0]] * 5)
-    with_tables = KVMapper(replace(base, token_lags=[0, 1, 2], token_readers=[2]))
-    looked_up = KVMapper(replace(base, first_layer_table=True))
+    with_tables = KVMapper(replace(base, map_inputs={"token_tables": {"lags": [0, 1, 2], "readers": [2]}}))
+    looked_up = KVMapper(replace(base, map_inputs={"first_layer_table": {}}))
     plain = KVMapper(base).num_parameters()
     plan = plan_transfer(SOURCE, TARGET, top_k=1, token_positions=3, dtype="float32", use_hub=False, available_memory=2**40)
     assert plan.token_table_parameters_per_layer == with_tables.num_parameters() - plain

@@ -204,9 +204,6 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
         facts.append(("Prompt tokens the target recomputes (default `num_recompute_tokens`)", str(config["num_recompute_tokens"])))
     for inp in registered_map_inputs():  # what the maps read beyond the source's K/V, each input's own lines
         facts += inp.card_facts(config)
-    if config.get("first_layer_table"):
-        facts.append(("Layer 0's keys and values", "looked up per token id when it is the one exact layer (the target's "
-                      "own numbers, no projection)"))  # fmt: skip
     if isinstance(probe, dict):
         if probe.get("reason"):
             facts.append(("Why", _cell(probe["reason"])))
