@@ -11,7 +11,9 @@ from typing import Any
 from torch import nn
 
 from .exact import FirstLayerTable
-from .map_inputs import MapInput, MapInputConfig, register_map_input
+from .map_inputs import InputCost, MapInput, MapInputConfig, PlanShape, register_map_input
+from .rope import text_config
+from .stats import KVLayout
 
 # `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
 MapperConfig = Any
@@ -30,6 +32,13 @@ class FirstLayerTableConfig(MapInputConfig):
 @register_map_input
 class FirstLayerTableInput(MapInput):
     name, order, config_class, attribute = "first_layer_table", 40, FirstLayerTableConfig, "first_layer"
+    plan_label = "layer 0's keys and values per token id"
+
+    @classmethod
+    def cost(cls, shape: PlanShape) -> InputCost | None:
+        """One row of keys and values per vocabulary entry, replacing one exact layer's projections by a look-up."""
+        layer_dim = KVLayout.from_config(shape.target_config).layer_dim
+        return InputCost(parameters=2 * text_config(shape.target_config).vocab_size * layer_dim)
 
     @classmethod
     def used_by(cls, config: MapperConfig) -> bool:

@@ -76,6 +76,30 @@ class MapInputConfig:
 
 
 @dataclass
+class PlanShape:
+    """A transfer `hf-kvtransfer plan` costs an input at, from the configs alone: the target's (text) config, the
+    target layers mapped, the tokens transferred, the positions back the input reads (t, t-1, ...), the maps' rank
+    (None: full) and the bytes of one number at the plan's dtype."""
+
+    target_config: Any
+    num_mapped_layers: int
+    num_tokens: int
+    positions: int
+    rank: int | None = None
+    itemsize: int = 2
+
+
+@dataclass
+class InputCost:
+    """What an input adds to a mapper at a `PlanShape`: numbers held (`parameters`), FLOPs of the transfer (2 x
+    multiply-adds; a look-up counts none), and input features each map gains."""
+
+    parameters: int = 0
+    flops: int = 0
+    features: int = 0
+
+
+@dataclass
 class ExactPass:
     """What the cache's exact pass hands the inputs: the target model, the transferred tokens' ids `[B, T]` and mask,
     and the residual stream `[B, T, hidden]` entering the layer an input asked for (None when none did)."""
@@ -97,6 +121,15 @@ class MapInput:
     missing: ClassVar[str] = ""
     # The `KVMapper` attribute that holds the input's parameters (None: it has none), made by `build_module`.
     attribute: ClassVar[str | None] = None
+    # For `hf-kvtransfer plan`: what it is called there, and the `plan_transfer` option that sets how many positions it
+    # reads (None: it reads no positions).
+    plan_label: ClassVar[str] = ""
+    plan_positions: ClassVar[str | None] = None
+
+    @classmethod
+    def cost(cls, shape: PlanShape) -> InputCost | None:
+        """What the input adds to a mapper at `shape` (None: nothing to count, or the shape does not use it)."""
+        return None
 
     @classmethod
     def build_module(cls, config: MapperConfig) -> torch.nn.Module | None:
@@ -248,9 +281,11 @@ def map_state(state: Any, fn) -> Any:
 
 __all__ = [
     "ExactPass",
+    "InputCost",
     "MAP_INPUTS",
     "MapInput",
     "MapInputConfig",
+    "PlanShape",
     "exact_layers_needed",
     "input_configs",
     "layer_span",

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .map_inputs import ExactPass, MapInput, MapInputConfig, positions_label, register_map_input
+from .map_inputs import ExactPass, InputCost, MapInput, MapInputConfig, PlanShape, positions_label, register_map_input
+from .rope import text_config
+from .stats import KVLayout
 
 # `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
 MapperConfig = Any
@@ -213,6 +215,23 @@ class ResidualInput(MapInput):
     def used_by(cls, config: MapperConfig) -> bool:
         res = residual_config(config)
         return res is not None and not res.in_tables
+
+    plan_label, plan_positions = "maps also reading the target's residual stream", "residual_positions"
+
+    @classmethod
+    def cost(cls, shape: PlanShape) -> InputCost | None:
+        """Each mapped layer's key and value maps also read `positions` positions of the target's residual stream
+        entering its last exact layer: `positions * hidden_size` more input features per map. Full rank: each map
+        gets `features * (kv_heads * head_dim)` more weights; at `rank` r (a factored map, `up @ down`) only its
+        `down` grows, by `r * features`. FLOPs: one multiply-add per added weight and token. The normalisation of
+        the residual (elementwise, no matrix product) is not counted."""
+        if shape.positions < 0 or shape.num_mapped_layers < 0:
+            raise ValueError(f"residual positions and mapped layers must be >= 0, got {shape.positions}, {shape.num_mapped_layers}")
+        layer_dim = KVLayout.from_config(shape.target_config).layer_dim
+        features = shape.positions * text_config(shape.target_config).hidden_size
+        per_map = features * (layer_dim if shape.rank is None else min(shape.rank, layer_dim))
+        parameters = 2 * shape.num_mapped_layers * per_map  # key and value
+        return InputCost(parameters=parameters, flops=2 * shape.num_tokens * parameters, features=features)
 
     @classmethod
     def build_module(cls, config: MapperConfig) -> nn.Module | None:

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .map_inputs import MapInput, MapInputConfig, layer_span, positions_label, register_map_input
+from .map_inputs import InputCost, MapInput, MapInputConfig, PlanShape, layer_span, positions_label, register_map_input
+from .rope import text_config
+from .stats import KVLayout
 
 # `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
 MapperConfig = Any
@@ -133,6 +135,17 @@ class TokenTableInput(MapInput):
         "this mapper's maps add token tables of the prompt's ids, which this cache does not know: build the source "
         "cache with `prefill` or pass input_ids= to TransferredCache"
     )
+
+    plan_label, plan_positions = "token tables", "token_positions"
+
+    @classmethod
+    def cost(cls, shape: PlanShape) -> InputCost | None:
+        """Tables on every mapped layer at `positions` positions (t, t-1, ...): one row per vocabulary entry (and one
+        for "no token") per position, for keys and values, each `kv_heads * head_dim` wide. At transfer time a
+        look-up and an add per token: no multiply-add."""
+        layer_dim = KVLayout.from_config(shape.target_config).layer_dim
+        rows = text_config(shape.target_config).vocab_size + 1
+        return InputCost(parameters=shape.num_mapped_layers * 2 * shape.positions * rows * layer_dim)
 
     @classmethod
     def build_module(cls, config: MapperConfig) -> nn.Module | None:
