@@ -344,7 +344,6 @@ def plan_transfer(
         'full'
         ```
     """
-    from ..fitting.accumulate import available_memory as _available_memory
     from .bench import mapper_size, mapping_flops, prefill_flops
 
     if seq_len < 1 or batch_size < 1:
@@ -367,25 +366,8 @@ def plan_transfer(
     full = planning_mapper(source_config, target_config, top_k) if rank is not None else mapper
     by_dtype = {name: params * _itemsize(DTYPES[name]) for name in ("float32", "bfloat16", "float16")}
 
-    # Fit statistics: the functions `fit` sizes its own allocations with.
-    stats_full = statistics_nbytes(src, tgt)
-    stats_two_stage = block_statistics_nbytes(src, tgt, top_k)
-    sets = 2 if heldout_count(num_sequences, heldout_fraction) else 1
-    # Two-stage probe: float32 features of `probe_tokens` tokens (keys and values), one kind at a time in float64
-    # with its centered copy while ranking layers (ridge.probe_single_source_r2).
-    width = src.total_dim + tgt.total_dim
-    probe = 2 * probe_tokens * width * 4 + 2 * probe_tokens * width * 8
-
-    available = int(available_memory) if available_memory is not None else _available_memory(torch.device("cpu"))
-    budget = available // 2  # accumulate.py: half the free memory where the statistics live
-    two_stage = stats_full * sets > budget
-    mode = "two-stage" if two_stage else "full"
-    fit_bytes = (stats_two_stage * sets + probe) if two_stage else stats_full * sets
-    if two_stage and fit_bytes > budget:
-        notes.append(
-            f"even two-stage statistics ({fit_bytes / 2**30:.1f} GiB) exceed the budget: fit on a larger machine or "
-            "with a smaller --top-k"
-        )
+    fit = _fit_memory(src, tgt, top_k, num_sequences, heldout_fraction, probe_tokens, available_memory)
+    notes += fit.pop("notes")
 
     # FLOPs at batch 1: the bench functions (prefill = transformer body, as the paper times it).
     prefill = prefill_flops(target_config, seq_len)["total"]
@@ -407,22 +389,7 @@ def plan_transfer(
     inputs = map_input_rows(target_config, tgt.num_layers - exact, seq_len - recompute, positions, rank, dtype,
                             model_parameters["target"])  # fmt: skip
 
-    # Transfer memory: new tensors a TransferredCache allocates (cache.py) at (batch_size, seq_len).
-    cache_item = _itemsize(weight_dtype)
-    feature_item = _itemsize(torch.promote_types(weight_dtype, weight_dtype))
-    tokens = batch_size * seq_len
-    source_cache = 2 * src.total_dim * tokens * cache_item
-    target_cache = 2 * tgt.total_dim * tokens * cache_item
-    from ..core.conversion import GROUP_OUT_FEATURES
-
-    group = max(1, GROUP_OUT_FEATURES // tgt.layer_dim)
-    rotary = 4 * 2 * tokens * max(src.head_dim, tgt.head_dim) * 4  # float32 cos/sin, strip and apply
-    rows = 2 * group * tgt.layer_dim * tokens * feature_item  # mapped K and V of one group of target layers
-    selection = 2 * top_k * src.layer_dim * tokens * feature_item  # stripped K and V features of one selection
-    working = selection + rows + rotary
-    # Worst case: every target layer has its own selection and each selection's buffer stays alive while a later
-    # selection still reads one of its source layers (cache.py keeps views into it).
-    working_max = tgt.num_layers * selection + rows + rotary
+    memory = _transfer_memory(src, tgt, top_k, batch_size * seq_len, weight_dtype)
 
     return TransferPlan(
         source=source_name,
@@ -439,23 +406,12 @@ def plan_transfer(
         mapper_bytes=params * _itemsize(weight_dtype),
         mapper_bytes_by_dtype=by_dtype,
         full_rank_parameters=mapper_size(full)["parameters"],
-        statistics_bytes_full=stats_full,
-        statistics_bytes_two_stage=stats_two_stage,
-        statistics_sets=sets,
-        probe_bytes=probe,
+        **fit,
         model_parameters=model_parameters,
         prefill_flops=prefill,
         mapping_flops=mapping,
         flop_ratio=prefill / mapping,
-        source_cache_bytes=source_cache,
-        target_cache_bytes=target_cache,
-        transfer_working_bytes=working,
-        transfer_working_bytes_max=working_max,
-        transfer_peak_bytes=target_cache + working,
-        available_memory_bytes=available,
-        statistics_budget_bytes=budget,
-        fit_default_mode=mode,
-        fit_default_statistics_bytes=fit_bytes,
+        **memory,
         num_exact_layers=exact,
         num_recompute_tokens=recompute,
         residual_positions=residual_positions,
@@ -475,6 +431,59 @@ def plan_transfer(
         map_inputs=inputs,
         notes=notes,
     )
+
+
+def _fit_memory(src: KVLayout, tgt: KVLayout, top_k: int, num_sequences: int, heldout_fraction: float,
+                probe_tokens: int, available_memory: int | None) -> dict[str, Any]:
+    """The fit's statistics (float64) by the functions `fit` sizes its own allocations with, and which mode the fit
+    picks with `available_memory` (default: this machine's); `TransferPlan`'s fields, and `notes`."""
+    from ..fitting.accumulate import available_memory as _available_memory
+
+    notes = []
+    stats_full = statistics_nbytes(src, tgt)
+    stats_two_stage = block_statistics_nbytes(src, tgt, top_k)
+    sets = 2 if heldout_count(num_sequences, heldout_fraction) else 1
+    # Two-stage probe: float32 features of `probe_tokens` tokens (keys and values), one kind at a time in float64
+    # with its centered copy while ranking layers (ridge.probe_single_source_r2).
+    width = src.total_dim + tgt.total_dim
+    probe = 2 * probe_tokens * width * 4 + 2 * probe_tokens * width * 8
+
+    available = int(available_memory) if available_memory is not None else _available_memory(torch.device("cpu"))
+    budget = available // 2  # accumulate.py: half the free memory where the statistics live
+    two_stage = stats_full * sets > budget
+    mode = "two-stage" if two_stage else "full"
+    fit_bytes = (stats_two_stage * sets + probe) if two_stage else stats_full * sets
+    if two_stage and fit_bytes > budget:
+        notes.append(
+            f"even two-stage statistics ({fit_bytes / 2**30:.1f} GiB) exceed the budget: fit on a larger machine or "
+            "with a smaller --top-k"
+        )
+
+    return {"statistics_bytes_full": stats_full, "statistics_bytes_two_stage": stats_two_stage, "statistics_sets": sets,
+            "probe_bytes": probe, "available_memory_bytes": available, "statistics_budget_bytes": budget,
+            "fit_default_mode": mode, "fit_default_statistics_bytes": fit_bytes, "notes": notes}  # fmt: skip
+
+
+def _transfer_memory(src: KVLayout, tgt: KVLayout, top_k: int, tokens: int, weight_dtype: torch.dtype) -> dict[str, int]:
+    """New tensors a `TransferredCache` allocates (cache.py) for `tokens` (batch x sequence) tokens; `TransferPlan`'s
+    fields."""
+    cache_item = _itemsize(weight_dtype)
+    feature_item = _itemsize(torch.promote_types(weight_dtype, weight_dtype))
+    source_cache = 2 * src.total_dim * tokens * cache_item
+    target_cache = 2 * tgt.total_dim * tokens * cache_item
+    from ..core.conversion import GROUP_OUT_FEATURES
+
+    group = max(1, GROUP_OUT_FEATURES // tgt.layer_dim)
+    rotary = 4 * 2 * tokens * max(src.head_dim, tgt.head_dim) * 4  # float32 cos/sin, strip and apply
+    rows = 2 * group * tgt.layer_dim * tokens * feature_item  # mapped K and V of one group of target layers
+    selection = 2 * top_k * src.layer_dim * tokens * feature_item  # stripped K and V features of one selection
+    working = selection + rows + rotary
+    # Worst case: every target layer has its own selection and each selection's buffer stays alive while a later
+    # selection still reads one of its source layers (cache.py keeps views into it).
+    working_max = tgt.num_layers * selection + rows + rotary
+
+    return {"source_cache_bytes": source_cache, "target_cache_bytes": target_cache, "transfer_working_bytes": working,
+            "transfer_working_bytes_max": working_max, "transfer_peak_bytes": target_cache + working}  # fmt: skip
 
 
 def _bytes(n: int | float) -> str:
