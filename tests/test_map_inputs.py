@@ -122,7 +122,7 @@ REFUSALS = {
         r"map_inputs.residual.readers must be ascending distinct target layers in \(1, 3\), got \[0\]"),
     "a flat (older) config with token lags but no readers": (
         FLAT, lambda c: c.update(token_readers=None),
-        r"map_inputs.token_tables: .*missing 1 required positional argument: 'readers'"),
+        r"map_inputs.token_tables.readers is missing \(this input needs lags, readers\)"),
 }
 
 

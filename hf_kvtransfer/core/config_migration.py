@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .mapper_types import LOWRANK, RIDGE
+
 # Fields older versions kept in config.json that now live in the run report (`KVMapper.report`).
 REPORT_FIELDS = ("eval_results", "model_selection")
 
@@ -29,8 +31,8 @@ def migrate_config(data: dict[str, Any]) -> dict[str, Any]:
     """A copy of a saved config's dict in the running version's form (earlier forms migrated, silently: they are
     known). Unknown keys are left for `MapperConfig.from_dict` to warn about."""
     data = dict(data)
-    if data.get("mapper_type", "ridge") == "ridge" and data.get("rank") is not None:
-        data["mapper_type"] = "lowrank"  # before 0.2, reduced-rank mappers were "ridge" with a rank
+    if data.get("mapper_type", RIDGE) == RIDGE and data.get("rank") is not None:
+        data["mapper_type"] = LOWRANK  # before 0.2, reduced-rank mappers were "ridge" with a rank
     for name in REPORT_FIELDS:  # before 0.2 run reports lived in the config: KVMapper.report now
         data.pop(name, None)
     if "map_inputs" not in data:

@@ -65,10 +65,15 @@ class MapInputConfig:
             return data
         if not isinstance(data, dict):
             raise ValueError(f"{where} must be an object of the input's settings, got {data!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        fields = dataclasses.fields(cls)
+        known = {f.name for f in fields}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}.{unknown[0]}: unknown setting of this input (this version knows {sorted(known)})")
+        required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if data.get(name) is None]
+        if missing:
+            raise ValueError(f"{where}.{missing[0]} is missing (this input needs {', '.join(required)})")
         try:
             return cls(**data)
         except TypeError as exc:
