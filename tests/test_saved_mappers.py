@@ -63,3 +63,14 @@ def test_saved_mapper_loads_and_transfers_as_it_did(path, pair, tmp_path):
     again, before = (json.loads((p / "config.json").read_text()) for p in (tmp_path, path))
     again.pop("library_version"), before.pop("library_version")
     assert again == before if "map_inputs" in before else again == migrated(before)
+
+
+@pytest.mark.parametrize("kind", NESTED_KINDS)
+def test_a_card_rendered_from_a_flat_config_says_what_the_nested_one_says(kind):
+    # `push_mapper_dir` renders a card from config.json when a folder has none: an older, flat config must still
+    # list what the maps read.
+    from hf_kvtransfer.core.card import render_model_card
+
+    flat, nested = (render_model_card(json.loads((root / kind / "config.json").read_text())) for root in (FIXTURES, NESTED_FIXTURES))
+    assert str(flat) == str(nested)
+    assert "Maps also read" in str(flat) or "Layer 0's keys and values" in str(flat)

@@ -11,6 +11,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .config_migration import migrate_config
 from .map_inputs import registered_map_inputs
 from .mapper_types import LOWRANK, RIDGE
 
@@ -52,6 +53,7 @@ def render_model_card(
         ['Qwen/Qwen3-14B', 'Qwen/Qwen3-32B']
         ```
     """
+    config = migrate_config(config)  # a config.json of any version reads as the running version's
     source_id, target_id = config.get("source_model_id"), config.get("target_model_id")
     source_fp, target_fp = config.get("source_fingerprint") or {}, config.get("target_fingerprint") or {}
     calibration = config.get("calibration") or {}

@@ -5,11 +5,12 @@ An input is used by a mapper when its config asks for it (`used_by`). For each t
 or a dict of the target's modules): from the prompt's ids (`from_ids`), or from the cache's exact pass (`from_exact_pass`,
 which hands it the target model, the ids and, for an input that reads the residual stream, the residual entering
 `hidden_layer`). When the cache maps a group of target layers it hands each input, in registry order, the group's
-mapped rows to add its part to (`apply`). The conversion, the exact pass and the cache loop over
-`KVMapper.map_inputs`; no module outside an input's own names it.
+mapped rows to add its part to (`apply`). The mapper, the conversion, the exact pass, the cache, the card, `plan` and
+the vLLM connector loop over the inputs; no module outside an input's own files names it.
 
 The inputs: `residual.ResidualInput` (the target's residual stream after its exact layers), `token_tables.TokenTableInput`
-(table rows of the prompt's ids), `key_norm.KeyNormInput` (the target's own key norm on keys predicted before it).
+(table rows of the prompt's ids), `key_norm.KeyNormInput` (the target's own key norm on keys predicted before it),
+`first_layer_table.FirstLayerTableInput` (the target's layer-0 K/V per id, looked up by the exact pass).
 Each input has its own config dataclass (a `MapInputConfig`, `config_class`), nested in `MapperConfig.map_inputs` under
 the input's name and validated by itself against the whole mapper config (`MapInputConfig.validate`): a mapper reads an
 input when its config holds one (`used_by`). Add one: a subclass and its config in its own module,
@@ -25,11 +26,8 @@ from typing import Any, ClassVar
 
 import torch
 
-# KVMapper / PreTrainedModel sit above or beside this module: annotations name them as strings only.
+# KVMapper and MapperConfig (core/mapper.py imports this module): annotations name them as strings only.
 KVMapper = Any
-
-
-# What `MapperConfig` is (core/mapper.py imports this module): named as a string only.
 MapperConfig = Any
 
 
