@@ -165,7 +165,7 @@ def exact_identity_mapper(model, mode: str = "per_layer"):
     if mode == "low_rank":
         config = replace(config, mapper_type="lowrank", rank=[[width, width]] * num_layers)
     if mode == "token_table":
-        config = replace(config, token_lags=[0, 1], token_readers=[0])
+        config = replace(config, map_inputs={"token_tables": {"lags": [0, 1], "readers": [0]}})
     mapper = KVMapper(config)
     with torch.no_grad():
         for param in mapper.parameters():

@@ -1,6 +1,7 @@
 """Every mapper kind the fit saves, made by the fit's own functions on a tiny pair whose target has another KV layout
 than its source (source: 2 layers, 2 KV heads of 16; target: 3 layers, 1 KV head of 8). Used by the surface matrix
-(`test_surfaces.py`) and to write the saved-mapper fixtures (`python tests/mapper_kinds.py`)."""
+(`test_surfaces.py`) and to write the saved-mapper fixtures (`python tests/mapper_kinds.py`; `--nested`: the same
+mappers saved again with the running version's nested input configs)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import torch
 
 KINDS = ["source-only", "k1", "low-rank", "mlp", "residual", "residual-alone", "token-tables", "first-layer-table"]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "saved_mappers"
+# The same mappers saved with their inputs' settings nested (`MapperConfig.map_inputs`): the kinds that have inputs.
+NESTED_KINDS = ["residual", "residual-alone", "token-tables", "first-layer-table"]
+NESTED_FIXTURES = FIXTURES.parent / "saved_mappers_nested"
 
 
 def calibration_ids(tokenizer, corpus: Path) -> torch.Tensor:
@@ -76,6 +80,23 @@ def write_fixtures() -> None:
         save_file({k: v.contiguous() for k, v in transferred_kv(source, target, mapper).items()}, out / "expected_kv.safetensors")
 
 
+def write_nested_fixtures() -> None:
+    """Load each of `NESTED_KINDS` from `FIXTURES` and save it as the running version saves it (nested input
+    configs) under `NESTED_FIXTURES`, with the same K/V to transfer."""
+    import shutil
+
+    from hf_kvtransfer import KVMapper
+
+    for kind in NESTED_KINDS:
+        out = NESTED_FIXTURES / kind
+        KVMapper.from_pretrained(FIXTURES / kind).save_pretrained(out)
+        (out / "README.md").unlink()
+        shutil.copy(FIXTURES / kind / "expected_kv.safetensors", out / "expected_kv.safetensors")
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    write_fixtures()
+    if sys.argv[1:] == ["--nested"]:
+        write_nested_fixtures()
+    else:
+        write_fixtures()

@@ -159,3 +159,63 @@ def test_the_checker_catches_an_upward_import(layer, tmp_path, monkeypatch):
     name = f"{layer}.bad"
     targets = [t for t, _, _ in _imports(name, fake / layer / "bad.py")]
     assert f"{higher[0]}.thing" in targets
+
+
+# -- map inputs: no module outside an input's own files reaches its config ------------------------------------------
+
+# Ways of reaching an input's settings: the nested configs by name, each input's config class and accessor, and the
+# flat fields the settings were before they were nested (read as attributes of a config).
+_INPUT_CONFIG_ACCESS = r"map_inputs\[|map_inputs\.get\(|\b(?:{classes})\b|\b(?:residual_config|token_table_config)\("
+_FLAT_FIELDS = ("residual_layer", "residual_lags", "residual_rank", "residual_readers", "key_before_norm",
+                "residual_in_tables", "first_layer_table", "token_lags", "token_readers")  # fmt: skip
+_FLAT_ACCESS = r"\bconfig\.(?:{names})\b"
+# Where an input's settings may be named: the inputs' own modules (their core class and their fit side), the registry,
+# the one migration of older config.json files; and where each may be named, why.
+_INPUT_MODULES = {
+    "core/map_inputs.py": "*",  # the registry and the generic `MapperConfig.map_inputs` helpers
+    "core/config_migration.py": "*",  # the flat fields of older config.json files, once
+    "core/residual.py": "*",
+    "core/token_tables.py": "*",
+    "core/key_norm.py": "*",  # reads the residual's readers (its layers)
+    "core/first_layer_table.py": "*",
+    "fitting/residual_stats.py": "*",  # the residual input's statistics and solve
+    "fitting/token_tables.py": "*",  # the token tables' fit, the first-layer table, the residual folded into them
+    "fitting/exact_layers.py": "*",  # the probe's search over residual candidates (the residual input's fit side)
+    # FitConfig's own options of these names (`hf-kvtransfer fit --residual-lags ...`): the fit builds the inputs' configs
+    "fitting/config.py": {"residual_lags", "residual_rank", "token_lags"},
+    "fitting/fit.py": {"residual_lags", "residual_rank", "token_lags"},
+}
+
+
+def _input_config_uses(text: str) -> set[str]:
+    """What in `text` reaches an input's config: the pattern matched, or the flat field named."""
+    from hf_kvtransfer.core.map_inputs import registered_map_inputs
+
+    import re
+
+    classes = "|".join(cls.config_class.__name__ for cls in registered_map_inputs())
+    found = {m.group(0) for m in re.finditer(_INPUT_CONFIG_ACCESS.format(classes=classes), text)}
+    found |= {m.group(0).removeprefix("config.") for m in re.finditer(_FLAT_ACCESS.format(names="|".join(_FLAT_FIELDS)), text)}
+    return found
+
+
+def test_no_module_outside_an_inputs_own_names_its_config():
+    """Adding an input touches its own files: the cache, the conversion, the mapper, the card, plan, bench, demo and
+    the vLLM connector reach an input's settings only through the `MapInput` interface (issue 36)."""
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        allowed = _INPUT_MODULES.get(where, set())
+        if allowed == "*":
+            continue
+        used = {u for u in _input_config_uses(path.read_text()) if u not in allowed}
+        if used:
+            offenders[where] = sorted(used)
+    assert not offenders, f"modules naming an input's config (use the MapInput interface, or add it to its own file): {offenders}"
+
+
+def test_the_input_config_check_sees_each_way_of_naming_one():
+    text = ('a = mapper.config.map_inputs["residual"].layer\nb = config.map_inputs.get("token_tables")\n'
+            "c = ResidualConfig(0, [0])\nd = mapper.config.token_readers\ne = residual_config(cfg)\n")  # fmt: skip
+    assert _input_config_uses(text) == {"map_inputs[", "map_inputs.get(", "ResidualConfig", "token_readers", "residual_config("}
+    assert _input_config_uses("plan.first_layer_table_bytes; mapper.map_inputs; row['residual_layer']") == set()

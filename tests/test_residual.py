@@ -12,6 +12,8 @@ from conftest import random_ids, steady_timings, tiny_model
 from rope_reference import apply_rope
 from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.core.capture import capture_kv
+from hf_kvtransfer.core.key_norm import KeyNormConfig
+from hf_kvtransfer.core.map_inputs import with_input
 from hf_kvtransfer.core.residual import RESIDUAL_EPS, residual_features, residual_input_features
 from hf_kvtransfer.core.rope import rotary_cos_sin
 from hf_kvtransfer.fitting import exact_layers
@@ -66,7 +68,7 @@ def test_solve_matches_a_direct_ridge_on_hand_built_features(pair, kind):
     # Layers up to the residual layer keep the source-only maps; the config says what the cache must compute.
     assert torch.equal(mapper.layers[1].key.weight, base.layers[1].key.weight)
     c = mapper.config
-    assert (c.residual_layer, c.residual_lags, c.key_before_norm, c.num_exact_layers) == (1, list(LAGS), True, 2)
+    assert (c.map_inputs["residual"].layer, c.map_inputs["residual"].lags, "key_norm" in c.map_inputs, c.num_exact_layers) == (1, list(LAGS), True, 2)
     assert residual_input_features(c) == [0, 0, len(LAGS) * 64]
 
 
@@ -207,14 +209,15 @@ def test_refusals_say_why(pair):
     # generate knows the prompt (its input ids): a legacy cache works there.
     out = target.generate(ids, cache=TransferredCache(legacy, mapper), max_new_tokens=2, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 2)
-    with pytest.raises(ValueError, match="residual_layer must be in"):
-        replace(mapper.config, residual_layer=2)
-    with pytest.raises(ValueError, match="residual_lags"):
-        replace(mapper.config, residual_lags=[0, 0])
+    res = mapper.config.map_inputs["residual"]
+    with pytest.raises(ValueError, match=r"map_inputs.residual.layer must be in"):
+        with_input(mapper.config, "residual", replace(res, layer=2))
+    with pytest.raises(ValueError, match=r"map_inputs.residual.lags"):
+        with_input(mapper.config, "residual", replace(res, lags=[0, 0]))
     with pytest.raises(ValueError, match="num_exact_layers >= 2"):
         replace(mapper.config, num_exact_layers=1)
-    with pytest.raises(ValueError, match="need residual_layer"):
-        replace(base.config, key_before_norm=True)
+    with pytest.raises(ValueError, match=r"map_inputs.key_norm needs a 'ridge' mapper reading the target's residual"):
+        with_input(base.config, "key_norm", KeyNormConfig())
 
 
 def test_residual_features_lags_and_padding():
@@ -253,7 +256,7 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
                                                       min_retention=0.95)  # fmt: skip
     # Source-only with 1 exact layer is fastest but loses the content; of the rest, residual J=0 (1 exact) is fastest.
-    assert chosen.config.residual_layer == 0 and chosen.config.num_exact_layers == 1
+    assert chosen.config.map_inputs["residual"].layer == 0 and chosen.config.num_exact_layers == 1
     assert [r["chosen"] for r in report["candidates"]] == [False, False, True, False]
     assert report["chosen"] == 1 and "residual" in report["chosen_inputs"]
     # On CPU the choice and the frontier's figures follow process CPU time: a wall clock that waited for a core
@@ -268,7 +271,7 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
                                                       min_retention=0.95)  # fmt: skip
     row = next(r for r in report["candidates"] if r["chosen"])
-    assert chosen.config.residual_layer == 0 and report["timing"]["clock"] == "process CPU time"
+    assert chosen.config.map_inputs["residual"].layer == 0 and report["timing"]["clock"] == "process CPU time"
     assert row["transfer_ms"] == 20.0 and row["transfer_wall_ms"] == 100.0 and row["speedup"] == 100.0 / 20.0
     retention.update({1: 0.5, 2: 0.5})
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
@@ -295,8 +298,9 @@ def test_the_search_bounds_candidates_by_the_source_only_answer(pair, monkeypatc
     probed = []
 
     def fake_retention(s, t, m, items, num_exact_layers, **kw):
-        probed.append(m.config.residual_layer)
-        ret = retention[m.config.residual_layer] if m.needs_target_residual else 0.99
+        layer = m.config.map_inputs["residual"].layer if m.needs_target_residual else None
+        probed.append(layer)
+        ret = retention[layer] if m.needs_target_residual else 0.99
         n = len(items)
         return {"retention": ret, "retention_ci": [ret - 0.01, ret + 0.01],
                 "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [3.0 - 2.0 * ret] * n}}
@@ -314,7 +318,7 @@ def test_the_search_bounds_candidates_by_the_source_only_answer(pair, monkeypatc
     # faster than the own prefill, and not when it is slower.
     answer["num_exact"] = 3
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
-    assert chosen.config.residual_layer == 1 and chosen.config.num_exact_layers == 2
+    assert chosen.config.map_inputs["residual"].layer == 1 and chosen.config.num_exact_layers == 2
     ms["ms"] = 120.0
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
     assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 3
@@ -348,13 +352,13 @@ def test_a_reduced_rank_candidate_is_kept_when_faster_and_skipped_when_its_full_
     monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: times[id(m)]))
     stream = random_ids(1, 600, seed=1)[0].tolist()
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[every, full, low])
-    assert chosen.config.residual_rank == 4 and chosen.residual.down.shape == (4, len(LAGS) * 64)
+    assert chosen.config.map_inputs["residual"].rank == 4 and chosen.residual.down.shape == (4, len(LAGS) * 64)
     assert "rank 4" in report["chosen_inputs"]
     retention[id(full)] = 0.5  # the full-rank maps lose the content: the reduced rank is not probed at all
     probed = []
     monkeypatch.setattr(exact_layers, "repeated_span_retention", lambda s, t, m, *a, **kw: probed.append(m) or fake_retention(s, t, m, *a, **kw))
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[every, full, low])
-    assert chosen.config.residual_rank is None and chosen.config.selected_layers[1:] == [[0, 1], [0, 1]]
+    assert chosen.config.map_inputs["residual"].rank is None and chosen.config.selected_layers[1:] == [[0, 1], [0, 1]]
     assert low not in probed and "full rank failed" in report["candidates"][-1]["skipped"]
 
 
@@ -373,8 +377,8 @@ def test_only_the_readers_read_the_residual(pair):
         caches.append(cache)
     torch.testing.assert_close(caches[0].layers[1].keys, caches[1].layers[1].keys)
     assert not torch.allclose(caches[0].layers[2].keys, caches[1].layers[2].keys)
-    with pytest.raises(ValueError, match="residual_readers"):
-        replace(mapper.config, residual_readers=[0])
+    with pytest.raises(ValueError, match=r"map_inputs.residual.readers"):
+        with_input(mapper.config, "residual", replace(mapper.config.map_inputs["residual"], readers=[0]))
 
 
 def test_fit_config_residual_fields():
@@ -483,7 +487,7 @@ def test_variants_pick_the_layer_that_gains_most_from_the_residual(pair):
     assert gain[2] == pytest.approx(expected, abs=2e-3)
     gain = residual_r2_gain(base, stats, residual_layer=0)
     variants = residual_variants(base, stats, residual_layer=0)
-    readers = [v.config.residual_readers for v in variants]
+    readers = [v.config.map_inputs["residual"].readers for v in variants]
     assert readers[0] is None and readers[1] == [max(gain, key=gain.get)]
     assert variants[2].config.selected_layers[1:] == [[1], [1]] and variants[-1].config.selected_layers[1:] == [[], []]
     # The probe's table names what each one reads (two of them differ only in the source layers).
@@ -504,8 +508,8 @@ def test_variants_end_with_a_reduced_rank_residual_alone_map_where_it_is_cheaper
     monkeypatch.setattr(residual_stats, "RESIDUAL_RANK_ENERGY", 0.8)
     variants = residual_stats.residual_variants(base, stats, residual_layer=0)
     low, alone = variants[-1], variants[-2]
-    assert alone.config.residual_rank is None and low.config.selected_layers == alone.config.selected_layers == [[0, 1], [], []]
-    rank, features, outputs = low.config.residual_rank, len(LAGS) * 64, 2 * 2 * stats.target_layout.layer_dim
+    assert alone.config.map_inputs["residual"].rank is None and low.config.selected_layers == alone.config.selected_layers == [[0, 1], [], []]
+    rank, features, outputs = low.config.map_inputs["residual"].rank, len(LAGS) * 64, 2 * 2 * stats.target_layout.layer_dim
     assert rank is not None and rank * (features + outputs) <= features * outputs / 2
     assert low.residual.down.shape == (rank, features)
     # It keeps at least that fraction of what the full-rank maps fit (R^2 summed over the mapped layers, both kinds).
@@ -513,7 +517,7 @@ def test_variants_end_with_a_reduced_rank_residual_alone_map_where_it_is_cheaper
     assert 0.8 * fitted(alone) - 1e-3 <= fitted(low) < fitted(alone)
     # An explicit rank applies to every variant, and no extra one is added.
     ranked = residual_stats.residual_variants(base, stats, residual_layer=0, residual_rank=8)
-    assert {v.config.residual_rank for v in ranked} == {8} and len(ranked) == len(variants) - 1
+    assert {v.config.map_inputs["residual"].rank for v in ranked} == {8} and len(ranked) == len(variants) - 1
 
 
 def test_residual_statistics_resume_from_a_checkpoint_as_if_uninterrupted(pair, tmp_path, monkeypatch):

@@ -14,7 +14,10 @@ from rope_reference import apply_rope
 from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.core.capture import capture_kv
 from hf_kvtransfer.core.rope import rotary_cos_sin
-from hf_kvtransfer.core.token_tables import lagged_token_ids, token_table_parameters
+from hf_kvtransfer.core.key_norm import KeyNormConfig
+from hf_kvtransfer.core.map_inputs import with_input
+from hf_kvtransfer.core.residual import ResidualConfig
+from hf_kvtransfer.core.token_tables import TokenTableConfig, lagged_token_ids, token_table_parameters
 from hf_kvtransfer.fitting import exact_layers
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass
 from hf_kvtransfer.fitting.config import FitConfig
@@ -44,7 +47,7 @@ def pair():
 
 def with_random_tables(mapper, readers, lags=(0, 1, 2), seed=0):
     """`mapper` with tables of random entries on `readers` (the fit's output shape, any numbers)."""
-    m = KVMapper(replace(mapper.config, token_lags=list(lags), token_readers=list(readers)), layer_maps=mapper.layers)
+    m = KVMapper(with_input(mapper.config, "token_tables", TokenTableConfig(list(lags), list(readers))), layer_maps=mapper.layers)
     m.residual = mapper.residual
     g = torch.Generator().manual_seed(seed)
     for table in (*m.tokens.key.values(), *m.tokens.value.values()):
@@ -111,7 +114,7 @@ def test_the_cache_adds_the_tables_to_what_the_maps_predict(pair):
     # Keys a mapper predicts before the key norm get the tables before the norm too.
     tabled = run(with_random_tables(residual, [2]))
     raw = with_random_tables(residual, [2])
-    raw.config = replace(raw.config, key_before_norm=False)
+    raw.config = with_input(raw.config, "key_norm", None)
     unnormed = run(raw)
     pre = apply_rope(unnormed.layers[2].keys[:, :, :held], cos, -sin).transpose(1, 2)  # (B, T, H, D)
     with torch.no_grad():
@@ -137,12 +140,13 @@ def test_generate_gives_the_tables_the_prompt_and_refusals_say_why(pair):
     torch.testing.assert_close(outs[0].logits[0], outs[1].logits[0])
     with pytest.raises(ValueError, match="TransferredCache"):
         mapper(2, torch.zeros(1, 4, 64), torch.zeros(1, 4, 64))
-    with pytest.raises(ValueError, match="token_lags and token_readers go together"):
-        replace(base.config, token_lags=[0, 1])
-    with pytest.raises(ValueError, match="token_readers must be ascending"):
-        replace(mapper.config, token_readers=[2, 1])
-    with pytest.raises(ValueError, match="token_lags must be distinct"):
-        replace(mapper.config, token_lags=[1, 1])
+    tables = mapper.config.map_inputs["token_tables"]
+    with pytest.raises(ValueError, match=r"map_inputs.token_tables.readers is missing"):
+        replace(base.config, map_inputs={"token_tables": {"lags": [0, 1]}})
+    with pytest.raises(ValueError, match=r"map_inputs.token_tables.readers must be ascending"):
+        with_input(mapper.config, "token_tables", replace(tables, readers=[2, 1]))
+    with pytest.raises(ValueError, match=r"map_inputs.token_tables.lags must be distinct"):
+        with_input(mapper.config, "token_tables", replace(tables, lags=[1, 1]))
 
 
 def test_tables_survive_a_round_trip_and_follow_beam_search(pair, tmp_path):
@@ -150,7 +154,7 @@ def test_tables_survive_a_round_trip_and_follow_beam_search(pair, tmp_path):
     mapper = with_random_tables(residual, [1, 2])
     mapper.save_pretrained(tmp_path / "m")
     loaded = KVMapper.from_pretrained(tmp_path / "m")
-    assert loaded.config.token_lags == [0, 1, 2] and loaded.config.token_readers == [1, 2]
+    assert loaded.config.map_inputs["token_tables"] == TokenTableConfig([0, 1, 2], [1, 2])
     for name, tensor in mapper.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     assert loaded.num_parameters() - residual.num_parameters() == token_table_parameters(loaded.config)
@@ -165,7 +169,7 @@ def test_tables_survive_a_round_trip_and_follow_beam_search(pair, tmp_path):
 def test_fit_token_tables_fits_what_the_maps_miss(pair):
     source, target, ids, base, residual = pair
     fitted = fit_token_tables(source, target, residual, ids, readers=[1, 2], lags=(0, 1), pseudo_count=1.0)
-    assert fitted.config.token_readers == [1, 2] and fitted.config.num_exact_layers == residual.config.num_exact_layers
+    assert fitted.config.map_inputs["token_tables"].readers == [1, 2] and fitted.config.num_exact_layers == residual.config.num_exact_layers
     # Independently: what the maps miss on the same tokens (target's own values minus the transferred ones, keys
     # before the key norm for the residual readers), then a dense one-hot ridge solve in numpy.
     cache = TransferredCache(prefill(source, ids), residual, num_recompute_tokens=0, input_ids=ids)
@@ -272,14 +276,14 @@ def test_tables_move_to_another_candidate_of_the_same_layer(pair):
     other_mapper = KVMapper(other, layer_maps=residual.layers)
     other_mapper.residual = residual.residual
     moved = with_token_tables(other_mapper, fitted.tokens)
-    assert moved.config.token_readers == [1, 2] and moved.config.selected_layers == [[0], [1], [1]]
+    assert moved.config.map_inputs["token_tables"].readers == [1, 2] and moved.config.selected_layers == [[0], [1], [1]]
     for kind in ("key", "value"):
         for t in (1, 2):
             assert torch.equal(getattr(moved.tokens, kind)[str(t)], getattr(fitted.tokens, kind)[str(t)])
     # A mapper computing more layers itself keeps only the tables of the layers it maps.
     deeper = KVMapper(replace(residual.config, num_exact_layers=2), layer_maps=residual.layers)
     deeper.residual = residual.residual
-    assert with_token_tables(deeper, fitted.tokens).config.token_readers == [2]
+    assert with_token_tables(deeper, fitted.tokens).config.map_inputs["token_tables"].readers == [2]
     assert FitConfig().token_tables == "off"  # opt-in
 
 
@@ -294,14 +298,15 @@ def test_the_fit_fits_tables_once_per_residual_layer_and_says_their_memory(pair)
     other = KVMapper(replace(residual.config, selected_layers=[[0], [1], [1]]), layer_maps=residual.layers)
     other.residual = residual.residual
     second = refine(other)
-    assert first.config.token_readers == second.config.token_readers == [1, 2]
+    assert first.config.map_inputs["token_tables"].readers == second.config.map_inputs["token_tables"].readers == [1, 2]
     for name, tensor in first.tokens.state_dict().items():
         assert torch.equal(second.tokens.state_dict()[name], tensor)  # shared, not fit again
     assert len(lines) == 1 and "MiB of rows kept" in lines[0]
     # Fit on the sequences the probe does not score (the last one is held out): the same tables as fit directly,
     # with the residual entering layer 0 (the embedding) held in them.
     direct = fit_token_tables(source, target, residual, ids[:-1], readers=[1, 2], lags=(0, 1))
-    assert first.config.residual_in_tables and first.config.first_layer_table and not direct.config.residual_in_tables
+    assert first.config.map_inputs["residual"].in_tables and "first_layer_table" in first.config.map_inputs
+    assert not direct.config.map_inputs["residual"].in_tables
     for name, tensor in fold_residual_into_tables(direct, target).tokens.state_dict().items():
         torch.testing.assert_close(first.tokens.state_dict()[name], tensor)
     assert fit._token_tables_step(source, target, ids, None, FitConfig(), lines.append) is None  # off by default
@@ -385,8 +390,8 @@ def test_table_ids_without_tables_are_refused(pair):
 def random_residual_mapper(base, lags, readers, rank, token_lags, seed):
     """A residual-layer-0 mapper on `base`'s source maps with random residual weights (lags, readers, rank) and
     random tables on every mapped layer at `token_lags`."""
-    config = replace(base.config, residual_layer=0, residual_lags=list(lags), residual_readers=list(readers),
-                     residual_rank=rank, key_before_norm=True)  # fmt: skip
+    config = replace(base.config, map_inputs={"residual": ResidualConfig(0, list(lags), rank=rank, readers=list(readers)),
+                                              "key_norm": KeyNormConfig()})  # fmt: skip
     m = with_random_tables(KVMapper(config, layer_maps=base.layers), [1, 2], lags=token_lags, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     for weight in m.residual.parameters():
@@ -401,7 +406,7 @@ def test_the_embedding_residual_held_in_the_tables_transfers_the_same(pair, lags
     source, target, _, base, _ = pair
     mapper = random_residual_mapper(base, lags, readers, rank, (0, 1, 2, 3), seed)
     folded = fold_residual_into_tables(mapper, target)
-    assert folded.config.residual_in_tables and folded.config.residual_rank is None
+    assert folded.config.map_inputs["residual"].in_tables and folded.config.map_inputs["residual"].rank is None
     assert not list(folded.residual.parameters())  # no residual product left
     # Each table row grew by the residual part of that id: the normalised embedding through the reader's weights.
     emb = target.model.embed_tokens.weight.detach().double()
@@ -438,18 +443,20 @@ def test_folding_refuses_what_it_cannot_hold_and_survives_a_round_trip(pair, tmp
     mapper = random_residual_mapper(base, (0, 1, 2), (1, 2), None, (0, 1, 2, 3), seed=3)
     with pytest.raises(ValueError, match="must cover the residual readers"):
         fold_residual_into_tables(random_residual_mapper(base, (0, 2), (1, 2), None, (0, 1), seed=3), target)
-    with pytest.raises(ValueError, match="residual_layer 0"):
+    with pytest.raises(ValueError, match=r"map_inputs.residual.layer 0"):
         fold_residual_into_tables(base, target)  # no residual, no tables
-    with pytest.raises(ValueError, match="residual_in_tables needs residual_layer 0"):
-        replace(mapper.config, token_readers=[2], residual_in_tables=True)  # layer 1 reads the residual, no table
-    with pytest.raises(ValueError, match="need residual_layer"):
-        replace(base.config, residual_in_tables=True)
+    inputs = mapper.config.map_inputs
+    with pytest.raises(ValueError, match=r"map_inputs.residual.in_tables needs layer 0"):  # layer 1 reads the residual, no table
+        replace(mapper.config, map_inputs={**inputs, "token_tables": replace(inputs["token_tables"], readers=[2]),
+                                           "residual": replace(inputs["residual"], in_tables=True)})  # fmt: skip
+    with pytest.raises(ValueError, match=r"map_inputs.residual.layer is missing \(this input needs layer, lags\)"):
+        replace(base.config, map_inputs={"residual": {"in_tables": True}})
     folded = fold_residual_into_tables(mapper, target)
     with pytest.raises(ValueError, match="not in them already"):
         fold_residual_into_tables(folded, target)
     folded.save_pretrained(tmp_path / "m")
     loaded = KVMapper.from_pretrained(tmp_path / "m")
-    assert loaded.config.residual_in_tables
+    assert loaded.config.map_inputs["residual"].in_tables
     assert "held in the token tables" in (tmp_path / "m" / "README.md").read_text()  # the card says so
     assert mapper.num_parameters() - loaded.num_parameters() == sum(p.numel() for p in mapper.residual.parameters())
     ids = random_ids(1, 16, seed=8)
@@ -480,7 +487,7 @@ def test_the_first_layer_looked_up_is_the_targets_own(arch, batch, padded, seed)
     base = fit_mapper(source, target, random_ids(2, 24, seed=seed + 1), top_k=1, num_exact_layers=1, heldout_fraction=0,
                       residual_inputs="off", progress=False)  # fmt: skip
     mapper = tabulate_first_layer(base, target)
-    assert mapper.config.first_layer_table and base.first_layer is None
+    assert "first_layer_table" in mapper.config.map_inputs and base.first_layer is None
     cache = TransferredCache(prefill(source, ids, mask), mapper, attention_mask=mask, num_recompute_tokens=0, input_ids=ids)
     cache.compute_exact_layers(target).convert_all()
     own = prefill(target, ids, mask).layers  # the target's own cache: keys with its RoPE
@@ -503,7 +510,7 @@ def test_a_first_layer_that_is_not_a_look_up_is_refused_and_the_table_survives_a
     mapper = tabulate_first_layer(base, target)
     mapper.save_pretrained(tmp_path / "m")
     loaded = KVMapper.from_pretrained(tmp_path / "m")
-    assert loaded.config.first_layer_table
+    assert "first_layer_table" in loaded.config.map_inputs
     assert "looked up per token id" in (tmp_path / "m" / "README.md").read_text()
     assert loaded.num_parameters() - base.num_parameters() == 2 * VOCAB * base.target_layout.layer_dim
     for name, tensor in mapper.state_dict().items():

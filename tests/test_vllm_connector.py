@@ -411,7 +411,7 @@ def test_token_table_mapper_is_served_as_transformers_applies_it(tmp_path):
 
     small, large, ids, (base, stats) = _family_residual_statistics()
     mapper = fit_token_tables(small, large, solve_residual_mapper(base, stats, residual_layer=1), ids)
-    assert mapper.config.token_readers == list(range(2, 8))
+    assert mapper.config.map_inputs["token_tables"].readers == list(range(2, 8))
     _served_as_transformers_applies_it(tmp_path, small, large, mapper)
 
 
@@ -426,7 +426,7 @@ def test_embedding_residual_held_in_tables_is_served_as_transformers_applies_it(
     small, large, ids, (base, stats) = _family_residual_statistics(layer=0)
     unfolded = fit_token_tables(small, large, solve_residual_mapper(base, stats, residual_layer=0), ids)
     mapper = tabulate_first_layer(fold_residual_into_tables(unfolded, large), large)
-    assert mapper.config.residual_in_tables and mapper.config.first_layer_table
+    assert mapper.config.map_inputs["residual"].in_tables and "first_layer_table" in mapper.config.map_inputs
     _served_as_transformers_applies_it(tmp_path, small, large, mapper, reference=unfolded)
 
 

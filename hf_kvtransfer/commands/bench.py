@@ -336,7 +336,7 @@ def run_benchmark(
             # A mapper whose maps read the target's residual cannot map every layer: no such row for it.
             all_mapped = time_to_first_token(
                 source, target, mapper, ids, num_exact_layers=0, num_recompute_tokens=1, repeats=repeats, measure_own=False
-            ) if mapper.config.residual_layer is None else None
+            ) if not mapper.needs_target_residual else None
             row.update({
                 "ttft_own_ms": at_defaults["target_prefill_ms"],
                 "ttft_defaults_ms": at_defaults["transfer_ms"], "ttft_defaults_speedup": at_defaults["speedup"],
@@ -369,7 +369,7 @@ def run_benchmark(
             "num_recompute_tokens_default": DEFAULT_NUM_RECOMPUTE_TOKENS,
         }  # fmt: skip
         settings["ttft_all_mapped"] = (
-            {"num_exact_layers": 0, "num_recompute_tokens": 1} if mappers[first].config.residual_layer is None
+            {"num_exact_layers": 0, "num_recompute_tokens": 1} if not mappers[first].needs_target_residual
             else None  # its maps read the target's residual, computed in exact layers
         )
     return {

@@ -17,6 +17,7 @@ import torch
 from ..core.cache import TransferredCache
 from ..core.capture import cache_argument, prefill
 from ..core.loading import load_pair
+from ..core.map_inputs import exact_layers_needed
 from ..core.mapper import KVMapper
 from ..evaluation.content import passage_recall
 from ..evaluation.evaluate import split_documents
@@ -123,9 +124,10 @@ def run_demo(
                         "calibration_stride": kv_mapper.config.calibration.get("stride"),
                         "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
                         "target_layers": kv_mapper.target_layout.num_layers,
-                        "residual_layer": kv_mapper.config.residual_layer,
+                        # the target layer whose input (residual stream) the maps read: the last exact layer it needs
+                        "residual_layer": exact_layers_needed(kv_mapper.config)[0] - 1 if kv_mapper.needs_target_residual else None,
                         "source_free_layers": sum(not sel for sel in kv_mapper.config.selected_layers),
-                        "token_readers": kv_mapper.config.token_readers,
+                        "token_readers": kv_mapper.tokens.layers if kv_mapper.tokens is not None else None,
                         "exact_layers_probe_retention": (
                             kv_mapper.report.get("exact_layers", {}).get("min_retention")
                             if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None

@@ -26,13 +26,22 @@ import torch
 from transformers import PreTrainedConfig
 
 from ..core.loading import DTYPES, parse_dtype
+from ..core.map_inputs import InputCost, PlanShape, registered_map_inputs
 from ..core.mapper_types import LOWRANK, RIDGE
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 from ..fitting.config import FitConfig, heldout_count
 from .model_configs import load_model_config
 
-__all__ = ["TransferPlan", "first_token_flops", "format_plan", "plan_transfer", "residual_inputs_cost", "token_tables_cost"]
+__all__ = [
+    "TransferPlan",
+    "first_token_flops",
+    "format_plan",
+    "map_input_costs",
+    "plan_transfer",
+    "residual_inputs_cost",
+    "token_tables_cost",
+]
 
 # `hf-kvtransfer fit` defaults (FitConfig: the paper's 500 x 1024 tokens, 10% held out; two-stage probe size).
 _FIT_DEFAULTS = {f.name: f.default for f in fields(FitConfig)}
@@ -109,6 +118,9 @@ class TransferPlan:
     token_table_parameters_per_layer: int  # keys and values of one target layer with tables
     token_table_bytes_per_layer: int  # at `dtype`
     first_layer_table_bytes: int  # layer 0's keys and values per token id (one exact layer, looked up), at `dtype`
+    # each map input at this shape, by name (`map_input_rows`): label, positions, parameters, bytes, flops, and bytes
+    # against the target's own weights at `dtype`
+    map_inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,6 +171,29 @@ def _model_parameters(config: PreTrainedConfig) -> int | None:
         return None
 
 
+def map_input_costs(
+    target_config: PreTrainedConfig,
+    num_mapped_layers: int,
+    num_tokens: int,
+    positions: dict[str, int],
+    rank: int | None = None,
+    dtype: str | torch.dtype = "bfloat16",
+) -> dict[str, InputCost]:
+    """What each registered map input would add to a mapper whose `num_mapped_layers` layers read it over `num_tokens`
+    transferred tokens (`MapInput.cost`), by input name. `positions` maps an input's `plan_positions` option (e.g.
+    "token_positions") to how many positions it reads; an input read at 0 positions is left out."""
+    costs = {}
+    for cls in registered_map_inputs():
+        count = positions.get(cls.plan_positions, 0) if cls.plan_positions else 1
+        if count < 0:
+            raise ValueError(f"{cls.plan_positions} must be >= 0, got {count}")
+        shape = PlanShape(text_config(target_config), num_mapped_layers, num_tokens, count, rank, _itemsize(_dtype(dtype)))
+        cost = cls.cost(shape) if count else None
+        if cost is not None:
+            costs[cls.name] = cost
+    return costs
+
+
 def residual_inputs_cost(
     target_config: PreTrainedConfig,
     residual_positions: int,
@@ -166,43 +201,52 @@ def residual_inputs_cost(
     seq_len: int,
     rank: int | None = None,
 ) -> dict[str, int]:
-    """What it adds to a mapper when each mapped layer's key and value maps also read the target's residual stream
-    entering its last exact layer, at `residual_positions` positions (t, t-1, ...: `residual_positions x hidden_size` more
-    input features per map, next to the source's K/V).
-
-    Full rank: each map gets `residual_positions * hidden_size * (kv_heads * head_dim)` more weights; at `rank` r (a
-    factored map, `up @ down`) only its `down` grows, by `r * residual_positions * hidden_size`. FLOPs: one
-    multiply-add per added weight and token, over `seq_len` transferred tokens. The normalisation of the residual
-    (one RMSNorm per position: elementwise, no multiply-adds of a matrix product) is not counted.
-
-    Returns:
-        `{"input_features": per map, "parameters": added to the mapper, "flops": added to the transfer}`.
-    """
+    """What maps that also read the target's residual stream at `residual_positions` positions add
+    (`residual.ResidualInput.cost`), as `{"input_features": per map, "parameters": added to the mapper, "flops":
+    added to the transfer}`."""
     if residual_positions < 0 or num_mapped_layers < 0:
         raise ValueError(f"residual_positions and num_mapped_layers must be >= 0, got {residual_positions}, {num_mapped_layers}")
-    layout = KVLayout.from_config(target_config)
-    features = residual_positions * text_config(target_config).hidden_size
-    per_map = features * (layout.layer_dim if rank is None else min(rank, layout.layer_dim))
-    parameters = 2 * num_mapped_layers * per_map  # key and value
-    return {"input_features": features, "parameters": parameters, "flops": 2 * seq_len * parameters}
+    cost = map_input_costs(target_config, num_mapped_layers, seq_len, {"residual_positions": residual_positions}, rank)
+    found = cost.get("residual", InputCost())
+    return {"input_features": found.features, "parameters": found.parameters, "flops": found.flops}
 
 
 def token_tables_cost(target_config: PreTrainedConfig, token_positions: int, dtype: str | torch.dtype = "bfloat16") -> dict[str, int]:
-    """What token tables (`core/token_tables.py`) add per target layer that has them, at `token_positions` positions
-    (t, t-1, ...): one row per vocabulary entry (and one for "no token") per position, for keys and values, each
-    `kv_heads * head_dim` wide. At transfer time a table is a look-up and an add per token (no multiply-add).
-
-    Also the table of layer 0's own keys and values per token id (`exact.FirstLayerTable`), which replaces one
-    exact layer's projections by a look-up.
+    """What token tables at `token_positions` positions add per target layer that has them
+    (`token_tables.TokenTableInput.cost`), and the table of layer 0's own keys and values per token id
+    (`first_layer_table.FirstLayerTableInput.cost`), which replaces one exact layer's projections by a look-up.
 
     Returns:
         `{"parameters": per layer, "bytes": per layer at `dtype`, "first_layer_bytes": layer 0's table at `dtype`}`.
     """
-    config = text_config(target_config)
-    layer_dim = KVLayout.from_config(config).layer_dim
-    parameters = 2 * token_positions * (config.vocab_size + 1) * layer_dim
+    costs = map_input_costs(target_config, 1, 0, {"token_positions": token_positions}, dtype=dtype)
     item = _itemsize(_dtype(dtype))
-    return {"parameters": parameters, "bytes": parameters * item, "first_layer_bytes": 2 * config.vocab_size * layer_dim * item}
+    parameters = costs["token_tables"].parameters if "token_tables" in costs else 0
+    return {"parameters": parameters, "bytes": parameters * item, "first_layer_bytes": costs["first_layer_table"].parameters * item}
+
+
+def map_input_rows(
+    target_config: PreTrainedConfig,
+    num_mapped_layers: int,
+    num_tokens: int,
+    positions: dict[str, int],
+    rank: int | None,
+    dtype: str | torch.dtype,
+    target_parameters: int | None,
+) -> dict[str, dict[str, Any]]:
+    """`map_input_costs` as the plan reports them: each input's label, positions, parameters, bytes at `dtype`,
+    FLOPs, and its bytes against the target's own weights at `dtype` (None when the target cannot be built)."""
+    item = _itemsize(_dtype(dtype))
+    classes = {cls.name: cls for cls in registered_map_inputs()}
+    rows = {}
+    for name, cost in map_input_costs(target_config, num_mapped_layers, num_tokens, positions, rank, dtype).items():
+        cls = classes[name]
+        rows[name] = {
+            "label": cls.plan_label, "positions": positions.get(cls.plan_positions) if cls.plan_positions else None,
+            "parameters": cost.parameters, "bytes": cost.parameters * item, "flops": cost.flops,
+            "target_weights_ratio": cost.parameters / target_parameters if target_parameters else None,
+        }  # fmt: skip
+    return rows
 
 
 def first_token_flops(
@@ -300,7 +344,6 @@ def plan_transfer(
         'full'
         ```
     """
-    from ..fitting.accumulate import available_memory as _available_memory
     from .bench import mapper_size, mapping_flops, prefill_flops
 
     if seq_len < 1 or batch_size < 1:
@@ -323,7 +366,80 @@ def plan_transfer(
     full = planning_mapper(source_config, target_config, top_k) if rank is not None else mapper
     by_dtype = {name: params * _itemsize(DTYPES[name]) for name in ("float32", "bfloat16", "float16")}
 
-    # Fit statistics: the functions `fit` sizes its own allocations with.
+    fit = _fit_memory(src, tgt, top_k, num_sequences, heldout_fraction, probe_tokens, available_memory)
+    notes += fit.pop("notes")
+
+    # FLOPs at batch 1: the bench functions (prefill = transformer body, as the paper times it).
+    prefill = prefill_flops(target_config, seq_len)["total"]
+    mapping = mapping_flops(mapper, seq_len)
+
+    # To the first token: the exact layers, the maps, optionally the residual inputs, the recomputed tokens.
+    from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_recompute_tokens
+
+    exact = DEFAULT_NUM_EXACT_LAYERS if num_exact_layers is None else num_exact_layers
+    recompute = resolve_num_recompute_tokens(num_recompute_tokens, seq_len)
+    at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=rank)
+    first = first_token_flops(target_config, mapper, seq_len, **at)
+    first_residual = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, **at)
+    alone = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, source_inputs=False, **at)
+    residual = residual_inputs_cost(target_config, residual_positions, tgt.num_layers - exact, seq_len, rank)
+    tables = token_tables_cost(target_config, token_positions, dtype)
+    model_parameters = {"source": _model_parameters(source_config), "target": _model_parameters(target_config)}
+    positions = {"residual_positions": residual_positions, "token_positions": token_positions}
+    inputs = map_input_rows(target_config, tgt.num_layers - exact, seq_len - recompute, positions, rank, dtype,
+                            model_parameters["target"])  # fmt: skip
+
+    memory = _transfer_memory(src, tgt, top_k, batch_size * seq_len, weight_dtype)
+
+    return TransferPlan(
+        source=source_name,
+        target=target_name,
+        source_layout=vars(src).copy(),
+        target_layout=vars(tgt).copy(),
+        top_k=top_k,
+        rank=rank,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        dtype=str(weight_dtype).removeprefix("torch."),
+        mapper_parameters=params,
+        mapper_weight_parameters=weight_params,
+        mapper_bytes=params * _itemsize(weight_dtype),
+        mapper_bytes_by_dtype=by_dtype,
+        full_rank_parameters=mapper_size(full)["parameters"],
+        **fit,
+        model_parameters=model_parameters,
+        prefill_flops=prefill,
+        mapping_flops=mapping,
+        flop_ratio=prefill / mapping,
+        **memory,
+        num_exact_layers=exact,
+        num_recompute_tokens=recompute,
+        residual_positions=residual_positions,
+        target_layer_flops=prefill // tgt.num_layers,
+        first_token_flops=first,
+        first_token_flop_ratio=first["own_prefill"] / first["total"],
+        residual_input_features=residual["input_features"],
+        residual_parameters=residual["parameters"],
+        first_token_flops_residual=first_residual,
+        first_token_flop_ratio_residual=first_residual["own_prefill"] / first_residual["total"],
+        first_token_flops_residual_alone=alone,
+        first_token_flop_ratio_residual_alone=alone["own_prefill"] / alone["total"],
+        token_positions=token_positions,
+        token_table_parameters_per_layer=tables["parameters"],
+        token_table_bytes_per_layer=tables["bytes"],
+        first_layer_table_bytes=tables["first_layer_bytes"],
+        map_inputs=inputs,
+        notes=notes,
+    )
+
+
+def _fit_memory(src: KVLayout, tgt: KVLayout, top_k: int, num_sequences: int, heldout_fraction: float,
+                probe_tokens: int, available_memory: int | None) -> dict[str, Any]:
+    """The fit's statistics (float64) by the functions `fit` sizes its own allocations with, and which mode the fit
+    picks with `available_memory` (default: this machine's); `TransferPlan`'s fields, and `notes`."""
+    from ..fitting.accumulate import available_memory as _available_memory
+
+    notes = []
     stats_full = statistics_nbytes(src, tgt)
     stats_two_stage = block_statistics_nbytes(src, tgt, top_k)
     sets = 2 if heldout_count(num_sequences, heldout_fraction) else 1
@@ -343,26 +459,16 @@ def plan_transfer(
             "with a smaller --top-k"
         )
 
-    # FLOPs at batch 1: the bench functions (prefill = transformer body, as the paper times it).
-    prefill = prefill_flops(target_config, seq_len)["total"]
-    mapping = mapping_flops(mapper, seq_len)
+    return {"statistics_bytes_full": stats_full, "statistics_bytes_two_stage": stats_two_stage, "statistics_sets": sets,
+            "probe_bytes": probe, "available_memory_bytes": available, "statistics_budget_bytes": budget,
+            "fit_default_mode": mode, "fit_default_statistics_bytes": fit_bytes, "notes": notes}  # fmt: skip
 
-    # To the first token: the exact layers, the maps, optionally the residual inputs, the recomputed tokens.
-    from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_recompute_tokens
 
-    exact = DEFAULT_NUM_EXACT_LAYERS if num_exact_layers is None else num_exact_layers
-    recompute = resolve_num_recompute_tokens(num_recompute_tokens, seq_len)
-    at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=rank)
-    first = first_token_flops(target_config, mapper, seq_len, **at)
-    first_residual = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, **at)
-    alone = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, source_inputs=False, **at)
-    residual = residual_inputs_cost(target_config, residual_positions, tgt.num_layers - exact, seq_len, rank)
-    tables = token_tables_cost(target_config, token_positions, dtype)
-
-    # Transfer memory: new tensors a TransferredCache allocates (cache.py) at (batch_size, seq_len).
+def _transfer_memory(src: KVLayout, tgt: KVLayout, top_k: int, tokens: int, weight_dtype: torch.dtype) -> dict[str, int]:
+    """New tensors a `TransferredCache` allocates (cache.py) for `tokens` (batch x sequence) tokens; `TransferPlan`'s
+    fields."""
     cache_item = _itemsize(weight_dtype)
     feature_item = _itemsize(torch.promote_types(weight_dtype, weight_dtype))
-    tokens = batch_size * seq_len
     source_cache = 2 * src.total_dim * tokens * cache_item
     target_cache = 2 * tgt.total_dim * tokens * cache_item
     from ..core.conversion import GROUP_OUT_FEATURES
@@ -376,56 +482,8 @@ def plan_transfer(
     # selection still reads one of its source layers (cache.py keeps views into it).
     working_max = tgt.num_layers * selection + rows + rotary
 
-    return TransferPlan(
-        source=source_name,
-        target=target_name,
-        source_layout=vars(src).copy(),
-        target_layout=vars(tgt).copy(),
-        top_k=top_k,
-        rank=rank,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        dtype=str(weight_dtype).removeprefix("torch."),
-        mapper_parameters=params,
-        mapper_weight_parameters=weight_params,
-        mapper_bytes=params * _itemsize(weight_dtype),
-        mapper_bytes_by_dtype=by_dtype,
-        full_rank_parameters=mapper_size(full)["parameters"],
-        statistics_bytes_full=stats_full,
-        statistics_bytes_two_stage=stats_two_stage,
-        statistics_sets=sets,
-        probe_bytes=probe,
-        model_parameters={"source": _model_parameters(source_config), "target": _model_parameters(target_config)},
-        prefill_flops=prefill,
-        mapping_flops=mapping,
-        flop_ratio=prefill / mapping,
-        source_cache_bytes=source_cache,
-        target_cache_bytes=target_cache,
-        transfer_working_bytes=working,
-        transfer_working_bytes_max=working_max,
-        transfer_peak_bytes=target_cache + working,
-        available_memory_bytes=available,
-        statistics_budget_bytes=budget,
-        fit_default_mode=mode,
-        fit_default_statistics_bytes=fit_bytes,
-        num_exact_layers=exact,
-        num_recompute_tokens=recompute,
-        residual_positions=residual_positions,
-        target_layer_flops=prefill // tgt.num_layers,
-        first_token_flops=first,
-        first_token_flop_ratio=first["own_prefill"] / first["total"],
-        residual_input_features=residual["input_features"],
-        residual_parameters=residual["parameters"],
-        first_token_flops_residual=first_residual,
-        first_token_flop_ratio_residual=first_residual["own_prefill"] / first_residual["total"],
-        first_token_flops_residual_alone=alone,
-        first_token_flop_ratio_residual_alone=alone["own_prefill"] / alone["total"],
-        token_positions=token_positions,
-        token_table_parameters_per_layer=tables["parameters"],
-        token_table_bytes_per_layer=tables["bytes"],
-        first_layer_table_bytes=tables["first_layer_bytes"],
-        notes=notes,
-    )
+    return {"source_cache_bytes": source_cache, "target_cache_bytes": target_cache, "transfer_working_bytes": working,
+            "transfer_working_bytes_max": working_max, "transfer_peak_bytes": target_cache + working}  # fmt: skip
 
 
 def _bytes(n: int | float) -> str:
@@ -474,6 +532,7 @@ def format_plan(plan: TransferPlan) -> str:
         f"{_bytes(plan.source_cache_bytes)}",
     ]
     lines += _first_token_lines(plan)
+    lines += _map_input_lines(plan)
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -512,16 +571,25 @@ def _first_token_lines(plan: TransferPlan) -> list[str]:
             f"  maps reading the residual stream alone (no source K/V): {tflop(plan.first_token_flops_residual_alone['total'])}, "
             f"{plan.first_token_flop_ratio_residual_alone:,.1f}x fewer than the prefill",
         ]  # fmt: skip
-    if plan.token_positions:
-        mapped = plan.target_layout["num_layers"] - plan.num_exact_layers
-        lines.append(
-            f"  token tables ({plan.token_positions} positions x {_count(plan.token_table_parameters_per_layer)} "
-            f"numbers per layer, {_bytes(plan.token_table_bytes_per_layer)} in {plan.dtype}): no FLOPs (a look-up per "
-            f"token); on all {mapped} mapped layers {_bytes(mapped * plan.token_table_bytes_per_layer)}, "
-            f"{mapped * plan.token_table_parameters_per_layer / plan.mapper_parameters:.1f}x the mapper"
-        )
-        lines.append(
-            f"  with 1 exact layer: maps reading the embeddings hold that part in the tables (no product), and layer "
-            f"0's keys and values looked up per token id take {_bytes(plan.first_layer_table_bytes)} (no projection)"
-        )
+    return lines
+
+
+def _map_input_lines(plan: TransferPlan) -> list[str]:
+    """Each map input on every mapped layer at this shape, and whether it is practical: an input that takes more
+    memory than the target's own weights costs more than the prefill it would save a share of."""
+    if not plan.map_inputs:
+        return []
+    mapped = plan.target_layout["num_layers"] - plan.num_exact_layers
+    weights = plan.model_parameters.get("target")
+    lines = ["", f"map inputs at this shape (each alone, on all {mapped} mapped layers, {plan.dtype}):"]
+    for row in plan.map_inputs.values():
+        what = row["label"] + (f" ({row['positions']} positions)" if row["positions"] else "")
+        flops = f"+{row['flops'] / 1e12:,.3f} TFLOP ({100 * row['flops'] / plan.prefill_flops:.2f}% of the prefill)" if row["flops"] else "no FLOPs (a look-up)"
+        line = f"  {what}: {_bytes(row['bytes'])}, {flops}"
+        ratio = row["target_weights_ratio"]
+        if ratio is not None:
+            target_bytes = _bytes(weights * row["bytes"] // max(row["parameters"], 1))
+            verdict = "not practical at this shape" if ratio > 1 else "practical"
+            line += f"; {ratio:.2f}x the target's own weights ({target_bytes}): {verdict}"
+        lines.append(line)
     return lines

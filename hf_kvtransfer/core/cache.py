@@ -428,7 +428,7 @@ class TransferredCache(DynamicCache):
                 "`input_ids=` (the ids the source cache was built from) here or to TransferredCache"
             )
         exact, ids, inputs = range(self.num_exact_layers), prompt[:, : transfer.length], self.mapper.map_inputs
-        # The residual stream an input reads, captured on the way (at most one layer: `MapperConfig.residual_layer`).
+        # The residual stream an input reads, captured on the way (at most one layer: `MapInput.hidden_layer`).
         layer = next((inp.hidden_layer() for inp in inputs if inp.hidden_layer() is not None), None)
         hidden = None
         if len(exact) == 1 and layer is None and self.mapper.first_layer is not None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .config_migration import migrate_config
 from .map_inputs import registered_map_inputs
 from .mapper_types import LOWRANK, RIDGE
 
@@ -52,6 +53,7 @@ def render_model_card(
         ['Qwen/Qwen3-14B', 'Qwen/Qwen3-32B']
         ```
     """
+    config = migrate_config(config)  # a config.json of any version reads as the running version's
     source_id, target_id = config.get("source_model_id"), config.get("target_model_id")
     source_fp, target_fp = config.get("source_fingerprint") or {}, config.get("target_fingerprint") or {}
     calibration = config.get("calibration") or {}
@@ -204,9 +206,6 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
         facts.append(("Prompt tokens the target recomputes (default `num_recompute_tokens`)", str(config["num_recompute_tokens"])))
     for inp in registered_map_inputs():  # what the maps read beyond the source's K/V, each input's own lines
         facts += inp.card_facts(config)
-    if config.get("first_layer_table"):
-        facts.append(("Layer 0's keys and values", "looked up per token id when it is the one exact layer (the target's "
-                      "own numbers, no projection)"))  # fmt: skip
     if isinstance(probe, dict):
         if probe.get("reason"):
             facts.append(("Why", _cell(probe["reason"])))

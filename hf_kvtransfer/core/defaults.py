@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .map_inputs import exact_layers_needed
+
 # The exact layers for a mapper that records none (fit before the content probe, or solved from statistics without
 # the models): layer 0's keys and values depend only on each token and its position.
 DEFAULT_NUM_EXACT_LAYERS = 1
@@ -37,8 +39,8 @@ def resolve_num_exact_layers(mapper: Any, requested: int | None) -> int:
     the mapper's recorded number (`MapperConfig.num_exact_layers`), else `DEFAULT_NUM_EXACT_LAYERS`.
 
     Raises:
-        ValueError: outside `[0, target layers]`, or fewer exact layers than a mapper reading the target's residual
-            needs.
+        ValueError: outside `[0, target layers]`, or fewer exact layers than the mapper's inputs need (its maps
+            read the target's residual, say: `map_inputs.exact_layers_needed`).
     """
     config = _config_of(mapper)
     recorded = config.num_exact_layers
@@ -46,12 +48,9 @@ def resolve_num_exact_layers(mapper: Any, requested: int | None) -> int:
     num_target = len(config.selected_layers)
     if not 0 <= resolved <= num_target:
         raise ValueError(f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {resolved}")
-    layer = config.residual_layer
-    if layer is not None and resolved < layer + 1:
-        raise ValueError(
-            f"this mapper's maps read the target's residual entering layer {layer}, which the cache computes in its "
-            f"exact layers: num_exact_layers must be >= {layer + 1}, got {resolved}"
-        )
+    needed, why = exact_layers_needed(config)
+    if resolved < needed:
+        raise ValueError(f"{why}: num_exact_layers must be >= {needed}, got {resolved}")
     return resolved
 
 

@@ -85,7 +85,7 @@ def own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids, 
 
 class FirstLayerTable(nn.Module):
     """The target's own layer-0 keys (RoPE-free, after its key norm) and values for every token id: `key` and
-    `value`, each `[vocab_size, n_kv * d]` (`MapperConfig.first_layer_table`; made by
+    `value`, each `[vocab_size, n_kv * d]` (`first_layer_table.FirstLayerTableInput`; made by
     `fitting.tabulate_first_layer`)."""
 
     def __init__(self, config: Any):

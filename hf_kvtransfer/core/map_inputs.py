@@ -5,25 +5,101 @@ An input is used by a mapper when its config asks for it (`used_by`). For each t
 or a dict of the target's modules): from the prompt's ids (`from_ids`), or from the cache's exact pass (`from_exact_pass`,
 which hands it the target model, the ids and, for an input that reads the residual stream, the residual entering
 `hidden_layer`). When the cache maps a group of target layers it hands each input, in registry order, the group's
-mapped rows to add its part to (`apply`). The conversion, the exact pass and the cache loop over
-`KVMapper.map_inputs`; no module outside an input's own names it.
+mapped rows to add its part to (`apply`). The mapper, the conversion, the exact pass, the cache, the card, `plan` and
+the vLLM connector loop over the inputs; no module outside an input's own files names it.
 
 The inputs: `residual.ResidualInput` (the target's residual stream after its exact layers), `token_tables.TokenTableInput`
-(table rows of the prompt's ids), `key_norm.KeyNormInput` (the target's own key norm on keys predicted before it).
-Add one: a subclass in its own module, `@register_map_input`, its module named in `BUILT_IN_MAP_INPUTS`, its config
-fields validated in `MapperConfig`.
+(table rows of the prompt's ids), `key_norm.KeyNormInput` (the target's own key norm on keys predicted before it),
+`first_layer_table.FirstLayerTableInput` (the target's layer-0 K/V per id, looked up by the exact pass).
+Each input has its own config dataclass (a `MapInputConfig`, `config_class`), nested in `MapperConfig.map_inputs` under
+the input's name and validated by itself against the whole mapper config (`MapInputConfig.validate`): a mapper reads an
+input when its config holds one (`used_by`). Add one: a subclass and its config in its own module,
+`@register_map_input`, its module named in `BUILT_IN_MAP_INPUTS`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-# KVMapper / PreTrainedModel sit above or beside this module: annotations name them as strings only.
+# KVMapper and MapperConfig (core/mapper.py imports this module): annotations name them as strings only.
 KVMapper = Any
+MapperConfig = Any
+
+
+@dataclass
+class MapInputConfig:
+    """An input's settings, nested in `MapperConfig.map_inputs[name]` and saved in `config.json` as a dict of its fields.
+    Subclasses are dataclasses; `validate` checks them against the whole mapper config (the target's layers, the exact
+    layers, the other inputs) and raises `ValueError` naming the field as `map_inputs.<name>.<field>`."""
+
+    def validate(self, config: MapperConfig, name: str) -> None:
+        """Raise `ValueError` (one line, naming the field) when this input contradicts `config`."""
+
+    def exact_layers_needed(self, config: MapperConfig) -> tuple[int, str]:
+        """The fewest exact layers the cache must compute for this input, and why (a phrase for the error)."""
+        return 0, ""
+
+    def model_layers_needed(self, config: MapperConfig) -> int:
+        """The target layers (from the first) whose modules the transfer uses for this input, beyond the exact ones."""
+        return 0
+
+    def label(self, config: MapperConfig) -> str | None:
+        """Its phrase in the fit's frontier of configurations (what the maps read), or None for none."""
+        return None
+
+    def maps_layer_without_source(self, config: MapperConfig, layer_idx: int) -> bool:
+        """Whether a map of `layer_idx` may read no source layer at all (it then reads this input, or nothing)."""
+        return False
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "MapInputConfig":
+        """The config from its saved dict; an unknown or missing field is refused with one line naming it."""
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} must be an object of the input's settings, got {data!r}")
+        fields = dataclasses.fields(cls)
+        known = {f.name for f in fields}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{where}.{unknown[0]}: unknown setting of this input (this version knows {sorted(known)})")
+        required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if data.get(name) is None]
+        if missing:
+            raise ValueError(f"{where}.{missing[0]} is missing (this input needs {', '.join(required)})")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+@dataclass
+class PlanShape:
+    """A transfer `hf-kvtransfer plan` costs an input at, from the configs alone: the target's (text) config, the
+    target layers mapped, the tokens transferred, the positions back the input reads (t, t-1, ...), the maps' rank
+    (None: full) and the bytes of one number at the plan's dtype."""
+
+    target_config: Any
+    num_mapped_layers: int
+    num_tokens: int
+    positions: int
+    rank: int | None = None
+    itemsize: int = 2
+
+
+@dataclass
+class InputCost:
+    """What an input adds to a mapper at a `PlanShape`: numbers held (`parameters`), FLOPs of the transfer (2 x
+    multiply-adds; a look-up counts none), and input features each map gains."""
+
+    parameters: int = 0
+    flops: int = 0
+    features: int = 0
 
 
 @dataclass
@@ -43,16 +119,38 @@ class MapInput:
 
     name: ClassVar[str] = ""
     order: ClassVar[int] = 0
+    config_class: ClassVar[type[MapInputConfig]] = MapInputConfig
     # One line for a transfer that reaches `apply` without the state it needs (never mapped in its place).
     missing: ClassVar[str] = ""
+    # The `KVMapper` attribute that holds the input's parameters (None: it has none), made by `build_module`.
+    attribute: ClassVar[str | None] = None
+    # For `hf-kvtransfer plan`: what it is called there, and the `plan_transfer` option that sets how many positions it
+    # reads (None: it reads no positions).
+    plan_label: ClassVar[str] = ""
+    plan_positions: ClassVar[str | None] = None
+
+    @classmethod
+    def cost(cls, shape: PlanShape) -> InputCost | None:
+        """What the input adds to a mapper at `shape` (None: nothing to count, or the shape does not use it)."""
+        return None
+
+    @classmethod
+    def build_module(cls, config: MapperConfig) -> torch.nn.Module | None:
+        """The input's parameters for a mapper with `config` (zeros: loading or the fit fills them), or None."""
+        return None
 
     def __init__(self, mapper: KVMapper):
         self.mapper = mapper
 
-    @staticmethod
-    def used_by(config: Any) -> bool:
-        """Whether a mapper with this config reads the input."""
-        raise NotImplementedError
+    @classmethod
+    def used_by(cls, config: MapperConfig) -> bool:
+        """Whether a mapper with this config reads the input at transfer time (default: its config holds one)."""
+        return cls.name in config.map_inputs
+
+    @property
+    def settings(self) -> Any:
+        """This input's config (`MapperConfig.map_inputs[name]`)."""
+        return self.mapper.config.map_inputs[self.name]
 
     @property
     def readers(self) -> list[int]:
@@ -99,7 +197,7 @@ class MapInput:
 MAP_INPUTS: dict[str, type[MapInput]] = {}
 
 # The modules of the library's own inputs (each registers its class when imported): the one line a new input adds.
-BUILT_IN_MAP_INPUTS = ("residual", "token_tables", "key_norm")
+BUILT_IN_MAP_INPUTS = ("residual", "token_tables", "key_norm", "first_layer_table")
 
 
 def register_map_input(cls: type[MapInput]) -> type[MapInput]:
@@ -117,9 +215,66 @@ def registered_map_inputs() -> list[type[MapInput]]:
     return sorted(MAP_INPUTS.values(), key=lambda c: c.order)
 
 
+def map_input_class(name: str) -> type[MapInput]:
+    """The registered input called `name`; an unknown one is refused with one line naming it."""
+    registered_map_inputs()
+    if name not in MAP_INPUTS:
+        raise ValueError(
+            f"map_inputs.{name}: unknown map input (this version knows {sorted(MAP_INPUTS)}); upgrade hf-kvtransfer to "
+            "the version that saved this mapper, or load a mapper made without it"
+        )
+    return MAP_INPUTS[name]
+
+
+def input_configs(data: Any) -> dict[str, MapInputConfig]:
+    """`MapperConfig.map_inputs` from what a config holds (its saved dicts, or configs already), in the order the
+    inputs apply; an unknown input or setting is refused with one line naming it."""
+    if not isinstance(data, dict):
+        raise ValueError(f"map_inputs must be an object {{input name: its settings}}, got {data!r}")
+    classes = {name: map_input_class(name) for name in data}
+    ordered = sorted(data, key=lambda name: classes[name].order)
+    return {name: classes[name].config_class.from_dict(data[name], f"map_inputs.{name}") for name in ordered}
+
+
+def validate_inputs(config: MapperConfig) -> None:
+    """Each input's own checks against the whole mapper config (`MapInputConfig.validate`)."""
+    for name, settings in config.map_inputs.items():
+        settings.validate(config, f"map_inputs.{name}")
+
+
+def exact_layers_needed(config: MapperConfig) -> tuple[int, str]:
+    """The fewest exact layers a mapper's inputs need, and why (`(0, "")` for none)."""
+    return max((s.exact_layers_needed(config) for s in config.map_inputs.values()), default=(0, ""), key=lambda x: x[0])
+
+
+def model_layers_needed(config: MapperConfig) -> int:
+    """The target layers (from the first) whose modules a mapper's inputs use beyond the exact layers (0 for none)."""
+    return max((s.model_layers_needed(config) for s in config.map_inputs.values()), default=0)
+
+
+def with_input(config: MapperConfig, name: str, settings: MapInputConfig | None) -> MapperConfig:
+    """A copy of `config` with input `name` set to `settings` (None: without it); validated as a new config."""
+    inputs = {k: v for k, v in config.map_inputs.items() if k != name}
+    if settings is not None:
+        inputs[name] = settings
+    return dataclasses.replace(config, map_inputs=inputs)
+
+
 def map_inputs_of(mapper: KVMapper) -> list[MapInput]:
     """The inputs `mapper` reads, in the order they apply."""
     return [cls(mapper) for cls in registered_map_inputs() if cls.used_by(mapper.config)]
+
+
+def layer_span(layers: list[int]) -> str:
+    """`[2, 3, 4, 5]` -> "2-5"; other lists comma-separated (for labels)."""
+    if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(map(str, layers))
+
+
+def positions_label(lags: list[int]) -> str:
+    """`[0, 1, 2]` -> "t, t-1, t-2"."""
+    return ", ".join("t" if lag == 0 else f"t-{lag}" for lag in lags)
 
 
 def map_state(state: Any, fn) -> Any:
@@ -127,4 +282,23 @@ def map_state(state: Any, fn) -> Any:
     return fn(state) if isinstance(state, torch.Tensor) else state
 
 
-__all__ = ["ExactPass", "MAP_INPUTS", "MapInput", "map_inputs_of", "map_state", "register_map_input", "registered_map_inputs"]
+__all__ = [
+    "ExactPass",
+    "InputCost",
+    "MAP_INPUTS",
+    "MapInput",
+    "MapInputConfig",
+    "PlanShape",
+    "exact_layers_needed",
+    "input_configs",
+    "layer_span",
+    "map_input_class",
+    "map_inputs_of",
+    "map_state",
+    "model_layers_needed",
+    "positions_label",
+    "register_map_input",
+    "registered_map_inputs",
+    "validate_inputs",
+    "with_input",
+]

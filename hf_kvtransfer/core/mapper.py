@@ -17,21 +17,16 @@ from transformers import PreTrainedConfig
 
 from ..version import __version__
 from .card import render_model_card
+from .config_migration import REPORT_FIELDS, migrate_config
 from .defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_exact_layers
-from .exact import FirstLayerTable
 from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolve_mapper_dir
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
-from .map_inputs import MapInput, map_inputs_of
+from .map_inputs import MapInput, MapInputConfig, exact_layers_needed, input_configs, map_inputs_of, registered_map_inputs, validate_inputs
 from .mapper_types import LOWRANK, RIDGE
-from .residual import ResidualMaps, validate_residual_config
 from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
 from .stats import KVLayout
-from .token_tables import TokenTables, validate_token_config
 
 logger = logging.getLogger(__name__)
-
-# Fields older versions kept in config.json that now live in the run report.
-_REPORT_FIELDS = ("eval_results", "model_selection")
 
 
 # Config fields that fix tensor shapes: a mismatch there can never work.
@@ -76,8 +71,8 @@ class MapperConfig:
         source_config / target_config: the two models' decoder configs as dicts (enough to rebuild their
             rotary modules without loading either model).
         selected_layers: for each target layer, the source layers its inputs come from (ascending). Empty for a
-            layer after `residual_layer` that reads no source layer: its map is the residual alone (a reader) or
-            the calibration mean of its keys and values (no inputs).
+            layer whose map may read no source layer (a ridge map of a layer after the residual input's layer: the
+            residual alone, or the calibration mean of its keys and values).
         mapper_type: the layer-map type (`layer_maps.LAYER_MAP_TYPES`: "ridge", "lowrank", "mlp").
         top_k, ridge_lambda: fit hyper-parameters.
         fit_r2_key / fit_r2_value: in-sample head-averaged R^2 per target layer.
@@ -92,26 +87,10 @@ class MapperConfig:
         num_recompute_tokens: the prompt's last tokens `TransferredCache` (and the vLLM connector) leave to the
             target with this mapper unless told otherwise, for a mapper measured at another number; None (what the
             fit writes): the cache's default (`cache.DEFAULT_NUM_RECOMPUTE_TOKENS`).
-        residual_layer: when set, the maps of every target layer after it also read the target's own residual
-            stream entering this layer (`residual.py`), which the cache computes in its exact layers: needs
-            `num_exact_layers >= residual_layer + 1` and the prompt's ids. None: the maps read the source only.
-        residual_lags: the token offsets of the residual features (`[0, 1, 2]`: positions t, t-1, t-2).
-        residual_rank: the rank of one projection of the residual features shared by every layer (None: full).
-        residual_readers: the target layers whose maps read the residual (None: every layer after residual_layer);
-            the others keep source-only maps.
-        key_before_norm: the key maps of the residual readers predict keys before the target's per-head key norm
-            (Qwen3's `k_norm`), which the cache applies with the target's own module.
-        residual_in_tables: the residual part of the maps is held in the token tables, not as weights: with
-            `residual_layer = 0` the residual is the token embedding, a function of the id alone, so its product
-            with each reader's weights is one table row per id (`fitting.fold_residual_into_tables`). The cache
-            then gathers it with the tables (no residual product); the exact layer and key norms stay as they were.
-        first_layer_table: the mapper holds the target's own layer-0 keys (RoPE-free, after its key norm) and
-            values for every token id (`exact.FirstLayerTable`): they depend on the id alone, so a cache that
-            computes exactly one layer looks them up instead of running the target's projections (the same
-            numbers). Made by `fitting.tabulate_first_layer`.
-        token_lags / token_readers: the maps of the layers `token_readers` also add token tables (`token_tables.py`):
-            one row per token id at each position `t - lag` back; the cache reads the prompt's ids for them. None:
-            no tables.
+        map_inputs: what the maps read beyond the source's K/V, `{input name: its config}` (a `MapInputConfig` of
+            the input registered under that name, `map_inputs.py`), each validated by the input against the whole
+            config; saved as `{name: {field: value}}`, e.g. `{"residual": {"layer": 1, "lags": [0, 1], ...},
+            "key_norm": {}}`. Empty: source-only maps.
         num_parameters / dtype: size and weight dtype as saved (filled in by `save_pretrained`, for the card).
     """
 
@@ -136,15 +115,7 @@ class MapperConfig:
     rank: list[list[int]] | None = None
     num_exact_layers: int | None = None
     num_recompute_tokens: int | None = None
-    residual_layer: int | None = None
-    residual_lags: list[int] | None = None
-    residual_rank: int | None = None
-    residual_readers: list[int] | None = None
-    key_before_norm: bool = False
-    residual_in_tables: bool = False
-    first_layer_table: bool = False
-    token_lags: list[int] | None = None
-    token_readers: list[int] | None = None
+    map_inputs: dict[str, MapInputConfig] = field(default_factory=dict)
     num_parameters: int | None = None
     dtype: str | None = None
     license: str = "apache-2.0"
@@ -163,6 +134,23 @@ class MapperConfig:
             self.target_fingerprint = config_fingerprint(self.target_config)
         self.source_model_id = self.source_model_id or _model_name(self.source_config)
         self.target_model_id = self.target_model_id or _model_name(self.target_config)
+        # Each input's config from its saved dict (an unknown input or setting refused), in the order they apply.
+        self.map_inputs = input_configs(self.map_inputs)
+        self._validate_layers()
+        if self.ridge_lambda < 0:
+            raise ValueError(f"ridge_lambda must be >= 0, got {self.ridge_lambda}")
+        num_target = self.target_fingerprint["num_hidden_layers"]
+        if self.num_exact_layers is not None and not 0 <= self.num_exact_layers <= num_target:
+            raise ValueError(f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {self.num_exact_layers}")
+        if self.num_recompute_tokens is not None and (isinstance(self.num_recompute_tokens, bool) or not isinstance(self.num_recompute_tokens, int) or self.num_recompute_tokens < 1):
+            raise ValueError(f"num_recompute_tokens must be an integer >= 1 or None, got {self.num_recompute_tokens!r}")
+        if self.rank is not None and self.mapper_type != LOWRANK:
+            raise ValueError(f"rank applies to 'lowrank' mappers only, got mapper_type={self.mapper_type!r}")
+        layer_map_class(self.mapper_type).validate_config(self)
+        validate_inputs(self)
+
+    def _validate_layers(self) -> None:
+        """`selected_layers` and the per-layer R^2 lists against the two models' layers."""
         num_target = self.target_fingerprint["num_hidden_layers"]
         num_source = self.source_fingerprint["num_hidden_layers"]
         if len(self.selected_layers) != num_target:
@@ -174,35 +162,16 @@ class MapperConfig:
                 raise ValueError(
                     f"selected_layers[{t}] = {selected} must be distinct source layer indices in [0, {num_source})"
                 )
-            if not selected and (self.mapper_type != RIDGE or self.residual_layer is None or t <= self.residual_layer):
+            if not selected and not any(c.maps_layer_without_source(self, t) for c in self.map_inputs.values()):
                 raise ValueError(
                     f"selected_layers[{t}] is empty: only a 'ridge' mapper reading the target's residual may leave a "
-                    "layer after its residual_layer without source inputs (its map is then the residual alone, or "
+                    "layer after the residual's layer without source inputs (its map is then the residual alone, or "
                     "the calibration mean)"
                 )
         for name in ("fit_r2_key", "fit_r2_value", "heldout_r2_key", "heldout_r2_value"):
             value = getattr(self, name)
             if value is not None and len(value) != num_target:
                 raise ValueError(f"{name} has {len(value)} entries, expected {num_target} (one per target layer)")
-        if self.ridge_lambda < 0:
-            raise ValueError(f"ridge_lambda must be >= 0, got {self.ridge_lambda}")
-        if self.num_exact_layers is not None and not 0 <= self.num_exact_layers <= num_target:
-            raise ValueError(f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {self.num_exact_layers}")
-        if self.num_recompute_tokens is not None and (isinstance(self.num_recompute_tokens, bool) or not isinstance(self.num_recompute_tokens, int) or self.num_recompute_tokens < 1):
-            raise ValueError(f"num_recompute_tokens must be an integer >= 1 or None, got {self.num_recompute_tokens!r}")
-        if self.rank is not None and self.mapper_type != LOWRANK:
-            raise ValueError(f"rank applies to 'lowrank' mappers only, got mapper_type={self.mapper_type!r}")
-        layer_map_class(self.mapper_type).validate_config(self)
-        if (self.residual_layer is not None or self.key_before_norm) and self.mapper_type != "ridge":
-            raise ValueError(
-                f"residual_layer and key_before_norm apply to 'ridge' mappers only, got mapper_type={self.mapper_type!r}"
-            )
-        validate_residual_config(self)
-        validate_token_config(self)
-        if self.first_layer_table and not self.target_fingerprint.get("vocab_size"):
-            raise ValueError("first_layer_table needs the target's vocab_size in its config fingerprint")
-        if self.token_lags is not None and self.mapper_type != RIDGE:
-            raise ValueError(f"token tables apply to 'ridge' mappers only, got mapper_type={self.mapper_type!r}")
 
     @property
     def source_layout(self) -> KVLayout:
@@ -219,12 +188,9 @@ class MapperConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MapperConfig":
-        """A config from `config.json` contents. Keys of older versions are migrated; unknown keys warn."""
-        data = dict(data)
-        if data.get("mapper_type", RIDGE) == RIDGE and data.get("rank") is not None:
-            data["mapper_type"] = LOWRANK  # before 0.2, reduced-rank mappers were "ridge" with a rank
-        for name in _REPORT_FIELDS:  # before 0.2 run reports lived in the config: KVMapper.report now
-            data.pop(name, None)
+        """A config from `config.json` contents. Earlier forms are migrated (`config_migration.py`); unknown keys warn;
+        an unknown map input, or inputs that contradict each other or the models, raise one line naming the field."""
+        data = migrate_config(data)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -258,12 +224,10 @@ class KVMapper(nn.Module):
         super().__init__()
         self.config = config
         self.layers = layer_maps if layer_maps is not None else build_layer_maps(config)
-        # The residual part of the maps after `config.residual_layer` (`residual.py`), None for source-only maps.
-        self.residual = ResidualMaps(config) if config.residual_layer is not None else None
-        # Per-token tables some layers' maps add (`token_tables.py`), None without.
-        self.tokens = TokenTables(config) if config.token_lags is not None else None
-        # The target's own layer-0 K/V per token id (`exact.py`), None without.
-        self.first_layer = FirstLayerTable(config) if config.first_layer_table else None
+        # Each input's parameters, as the attribute it names (`residual`, `tokens`, `first_layer`), None without.
+        for inp in registered_map_inputs():
+            if inp.attribute is not None:
+                setattr(self, inp.attribute, inp.build_module(config))
         # How the mapper was made (selection curves, training logs, timings, evaluations): `fit_report.json`.
         self.report: dict[str, Any] = dict(report or {})
 
@@ -289,9 +253,9 @@ class KVMapper(nn.Module):
 
     @property
     def needs_target_residual(self) -> bool:
-        """Whether the maps read the target's own residual stream (`config.residual_layer`): the cache must compute
-        its exact layers from the prompt's ids; a transfer that maps every layer cannot use this mapper."""
-        return self.config.residual_layer is not None
+        """Whether the maps read what only the target's exact layers give (its residual stream): the cache must
+        compute its exact layers from the prompt's ids; a transfer that maps every layer cannot use this mapper."""
+        return exact_layers_needed(self.config)[0] > 0
 
     @property
     def map_inputs(self) -> list[MapInput]:
@@ -359,11 +323,11 @@ class KVMapper(nn.Module):
             Stripped target keys and values `[batch, n_kv_t, seq, d_t]` in the mapper's dtype.
         """
         tgt = self.target_layout
-        if self.needs_prompt_ids or self.config.key_before_norm:
+        if self.map_inputs:
             raise ValueError(
-                "this mapper's maps also read the target's residual stream, token tables of the prompt's ids, or leave "
-                "the target's key norm to the cache (residual_layer / token_lags / key_before_norm in its config): "
-                "apply it through TransferredCache, which computes them from the prompt's ids and the target's exact layers"
+                f"this mapper's maps also read {', '.join(inp.name for inp in self.map_inputs)} (map_inputs in its "
+                "config): apply it through TransferredCache, which computes them from the prompt's ids and the target's "
+                "exact layers"
             )
         keys, values = self.layers[layer_idx](source_key_states, source_value_states)
         # (B, T, H*D) -> (B, H, T, D)
@@ -476,7 +440,7 @@ class KVMapper(nn.Module):
                 raise FileNotFoundError(f"{path} is not a hf-kvtransfer mapper: {name} is missing")
         raw = json.loads(config_path.read_text())
         report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
-        for name in _REPORT_FIELDS:  # written into config.json before 0.2
+        for name in REPORT_FIELDS:  # written into config.json before 0.2
             if raw.get(name) is not None:
                 report.setdefault(name, raw[name])
         config = MapperConfig.from_dict(raw)

@@ -4,18 +4,17 @@ With `num_exact_layers = E` the cache runs the target's layers `0 .. E-2` on the
 keys and values from the residual stream entering it (its own norm and projections; `exact.own_prefix`). That
 residual is what the target's first layers mixed into each token: the previous tokens' identity among it, which a
 copying ("induction") layer's keys encode and the source's keys alone do not give a linear map. A mapper with
-`residual_layer = E-1` feeds it to the maps of every deeper layer, next to the source's RoPE-stripped K/V: each
-target layer `t > residual_layer` adds `W_res[t] @ r` to its affine map of the source's features, where `r` is the
-RMS-normalised residual (no weight) at positions `t - lag` for the mapper's `residual_lags` (zeros before a row's
-first token), optionally through one shared reduced-rank projection (`residual_rank`).
+residual input `ResidualConfig(layer=E-1, ...)` (`MapperConfig.map_inputs["residual"]`) feeds it to the maps of every
+deeper layer, next to the source's RoPE-stripped K/V: each target layer `t > layer` adds `W_res[t] @ r` to its affine
+map of the source's features, where `r` is the RMS-normalised residual (no weight) at positions `t - lag` for the
+config's `lags` (zeros before a row's first token), optionally through one shared reduced-rank projection (`rank`).
 
-With `residual_layer = 0` the residual is the token embedding: `W_res[t] @ r` is then a function of the ids at
-`t - lag` alone, one row per id, and a mapper with token tables may hold it there (`residual_in_tables`): the same
-maps, applied as a gather instead of a product.
+With `layer = 0` the residual is the token embedding: `W_res[t] @ r` is then a function of the ids at `t - lag`
+alone, one row per id, and a mapper with token tables may hold it there (`in_tables`): the same maps, applied as a
+gather instead of a product.
 
-A mapper with `key_before_norm` predicts keys *before* the target's per-head key norm (Qwen3's `k_norm`), which
-the cache then applies with the target's own module: a normalisation is not linear, and the linear part of the key
-is what a linear map can fit.
+The maps of the readers may predict keys *before* the target's per-head key norm, which the cache then applies with
+the target's own module (`key_norm.py`).
 
 Example:
     ```python
@@ -25,12 +24,15 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .map_inputs import ExactPass, MapInput, register_map_input
+from .map_inputs import ExactPass, InputCost, MapInput, MapInputConfig, PlanShape, positions_label, register_map_input
+from .rope import text_config
+from .stats import KVLayout
 
 # `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
 MapperConfig = Any
@@ -57,91 +59,119 @@ def residual_features(hidden: torch.Tensor, lags: list[int], attention_mask: tor
     return out
 
 
-def residual_input_features(config: MapperConfig | dict[str, Any]) -> list[int]:
-    """Extra input features each target layer's key and value maps read beyond the source's K/V (0 for layers that
-    read none, and for a mapper whose residual part is in its token tables): `len(residual_lags) * hidden_size`, or
-    `residual_rank` after the shared projection (which itself is `residual_rank x len(residual_lags) * hidden_size`,
-    applied once per token; see `residual_projection_shape`).
+@dataclass
+class ResidualConfig(MapInputConfig):
+    """`MapperConfig.map_inputs["residual"]`: the maps of the target layers after `layer` also read the target's own
+    residual stream entering `layer`, which the cache computes in its exact layers (needs `num_exact_layers >= layer +
+    1` and the prompt's ids).
 
     Args:
-        config: a `MapperConfig` or its dict (`config.json`).
+        layer: the target layer whose input (the residual stream) feeds the maps.
+        lags: the token offsets of the residual features (`[0, 1, 2]`: positions t, t-1, t-2).
+        rank: the rank of one projection of the residual features shared by every layer (None: full).
+        readers: the target layers whose maps read the residual (None: every layer after `layer`); the others keep
+            source-only maps.
+        in_tables: the residual part of the maps is held in the token tables, not as weights: with `layer = 0` the
+            residual is the token embedding, a function of the id alone, so its product with each reader's weights is
+            one table row per id (`fitting.fold_residual_into_tables`).
     """
-    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
-    num_layers = data["target_fingerprint"]["num_hidden_layers"]
-    layer = data.get("residual_layer")
-    if layer is None or data.get("residual_in_tables"):
+
+    layer: int
+    lags: list[int]
+    rank: int | None = None
+    readers: list[int] | None = None
+    in_tables: bool = False
+
+    def __post_init__(self):
+        self.lags = list(self.lags)
+        self.readers = list(self.readers) if self.readers is not None else None
+
+    def reader_layers(self, num_layers: int) -> list[int]:
+        """The target layers whose maps read the residual, for a target of `num_layers` layers."""
+        return list(self.readers) if self.readers is not None else list(range(self.layer + 1, num_layers))
+
+    def validate(self, config: MapperConfig, name: str) -> None:
+        num_layers, hidden = config.target_fingerprint["num_hidden_layers"], config.target_fingerprint["hidden_size"]
+        if config.mapper_type != "ridge":
+            raise ValueError(f"{name}: applies to 'ridge' mappers only, got mapper_type={config.mapper_type!r}")
+        if not _is_int(self.layer) or not 0 <= self.layer < num_layers - 1:
+            raise ValueError(f"{name}.layer must be in [0, {num_layers - 1}) (a target layer with mapped layers after it), got {self.layer}")
+        readers = self.readers
+        if readers is not None and (not readers or sorted(set(readers)) != list(readers) or not all(self.layer < t < num_layers for t in readers)):
+            raise ValueError(f"{name}.readers must be ascending distinct target layers in ({self.layer}, {num_layers}), got {readers}")
+        if not self.lags or not all(_is_int(lag) and lag >= 0 for lag in self.lags) or len(set(self.lags)) != len(self.lags):
+            raise ValueError(f"{name}.lags must be distinct non-negative token offsets (e.g. [0, 1, 2]), got {self.lags}")
+        if self.rank is not None and not (_is_int(self.rank) and 1 <= self.rank <= len(self.lags) * hidden):
+            raise ValueError(f"{name}.rank must be in [1, {len(self.lags) * hidden}] (lags x hidden size), got {self.rank}")
+        tables = config.map_inputs.get("token_tables")
+        if self.in_tables and not (self.layer == 0 and tables is not None and set(self.reader_layers(num_layers)) <= set(tables.readers)
+                                   and set(self.lags) <= set(tables.lags)):  # fmt: skip
+            raise ValueError(
+                f"{name}.in_tables needs layer 0 (the residual is then the token embedding, a function of the id) and "
+                "token tables on every reader at every lag (they hold the residual part)"
+            )
+        if config.num_exact_layers is not None and config.num_exact_layers < self.layer + 1:
+            raise ValueError(
+                f"{name}.layer = {self.layer} needs num_exact_layers >= {self.layer + 1} (the cache computes the "
+                f"residual entering that layer in its exact layers), got {config.num_exact_layers}"
+            )
+
+    def exact_layers_needed(self, config: MapperConfig) -> tuple[int, str]:
+        return self.layer + 1, (f"this mapper's maps read the target's residual entering layer {self.layer}, which "
+                                "the cache computes in its exact layers")  # fmt: skip
+
+    def maps_layer_without_source(self, config: MapperConfig, layer_idx: int) -> bool:
+        return config.mapper_type == "ridge" and layer_idx > self.layer
+
+    def label(self, config: MapperConfig) -> str:
+        readers, num_layers = self.reader_layers(len(config.selected_layers)), len(config.selected_layers)
+        many = "s " if len(readers) > 1 else " "
+        who = "every mapped layer" if readers == list(range(self.layer + 1, num_layers)) else f"layer{many}{', '.join(map(str, readers))}"
+        rank = f", rank {self.rank}" if self.rank else ""
+        return f"target residual entering layer {self.layer} ({positions_label(self.lags)}{rank}) read by {who}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def residual_config(config: MapperConfig) -> ResidualConfig | None:
+    """A mapper config's residual input (`map_inputs["residual"]`), None for maps that do not read the residual."""
+    return config.map_inputs.get(ResidualInput.name)
+
+
+def residual_input_features(config: MapperConfig) -> list[int]:
+    """Extra input features each target layer's key and value maps read beyond the source's K/V (0 for layers that
+    read none, and for a mapper whose residual part is in its token tables): `len(lags) * hidden_size`, or
+    `rank` after the shared projection (which itself is `rank x len(lags) * hidden_size`, applied once per token;
+    see `residual_projection_shape`).
+    """
+    num_layers = config.target_fingerprint["num_hidden_layers"]
+    res = residual_config(config)
+    if res is None or res.in_tables:
         return [0] * num_layers
-    width = data.get("residual_rank") or len(data["residual_lags"]) * data["target_fingerprint"]["hidden_size"]
-    readers = set(residual_readers(data))
+    width = res.rank or len(res.lags) * config.target_fingerprint["hidden_size"]
+    readers = set(res.reader_layers(num_layers))
     return [width if t in readers else 0 for t in range(num_layers)]
 
 
-def residual_readers(config: MapperConfig | dict[str, Any]) -> list[int]:
+def residual_readers(config: MapperConfig) -> list[int]:
     """The target layers whose maps read the residual (empty for a source-only mapper)."""
-    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
-    layer = data.get("residual_layer")
-    if layer is None:
-        return []
-    readers = data.get("residual_readers")
-    return list(readers) if readers is not None else list(range(layer + 1, data["target_fingerprint"]["num_hidden_layers"]))
+    res = residual_config(config)
+    return [] if res is None else res.reader_layers(config.target_fingerprint["num_hidden_layers"])
 
 
-def residual_projection_shape(config: MapperConfig | dict[str, Any]) -> tuple[int, int] | None:
-    """`(residual_rank, len(lags) * hidden_size)` of the shared residual projection of a reduced-rank residual
-    mapper, else None."""
-    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
-    if data.get("residual_layer") is None or not data.get("residual_rank") or data.get("residual_in_tables"):
+def residual_projection_shape(config: MapperConfig) -> tuple[int, int] | None:
+    """`(rank, len(lags) * hidden_size)` of the shared residual projection of a reduced-rank residual mapper, else
+    None."""
+    res = residual_config(config)
+    if res is None or not res.rank or res.in_tables:
         return None
-    return data["residual_rank"], len(data["residual_lags"]) * data["target_fingerprint"]["hidden_size"]
-
-
-def validate_residual_config(config: MapperConfig) -> None:
-    """Raise `ValueError` for inconsistent residual fields of a mapper config."""
-    num_layers = config.target_fingerprint["num_hidden_layers"]
-    if config.residual_layer is None:
-        if (config.residual_lags is not None or config.residual_rank is not None or config.key_before_norm
-                or config.residual_readers is not None or config.residual_in_tables):  # fmt: skip
-            raise ValueError(
-                "residual_lags / residual_rank / key_before_norm / residual_in_tables need residual_layer (the target "
-                "layer whose input feeds the maps)"
-            )
-        return
-    if not 0 <= config.residual_layer < num_layers - 1:
-        raise ValueError(
-            f"residual_layer must be in [0, {num_layers - 1}) (a target layer with mapped layers after it), got "
-            f"{config.residual_layer}"
-        )
-    readers = config.residual_readers
-    if readers is not None and (not readers or sorted(set(readers)) != list(readers) or not all(config.residual_layer < t < num_layers for t in readers)):
-        raise ValueError(
-            f"residual_readers must be ascending distinct target layers in ({config.residual_layer}, {num_layers}), got {readers}"
-        )
-    lags = config.residual_lags
-    if not lags or any(not isinstance(lag, int) or lag < 0 for lag in lags) or len(set(lags)) != len(lags):
-        raise ValueError(f"residual_lags must be distinct non-negative token offsets (e.g. [0, 1, 2]), got {lags}")
-    if config.residual_rank is not None and not 1 <= config.residual_rank <= len(lags) * config.target_fingerprint["hidden_size"]:
-        raise ValueError(
-            f"residual_rank must be in [1, {len(lags) * config.target_fingerprint['hidden_size']}] (lags x hidden "
-            f"size), got {config.residual_rank}"
-        )
-    if config.residual_in_tables and not (
-        config.residual_layer == 0
-        and set(residual_readers(config)) <= set(config.token_readers or ())
-        and set(lags) <= set(config.token_lags or ())
-    ):
-        raise ValueError(
-            "residual_in_tables needs residual_layer 0 (the residual is then the token embedding, a function of the "
-            "id) and token tables on every residual reader at every residual lag (they hold the residual part)"
-        )
-    if config.num_exact_layers is not None and config.num_exact_layers < config.residual_layer + 1:
-        raise ValueError(
-            f"a mapper reading the residual entering target layer {config.residual_layer} needs num_exact_layers >= "
-            f"{config.residual_layer + 1} (the cache computes that residual in its exact layers), got {config.num_exact_layers}"
-        )
+    return res.rank, len(res.lags) * config.target_fingerprint["hidden_size"]
 
 
 class ResidualMaps(nn.Module):
-    """The residual part of the maps of the layers after `residual_layer`: `key.<t>` / `value.<t>` weights
+    """The residual part of the maps of the layers after the residual's `layer`: `key.<t>` / `value.<t>` weights
     `[n_kv * d, F]` (F: `residual_input_features`), and the shared projection `down` `[rank, len(lags) * hidden]`
     of a reduced-rank one. None of them when the residual part is in the token tables (`in_tables`): the readers
     are then kept for their key norms only."""
@@ -151,7 +181,7 @@ class ResidualMaps(nn.Module):
         out = config.target_layout.layer_dim
         widths = residual_input_features(config)
         self.layers = residual_readers(config)
-        self.in_tables = bool(config.residual_in_tables)
+        self.in_tables = bool(residual_config(config).in_tables)
         weighted = [] if self.in_tables else self.layers
         shape = residual_projection_shape(config)
         self.down = nn.Parameter(torch.zeros(shape)) if shape is not None else None
@@ -170,40 +200,64 @@ class ResidualMaps(nn.Module):
 
 @register_map_input
 class ResidualInput(MapInput):
-    """The target's residual stream entering `residual_layer`, captured by the exact pass: each reader layer adds
+    """The target's residual stream entering `ResidualConfig.layer`, captured by the exact pass: each reader layer adds
     `W_res[t] @ r` to its map of the source's features (`ResidualMaps`). Not used when the residual part is in the
-    token tables (`residual_in_tables`)."""
+    token tables (`in_tables`)."""
 
-    name, order = "residual", 10
+    name, order, config_class, attribute = "residual", 10, ResidualConfig, "residual"
     missing = (
         "this mapper's maps read the target's residual stream, which the cache computes in its exact layers from the "
         "prompt's ids, but none were computed: pass model=target (and input_ids=, or build the source cache with "
         "`prefill`) to TransferredCache, so that the target's forward or convert_all runs the exact layers first"
     )
 
-    @staticmethod
-    def used_by(config: Any) -> bool:
-        return config.residual_layer is not None and not config.residual_in_tables
+    @classmethod
+    def used_by(cls, config: MapperConfig) -> bool:
+        res = residual_config(config)
+        return res is not None and not res.in_tables
+
+    plan_label, plan_positions = "maps also reading the target's residual stream", "residual_positions"
+
+    @classmethod
+    def cost(cls, shape: PlanShape) -> InputCost | None:
+        """Each mapped layer's key and value maps also read `positions` positions of the target's residual stream
+        entering its last exact layer: `positions * hidden_size` more input features per map. Full rank: each map
+        gets `features * (kv_heads * head_dim)` more weights; at `rank` r (a factored map, `up @ down`) only its
+        `down` grows, by `r * features`. FLOPs: one multiply-add per added weight and token. The normalisation of
+        the residual (elementwise, no matrix product) is not counted."""
+        if shape.positions < 0 or shape.num_mapped_layers < 0:
+            raise ValueError(f"residual positions and mapped layers must be >= 0, got {shape.positions}, {shape.num_mapped_layers}")
+        layer_dim = KVLayout.from_config(shape.target_config).layer_dim
+        features = shape.positions * text_config(shape.target_config).hidden_size
+        per_map = features * (layer_dim if shape.rank is None else min(shape.rank, layer_dim))
+        parameters = 2 * shape.num_mapped_layers * per_map  # key and value
+        return InputCost(parameters=parameters, flops=2 * shape.num_tokens * parameters, features=features)
+
+    @classmethod
+    def build_module(cls, config: MapperConfig) -> nn.Module | None:
+        # Built with the residual in the tables too: its readers are those the key norm acts on.
+        return ResidualMaps(config) if residual_config(config) is not None else None
 
     @property
     def readers(self) -> list[int]:
         return [int(t) for t in self.mapper.residual.key]
 
     def hidden_layer(self) -> int | None:
-        return self.mapper.config.residual_layer
+        return self.settings.layer
 
     @staticmethod
     def card_facts(config: dict[str, Any]) -> list[tuple[str, str]]:
-        if config.get("residual_layer") is None:
+        res = (config.get("map_inputs") or {}).get("residual")
+        if res is None:
             return []
-        held = "; held in the token tables, a look-up of the ids" if config.get("residual_in_tables") else ""
-        readers = ", ".join(map(str, config.get("residual_readers") or ["every mapped layer"]))
-        return [("Maps also read", f"the target's residual stream entering layer {config['residual_layer']} "
+        held = "; held in the token tables, a look-up of the ids" if res.get("in_tables") else ""
+        readers = ", ".join(map(str, res.get("readers") or ["every mapped layer"]))
+        return [("Maps also read", f"the target's residual stream entering layer {res['layer']} "
                  f"(readers: {readers}{held})")]  # fmt: skip
 
     def from_exact_pass(self, exact: ExactPass) -> torch.Tensor:
         # (B, T, hidden) -> (B, T, F): the residual features the reader layers' maps read
-        features = residual_features(exact.hidden, self.mapper.config.residual_lags, exact.attention_mask)
+        features = residual_features(exact.hidden, self.settings.lags, exact.attention_mask)
         return self.mapper.residual.project(features)
 
     def apply(self, state, group, rows):
@@ -223,11 +277,12 @@ class ResidualInput(MapInput):
 
 __all__ = [
     "RESIDUAL_EPS",
+    "ResidualConfig",
     "ResidualInput",
     "ResidualMaps",
+    "residual_config",
     "residual_features",
     "residual_input_features",
     "residual_projection_shape",
     "residual_readers",
-    "validate_residual_config",
 ]

@@ -3,10 +3,10 @@
 The layers that copy from the context ("induction" heads) have keys that say which tokens came just before each
 position. A linear map of the source's K/V, or of the target's residual stream, gives that only as far as it is
 linear in those inputs; on the bundled family it is not, and those layers lose what the context said. A token table
-is the cheapest non-linear function of the ids: for each lag `a` of `token_lags`, one row per vocabulary entry, and
+is the cheapest non-linear function of the ids: for each lag `a` of its `lags` (`TokenTableConfig`), one row per vocabulary entry, and
 a mapper with tables adds `sum_a T_a[ids[t - a]]` to the RoPE-stripped keys and values its maps produce for the
-layers in `token_readers` (after the key norm the cache applies to a residual reader). At transfer time that is a
-gather and an add per layer, no multiply-add; the price is memory: `2 * len(token_lags) * (vocab_size + 1) *
+layers in its `readers` (after the key norm the cache applies to a residual reader). At transfer time that is a
+gather and an add per layer, no multiply-add; the price is memory: `2 * len(lags) * (vocab_size + 1) *
 kv_heads * head_dim` numbers per layer. Row `vocab_size` stands for "no token": positions before a row's first token
 and padding. The tables are fit in closed form on what the maps miss (`fitting/token_tables.py`).
 
@@ -19,12 +19,15 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .map_inputs import MapInput, register_map_input
+from .map_inputs import InputCost, MapInput, MapInputConfig, PlanShape, layer_span, positions_label, register_map_input
+from .rope import text_config
+from .stats import KVLayout
 
 # `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
 MapperConfig = Any
@@ -46,45 +49,61 @@ def lagged_token_ids(
     return out
 
 
-def token_table_readers(config: MapperConfig | dict[str, Any]) -> list[int]:
+@dataclass
+class TokenTableConfig(MapInputConfig):
+    """`MapperConfig.map_inputs["token_tables"]`: the maps of the layers `readers` also add token tables, one row per
+    token id at each position `t - lag` back for `lags`; the cache reads the prompt's ids for them."""
+
+    lags: list[int]
+    readers: list[int]
+
+    def __post_init__(self):
+        self.lags, self.readers = list(self.lags), list(self.readers)
+
+    def validate(self, config: MapperConfig, name: str) -> None:
+        if config.mapper_type != "ridge":
+            raise ValueError(f"{name}: token tables apply to 'ridge' mappers only, got mapper_type={config.mapper_type!r}")
+        lags, readers = self.lags, self.readers
+        if not lags or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in lags) or len(set(lags)) != len(lags):
+            raise ValueError(f"{name}.lags must be distinct non-negative token offsets (e.g. [0, 1, 2, 3]), got {lags}")
+        num_layers = config.target_fingerprint["num_hidden_layers"]
+        if not readers or sorted(set(readers)) != list(readers) or not all(isinstance(t, int) and 0 <= t < num_layers for t in readers):
+            raise ValueError(f"{name}.readers must be ascending distinct target layers in [0, {num_layers}), got {readers}")
+        if not config.target_fingerprint.get("vocab_size"):
+            raise ValueError(f"{name}: token tables need the target's vocab_size in its config fingerprint")
+
+    def label(self, config: MapperConfig) -> str:
+        many = "s" if len(self.readers) > 1 else ""
+        return f"token tables ({positions_label(self.lags)}) on layer{many} {layer_span(self.readers)}"
+
+
+def token_table_config(config: MapperConfig) -> TokenTableConfig | None:
+    """A mapper config's token tables (`map_inputs["token_tables"]`), None without."""
+    return config.map_inputs.get(TokenTableInput.name)
+
+
+def token_table_readers(config: MapperConfig) -> list[int]:
     """The target layers whose maps add token tables (empty for a mapper without)."""
-    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
-    return list(data.get("token_readers") or [])
+    tables = token_table_config(config)
+    return [] if tables is None else list(tables.readers)
 
 
-def token_table_parameters(config: MapperConfig | dict[str, Any]) -> int:
+def token_table_parameters(config: MapperConfig) -> int:
     """Numbers held by a mapper's token tables (0 without)."""
-    data = config if isinstance(config, dict) else vars(config)  # its fields, read only (no copy)
-    readers = token_table_readers(data)
-    if not readers:
+    tables = token_table_config(config)
+    if tables is None:
         return 0
-    fp = data["target_fingerprint"]
-    return 2 * len(readers) * len(data["token_lags"]) * (fp["vocab_size"] + 1) * fp["num_key_value_heads"] * fp["head_dim"]
-
-
-def validate_token_config(config: MapperConfig) -> None:
-    """Raise `ValueError` for inconsistent token-table fields of a mapper config."""
-    lags, readers = config.token_lags, config.token_readers
-    if lags is None and readers is None:
-        return
-    if lags is None or readers is None:
-        raise ValueError("token_lags and token_readers go together (the positions back the tables read, and the layers that add them)")
-    if not lags or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in lags) or len(set(lags)) != len(lags):
-        raise ValueError(f"token_lags must be distinct non-negative token offsets (e.g. [0, 1, 2, 3]), got {lags}")
-    num_layers = config.target_fingerprint["num_hidden_layers"]
-    if not readers or sorted(set(readers)) != list(readers) or not all(0 <= t < num_layers for t in readers):
-        raise ValueError(f"token_readers must be ascending distinct target layers in [0, {num_layers}), got {readers}")
-    if not config.target_fingerprint.get("vocab_size"):
-        raise ValueError("token tables need the target's vocab_size in its config fingerprint")
+    fp = config.target_fingerprint
+    return 2 * len(tables.readers) * len(tables.lags) * (fp["vocab_size"] + 1) * fp["num_key_value_heads"] * fp["head_dim"]
 
 
 class TokenTables(nn.Module):
-    """The token tables of a mapper: `key.<t>` / `value.<t>` weights `[len(token_lags), vocab_size + 1, n_kv * d]`
-    for each reader layer `t`."""
+    """The token tables of a mapper: `key.<t>` / `value.<t>` weights `[len(lags), vocab_size + 1, n_kv * d]` for each
+    reader layer `t` (`TokenTableConfig`)."""
 
     def __init__(self, config: MapperConfig):
         super().__init__()
-        self.lags = list(config.token_lags)
+        self.lags = list(token_table_config(config).lags)
         self.vocab_size = config.target_fingerprint["vocab_size"]
         shape = (len(self.lags), self.vocab_size + 1, config.target_layout.layer_dim)
         self.layers = token_table_readers(config)
@@ -111,15 +130,26 @@ class TokenTableInput(MapInput):
     """Table rows of the prompt's ids at the mapper's lags: each reader layer adds `sum_a T_a[ids[t - a]]` to what its
     maps predict (`TokenTables`), before the key norm."""
 
-    name, order = "token_tables", 20
+    name, order, config_class, attribute = "token_tables", 20, TokenTableConfig, "tokens"
     missing = (
         "this mapper's maps add token tables of the prompt's ids, which this cache does not know: build the source "
         "cache with `prefill` or pass input_ids= to TransferredCache"
     )
 
-    @staticmethod
-    def used_by(config: Any) -> bool:
-        return config.token_lags is not None
+    plan_label, plan_positions = "token tables", "token_positions"
+
+    @classmethod
+    def cost(cls, shape: PlanShape) -> InputCost | None:
+        """Tables on every mapped layer at `positions` positions (t, t-1, ...): one row per vocabulary entry (and one
+        for "no token") per position, for keys and values, each `kv_heads * head_dim` wide. At transfer time a
+        look-up and an add per token: no multiply-add."""
+        layer_dim = KVLayout.from_config(shape.target_config).layer_dim
+        rows = text_config(shape.target_config).vocab_size + 1
+        return InputCost(parameters=shape.num_mapped_layers * 2 * shape.positions * rows * layer_dim)
+
+    @classmethod
+    def build_module(cls, config: MapperConfig) -> nn.Module | None:
+        return TokenTables(config) if token_table_config(config) is not None else None
 
     @property
     def readers(self) -> list[int]:
@@ -127,11 +157,12 @@ class TokenTableInput(MapInput):
 
     @staticmethod
     def card_facts(config: dict[str, Any]) -> list[tuple[str, str]]:
-        if config.get("token_lags") is None:
+        tables = (config.get("map_inputs") or {}).get("token_tables")
+        if tables is None:
             return []
-        lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in config["token_lags"])
+        lags = positions_label(tables["lags"])
         return [("Maps also add", f"token tables of the prompt's ids at positions {lags} "
-                 f"(layers {', '.join(map(str, config['token_readers']))}; a look-up, no multiply-add)")]  # fmt: skip
+                 f"(layers {', '.join(map(str, tables['readers']))}; a look-up, no multiply-add)")]  # fmt: skip
 
     def from_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         return self.mapper.tokens.lagged(input_ids, attention_mask)
@@ -148,4 +179,12 @@ class TokenTableInput(MapInput):
         return rows
 
 
-__all__ = ["TokenTableInput", "TokenTables", "lagged_token_ids", "token_table_parameters", "token_table_readers", "validate_token_config"]
+__all__ = [
+    "TokenTableConfig",
+    "TokenTableInput",
+    "TokenTables",
+    "lagged_token_ids",
+    "token_table_config",
+    "token_table_parameters",
+    "token_table_readers",
+]

@@ -41,7 +41,8 @@ from transformers import PreTrainedModel
 
 from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
 from ..core.mapper import KVMapper
-from ..core.residual import residual_readers
+from ..core.map_inputs import exact_layers_needed
+from ..core.residual import residual_config, residual_readers
 from ..evaluation.content import repeated_span_retention
 from ..evaluation.metrics import retention_difference, sign_test_min_wins
 from ..evaluation.tasks import cued_recall_items, repeated_span_items
@@ -223,36 +224,25 @@ def residual_candidates(num_layers: int) -> list[int]:
 
 
 def _inputs_label(mapper: KVMapper) -> str:
+    """What a candidate's maps read, for the frontier: the source's K/V, then each input's own phrase
+    (`MapInputConfig.label`) in the order they apply."""
     c = mapper.config
-    tables = ""
-    if c.token_lags is not None:
-        lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in c.token_lags)
-        tables = f" + token tables ({lags}) on layer{'s' if len(c.token_readers) > 1 else ''} {_span(c.token_readers)}"
-    if c.residual_layer is None:
-        return "source K/V" + tables
-    rank = f", rank {c.residual_rank}" if c.residual_rank else ""
-    lags = ", ".join("t" if lag == 0 else f"t-{lag}" for lag in c.residual_lags)
-    readers = residual_readers(c)
-    mapped = range(c.residual_layer + 1, len(c.selected_layers))
-    who = "every mapped layer" if readers == list(mapped) else "layer" + ("s " if len(readers) > 1 else " ") + ", ".join(map(str, readers))
+    mapped = range(exact_layers_needed(c)[0], len(c.selected_layers))  # the layers the inputs leave to map
+    parts = [s.label(c) for s in c.map_inputs.values()]
+    return " + ".join([_source_label(c, mapped) if mapped.start else "source K/V", *(p for p in parts if p)])
+
+
+def _source_label(c, mapped: range) -> str:
+    """Which source K/V the maps of the `mapped` layers read."""
     alone = [t for t in mapped if not c.selected_layers[t]]
     read = {tuple(c.selected_layers[t]) for t in mapped}
     if not alone and len(read) == 1 and len(next(iter(read))) == 1:  # e.g. the last source layer only
-        source = f"source layer {next(iter(read))[0]}'s K/V"
-    elif not alone:
-        source = "source K/V"
-    elif len(alone) == len(mapped):
-        source = "no source K/V"
-    else:
-        source = f"source K/V (none for layer{'s' if len(alone) > 1 else ''} {', '.join(map(str, alone))})"
-    return f"{source} + target residual entering layer {c.residual_layer} ({lags}{rank}) read by {who}{tables}"
-
-
-def _span(layers: list[int]) -> str:
-    """`[2, 3, 4, 5]` -> "2-5"; other lists comma-separated."""
-    if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)):
-        return f"{layers[0]}-{layers[-1]}"
-    return ", ".join(map(str, layers))
+        return f"source layer {next(iter(read))[0]}'s K/V"
+    if not alone:
+        return "source K/V"
+    if len(alone) == len(mapped):
+        return "no source K/V"
+    return f"source K/V (none for layer{'s' if len(alone) > 1 else ''} {', '.join(map(str, alone))})"
 
 
 # Timing rounds of the candidates: each round times every candidate once, then the target's own prefill.
@@ -413,7 +403,7 @@ def choose_configuration(
     if report.get("prefix_len") is None or report.get("copy_gain") is None or "barely copies" in report.get("reason", ""):
         return _with_num_exact(mapper, chosen_kv), report  # nothing to compare on: the source-only answer
     candidates_in = list(residual_mappers.values() if isinstance(residual_mappers, Mapping) else residual_mappers or [])
-    candidates_in.sort(key=lambda m: m.config.residual_layer)  # stable: each layer's candidates in the given order
+    candidates_in.sort(key=lambda m: residual_config(m.config).layer)  # stable: each layer's candidates in the given order
     vocab = target.config.get_text_config().vocab_size
     spans = repeated_span_items(vocab, stream, num_items, seed=seed, prefix_len=report["prefix_len"],
                                 continuation_len=PROBE_CONTINUATION_LEN, kind="text")  # fmt: skip
@@ -457,7 +447,7 @@ def choose_configuration(
     # it runs at DEBUG).
     bar = tqdm(candidates_in, desc="configuration probe", unit="candidate", disable=not progress or not candidates_in)
     for index, m in enumerate(bar, 1):
-        layer, num_exact = m.config.residual_layer, m.config.residual_layer + 1
+        layer, num_exact = residual_config(m.config).layer, residual_config(m.config).layer + 1
         row: dict[str, Any] = {"inputs": _inputs_label(m), "residual_layer": layer, "num_exact_layers": num_exact,
                                "readers": residual_readers(m.config), "retention": None, "retention_ci": None,
                                "cued_retention": None, "cued_retention_ci": None, "passes": False}  # fmt: skip
@@ -474,7 +464,7 @@ def choose_configuration(
                 row["skipped"] = f"more exact layers than the source-only answer's {chosen_kv} (more of the target computed)"
                 continue
             twin = (layer, repr(m.config.selected_layers), repr(residual_readers(m.config)))
-            if m.config.residual_rank is not None and twin in failed_full_rank:
+            if residual_config(m.config).rank is not None and twin in failed_full_rank:
                 row["skipped"] = "the same maps at full rank failed the probe (a reduced rank keeps less)"
                 continue
             if refine is not None:
@@ -508,7 +498,7 @@ def choose_configuration(
                 row["passes"] = low is not None and math.isfinite(low) and low >= -(1 - min_retention)
             if not row["passes"] and layer not in seen_layers:
                 failed_layers.add(layer)
-            if not row["passes"] and m.config.residual_rank is None:
+            if not row["passes"] and residual_config(m.config).rank is None:
                 failed_full_rank.add(twin)
             seen_layers.add(layer)
             if row["passes"]:

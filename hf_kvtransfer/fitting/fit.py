@@ -21,12 +21,12 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.lowrank import lowrank_mapper, reduced_rank_heldout_r2
+from ..core.map_inputs import exact_layers_needed
 from ..core.mapper import KVMapper, MapperConfig
 from ..core.mapper_types import MLP, RIDGE
 from ..core.ridge import effective_top_k, heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
 from ..core.rope import text_config
 from ..core.stats import KINDS, BlockStatistics, KVLayout, KVStatistics
-from ..core.token_tables import token_table_parameters
 from .accumulate import run_fit_pass
 from .calibration import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, build_calibration, sample_hash
 from .calibration_pass import as_token_tensor
@@ -45,12 +45,14 @@ from .mlp import fit_mlp
 from .residual_stats import ResidualStatistics, residual_statistics_nbytes, residual_variants
 from .token_tables import (
     TableInputs,
+    can_fold_residual,
     capture_table_inputs,
     fit_token_tables,
     fold_residual_into_tables,
     tabulate_first_layer,
     table_inputs_nbytes,
     token_table_rows_nbytes,
+    token_tables_nbytes,
     with_token_tables,
 )
 
@@ -518,19 +520,18 @@ def _token_tables_step(source, target, ids, mask, config: FitConfig, log):
 
     def refine(candidate: KVMapper) -> KVMapper:
         readers = list(range(candidate.num_exact_layers, candidate.target_layout.num_layers))
-        config_with = dataclasses.replace(candidate.config, token_lags=list(config.token_lags), token_readers=readers)
-        nbytes = 4 * token_table_parameters(config_with)
+        nbytes = token_tables_nbytes(candidate, readers, config.token_lags)
         if nbytes > TOKEN_TABLE_BYTES:
             (log or logger.info)(f"token tables: not added, {nbytes / 2**30:,.1f} GiB for layers {readers} (over {TOKEN_TABLE_BYTES / 2**30:.0f} GiB)")
             return candidate
-        layer = candidate.config.residual_layer
+        layer = exact_layers_needed(candidate.config)[0] - 1  # the residual it reads enters its last needed exact layer
         if layer not in fitted:
             fitted[layer] = fit_tables(candidate, readers, layer)
         with_tables = with_token_tables(candidate, fitted[layer].tokens)
         # The residual entering layer 0 is the token embedding: its part of the maps is one more table row per id
         # and lag, a gather at transfer time instead of a product (the same maps); and the one exact layer's K/V
         # are the target's own per id, looked up instead of projected.
-        if layer == 0 and set(with_tables.config.residual_lags) <= set(with_tables.tokens.lags):
+        if can_fold_residual(with_tables):
             return tabulate_first_layer(fold_residual_into_tables(with_tables, target), target)
         return with_tables
 

@@ -29,8 +29,10 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.lowrank import rank_for_energy
+from ..core.key_norm import KeyNormConfig, KeyNormInput
+from ..core.map_inputs import with_input
 from ..core.mapper import KVMapper
-from ..core.residual import residual_features, residual_readers
+from ..core.residual import ResidualConfig, ResidualInput, residual_config, residual_features, residual_readers
 from ..core.ridge import feature_index
 from ..core.rope import text_config
 from ..core.stats import KVLayout
@@ -167,8 +169,9 @@ def solve_residual_mapper(
 ) -> KVMapper:
     """A copy of `mapper` whose target layers after `residual_layer` also read the target's residual stream entering
     that layer (ridge on standardised `[selected source K|V, residual features]`, one solve per layer and kind),
-    recording `residual_layer`, the lags, `residual_rank`, `key_before_norm` and `num_exact_layers =
-    residual_layer + 1` (the fewest exact layers that compute that residual) in its config. Layers up to
+    recording its `ResidualConfig` (the layer, the lags, the rank, the readers), a `KeyNormConfig` when the maps
+    predict keys before the target's key norm, and `num_exact_layers = residual_layer + 1` (the fewest exact layers
+    that compute that residual) in its config. Layers up to
     `residual_layer` keep `mapper`'s maps. Only ridge mappers.
 
     Args:
@@ -195,21 +198,24 @@ def solve_residual_mapper(
     if residual_rank is not None and residual_energy is not None:
         raise ValueError("give residual_rank or residual_energy, not both")
     selected = [list(sources.get(t, sel)) for t, sel in enumerate(mapper.config.selected_layers)]
+    res = ResidualConfig(residual_layer, list(stats.lags), readers=list(readers) if readers is not None else None)
+    inputs = {**mapper.config.map_inputs, ResidualInput.name: res}
+    if stats.key_before_norm:
+        inputs[KeyNormInput.name] = KeyNormConfig()
     config = dataclasses.replace(
-        mapper.config, selected_layers=selected, residual_layer=residual_layer, residual_lags=list(stats.lags), residual_rank=None,
-        key_before_norm=stats.key_before_norm, residual_readers=list(readers) if readers is not None else None,
+        mapper.config, selected_layers=selected, map_inputs=inputs,
         num_exact_layers=max(mapper.config.num_exact_layers or 0, residual_layer + 1),
     )  # fmt: skip
     down = None
     if residual_rank is not None or residual_energy is not None:
         down = reduced_rank_projection(stats, residual_layer, config, residual_lambda, rank=residual_rank, energy=residual_energy)
-        config = dataclasses.replace(config, residual_rank=down.shape[0])
+        config = with_input(config, ResidualInput.name, dataclasses.replace(res, rank=down.shape[0]))
     new = KVMapper(config, report=dict(mapper.report))
     for t, layer in enumerate(new.layers):
         if t not in sources:
             layer.load_state_dict(mapper.layers[t].state_dict())
     new = new.to(mapper.dtype)
-    # In-sample R^2 of the new maps (of the keys before the norm for `key_before_norm`); where the source-only fit
+    # In-sample R^2 of the new maps (of the keys before the norm for the key-norm input); where the source-only fit
     # recorded none, the source-only layers get none either (JSON has no NaN).
     r2 = {kind: list(getattr(config, f"fit_r2_{kind}") or [0.0] * tgt.num_layers) for kind in KINDS}
     if down is not None:
@@ -368,11 +374,11 @@ def residual_variants(
         low = solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped},
                                     residual_lambda=residual_lambda, residual_energy=RESIDUAL_RANK_ENERGY)  # fmt: skip
         features, outputs = len(stats.lags) * stats.hidden_size, 2 * len(mapped) * stats.target_layout.layer_dim
-        if low.config.residual_rank * (features + outputs) <= features * outputs / 2:
+        if residual_config(low.config).rank * (features + outputs) <= features * outputs / 2:
             variants.append(low)
     unique: dict[tuple, KVMapper] = {}  # e.g. one mapped layer: "only the copy layer" is the first variant again
     for v in variants:
-        unique.setdefault((repr(v.config.selected_layers), repr(residual_readers(v.config)), v.config.residual_rank), v)
+        unique.setdefault((repr(v.config.selected_layers), repr(residual_readers(v.config)), residual_config(v.config).rank), v)
     return list(unique.values())
 
 

@@ -36,11 +36,14 @@ from transformers import PreTrainedModel
 from ..core.cache import TransferredCache
 from ..core.capture import capture_kv_and_inputs, prefill
 from ..core.exact import own_prefix
+from ..core.first_layer_table import FirstLayerTableConfig, FirstLayerTableInput
+from ..core.key_norm import KeyNormInput
+from ..core.map_inputs import with_input
 from ..core.mapper import KVMapper
-from ..core.residual import residual_features, residual_readers
+from ..core.residual import ResidualInput, residual_config, residual_features, residual_readers
 from ..core.rope import position_ids_from_mask, rotary_cos_sin, strip_rope, text_config
 from ..core.stats import KVLayout
-from ..core.token_tables import TokenTables, lagged_token_ids
+from ..core.token_tables import TokenTableConfig, TokenTableInput, TokenTables, lagged_token_ids, token_table_parameters
 from .residual_stats import has_key_norm
 
 logger = logging.getLogger(__name__)
@@ -151,7 +154,7 @@ def _table_batches(source, target, input_ids, attention_mask, batch_size: int):
 
 
 def _with_empty_tables(mapper: KVMapper, lags: Sequence[int], readers: Sequence[int]) -> KVMapper:
-    config = dataclasses.replace(mapper.config, token_lags=list(lags), token_readers=list(readers))
+    config = with_input(mapper.config, TokenTableInput.name, TokenTableConfig(list(lags), list(readers)))
     new = KVMapper(config, layer_maps=mapper.layers, report=dict(mapper.report))
     new.residual = mapper.residual
     new.tokens.to(mapper.dtype)
@@ -213,7 +216,7 @@ def token_residuals(target: PreTrainedModel, *, batch_size: int = 4096, check_to
 
 @torch.no_grad()
 def tabulate_first_layer(mapper: KVMapper, target: PreTrainedModel, *, batch_size: int = 4096, check_tokens: int = 64) -> KVMapper:
-    """`mapper` with the target's own layer-0 keys and values per token id (`MapperConfig.first_layer_table`): a
+    """`mapper` with the target's own layer-0 keys and values per token id (`first_layer_table.FirstLayerTableInput`): a
     cache computing exactly one layer then looks them up instead of running the target's projections.
 
     Each id's keys and values are the target's own of a one-token sequence, RoPE stripped (keys after the key norm).
@@ -232,7 +235,7 @@ def tabulate_first_layer(mapper: KVMapper, target: PreTrainedModel, *, batch_siz
     refusal = (f"layer 0's keys and values of {type(target).__name__} depend on more than the token id: they cannot "
                "be looked up; keep the mapper as it is")  # fmt: skip
     keys, values = _per_id(target, layer0, refusal, batch_size, check_tokens)
-    new = KVMapper(dataclasses.replace(mapper.config, first_layer_table=True), layer_maps=mapper.layers,
+    new = KVMapper(with_input(mapper.config, FirstLayerTableInput.name, FirstLayerTableConfig()), layer_maps=mapper.layers,
                    report=dict(mapper.report))  # fmt: skip
     new.residual, new.tokens = mapper.residual, mapper.tokens
     new.first_layer.to(mapper.dtype)
@@ -243,36 +246,37 @@ def tabulate_first_layer(mapper: KVMapper, target: PreTrainedModel, *, batch_siz
 
 @torch.no_grad()
 def fold_residual_into_tables(mapper: KVMapper, target: PreTrainedModel) -> KVMapper:
-    """The same maps with their residual part held in the token tables (`MapperConfig.residual_in_tables`).
+    """The same maps with their residual part held in the token tables (`ResidualConfig.in_tables`).
 
-    With `residual_layer = 0` a reader's residual part at position `t` is `sum_i W_i @ norm(e[ids[t - lag_i]])`
+    With the residual's `layer = 0` a reader's residual part at position `t` is `sum_i W_i @ norm(e[ids[t - lag_i]])`
     (`e` the residual entering layer 0 of each id, `token_residuals`): one row per id and lag, added to the table
     of that lag. The "no token" row stays as it is (the residual features are zero there too). The transfer then
     computes no residual product; it still runs the exact layer and the key norms.
 
     Args:
-        mapper: a mapper with `residual_layer = 0` and token tables on every residual reader at every residual lag.
+        mapper: a mapper reading the residual entering layer 0, with token tables on every residual reader at every
+            residual lag (`can_fold_residual`).
         target: the target model (for its embeddings).
 
     Returns:
         A new mapper (the source maps shared with `mapper`, new tables); `mapper` is not changed.
     """
-    config = mapper.config
+    config, res = mapper.config, residual_config(mapper.config)
     readers = residual_readers(config)
-    if config.residual_layer != 0 or config.residual_in_tables or mapper.tokens is None:
+    if res is None or res.layer != 0 or res.in_tables or mapper.tokens is None:
         raise ValueError(
-            "fold_residual_into_tables needs a mapper reading the residual entering layer 0 (residual_layer 0), with "
-            "token tables, whose residual part is not in them already"
+            "fold_residual_into_tables needs a mapper reading the residual entering layer 0 (map_inputs.residual.layer "
+            "0), with token tables, whose residual part is not in them already"
         )
-    if not set(readers) <= set(mapper.tokens.layers) or not set(config.residual_lags) <= set(mapper.tokens.lags):
+    if not can_fold_residual(mapper):
         raise ValueError(
             f"the token tables (layers {mapper.tokens.layers}, lags {mapper.tokens.lags}) must cover the residual readers "
-            f"{readers} at the residual lags {config.residual_lags}"
+            f"{readers} at the residual lags {res.lags}"
         )
     embeddings = token_residuals(target).to(mapper.dtype)
     features = residual_features(embeddings[None], [0])[0]  # [vocab, hidden], normalised as the cache does
     width = features.shape[1]
-    folded = dataclasses.replace(config, residual_in_tables=True, residual_rank=None)
+    folded = with_input(config, ResidualInput.name, dataclasses.replace(res, in_tables=True, rank=None))
     new = KVMapper(folded, layer_maps=mapper.layers, report=dict(mapper.report)).to(mapper.dtype)
     new.tokens.load_state_dict(mapper.tokens.state_dict())
     for kind in ("key", "value"):
@@ -281,10 +285,25 @@ def fold_residual_into_tables(mapper: KVMapper, target: PreTrainedModel) -> KVMa
             if mapper.residual.down is not None:
                 weight = weight @ mapper.residual.down  # [out, len(lags) * hidden]
             table = getattr(new.tokens, kind)[str(t)].data
-            for i, lag in enumerate(config.residual_lags):
+            for i, lag in enumerate(res.lags):
                 block = weight[:, i * width : (i + 1) * width].to(features.device)
                 table[mapper.tokens.lags.index(lag), : features.shape[0]] += (features @ block.T).to(table.device, table.dtype)
     return new
+
+
+def can_fold_residual(mapper: KVMapper) -> bool:
+    """Whether `fold_residual_into_tables` applies: the maps read the residual entering layer 0 (the token embedding,
+    a function of the id) as weights, and its token tables cover every residual reader at every residual lag."""
+    res = residual_config(mapper.config)
+    if res is None or res.layer != 0 or res.in_tables or mapper.tokens is None:
+        return False
+    return set(residual_readers(mapper.config)) <= set(mapper.tokens.layers) and set(res.lags) <= set(mapper.tokens.lags)
+
+
+def token_tables_nbytes(mapper: KVMapper, readers: Sequence[int], lags: Sequence[int], itemsize: int = 4) -> int:
+    """Bytes of token tables on `readers` at `lags` for `mapper`'s target, at `itemsize` bytes a number."""
+    config = with_input(mapper.config, TokenTableInput.name, TokenTableConfig(list(lags), list(readers)))
+    return itemsize * token_table_parameters(config)
 
 
 def _dist():
@@ -326,7 +345,7 @@ def fit_token_tables(
         inputs: `capture_table_inputs` of the same sequences, for several fits (default: run both models here).
 
     Returns:
-        The new mapper (the same maps, `token_lags` / `token_readers` recorded, `num_exact_layers` kept).
+        The new mapper (the same maps, its `TokenTableConfig` recorded, `num_exact_layers` kept).
     """
     if mapper.tokens is not None or mapper.config.mapper_type != "ridge":
         raise ValueError("fit_token_tables adds tables to a 'ridge' mapper without them")
@@ -338,8 +357,8 @@ def fit_token_tables(
     vocab = text_config(target.config).vocab_size
     # What the maps predict, before the key norm the cache applies for a mapper that predicts keys before it.
     raw = copy.copy(mapper)
-    raw.config = dataclasses.replace(mapper.config, key_before_norm=False)
-    prenorm = set(residual_readers(mapper.config)) if mapper.config.key_before_norm else set()
+    raw.config = with_input(mapper.config, KeyNormInput.name, None)
+    prenorm = set(residual_readers(mapper.config)) if KeyNormInput.used_by(mapper.config) else set()
     device = next(target.parameters()).device
     rotary = mapper.target_rotary(device)
     kept_ids: list[torch.Tensor] = []

@@ -80,6 +80,7 @@ except ImportError as exc:  # pragma: no cover - only without vLLM
     ) from exc
 
 from ..core.defaults import resolve_num_exact_layers, resolve_num_recompute_tokens
+from ..core.map_inputs import exact_layers_needed, model_layers_needed
 from ..core.mapper import MapperConfig, config_fingerprint
 from .kv_store import FileKVStore, KVStore, StoredKV, build_lmcache_store, prompt_key
 
@@ -394,24 +395,21 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         from ..core.mapper import KVMapper
 
         mapper = KVMapper.from_pretrained(self.mapper_id, revision=self.mapper_revision).eval()
-        if mapper.needs_target_residual and self.num_exact_layers < mapper.config.residual_layer + 1:
-            # allow_lossy with fewer exact layers than the residual needs: nothing computes it.
+        needed, why = exact_layers_needed(mapper.config)
+        if self.num_exact_layers < needed:
+            # allow_lossy with fewer exact layers than the mapper's inputs need: nothing computes what they read.
             raise ConnectorConfigError(
-                f"mapper {self.mapper_id!r} reads the target's residual entering layer {mapper.config.residual_layer}, "
-                f"which needs {mapper.config.residual_layer + 1} exact layers, got num_exact_layers="
+                f"mapper {self.mapper_id!r} needs {needed} exact layers ({why}), got num_exact_layers="
                 f"{self.num_exact_layers}; drop num_exact_layers, or serve a mapper fit with --residual-inputs off"
             )
         self._mapper = mapper
 
     def _helper_layers(self) -> int:
-        """Target layers the engine-side helper model loads: the exact layers, and for a mapper that predicts keys
-        before the target's key norm, every layer up to the last one whose maps read the residual (their `k_norm`)."""
-        config = self._mapper.config if self._mapper is not None else None
-        if config is None or config.residual_layer is None or not config.key_before_norm:
+        """Target layers the engine-side helper model loads: the exact layers, and every layer whose modules the
+        mapper's inputs use (a mapper that predicts keys before the target's key norm: each reader's `k_norm`)."""
+        if self._mapper is None:
             return self.num_exact_layers
-        from ..core.residual import residual_readers
-
-        return max(self.num_exact_layers, max(residual_readers(config)) + 1)
+        return max(self.num_exact_layers, model_layers_needed(self._mapper.config))
 
     def _load_exact_model(self, vllm_config: "VllmConfig"):
         """The target's embedding and first `num_exact_layers` layers (and rotary), from the checkpoint this engine

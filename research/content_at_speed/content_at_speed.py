@@ -153,10 +153,11 @@ def main():
     span_ref = None
     for v in variants:
         mapper, num_exact = build(v, base, stats)
-        row = {"num_exact_layers": num_exact, "residual_layer": mapper.config.residual_layer,
+        res = mapper.config.map_inputs.get("residual")
+        row = {"num_exact_layers": num_exact, "residual_layer": getattr(res, "layer", None),
                "num_recompute_tokens": mapper.config.num_recompute_tokens,
                "selected_layers": mapper.config.selected_layers,
-               "residual_readers": mapper.config.residual_readers, "residual_rank": mapper.config.residual_rank}  # fmt: skip
+               "residual_readers": getattr(res, "readers", None), "residual_rank": getattr(res, "rank", None)}  # fmt: skip
         with torch.no_grad():
             if recall:
                 r = passage_recall(source, target, mapper, recall, num_exact_layers=num_exact, progress=False)

@@ -30,7 +30,7 @@ def main() -> None:
     start = time.perf_counter()
     mapper = fit_mapper(source, target, FAMILY / "calibration.txt", tokenizer=tokenizer, heldout_fraction=0, progress=False)
     c = mapper.config
-    print("fit", round(time.perf_counter() - start, 1), "s; exact layers", c.num_exact_layers, "residual layer", c.residual_layer,
+    print("fit", round(time.perf_counter() - start, 1), "s; exact layers", c.num_exact_layers, "residual layer", getattr(c.map_inputs.get("residual"), "layer", None),
           "selected", c.selected_layers)
     mapper.save_pretrained(out)
     for r in mapper.report["exact_layers"].get("candidates", []):

@@ -48,7 +48,7 @@ def main() -> None:
         if args.residual_layer == 0 and not args.no_fold:  # as the fit does: the embedding's part in the tables,
             mapper = tabulate_first_layer(fold_residual_into_tables(mapper, pair.target), pair.target)  # layer 0 looked up
     mapper.save_pretrained(args.output)
-    print(f"saved {args.output}: {mapper.num_exact_layers} exact layers, tables on {mapper.config.token_readers}")
+    print(f"saved {args.output}: {mapper.num_exact_layers} exact layers, tables on {mapper.tokens.layers if mapper.tokens is not None else None}")
 
 
 if __name__ == "__main__":

@@ -50,8 +50,9 @@ def main() -> None:
     for row in report.get("candidates", report["tried"]):
         print({k: row.get(k) for k in FIELDS}, flush=True)
     c = mapper.config
-    print(f"chosen: {c.num_exact_layers} exact layers, residual layer {c.residual_layer}, token tables on "
-          f"{c.token_readers}: {report.get('reason')}")
+    res, tables = c.map_inputs.get("residual"), c.map_inputs.get("token_tables")
+    print(f"chosen: {c.num_exact_layers} exact layers, residual layer {getattr(res, 'layer', None)}, token tables on "
+          f"{getattr(tables, 'readers', None)}: {report.get('reason')}")
 
 
 if __name__ == "__main__":

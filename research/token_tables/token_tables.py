@@ -77,7 +77,7 @@ def main():
     heads = tgt.config.num_key_value_heads
     # Keys before the target's k_norm: what a residual reader's map predicts (the cache applies the norm), and the
     # target's own. Captured from the norm's input where the sequence is the transferred part.
-    prenorm = set(residual_readers(mapper.config)) if mapper.config.key_before_norm and not args.after_norm else set()
+    prenorm = set(residual_readers(mapper.config)) if "key_norm" in mapper.config.map_inputs and not args.after_norm else set()
     captured: dict[int, torch.Tensor] = {}
     norms = {t: tgt.model.layers[t].self_attn.k_norm for t in prenorm}
 
