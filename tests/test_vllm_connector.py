@@ -465,7 +465,7 @@ def test_handoff_example_identity_is_exact(tmp_path):
     assert lines[-1] == "identical: True"
 
 
-def _connector_alone(tmp_path, role: str, mapper_dir=None, model_dir: Path = FAMILY / "large", **extra):
+def _connector_alone(tmp_path, role: str, mapper_dir=None, model_dir: Path = FAMILY / "large", revision=None, **extra):
     """The connector as vLLM builds it, without an engine (a config holding what the connector reads)."""
     from types import SimpleNamespace
 
@@ -480,7 +480,7 @@ def _connector_alone(tmp_path, role: str, mapper_dir=None, model_dir: Path = FAM
         kv_transfer_config=kv,
         cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
         model_config=SimpleNamespace(hf_config=AutoConfig.from_pretrained(model_dir), model=str(model_dir),
-                                     revision=None, trust_remote_code=False, dtype=torch.float32),
+                                     revision=revision, trust_remote_code=False, dtype=torch.float32),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         device_config=SimpleNamespace(device_type="cpu"),
     )  # fmt: skip
@@ -506,7 +506,7 @@ def test_start_up_refuses_what_it_cannot_serve_and_says_how(tmp_path):
     broken.mkdir()
     shutil.copy(FAMILY / "large" / "config.json", broken / "config.json")
     with pytest.raises(ConnectorConfigError, match="could not load them from .*allow_lossy=True"):
-        _connector_alone(tmp_path, "WORKER", mapper_dir, model_dir=broken)
+        _connector_alone(tmp_path, "WORKER", mapper_dir, model_dir=broken, served_model_id=str(FAMILY / "large"))
     with pytest.raises(ConnectorConfigError, match="num_recompute_tokens"):
         _connector_alone(tmp_path, "SCHEDULER", mapper_dir, num_recompute_tokens=-1)
     with pytest.raises(ConnectorConfigError, match="unknown kv_connector_extra_config keys"):
@@ -514,6 +514,30 @@ def test_start_up_refuses_what_it_cannot_serve_and_says_how(tmp_path):
     with pytest.warns(DeprecationWarning, match="num_recompute_tokens"):
         old = _connector_alone(tmp_path, "SCHEDULER", mapper_dir, recompute_tokens=4)
     assert old.num_recompute_tokens == 4
+
+
+def test_start_up_checks_the_served_model(tmp_path):
+    """The mapper's target vs the model the engine serves: another model (same shape, another name) is refused in
+    one line naming the fix, and served once declared a copy; a revision that differs is a warning, silenced by
+    warn_revision_mismatch=False."""
+    _need_vllm()
+    from hf_kvtransfer.integrations.vllm_connector import ConnectorConfigError
+
+    mapper_dir = tmp_path / "mapper"
+    _orthogonal_mapper(num_exact_layers=2).save_pretrained(mapper_dir)
+    other = tmp_path / "other-large"
+    other.mkdir()
+    shutil.copy(FAMILY / "large" / "config.json", other / "config.json")
+    with pytest.raises(ConnectorConfigError, match=r"serves '.*other-large'.*served_model_id") as refused:
+        _connector_alone(tmp_path, "SCHEDULER", mapper_dir, model_dir=other)
+    assert "\n" not in str(refused.value)
+    assert _connector_alone(tmp_path, "SCHEDULER", mapper_dir, model_dir=other, served_model_id=str(FAMILY / "large"))
+    config = json.loads((mapper_dir / "config.json").read_text())
+    (mapper_dir / "config.json").write_text(json.dumps({**config, "target_revision": "abc123"}))
+    for extra, expected in (({}, 1), ({"warn_revision_mismatch": False}, 0)):
+        with _records("hf_kvtransfer") as records:
+            _connector_alone(tmp_path, "SCHEDULER", mapper_dir, revision="main", **extra)
+        assert sum("revision 'abc123'" in r.getMessage() for r in records) == expected
 
 
 def test_all_exact_mapper_falls_back_to_the_engines_own_prefill(tmp_path):

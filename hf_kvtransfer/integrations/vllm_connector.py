@@ -43,10 +43,12 @@ target = LLM("examples/family/large", kv_transfer_config=connector("kv_consumer"
   the mapper's: faster, and it loses what the context said on the bundled family. Default False.
 - `min_tokens`: the shortest stored prefix worth using (default 1); `role`: `source` / `target` / `both` (default
   from `kv_role`).
+- `served_model_id`: declare the served checkpoint to be the mapper's target (a local copy under another name);
+  `warn_revision_mismatch` (default True): warn when the served revision is not the mapper's target revision.
 
 Never a lossy hand-off silently: a mapper whose needs the connector cannot meet (its exact layers cannot be loaded
-from the served checkpoint, or a start-up transfer through it fails) is refused
-when the engine starts, with one line naming the fix; a mapper whose exact layers are all of the target's
+from the served checkpoint, or a start-up transfer through it fails) or that was made for another target model is
+refused when the engine starts, with one line naming the fix; a mapper whose exact layers are all of the target's
 saves nothing, and the engine prefills itself (one warning at start-up).
 
 Request-scoped: a request is a transfer when it arrives (`on_new_request`: a stored prefix, not turned off by its
@@ -94,6 +96,7 @@ from ..core.defaults import resolve_num_exact_layers, resolve_num_recompute_toke
 from ..core.mapper import MapperConfig, config_fingerprint
 from . import transfer_status as ts
 from .kv_store import FileKVStore, KVStore, StoredKV, build_lmcache_store, prompt_key
+from .served_identity import IdentityError, ServedModel, check_served_target, stored_by_other_source
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,7 +114,7 @@ _ROLES = ("source", "target", "both")
 _SHAPE_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
 _KNOWN_KEYS = {"store", "store_max_bytes", "store_backend", "lmcache_config", "mapper", "mapper_revision",
                "num_exact_layers", "num_recompute_tokens", "recompute_tokens", "allow_lossy", "min_tokens",
-               "role"}  # fmt: skip
+               "role", "served_model_id", "warn_revision_mismatch"}  # fmt: skip
 
 
 class ConnectorConfigError(ValueError):
@@ -322,6 +325,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         if self.loads_kv:
             self.mapper_config = self._read_mapper_config()
             self._check_target_shape()
+            self._check_served_model(vllm_config, extra, role)
             self.num_exact_layers = self._resolve_num_exact_layers(extra.get("num_exact_layers"))
             num_target = self.kv_shape["num_hidden_layers"]
             if self.num_exact_layers >= num_target:
@@ -422,6 +426,19 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                 f"engine serves {getattr(self.model_config, '_name_or_path', 'a model')} with {want}; load the mapper "
                 "made for this target model"
             )
+
+    def _check_served_model(self, vllm_config: "VllmConfig", extra: dict, role: KVConnectorRole) -> None:
+        """The mapper's target vs the model, revision and tensor-parallel layout this engine serves."""
+        model_config = vllm_config.model_config
+        served = ServedModel(getattr(model_config, "model", None), getattr(model_config, "revision", None),
+                             self.kv_shape["num_key_value_heads"], self.tp_size)  # fmt: skip
+        try:
+            warning = check_served_target(self.mapper_config, served, str(self.mapper_id), extra.get("served_model_id"),
+                                          bool(extra.get("warn_revision_mismatch", True)))  # fmt: skip
+        except IdentityError as exc:
+            raise ConnectorConfigError(str(exc)) from exc
+        if warning and role == KVConnectorRole.SCHEDULER:
+            logger.warning("hf-kvtransfer: %s", warning)
 
     def _resolve_num_exact_layers(self, requested) -> int:
         recorded = resolve_num_exact_layers(self.mapper_config, None)  # the library's one default
@@ -781,6 +798,9 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         stored = self.store.get(load.token_ids)
         if stored is None:
             raise LookupError(ts.ENTRY_CORRUPTED if present else ts.ENTRY_MISSING)
+        other_source = stored_by_other_source(self.mapper_config, stored.info.get("model"))
+        if other_source:
+            raise LookupError(other_source)
         some = next(iter(layers.values())).kv_cache
         source = self._source_kv(stored, load.end, some.device)
         cache = self._transfer(source, load.token_ids[: load.end], some.device, some.dtype)
