@@ -576,6 +576,10 @@ def test_all_exact_mapper_falls_back_to_the_engines_own_prefill(tmp_path):
     assert lossy.get_num_new_matched_tokens(request, 0) == (0, False) and request.cache_salt == "tenant"
     assert lossy.request_finished(request, [])[1]["hf_kvtransfer"]["status"] == "unsupported"
     assert lossy.status_counts["applied"] == 1 and lossy.status_counts["unsupported"] == 1
+    # the same counts as the connector's KV connector stats (what vLLM logs), since the last report
+    stats = lossy.get_kv_connector_stats()
+    assert stats.reduce() == dict(lossy.status_counts) and lossy.get_kv_connector_stats() is None
+    assert stats.aggregate(type(lossy).build_kv_connector_stats(stats.data)).reduce()["applied"] == 2
 
 
 def _fake_request(req_id: str, ids: list[int], **fields):
