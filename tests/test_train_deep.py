@@ -41,7 +41,7 @@ def _run(train_deep, sources: Path, out: Path, *extra: str) -> None:
     # full mix (every row kind), so a resume crosses both phases and the fallback's switch.
     argv = ["--run-dir", str(out / "run"), "--export-dir", str(out / "export"), "--models", "tiny",
             "--sources-dir", str(sources), "--tokenizer", str(TOKENIZER), "--heldout-every", "5", "--steps", "8",
-            "--copy-phase", "0.5", "--prev-token-fallback", "2", "--seq-len", "256", "--batch-size", "5",
+            "--copy-phase", "0.5", "--prev-token-fallback", "0.5", "--seq-len", "256", "--batch-size", "5",
             "--copy-batch-size", "4", "--probe-every", "0", "--probe-items", "2", "--heldout-windows", "2",
             "--calibration-kb", "8", "--sample-kb", "8", "--log-every", "100", *extra]
     assert train_deep.main(argv) == 0

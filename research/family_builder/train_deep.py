@@ -15,10 +15,10 @@ default, so nothing decides which layer copies:
 - copy phase (first ``--copy-phase`` of the steps): short rows, 90% repeated random spans from a pool of frequent
   tokens that doubles each time copying on it is learned, 10% text;
 - then rows of ``--seq-len`` tokens: text 30%, random-span copies 10%, text-span copies 10%, fact documents 25%
-  (2-10 facts, distractors of 2-60 lines) and two-hop documents 25% (``tasks.two_hop_document``: alias lines
+  (2-10 facts, distractors of 2-50 lines) and two-hop documents 25% (``tasks.two_hop_document``: alias lines
   point at function facts; the questions ask through an alias or directly).
 
-Only if copying has not formed by ``--prev-token-fallback`` steps into the copy phase (the random-span pool never
+Only if copying has not formed by ``--prev-token-fallback`` (a fraction) of the copy phase (the random-span pool never
 grew) does a previous-token loss on layer 0 / head 0 switch on, for the rest of the copy phase; the log says so.
 
 Example (the real run, ~1 h source + ~7 h target on one core)::
@@ -54,9 +54,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Same KV geometry (2 KV heads x head_dim 32) in both; the source is a third as deep and three quarters as wide.
 PRESETS = {
     "source": dict(arch=dict(num_hidden_layers=8, hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=32, intermediate_size=288), steps=3000, lr=3e-3),
+                             head_dim=32, intermediate_size=288), steps=1500, lr=3e-3),
     "target": dict(arch=dict(num_hidden_layers=24, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=32, intermediate_size=384), steps=9000, lr=1.5e-3),
+                             head_dim=32, intermediate_size=384), steps=4500, lr=1.5e-3),
     # for tests and smoke runs only
     "tiny": dict(arch=dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
                            head_dim=16, intermediate_size=64), steps=20, lr=3e-3),
@@ -91,7 +91,7 @@ class DeepRowMaker(tf.RowMaker):
 
         rng = self.rng
         return self._documents(lambda: fact_document(
-            self.facts, self._distractor_lines(60), n_facts=rng.randint(2, 10), n_questions=rng.randint(2, 4)))
+            self.facts, self._distractor_lines(50), n_facts=rng.randint(2, 10), n_questions=rng.randint(2, 4)))
 
     def _row_twohop(self, progress, copy_phase):
         from hf_kvtransfer.evaluation.tasks import two_hop_document
@@ -113,7 +113,7 @@ class DeepProbes(tf.Probes):
 
         super().__init__(tok, held_stream, held_docs, n_copy, n_recall)
         self.hard = passage_recall_items(tok, n_recall, seed=10_000, n_facts=8, distractor_texts=held_docs,
-                                         distractor_chars=(1500, 3000))
+                                         distractor_chars=(900, 1800))
         self.two_hop = two_hop_items(tok, n_recall, seed=10_000, distractor_texts=held_docs)
 
     def run(self, model) -> dict[str, float]:
@@ -236,14 +236,15 @@ def train_step(model, opt, state: dict, data: Data, args, peak: float) -> dict:
     step, steps = state["step"], state["steps"]
     in_copy = step / steps < args.copy_phase
     if in_copy and not state["aux_on"] and state["pool_grown"] == 0 and args.prev_token_fallback \
-            and step >= args.prev_token_fallback:
+            and step >= args.prev_token_fallback * args.copy_phase * steps:
         state["aux_on"] = True  # copying has not formed: pin a previous-token head (layer 0 / head 0) from here on
     aux_w = args.prev_token_aux_weight if (in_copy and state["aux_on"]) else 0.0
     model.config._attn_implementation = "eager" if aux_w > 0 else "sdpa"
     mix = deep_mix(step / steps, args.copy_phase)
     kind_rng = random.Random()
     kind_rng.setstate(state["kind_rng"])
-    kinds = kind_rng.choices(list(mix), weights=list(mix.values()), k=args.copy_batch_size if in_copy else args.batch_size)
+    bs = args.copy_batch_size if in_copy else args.batch_size
+    kinds = kind_rng.choices(list(mix), weights=list(mix.values()), k=bs)
     state["kind_rng"] = kind_rng.getstate()
     ids, labels = tf.make_batch(data.short_maker if in_copy else data.maker, kinds, step / steps, args.copy_phase)
     for g in opt.param_groups:
@@ -301,13 +302,14 @@ def _loop(name, model, opt, state, data, args, peak, ckpt, fh) -> bool:
         tok_log, ran, step = tok_log + info["tokens"], ran + 1, state["step"]
         if state["aux_on"] and not was_aux:
             was_aux = True
-            tf.log(f"[{name}] step {step}: pool never grew in {args.prev_token_fallback} steps; previous-token loss "
-                   f"on layer 0 / head 0 switched on for the rest of the copy phase", fh)
+            tf.log(f"[{name}] step {step}: pool never grew in {args.prev_token_fallback:.0%} of the copy phase; "
+                   f"previous-token loss on layer 0 / head 0 switched on for the rest of the copy phase", fh)
         if step % args.log_every == 0 or step == 1:
             now = time.time()
             tf.log(f"[{name}] step {step}/{state['steps']} loss {info['loss']:.4f} ema {state['ema']:.4f} "
                    f"copy {state['copy_ema'] or 0:.3f} pool {data.maker.copy_vocab} prev-token {info['aux']:.3f} "
-                   f"lr {lr_at(step - 1, state['steps'], peak, args):.2e} {tok_log / max(now - t_log, 1e-9):,.0f} tok/s "
+                   f"lr {lr_at(step - 1, state['steps'], peak, args):.2e} "
+                   f"{tok_log / max(now - t_log, 1e-9):,.0f} tok/s "
                    f"train time {state['wall_s'] / 3600:.2f} h", fh)
             t_log, tok_log = now, 0
         if args.probe_every and (step % args.probe_every == 0 or step == state["steps"]):
@@ -353,7 +355,8 @@ def parse_args(argv=None):
     a = p.add_argument
     a("--run-dir", default="runs/deep_family", help="checkpoints, train_log.txt, done.json (default: %(default)s)")
     a("--export-dir", default="examples/family_deep", help="bf16 checkpoints + data files (default: %(default)s)")
-    a("--models", default="source,target", help=f"comma-separated, in order, from {sorted(PRESETS)} (default: %(default)s)")
+    a("--models", default="source,target",
+      help=f"comma-separated, in order, from {sorted(PRESETS)} (default: %(default)s)")
     a("--steps", type=int, default=None, help="optimizer steps per model (default: the preset's)")
     a("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
     a("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
@@ -364,22 +367,22 @@ def parse_args(argv=None):
     a("--heldout-every", type=int, default=20, help="hold out every N-th document (default: %(default)s)")
     a("--seq-len", type=int, default=1024, help="row length after the copy phase (default: %(default)s)")
     a("--batch-size", type=int, default=2, help="rows per step after the copy phase (default: %(default)s)")
-    a("--copy-phase", type=float, default=0.15, help="fraction of steps in the copy phase (default: %(default)s)")
+    a("--copy-phase", type=float, default=0.25, help="fraction of steps in the copy phase (default: %(default)s)")
     a("--copy-seq-len", type=int, default=128, help="row length in the copy phase (default: %(default)s)")
     a("--copy-batch-size", type=int, default=16, help="rows per step in the copy phase (default: %(default)s)")
     a("--copy-vocab", type=int, default=256, help="random-span pool at the start; doubles (default: %(default)s)")
     a("--copy-grow-below", type=float, default=1.0, help="copy-row loss that doubles the pool (default: %(default)s)")
-    a("--prev-token-fallback", type=int, default=600,
-      help="if the pool has not grown after this many steps, add a previous-token loss on layer 0 / head 0 for the "
-           "rest of the copy phase; 0 = never (default: %(default)s)")
+    a("--prev-token-fallback", type=float, default=0.5,
+      help="if the pool has not grown after this fraction of the copy phase, add a previous-token loss on layer 0 / "
+           "head 0 for the rest of the copy phase; 0 = never (default: %(default)s)")
     a("--prev-token-aux-weight", type=float, default=0.3, help="its weight (default: %(default)s)")
     a("--min-lr-frac", type=float, default=0.1, help="cosine floor as a fraction of peak (default: %(default)s)")
     a("--warmup-frac", type=float, default=0.02, help="warmup fraction of steps (default: %(default)s)")
     a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: %(default)s)")
     a("--grad-clip", type=float, default=1.0, help="gradient norm clip (default: %(default)s)")
     a("--max-position-embeddings", type=int, default=8192, help="config context limit (default: %(default)s)")
-    a("--probe-every", type=int, default=500, help="probe interval in steps, 0 = off (default: %(default)s)")
-    a("--probe-items", type=int, default=48, help="items per probe (default: %(default)s)")
+    a("--probe-every", type=int, default=250, help="probe interval in steps, 0 = off (default: %(default)s)")
+    a("--probe-items", type=int, default=32, help="items per probe (default: %(default)s)")
     a("--heldout-windows", type=int, default=150, help="held-out windows for the final loss (default: %(default)s)")
     a("--log-every", type=int, default=25, help="log interval in steps (default: %(default)s)")
     a("--sample-kb", type=int, default=300, help="size of heldout.txt in KB (default: %(default)s)")
@@ -401,7 +404,8 @@ def main(argv=None) -> int:
     torch.use_deterministic_algorithms(True)
     Path(args.run_dir).mkdir(parents=True, exist_ok=True)
     with open(Path(args.run_dir) / "train_log.txt", "a", encoding="utf-8") as fh:
-        tf.log(f"train_deep.py {' '.join(sys.argv[1:])}; torch {torch.__version__}, threads {torch.get_num_threads()}", fh)
+        tf.log(f"train_deep.py {' '.join(sys.argv[1:])}; torch {torch.__version__}, "
+               f"threads {torch.get_num_threads()}", fh)
         data = None
         for name in names:
             if (Path(args.run_dir) / name / "done.json").is_file() and not args.fresh:
