@@ -21,7 +21,7 @@ default, so nothing decides which layer copies:
 Only if copying has not formed by ``--prev-token-fallback`` (a fraction) of the copy phase (the random-span pool never
 grew) does a previous-token loss on layer 0 / head 0 switch on, for the rest of the copy phase; the log says so.
 
-Example (the real run, ~1 h source + ~7 h target on one core)::
+Example (the real run: about 1.4 h for the source and 10 h for the target on one core of a loaded machine)::
 
     apt-get install -y python3.11-doc
     python research/family_builder/train_deep.py --run-dir runs/deep_family --export-dir examples/family_deep
