@@ -9,8 +9,8 @@ state), written every ``--checkpoint-minutes`` and at the end; running the same 
 from it (an interrupted and resumed run gives the same weights as an uninterrupted one:
 ``tests/test_train_deep.py``). A model whose export is complete (``<run-dir>/<name>/done.json``) is skipped.
 
-The curriculum is the bundled family's (``train_family.py``) with harder recall and **no auxiliary loss** by
-default, so nothing decides which layer copies:
+The curriculum is the bundled family's (``train_family.py``) with harder recall, and one auxiliary loss at most:
+a previous-token head on layer 0 / head 0 during the copy phase, nothing that decides which layer copies:
 
 - copy phase (first ``--copy-phase`` of the steps): short rows, 90% repeated random spans from a pool of frequent
   tokens that doubles each time copying on it is learned, 10% text;
@@ -18,8 +18,9 @@ default, so nothing decides which layer copies:
   (2-10 facts, distractors of 2-50 lines) and two-hop documents 25% (``tasks.two_hop_document``: alias lines
   point at function facts; the questions ask through an alias or directly).
 
-Only if copying has not formed by ``--prev-token-fallback`` (a fraction) of the copy phase (the random-span pool never
-grew) does a previous-token loss on layer 0 / head 0 switch on, for the rest of the copy phase; the log says so.
+The previous-token loss is on from the start of the copy phase by default (without it, a smoke run did not copy;
+see research/family_builder/README.md); ``--prev-token-fallback F`` switches it on only if the random-span pool has
+not grown after a fraction F of the copy phase, ``--prev-token-aux-weight 0`` never. The log says when it is on.
 
 Example (the real run: about 1.4 h for the source and 10 h for the target on one core of a loaded machine)::
 
@@ -235,7 +236,7 @@ def train_step(model, opt, state: dict, data: Data, args, peak: float) -> dict:
 
     step, steps = state["step"], state["steps"]
     in_copy = step / steps < args.copy_phase
-    if in_copy and not state["aux_on"] and state["pool_grown"] == 0 and args.prev_token_fallback \
+    if in_copy and not state["aux_on"] and state["pool_grown"] == 0 and args.prev_token_aux_weight > 0 \
             and step >= args.prev_token_fallback * args.copy_phase * steps:
         state["aux_on"] = True  # copying has not formed: pin a previous-token head (layer 0 / head 0) from here on
     aux_w = args.prev_token_aux_weight if (in_copy and state["aux_on"]) else 0.0
@@ -302,8 +303,8 @@ def _loop(name, model, opt, state, data, args, peak, ckpt, fh) -> bool:
         tok_log, ran, step = tok_log + info["tokens"], ran + 1, state["step"]
         if state["aux_on"] and not was_aux:
             was_aux = True
-            tf.log(f"[{name}] step {step}: pool never grew in {args.prev_token_fallback:.0%} of the copy phase; "
-                   f"previous-token loss on layer 0 / head 0 switched on for the rest of the copy phase", fh)
+            tf.log(f"[{name}] step {step}: previous-token loss on layer 0 / head 0 switched on for the rest of the "
+                   f"copy phase (pool not grown after {args.prev_token_fallback:.0%} of it)", fh)
         if step % args.log_every == 0 or step == 1:
             now = time.time()
             tf.log(f"[{name}] step {step}/{state['steps']} loss {info['loss']:.4f} ema {state['ema']:.4f} "
@@ -367,15 +368,16 @@ def parse_args(argv=None):
     a("--heldout-every", type=int, default=20, help="hold out every N-th document (default: %(default)s)")
     a("--seq-len", type=int, default=1024, help="row length after the copy phase (default: %(default)s)")
     a("--batch-size", type=int, default=2, help="rows per step after the copy phase (default: %(default)s)")
-    a("--copy-phase", type=float, default=0.25, help="fraction of steps in the copy phase (default: %(default)s)")
+    a("--copy-phase", type=float, default=0.3, help="fraction of steps in the copy phase (default: %(default)s)")
     a("--copy-seq-len", type=int, default=128, help="row length in the copy phase (default: %(default)s)")
     a("--copy-batch-size", type=int, default=16, help="rows per step in the copy phase (default: %(default)s)")
     a("--copy-vocab", type=int, default=256, help="random-span pool at the start; doubles (default: %(default)s)")
     a("--copy-grow-below", type=float, default=1.0, help="copy-row loss that doubles the pool (default: %(default)s)")
-    a("--prev-token-fallback", type=float, default=0.5,
+    a("--prev-token-fallback", type=float, default=0.0,
       help="if the pool has not grown after this fraction of the copy phase, add a previous-token loss on layer 0 / "
-           "head 0 for the rest of the copy phase; 0 = never (default: %(default)s)")
-    a("--prev-token-aux-weight", type=float, default=0.3, help="its weight (default: %(default)s)")
+           "head 0 for the rest of the copy phase; 0 = from the start (default: %(default)s)")
+    a("--prev-token-aux-weight", type=float, default=0.3,
+      help="its weight; 0 = no auxiliary loss at all (default: %(default)s)")
     a("--min-lr-frac", type=float, default=0.1, help="cosine floor as a fraction of peak (default: %(default)s)")
     a("--warmup-frac", type=float, default=0.02, help="warmup fraction of steps (default: %(default)s)")
     a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: %(default)s)")
