@@ -138,10 +138,12 @@ def test_rank_tradeoff(tmp_path):
 
 def test_family_context(tmp_path):
     out = _run([sys.executable, str(RESEARCH / "family_builder" / "family_context.py"), "--family", str(FAMILY), "--models", "small",
-                "--items", "8", "--extra-items", "4", "--windows", "8", "--output", str(tmp_path / "ctx.json")])
-    assert "| context gain (nats/token) |" in out
+                "--items", "8", "--extra-items", "4", "--hard-items", "4", "--windows", "8",
+                "--output", str(tmp_path / "ctx.json")])
+    assert "| context gain (nats/token) |" in out and "| two-hop recall acc % with passage |" in out
     res = json.loads((tmp_path / "ctx.json").read_text())["models"]["small"]
     assert res["recall"]["items"] == 8 and res["context"]["windows"] == 8
+    assert res["hard_recall"]["items"] == 4 and res["two_hop"]["items"] == 4
 
 
 def test_exact_layers_ablation(tmp_path):

@@ -225,3 +225,58 @@ def test_cued_recall_items_find_the_value_only_by_its_key():
     assert asked == {0, 1, 2, 3}
     with pytest.raises(ValueError, match="records"):
         cued_recall_items(stream, 1, prefix_len=32, num_records=4)
+
+
+# ------------------------------------------------------------------------------------------- two-hop recall
+_ALIAS_LINE = re.compile(r"The :func:`([\w.]+)\.(\w+)` function is an alias of :func:`\1\.(\w+)`\.")
+_FUNC_FACT = re.compile(r":func:`[\w.]+\.(\w+)`[^`\n]*``(\d+)``")
+
+
+def _resolve_two_hop(passage: str, question: str) -> str:
+    """Answer a two-hop question from the passage text alone: alias line -> function -> that function's fact."""
+    asked = re.search(r":func:`[\w.]+\.(\w+)`", question).group(1)
+    aliases = {m.group(2): m.group(3) for m in _ALIAS_LINE.finditer(passage)}
+    facts = {}
+    for line in passage.split("\n\n"):
+        m = _FUNC_FACT.search(line)
+        if m and not _ALIAS_LINE.search(line):
+            assert m.group(1) not in facts, "a function has two facts"
+            facts[m.group(1)] = m.group(2)
+    assert asked in aliases and asked not in facts, "the asked alias must be stated only as an alias"
+    return facts[aliases[asked]]
+
+
+def test_two_hop_items_are_answered_only_through_the_alias(tok):
+    items = tasks.two_hop_items(tok, 40, seed=3)
+    assert items == tasks.two_hop_items(tok, 40, seed=3)  # deterministic
+    for it in items:
+        head, _, rest = tok.decode(it.prompt_ids).partition("\n\nQ: ")  # passage + distractor, question
+        resolved = _resolve_two_hop(head, "Q: " + rest)
+        assert resolved == it.meta["value"] == tok.decode(it.answer_ids)
+        assert it.answer_ids in it.passage_values
+        # the value sits on the aliased function's line, which the question never names
+        assert it.meta["function"] not in rest
+        assert tok.decode(it.prompt_ids[-len(it.no_passage_prompt_ids):]) == tok.decode(it.no_passage_prompt_ids)
+    # the asked fact is spread over the passage (not always the first or last line)
+    assert len({it.meta["value"] for it in items}) > 10
+
+
+def test_two_hop_documents_answer_each_question_from_the_passage():
+    gen = FactGenerator("train", seed=5, values=VALUES)
+    for _ in range(30):
+        doc = tasks.two_hop_document(gen, "distractor text", n_facts=5, n_aliases=3, n_questions=4)
+        blocks = doc.split("\n\nQ: ")
+        passage, qas = blocks[0], blocks[1:]
+        assert len(qas) == 4
+        for qa in qas:
+            q, a = qa.split("\nA: ")
+            asked = re.search(r":func:`[\w.]+\.(\w+)`", q).group(1)
+            aliases = {m.group(2): m.group(3) for m in _ALIAS_LINE.finditer(passage)}
+            target = aliases.get(asked, asked)
+            line = next(ln for ln in passage.split("\n\n") if f".{target}`" in ln and not _ALIAS_LINE.search(ln))
+            assert re.search(r"``(\d+)``", line).group(1) == re.search(r"``(\d+)``$", a).group(1)
+
+
+def test_two_hop_rejects_more_aliases_than_facts():
+    with pytest.raises(ValueError, match="n_aliases"):
+        tasks.two_hop_document(FactGenerator("train", seed=0, values=VALUES), n_facts=2, n_aliases=3)

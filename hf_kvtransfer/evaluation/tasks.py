@@ -12,6 +12,8 @@ their context. The items built here can only be scored well by a model that *rea
   answer (a number) appears only in the passage; a "no passage" prompt gives the floor.
 - :func:`handoff_items`: passage + question 1 + answer 1 (what a source model reads and answers), then
   question 2, also answered only by the passage (what the target answers after a hand-off).
+- :func:`two_hop_items`: a passage of function facts and alias lines (``a`` is an alias of ``f``); the question
+  names an alias, so the answer is found only by following the alias to its function's fact (two look-ups).
 
 Facts are drawn at random from made-up names and values, so no model can have memorised them. The
 training script of the bundled family (``research/family_builder/train_family.py``) draws its fact documents from the
@@ -45,6 +47,9 @@ __all__ = [
     "HandoffItem",
     "FactGenerator",
     "fact_document",
+    "TwoHopSet",
+    "two_hop_document",
+    "two_hop_items",
     "repeated_span_items",
     "cued_recall_items",
     "passage_recall_items",
@@ -215,6 +220,87 @@ class FactGenerator:
         lines = [body[i].statement if isinstance(body[i], Fact) else body[i] for i in order]
         passage = f":mod:`{mod}` --- {_word(rng).capitalize()} {rng.choice(_NOUNS)} utilities\n\n" + "\n\n".join(lines)
         return FactSet(module=mod, facts=tuple(facts), passage=passage)
+
+
+# Two-hop passages: facts about functions, and alias lines that point an alias at one of those functions. Each
+# template names the function alone, so a question about an alias can be answered only through its alias line.
+_FUNC_TEMPLATES = [
+    _TEMPLATES[2],  # port
+    ("timeout",
+     ":func:`{mod}.{func}` gives up after ``{val}`` seconds.",
+     "After how many seconds does :func:`{mod}.{func}` give up?"),
+    ("workers",
+     ":func:`{mod}.{func}` starts ``{val}`` worker threads.",
+     "How many worker threads does :func:`{mod}.{func}` start?"),
+]
+_ALIAS = "The :func:`{mod}.{alias}` function is an alias of :func:`{mod}.{func}`."
+
+
+@dataclass(frozen=True)
+class TwoHopSet:
+    """A passage of function facts and alias lines, with one two-hop question per alias.
+
+    Args:
+        module: the module the passage documents.
+        facts: the function facts, in passage order (each also answerable in one hop).
+        questions: one per alias, in passage order of the alias lines: `Fact.key` is the alias, `Fact.value` the
+            value of the aliased function's fact, and `statement` / `question` name the alias, not the function.
+        aliases: alias -> function name (both without the module).
+        passage: the docs-style text.
+    """
+
+    module: str
+    facts: tuple[Fact, ...]
+    questions: tuple[Fact, ...]
+    aliases: dict[str, str]
+    passage: str
+
+
+def _two_hop_set(gen: FactGenerator, n_facts: int, n_aliases: int, n_filler: int) -> TwoHopSet:
+    """Draw a :class:`TwoHopSet` from `gen` (own RNG draws only: `FactGenerator.fact_set` streams are unaffected)."""
+    if not 1 <= n_aliases <= n_facts or n_facts > len(gen.values):
+        raise ValueError(f"need 1 <= n_aliases <= n_facts <= {len(gen.values)} values, got {n_aliases}, {n_facts}")
+    rng, used = gen.rng, set()
+    mod = gen.name("lower", used) + "." + gen.name("lower", used)
+    facts, questions, lines, aliases = [], [], [], {}
+    for val in rng.sample(gen.values, n_facts):
+        kind, stmt, q = rng.choice(_FUNC_TEMPLATES)
+        names = dict(mod=mod, val=val, func=gen.name("snake", used))
+        key = names["func"]
+        facts.append(Fact(key, val, stmt.format(**names), q.format(**names), kind))
+        lines.append((facts[-1].statement, names, kind, stmt, q))
+    alias_lines = []
+    for i in rng.sample(range(n_facts), n_aliases):
+        _, names, kind, stmt, q = lines[i]
+        alias = gen.name("snake", used)
+        aliases[alias] = names["func"]
+        via = dict(names, func=alias)
+        alias_lines.append(_ALIAS.format(mod=mod, alias=alias, func=names["func"]))
+        questions.append(Fact(alias, names["val"], stmt.format(**via), q.format(**via), "two_hop_" + kind))
+    fill = [rng.choice(_FILLER).format(
+        mod=mod, func=gen.name("snake", used), cls=gen.name("Class", used), meth=gen.name("snake", used),
+        noun=rng.choice(_NOUNS), minor=rng.randint(2, 12)) for _ in range(n_filler)]
+    body = [ln[0] for ln in lines] + alias_lines + fill
+    rng.shuffle(body)  # an alias line may come before or after the fact it points at
+    passage = f":mod:`{mod}` --- {_word(rng).capitalize()} {rng.choice(_NOUNS)} utilities\n\n" + "\n\n".join(body)
+    by_line = {a: body.index(ln) for a, ln in zip(aliases, alias_lines)}
+    order = sorted(range(n_aliases), key=lambda j: by_line[questions[j].key])
+    return TwoHopSet(mod, tuple(facts), tuple(questions[j] for j in order), aliases, passage)
+
+
+def two_hop_document(gen: FactGenerator, distractor: str = "", n_facts: int = 4, n_aliases: int = 2,
+                     n_questions: int = 3) -> str:
+    """A training document: a two-hop passage, distractor text, then questions with answers.
+
+    Questions are drawn from the two-hop questions and the one-hop facts together (each at most once), so a model
+    cannot tell from the question form alone whether an alias must be followed.
+    """
+    ts = _two_hop_set(gen, n_facts, n_aliases, n_filler=2)
+    pool = list(ts.questions) + list(ts.facts)
+    asked = gen.rng.sample(pool, min(n_questions, len(pool)))
+    qa = "\n\n".join(_qa(f) + f.value + "``" for f in asked)
+    parts = [ts.passage] + ([distractor.strip()] if distractor.strip() else []) + [qa]
+    return "\n\n".join(parts)
 
 
 def fact_document(gen: FactGenerator, distractor: str = "", n_facts: int = 4, n_questions: int = 3) -> str:
@@ -433,6 +519,43 @@ def handoff_items(
             answer2_ids=_encode(tokenizer, f2.value),
             meta=dict(index=i, seed=seed, split=split, key1=f1.key, key2=f2.key, kind1=f1.kind, kind2=f2.kind,
                       value1=f1.value, value2=f2.value, n_facts=n_facts, module=fs.module),
+        ))
+    return items
+
+
+def two_hop_items(
+    tokenizer,
+    n: int,
+    seed: int = 0,
+    *,
+    n_facts: int = 4,
+    n_aliases: int = 2,
+    distractor_texts: Sequence[str] | None = None,
+    distractor_chars: tuple[int, int] = (300, 900),
+    split: str = "eval",
+) -> list[PassageRecallItem]:
+    """Build ``n`` two-hop recall items: the question names an alias, the answer is its function's value.
+
+    The passage holds ``n_facts`` function facts (distinct values) and ``n_aliases`` alias lines, each pointing at a
+    different function; the asked alias's function is the only one whose fact answers it. Items are
+    :class:`PassageRecallItem` (score them with `content.passage_recall`); ``passage_values`` holds every fact's
+    value, ``meta["function"]`` the aliased function.
+    """
+    values = answer_values(tokenizer)
+    gen = FactGenerator(split, seed + 2_000_003, values)
+    rng = random.Random(f"hf_kvtransfer.evaluation.tasks.two_hop:{split}:{seed}")
+    items = []
+    for i in range(n):
+        ts = _two_hop_set(gen, n_facts, n_aliases, n_filler=2)
+        f = ts.questions[rng.randrange(n_aliases)]
+        dis = _distractor(rng, distractor_texts, gen, distractor_chars)
+        items.append(PassageRecallItem(
+            prompt_ids=_encode(tokenizer, ts.passage + "\n\n" + dis + "\n\n" + _qa(f)),
+            answer_ids=_encode(tokenizer, f.value),
+            no_passage_prompt_ids=_encode(tokenizer, dis + "\n\n" + _qa(f)),
+            passage_values=[_encode(tokenizer, g.value) for g in ts.facts],
+            meta=dict(index=i, seed=seed, split=split, kind=f.kind, key=f.key, value=f.value,
+                      function=ts.aliases[f.key], n_facts=n_facts, n_aliases=n_aliases, module=ts.module),
         ))
     return items
 

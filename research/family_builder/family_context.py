@@ -9,7 +9,9 @@ For every model directory under ``--family`` (``small``, ``large`` and, if prese
 - passage recall: answer-token accuracy (= greedy exact match: answers are one token) with vs. without
   the passage, against chance (1 / number of possible answers) and against "some value of the passage";
 - hand-off: accuracy on question 1, and on question 2 after passage + question 1 + the model's own answer 1
-  (its own prefill).
+  (its own prefill);
+- harder recall (``--hard-items``): passage recall with 8 facts and a long distractor, and two-hop recall
+  (``tasks.two_hop_items``: the question names an alias of the function whose fact answers it).
 
 The content measures are ``hf_kvtransfer.evaluation.content``'s, run on one model (no source, no mapper): with a
 source and a mapper the same functions add the transfer (``hf-kvtransfer eval --tasks repeat,recall,handoff``).
@@ -20,6 +22,8 @@ Results go to ``<family>/context_results.json`` and a table is printed.
 Example::
 
     OMP_WAIT_POLICY=PASSIVE python research/family_builder/family_context.py --family examples/family --threads 1
+    OMP_WAIT_POLICY=PASSIVE python research/family_builder/family_context.py --family examples/family_deep \
+        --models source,target --threads 1
 """
 
 from __future__ import annotations
@@ -38,7 +42,13 @@ import torch.nn.functional as F
 
 from hf_kvtransfer.evaluation.content import handoff, passage_recall, repeated_span_retention
 from hf_kvtransfer.evaluation.metrics import mean_and_ci
-from hf_kvtransfer.evaluation.tasks import answer_values, handoff_items, passage_recall_items, repeated_span_items
+from hf_kvtransfer.evaluation.tasks import (
+    answer_values,
+    handoff_items,
+    passage_recall_items,
+    repeated_span_items,
+    two_hop_items,
+)
 
 EOS = "<|endoftext|>"
 N_BOOT = 2000  # bootstrap resamples over items
@@ -126,6 +136,9 @@ def main(argv=None) -> None:
                    help="items for random-span repeats and passage recall (default: %(default)s)")
     p.add_argument("--extra-items", type=int, default=300,
                    help="items for text-span repeats and hand-off (default: %(default)s)")
+    p.add_argument("--hard-items", type=int, default=300,
+                   help="items for hard recall (8 facts, long distractor) and two-hop recall, 0 = skip "
+                        "(default: %(default)s)")
     p.add_argument("--windows", type=int, default=None,
                    help="cap on context-gain windows (default: all, 659 on heldout.txt)")
     p.add_argument("--seed", type=int, default=0, help="item seed (default: %(default)s)")
@@ -136,7 +149,9 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     fam = Path(args.family)
-    tok = AutoTokenizer.from_pretrained(fam / "tokenizer")
+    # the family's shared tokenizer folder, or (examples/family_deep) the first model folder's copy
+    tok_dirs = [fam / "tokenizer"] + [fam / m.strip() for m in args.models.split(",") if m.strip()]
+    tok = AutoTokenizer.from_pretrained(next((d for d in tok_dirs if (d / "tokenizer.json").is_file()), tok_dirs[0]))
     docs = [d for d in (fam / "heldout.txt").read_text(encoding="utf-8").split(f"\n{EOS}\n") if d.strip()]
     stream: list[int] = []
     for d in docs:
@@ -148,6 +163,9 @@ def main(argv=None) -> None:
                                    continuation_len=64, span_len=24) if args.extra_items else []
     rec = passage_recall_items(tok, n, seed=args.seed, distractor_texts=docs)
     hand = handoff_items(tok, args.extra_items, seed=args.seed, distractor_texts=docs) if args.extra_items else []
+    hard = passage_recall_items(tok, args.hard_items, seed=args.seed, n_facts=8, distractor_texts=docs,
+                                distractor_chars=(900, 1800)) if args.hard_items else []
+    two_hop = two_hop_items(tok, args.hard_items, seed=args.seed, distractor_texts=docs) if args.hard_items else []
     n_values = len(answer_values(tok))
     lens = [len(it.prompt_ids) for it in rec]
     print(f"items built in {time.time() - t0:.1f}s: held-out stream {len(stream):,} tokens; recall prompts "
@@ -170,6 +188,9 @@ def main(argv=None) -> None:
         if args.extra_items:  # secondary measures; 0 skips them
             r["repeat_text"] = repeat_gain(model, rep_text)
             r["handoff"] = handoff_accuracy(model, hand)
+        if args.hard_items:
+            r["hard_recall"] = recall(model, hard, n_values)
+            r["two_hop"] = recall(model, two_hop, n_values)
         r["wall_s"] = round(time.time() - t, 1)
         results["models"][name] = r
         print(f"{name}: done in {r['wall_s']:.0f}s")
@@ -190,6 +211,9 @@ def main(argv=None) -> None:
         ("recall: predicts a passage value %", lambda r: fmt(r["recall"]["predicts_some_passage_value"], True)),
         ("hand-off acc % Q1", lambda r: fmt(r["handoff"]["accuracy_q1"], True)),
         ("hand-off acc % Q2", lambda r: fmt(r["handoff"]["accuracy_q2"], True)),
+        ("hard recall acc % (8 facts) with passage", lambda r: fmt(r["hard_recall"]["accuracy_with_passage"], True)),
+        ("two-hop recall acc % with passage", lambda r: fmt(r["two_hop"]["accuracy_with_passage"], True)),
+        ("two-hop: predicts a passage value %", lambda r: fmt(r["two_hop"]["predicts_some_passage_value"], True)),
     ]
     names = list(results["models"])
     print("| measure | " + " | ".join(names) + " |")
@@ -204,7 +228,7 @@ def main(argv=None) -> None:
         print(f"| {label} | " + " | ".join(cells) + " |")
     print(f"chance: recall {100 / n_values:.1f}% (1/{n_values} answers), one of the passage's values "
           f"{100 / rec[0].meta['n_facts']:.0f}%; items: random repeats / recall {n}, text repeats / hand-off "
-          f"{args.extra_items}, context windows "
+          f"{args.extra_items}, hard / two-hop recall {args.hard_items}, context windows "
           f"{results['models'][names[0]]['context']['windows'] if names else 0}; threads {args.threads}")
     print(f"wrote {out}")
 

@@ -1,0 +1,78 @@
+"""research/family_builder/train_deep.py: a run interrupted and resumed gives the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "research" / "family_builder" / "train_deep.py"
+TOKENIZER = ROOT / "examples" / "family" / "tokenizer"
+HELDOUT = ROOT / "examples" / "family" / "heldout.txt"
+
+
+@pytest.fixture(scope="module")
+def train_deep():
+    if not (TOKENIZER / "tokenizer.json").is_file() or not HELDOUT.is_file():
+        pytest.skip("examples/family (tokenizer, heldout.txt) is missing")
+    spec = importlib.util.spec_from_file_location("train_deep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_deep"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    """A tiny stand-in for the Python docs: 10 *.rst.txt files cut from the bundled held-out text."""
+    root = tmp_path_factory.mktemp("sources")
+    text = HELDOUT.read_text(encoding="utf-8")
+    chunk = len(text) // 10
+    for i in range(10):
+        (root / f"doc{i:02d}.rst.txt").write_text(text[i * chunk : (i + 1) * chunk], encoding="utf-8")
+    return root
+
+
+def _run(train_deep, sources: Path, out: Path, *extra: str) -> None:
+    # 8 steps: copy phase (short rows) for 4, the previous-token fallback from step 2 (eager attention), then the
+    # full mix (every row kind), so a resume crosses both phases and the fallback's switch.
+    argv = ["--run-dir", str(out / "run"), "--export-dir", str(out / "export"), "--models", "tiny",
+            "--sources-dir", str(sources), "--tokenizer", str(TOKENIZER), "--heldout-every", "5", "--steps", "8",
+            "--copy-phase", "0.5", "--prev-token-fallback", "0.5", "--seq-len", "256", "--batch-size", "5",
+            "--copy-batch-size", "4", "--probe-every", "0", "--probe-items", "2", "--heldout-windows", "2",
+            "--calibration-kb", "8", "--sample-kb", "8", "--log-every", "100", *extra]
+    assert train_deep.main(argv) == 0
+
+
+def _weights(out: Path) -> dict:
+    import torch
+
+    return torch.load(out / "run" / "tiny" / "checkpoint.pt", weights_only=False)["model"]
+
+
+@pytest.mark.slow
+def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(train_deep, sources, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    _run(train_deep, sources, tmp_path / "whole")
+    _run(train_deep, sources, tmp_path / "split", "--stop-after", "3")
+    assert not (tmp_path / "split" / "run" / "tiny" / "done.json").exists()
+    assert not any(torch.equal(a, b) for k, (a, b) in enumerate(zip(_weights(tmp_path / "split").values(),
+                                                                      _weights(tmp_path / "whole").values()))
+                   if a.dim() >= 2)  # stopped early: different weights
+    _run(train_deep, sources, tmp_path / "split")
+    whole, split = _weights(tmp_path / "whole"), _weights(tmp_path / "split")
+    assert whole.keys() == split.keys()
+    for name in whole:
+        assert torch.equal(whole[name], split[name]), name
+    exported = [load_file(tmp_path / d / "export" / "tiny" / "model.safetensors") for d in ("whole", "split")]
+    assert all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
+    log = (tmp_path / "split" / "run" / "train_log.txt").read_text()
+    assert "resumed from" in log and "previous-token loss on layer 0 / head 0 switched on" in log
+    # a finished model is skipped on the next call
+    _run(train_deep, sources, tmp_path / "split")
+    assert "already done" in (tmp_path / "split" / "run" / "train_log.txt").read_text()
