@@ -57,6 +57,21 @@ def candidates_of(source, target, tok):
     return out, texts
 
 
+def _cached_candidates(source, target, tok, cache: Path):
+    """`candidates_of`, kept under `cache` (the mappers and the held-out texts) so that a resumed run skips the pass."""
+    from hf_kvtransfer import KVMapper
+
+    index = cache / "candidates.json"
+    if index.exists():
+        saved = json.loads(index.read_text())
+        return [(label, KVMapper.from_pretrained(str(cache / str(i))), k) for i, (label, k) in enumerate(saved["candidates"])], saved["texts"]
+    cands, texts = candidates_of(source, target, tok)
+    for i, (_, mapper, _) in enumerate(cands):
+        mapper.save_pretrained(str(cache / str(i)))
+    index.write_text(json.dumps({"candidates": [(label, k) for label, _, k in cands], "texts": texts}))
+    return cands, texts
+
+
 def measured(source, target, mapper, k, items, own):
     """Eval's own recall and hand-off code on eval's items (`eval --tasks recall,handoff --items N`, seed 0)."""
     out = {}
@@ -79,7 +94,9 @@ def run_direction(direction: str, args, results: dict, path: Path) -> None:
     target = AutoModelForCausalLM.from_pretrained(FAMILY / tgt_name, dtype=torch.float32).eval()
     started = time.perf_counter()
     with torch.no_grad():
-        cands, texts = candidates_of(source, target, tok)
+        cands, texts = _cached_candidates(source, target, tok, path.parent / "cache" / direction)
+    order = [int(k) for k in args.exact_first.split(",") if k] if args.exact_first else []
+    cands.sort(key=lambda c: order.index(c[2]) if c[2] in order else len(order))  # stable: the fit's order after
     print(f"{direction}: {len(cands)} candidates from the fit's pass ({time.perf_counter() - started:.0f} s)", flush=True)
     docs = split_documents((FAMILY / "heldout.txt").read_text(encoding="utf-8"), tok.eos_token)
     items = {"recall": passage_recall_items(tok, args.eval_items, seed=0, distractor_texts=docs),
@@ -109,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-items", type=int, default=300)
     p.add_argument("--probe-items", type=int, default=150)
     p.add_argument("--tolerance", type=float, default=0.05)
+    p.add_argument("--exact-first", default="", help="score candidates with these exact-layer counts first (e.g. 3,2)")
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "calibration.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
