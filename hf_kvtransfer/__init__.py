@@ -29,6 +29,7 @@ _EXPORTS = {
     "collect_statistics": "fitting.accumulate",
     "choose_configuration": "fitting.exact_layers",
     "choose_num_exact_layers": "fitting.exact_layers",
+    "ContentGate": "fitting.content_gate",
     "residual_input_features": "core.residual",
     "solve_residual_mapper": "fitting.residual_stats",
     "fit_token_tables": "fitting.token_tables",
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORT
     from .core.stats import KVLayout, KVStatistics
     from .fitting.accumulate import collect_statistics
     from .fitting.config import FitConfig
+    from .fitting.content_gate import ContentGate
     from .fitting.exact_layers import choose_configuration, choose_num_exact_layers
     from .fitting.fit import fit_mapper, fit_mappers, fit_mlp_mapper, solve_mapper
     from .fitting.residual_stats import solve_residual_mapper

@@ -230,7 +230,7 @@ def test_residual_features_lags_and_padding():
     assert torch.all(f[:, :2, 3:] == 0) and torch.all(f[0, 2:4, 3:] == 0)  # before the row's first real token
 
 
-def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeypatch):
+def test_search_keeps_the_cheapest_candidate_reaching_the_retention(pair, monkeypatch):
     source, target, _, base, stats = pair
     residual = {j: solve_residual_mapper(base, stats, residual_layer=j) for j in (0, 1)}
     fake_tried = [{"num_exact_layers": 1, "retention": 0.1, "retention_ci": [0, 0.2]},
@@ -255,24 +255,30 @@ def test_search_keeps_the_fastest_candidate_reaching_the_retention(pair, monkeyp
     stream = random_ids(1, 600, seed=1)[0].tolist()
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
                                                       min_retention=0.95)  # fmt: skip
-    # Source-only with 1 exact layer is fastest but loses the content; of the rest, residual J=0 (1 exact) is fastest.
+    # Source-only with 1 exact layer is cheapest but loses the content; of the rest, residual J=0 (1 exact) is cheapest.
     assert chosen.config.map_inputs["residual"].layer == 0 and chosen.config.num_exact_layers == 1
     assert [r["chosen"] for r in report["candidates"]] == [False, False, True, False]
     assert report["chosen"] == 1 and "residual" in report["chosen_inputs"]
-    # On CPU the choice and the frontier's figures follow process CPU time: a wall clock that waited for a core
-    # (another process on the machine) while the residual candidate ran does not make it look slower.
+    # The choice is by the configurations' cost (multiply-adds from the shapes), not by their timings: a machine
+    # on which the residual candidate times slower than everything (a load while it ran) chooses the same, and the
+    # frontier's figures still follow process CPU time on CPU.
     def disturbed(s, t, configs, ids, rounds=5, measure_own=True):
-        per, own = steady_timings(lambda m, n: times[(m.needs_target_residual, n)])(s, t, configs, ids, rounds, measure_own)
+        per, own = steady_timings(lambda m, n: 500.0 if m.needs_target_residual else 1.0)(s, t, configs, ids, rounds, measure_own)
         for (m, n), p in zip(configs, per):
-            p["wall"] = [100.0 if m.needs_target_residual else ms for ms in p["wall"]]
+            p["wall"] = [900.0 if m.needs_target_residual else ms for ms in p["wall"]]
         return per, own
 
     monkeypatch.setattr(exact_layers, "_time_candidates", disturbed)
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
-                                                      min_retention=0.95)  # fmt: skip
-    row = next(r for r in report["candidates"] if r["chosen"])
-    assert chosen.config.map_inputs["residual"].layer == 0 and report["timing"]["clock"] == "process CPU time"
-    assert row["transfer_ms"] == 20.0 and row["transfer_wall_ms"] == 100.0 and row["speedup"] == 100.0 / 20.0
+    again, report_again = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
+                                                            min_retention=0.95)  # fmt: skip
+    row = next(r for r in report_again["candidates"] if r["chosen"])
+    assert again.config.map_inputs["residual"].layer == 0 and report_again["timing"]["clock"] == "process CPU time"
+    assert row["transfer_ms"] == 500.0 and row["transfer_wall_ms"] == 900.0 and not report_again["timing"]["decides"]
+    untimed = ("transfer_ms", "transfer_wall_ms", "target_prefill_ms", "target_prefill_wall_ms", "speedup", "timing_rounds")
+    assert [{k: v for k, v in r.items() if k not in untimed} for r in report["candidates"]] == \
+        [{k: v for k, v in r.items() if k not in untimed} for r in report_again["candidates"]]
+    kept = [r for r in report["candidates"] if r["passes"] and not r.get("skipped") and r["num_exact_layers"] < 3]
+    assert row["cost"]["total"] == min(r["cost"]["total"] for r in kept)
     retention.update({1: 0.5, 2: 0.5})
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
                                                       min_retention=0.95)  # fmt: skip
@@ -314,20 +320,27 @@ def test_the_search_bounds_candidates_by_the_source_only_answer(pair, monkeypatc
     # 1 exact layer suffices source-only: residual layer 1 (2 exact) is not probed.
     assert 1 not in probed and "more exact layers than the source-only answer's 1" in report["candidates"][-1]["skipped"]
     assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 1
-    # The source-only answer computes all 3 layers: a residual candidate that keeps the content is kept when it is
-    # faster than the own prefill, and not when it is slower.
+    # The source-only answer computes all 3 layers: a residual candidate that keeps the content is kept when it costs
+    # less than the own prefill (whatever the clock says), and not when it costs more.
     answer["num_exact"] = 3
+    ms["ms"] = 120.0  # slower than the own prefill's 100 ms: timing decides nothing
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
     assert chosen.config.map_inputs["residual"].layer == 1 and chosen.config.num_exact_layers == 2
-    ms["ms"] = 120.0
+    cost = exact_layers.configuration_cost
+
+    def dearer(target, mapper, num_exact, seq_len):  # maps that cost more than the layers they replace
+        c = cost(target, mapper, num_exact, seq_len)
+        return {**c, "total": c["total"] + (10**9 if mapper.needs_target_residual else 0)}
+
+    monkeypatch.setattr(exact_layers, "configuration_cost", dearer)
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
     assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 3
     row = next(r for r in report["candidates"] if r.get("residual_layer") == 1)
-    assert row["passes"] and row["not_faster_than_own_prefill"] and not row["chosen"]
-    assert "not faster than the target's own prefill" in report["reason"]
+    assert row["passes"] and row["not_cheaper_than_own_prefill"] and not row["chosen"]
+    assert "cost no less than the target's own prefill" in report["reason"]
 
 
-def test_a_reduced_rank_candidate_is_kept_when_faster_and_skipped_when_its_full_rank_twin_fails(pair, monkeypatch):
+def test_a_reduced_rank_candidate_is_kept_when_cheaper_and_skipped_when_its_full_rank_twin_fails(pair, monkeypatch):
     source, target, _, base, stats = pair
     alone = {t: [] for t in (1, 2)}
     full = solve_residual_mapper(base, stats, residual_layer=0, sources=alone)
@@ -409,16 +422,20 @@ def test_card_has_the_frontier_table(pair):
     card = str(render_model_card(mapper.config.to_dict(), report=report))
     assert "What this mapper keeps at what speed" in card and "512 prompt tokens, 1 thread" in card
     assert ("| source K/V + target residual entering layer 1 (t, t-1) | 2 | 1 | 97.0% [95.0, 99.0] | 91.0% [85.0, 97.0] "
-            "| 20.0 / 50.0 | 2.50x | yes |") in card
-    assert "| source K/V | 1 | default | 2.0% [0.0, 4.0] | – | 10.0 / 50.0 | 5.00x |  |" in card
+            "| – | – | no | 20.0 / 50.0 | 2.50x | yes |") in card
+    assert "| source K/V | 1 | default | 2.0% [0.0, 4.0] | – | – | – | no | 10.0 / 50.0 | 5.00x |  |" in card
     assert "not probed at all" not in card  # skipped candidates stay in fit_report.json
-    report["exact_layers"]["timing"].update(clock="process CPU time", rounds=5, decision={"tie": True, "wins": 8, "rounds": 15})
+    assert "no content gate" in card
+    # With the content gate: its paired differences (points) and what it kept.
+    rows[1].update(passes=True, gate={"accepted": True, "tasks": {
+        "recall": {"difference": -0.01, "difference_ci": [-0.04, 0.02], "num_items": 128},
+        "handoff": {"difference": 0.0, "difference_ci": [-0.03, 0.03], "num_items": 256}}})  # fmt: skip
+    report["exact_layers"]["gate"] = {"used": True, "tolerance": 0.05, "items": 128, "max_items": 512}
+    report["exact_layers"]["timing"].update(clock="process CPU time", rounds=5)
     card = str(render_model_card(mapper.config.to_dict(), report=report))
-    assert "512 prompt tokens, 1 thread, medians of process CPU time over 5 interleaved rounds; the two fastest timed " \
-           "alike (8 of 15 paired rounds), so the one computing more of the target was chosen" in card
-    report["exact_layers"]["timing"]["decision"] = {"wins": 13, "rounds": 15}
-    card = str(render_model_card(mapper.config.to_dict(), report=report))
-    assert "over 5 interleaved rounds; the passing ones again, 15 rounds in all (13 won by the fastest against the next)" in card
+    assert "| -1.0 [-4.0, +2.0] on 128 | +0.0 [-3.0, +3.0] on 256 | yes | 20.0 / 50.0 | 2.50x | yes |" in card
+    assert "low end is above -5 points on each, 128 items per task, up to 512" in card
+    assert "512 prompt tokens, 1 thread, medians of process CPU time over 5 interleaved rounds" in card
     assert "**Maps also read**: the target's residual stream entering layer 1 (readers: every mapped layer)" in card
 
 
@@ -631,50 +648,3 @@ def test_sign_test_threshold_matches_counting_every_outcome():
         expected = next((w for w in range(n // 2 + 1, n + 1)
                          if sum(max(c, n - c) >= w for c in counts) / len(counts) <= 0.05), None)  # fmt: skip
         assert sign_test_min_wins(n) == expected, n
-
-
-def test_the_choice_of_speed_follows_paired_rounds_and_breaks_ties_toward_more_exact_layers():
-    from hf_kvtransfer.fitting import exact_layers
-
-    def rounds(*ms):
-        return {"wall": list(ms), "cpu": list(ms)}
-
-    asked = []
-
-    def never(indices):
-        raise AssertionError("decided on the first rounds: nothing to time again")
-
-    # Faster in every round: decided without more rounds.
-    times = {0: rounds(10, 11, 10, 12, 10), 1: rounds(12, 13, 11, 13, 12)}
-    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", never)
-    assert best == 0 and decision["wins"] == 5 and "every one of 5" in decision["rule"]
-
-    def again(more):
-        def time_again(indices):
-            asked.append(sorted(indices))
-            for i in indices:
-                times[i] = {k: times[i][k] + more[i] for k in times[i]}
-        return time_again
-
-    # Mixed rounds: every passing candidate is timed again (a third one too), then the two fastest over all 15
-    # rounds are compared; here the third, slower over the first rounds, is fastest over all of them.
-    times = {0: rounds(10, 14, 10, 14, 10), 1: rounds(12, 12, 12, 12, 12), 2: rounds(13, 13, 13, 13, 13)}
-    best, decision = exact_layers._pick_fastest([0, 1, 2], [2, 3, 4], times, "cpu", again({0: [10] * 10, 1: [12] * 10, 2: [8] * 10}))
-    assert asked == [[0, 1, 2]] and best == 2 and decision["rounds"] == 15 and not decision.get("tie")
-    assert decision["wins"] == 12 and decision["min_wins"] == 12  # 2 of the first 5 rounds, all 10 after
-    assert all(len(t["cpu"]) == 15 for t in times.values())  # the rows' figures cover the same rounds
-
-    # A clear lead over the 15 rounds between the first two.
-    times = {0: rounds(10, 14, 10, 14, 10), 1: rounds(12, 12, 12, 12, 12)}
-    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", again({0: [10] * 10, 1: [12] * 10}))
-    assert best == 0 and decision["wins"] == 13 and not decision.get("tie")
-
-    # Alternating rounds: a tie, which goes to the candidate with more exact layers whichever the median favours.
-    times = {0: rounds(10, 13, 10, 13, 10), 1: rounds(12, 11, 12, 11, 12)}
-    best, decision = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", again({0: [10, 13] * 5, 1: [12, 11] * 5}))
-    assert decision["tie"] and best == 1 and "more of the target" in decision["rule"]
-
-    # The clock named decides: a wall clock disturbed in most rounds does not turn a slower candidate into a faster one.
-    times = {0: {"wall": [30, 30, 30, 10, 10], "cpu": [10] * 5}, 1: {"wall": [12] * 5, "cpu": [8] * 5}}
-    best, _ = exact_layers._pick_fastest([0, 1], [2, 3], times, "cpu", never)
-    assert best == 1

@@ -349,7 +349,7 @@ def test_table_sequences_are_read_after_the_maps_and_the_maps_see_the_same_sampl
     target = tiny_model("qwen3", num_hidden_layers=3, seed=1)
     seen = {}
 
-    def record(source, target, mapper, ids, mask, config, log=None, residual=None, token_table_input_ids=None):
+    def record(source, target, mapper, ids, mask, config, log=None, residual=None, token_table_input_ids=None, tokenizer=None):
         seen.update(ids=ids, extra=token_table_input_ids)
         return mapper
 

@@ -132,7 +132,8 @@ def run_demo(
                             kv_mapper.report.get("exact_layers", {}).get("min_retention")
                             if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
                         ),
-                        "exact_layers_probe_items": kv_mapper.report.get("exact_layers", {}).get("num_items")}
+                        "exact_layers_probe_items": kv_mapper.report.get("exact_layers", {}).get("num_items"),
+                        "exact_layers_gate_tolerance": (kv_mapper.report.get("exact_layers", {}).get("gate") or {}).get("tolerance")}
 
     docs = split_documents(Path(text).read_text(encoding="utf-8"), tokenizer.eos_token) if text else []
     items = (
@@ -200,6 +201,17 @@ def _short(text: str) -> str:
     return text.replace("\n", " / ").strip() or "(nothing)"
 
 
+def _probe_clause(m: dict[str, Any]) -> str:
+    """What chose the exact layers, in the words of the fit's decision."""
+    if m.get("exact_layers_gate_tolerance") is not None:
+        return (f" (the fit's content probe chose the cheapest configuration whose passage recall and hand-off stay within "
+                f"{m['exact_layers_gate_tolerance']:.0%} of the target's own on held-out probe questions)")  # fmt: skip
+    if m.get("exact_layers_probe_retention"):
+        return (f" (the fit's content probe chose the cheapest configuration that keeps "
+                f"{m['exact_layers_probe_retention']:.0%} of the target's copying from its context)")  # fmt: skip
+    return ""
+
+
 def _calibration_tokens(m: dict[str, Any]) -> str:
     """The calibration tokens as the fit's progress bar counts them, and how many of them the fit used."""
     read, used, stride = m.get("calibration_tokens_read"), m.get("calibration_tokens"), m.get("calibration_stride")
@@ -222,8 +234,7 @@ def format_demo(result: dict[str, Any]) -> str:
         f"ready in {result['fit_seconds']:.1f} s)",
         f"exact layers: the target computes its first {m['num_exact_layers']} of {m['target_layers']} layers from the "
         f"prompt's ids, the rest are mapped"
-        + (f" (the fit's content probe chose the fastest configuration that keeps {m['exact_layers_probe_retention']:.0%} of the "
-           "target's copying from its context)" if m.get("exact_layers_probe_retention") else ""),
+        + _probe_clause(m),
     ]
     if m.get("residual_layer") is not None:
         free = m.get("source_free_layers") or 0

@@ -219,7 +219,7 @@ def fit_and_save(
         mappers = fit_mappers(
             *models, input_ids, config, source_model_id=str(source), target_model_id=str(target),
             source_revision=source_revision, target_revision=target_revision, calibration=info, log=log,
-            token_table_input_ids=table_ids,
+            token_table_input_ids=table_ids, tokenizer=src_tok,
         )  # fmt: skip
         del models
         results: list[tuple[Path, KVMapper]] = []

@@ -82,6 +82,7 @@ def render_model_card(
         exact=_exact_layer_facts(config, (report or {}).get("exact_layers")),
         frontier=_frontier_rows((report or {}).get("exact_layers")),
         frontier_timing=_frontier_timing((report or {}).get("exact_layers")),
+        frontier_gate=_frontier_gate((report or {}).get("exact_layers")),
         layers=_layer_rows(config),
         top_k=config.get("top_k"),
         has_revisions=bool(config.get("source_revision") or config.get("target_revision")),
@@ -236,9 +237,30 @@ def _frontier_rows(probe: Any) -> list[dict[str, str]]:
             else _percent(row.get("cued_retention"), row.get("cued_retention_ci")),
             "times": "–" if row.get("transfer_ms") is None else f"{row['transfer_ms']:.1f} / {row['target_prefill_ms']:.1f}",
             "speedup": "–" if row.get("speedup") is None else f"{row['speedup']:.2f}x",
+            "gate_recall": _gate_cell(row, "recall"),
+            "gate_handoff": _gate_cell(row, "handoff"),
+            "kept": "yes" if row.get("passes") and (row.get("gate") or {}).get("accepted", not row.get("gate")) else "no",
             "chosen": "yes" if row.get("chosen") else "",
         })  # fmt: skip
     return rows
+
+
+def _gate_cell(row: dict, task: str) -> str:
+    """The content gate's paired difference (candidate - target own accuracy, points) and its items, or a dash."""
+    verdict = ((row.get("gate") or {}).get("tasks") or {}).get(task)
+    if not verdict:
+        return "–"
+    low, high = verdict["difference_ci"]
+    return f"{100 * verdict['difference']:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] on {verdict['num_items']}"
+
+
+def _frontier_gate(probe: Any) -> str:
+    gate = (probe or {}).get("gate") if isinstance(probe, dict) else None
+    if not gate or not gate.get("used"):
+        return "no content gate: the repeated-span and cued-recall screen decided"
+    return (f"passage recall and hand-off on held-out probe items, paired against the target's own answers; kept when "
+            f"the 95% interval's low end is above -{100 * gate['tolerance']:.0f} points on each, {gate['items']} items "
+            f"per task, up to {gate['max_items']} for an undecided candidate")
 
 
 def _percent(value: float | None, ci: list[float] | None) -> str:
@@ -252,15 +274,8 @@ def _frontier_timing(probe: Any) -> str:
     if not timing:
         return ""
     clock = f" of {timing['clock']}" if timing.get("clock") else ""
-    decision = timing.get("decision") or {}
     rounds = f" over {timing.get('rounds')} interleaved rounds" if timing.get("rounds") else ""
-    tie = ""
-    if (decision.get("rounds") or 0) > (timing.get("rounds") or 0) and not decision.get("tie"):
-        tie = f"; the passing ones again, {decision['rounds']} rounds in all ({decision['wins']} won by the fastest against the next)"
-    if decision.get("tie"):
-        tie = (f"; the two fastest timed alike ({decision['wins']} of {decision['rounds']} paired rounds), so the one "
-               "computing more of the target was chosen")  # fmt: skip
-    return f"{timing.get('num_tokens')} prompt tokens, {timing.get('threads')} thread, medians{clock}{rounds}{tie}"
+    return f"{timing.get('num_tokens')} prompt tokens, {timing.get('threads')} thread, medians{clock}{rounds}"
 
 
 def _checkpoint_facts(checkpoint: dict | None) -> list[tuple[str, str]]:

@@ -150,6 +150,24 @@ def _answer_result(
     return result
 
 
+_PER_ITEM = {"correct": "correct_per_item", "nll": "answer_nll_per_item", "value": "value_per_item"}
+
+
+def _reused(reference: dict[str, Any] | None, scores: dict[str, dict[str, np.ndarray]], keys: Sequence[str],
+            num_items: int) -> bool:
+    """Copies a `reference` result's own and no-context per-item scores into `scores` (True), or does nothing
+    (False, no reference)."""
+    if reference is None:
+        return False
+    for key in keys:
+        for name in ("own", "no_context"):
+            values = np.asarray(reference[_PER_ITEM[key]][name], dtype=np.float64)
+            if values.shape != (num_items,):
+                raise ValueError(f"reference has {values.shape[0]} items, got {num_items}: it must be a result on the same items")
+            scores[key][name] = values
+    return True
+
+
 def _greedy_tokens(model: PreTrainedModel, ids: Sequence[int], num_tokens: int) -> list[int]:
     """`num_tokens` tokens by argmax of the next-token logits (no EOS handling: answers have a known length)."""
     cache, feed, out = DynamicCache(), _ids(ids, model), []
@@ -305,6 +323,7 @@ def passage_recall(
     num_bootstrap: int = 1000,
     seed: int = 0,
     progress: bool = True,
+    reference: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Greedy exact match of an answer that only the passage holds: own prefill vs. transfer vs. no passage.
 
@@ -323,6 +342,8 @@ def passage_recall(
     Args:
         source, mapper: the transfer; both None measures the target alone (own and no context).
         items: from `tasks.passage_recall_items`.
+        reference: an earlier result of this function on the same items: its own and no-context scores are reused
+            instead of recomputed (they do not depend on the transfer; the fit's probe scores many candidates).
 
     Returns:
         `accuracy`, `answer_nll` (-log p(answer)) and `passage_value_rate` (greedy writes the value of *some*
@@ -345,6 +366,7 @@ def passage_recall(
             f"the answer), got {num_recompute_tokens}"
         )
     scores = {key: {name: np.zeros(len(items)) for name in settings} for key in ("correct", "nll", "value")}
+    reused = _reused(reference, scores, ("correct", "nll", "value"), len(items))
     used = set()
     bar = tqdm(total=len(items), desc="passage recall", unit="item", disable=not progress)
     for i, item in enumerate(items):
@@ -358,7 +380,7 @@ def passage_recall(
         runs = {
             "own": (item.prompt_ids[-r:], _own_cache(target, prompt, r)),
             "no_context": (item.no_passage_prompt_ids[-r_alone:], _own_cache(target, alone, r_alone)),
-        }
+        } if not reused else {}
         if "transfer" in settings:
             runs["transfer"] = (item.prompt_ids[-r:], _transferred(source, target, mapper, prompt, r, num_exact_layers))
         for name, (feed, cache) in runs.items():
@@ -367,6 +389,7 @@ def passage_recall(
         bar.update(1)
     bar.close()
     result = _answer_result(scores, _recorded(used), _exact_layers(mapper, num_exact_layers), num_bootstrap, seed)
+    result["value_per_item"] = _lists(scores["value"])
     result["passage_value_chance"] = float(np.mean([1 / max(1, len(it.passage_values)) for it in items]))
     result["passage_value_rate"] = _summaries(scores["value"], num_bootstrap, seed)
     return result
@@ -387,6 +410,7 @@ def handoff(
     num_bootstrap: int = 1000,
     seed: int = 0,
     progress: bool = True,
+    reference: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A conversation handed from the source to the target: question 2 after the source answered question 1.
 
@@ -401,7 +425,9 @@ def handoff(
     - `no_context`: the target reads the followup alone.
 
     Without a source and mapper the target answers question 1 itself and only own / no context are measured.
-    Right means greedy exact match, as in `passage_recall`. Items are scored one at a time.
+    Right means greedy exact match, as in `passage_recall`. Items are scored one at a time. `reference`: an earlier
+    result on the same items with the same answerer; its answers to question 1 and its own and no-context scores
+    are reused (they do not depend on the transfer).
 
     Returns:
         `q1_accuracy` (the answerer's), `accuracy` and `answer_nll` of question 2 per setting (`{"mean", "ci"}`),
@@ -421,19 +447,25 @@ def handoff(
     answerer = source if source is not None else target
     q1 = np.zeros(len(items))
     scores = {key: {name: np.zeros(len(items)) for name in settings} for key in ("correct", "nll")}
+    reused = _reused(reference, scores, ("correct", "nll"), len(items))
+    answers: list[list[int]] = []
     used = set()
     bar = tqdm(total=len(items), desc="hand-off", unit="item", disable=not progress)
     for i, item in enumerate(items):
         if not (item.prompt_ids and item.answer1_ids and item.followup_ids and item.answer2_ids):
             raise ValueError(f"item {i} has an empty prompt, answer or followup")
-        answer1 = _greedy_tokens(answerer, item.prompt_ids, len(item.answer1_ids))
+        if reused:
+            answer1 = list(reference["answer1_per_item"][i])
+        else:
+            answer1 = _greedy_tokens(answerer, item.prompt_ids, len(item.answer1_ids))
+        answers.append(answer1)
         q1[i] = answer1 == list(item.answer1_ids)
         dialogue = item.prompt_ids + answer1  # what was said before the hand-off, the answerer's answer included
         r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(dialogue), mapper, num_exact_layers), len(dialogue))
         used.add(r)
         feed = dialogue[len(dialogue) - r :] + item.followup_ids
         head = _ids(dialogue, target)
-        runs = {"own": (feed, _own_cache(target, head, r)), "no_context": (item.followup_ids, None)}
+        runs = {"own": (feed, _own_cache(target, head, r)), "no_context": (item.followup_ids, None)} if not reused else {}
         if "transfer" in settings:
             runs["transfer"] = (feed, _transferred(source, target, mapper, head, r, num_exact_layers))
         for name, (fed, cache) in runs.items():
@@ -445,6 +477,7 @@ def handoff(
     result["answerer"] = "source" if source is not None else "target"
     result["q1_accuracy"] = mean_and_ci(q1, num_bootstrap, seed)
     result["q1_correct_per_item"] = q1.tolist()
+    result["answer1_per_item"] = answers
     return result
 
 

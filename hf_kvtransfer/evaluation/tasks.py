@@ -56,9 +56,13 @@ __all__ = [
     "handoff_items",
 ]
 
-SPLITS = ("train", "eval")
+SPLITS = ("train", "eval", "probe")
 # One identifier in _EVAL_MOD goes to the eval pool (by crc32 of its text), the rest to train.
 _EVAL_MOD = 5
+# The fit's content probe (`fitting/content_gate.py`) draws its items from the "probe" split: the eval pool's
+# identifiers (the same kind of names as the items `eval` reports) from a seed stream of its own, so the items the
+# fit decides on are not the items `eval` then measures.
+_NAME_POOL = {"train": "train", "eval": "eval", "probe": "eval"}
 
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gl", "kr",
            "pl", "st", "tr", "sn", "sp", "fl", "gr", "ch", "sh", "th", "qu", "wh"]
@@ -152,7 +156,8 @@ class FactGenerator:
     """Draw made-up API facts from one split's name pool.
 
     Args:
-        split: ``"train"`` or ``"eval"``; the two splits use disjoint identifiers and seed streams.
+        split: ``"train"``, ``"eval"`` or ``"probe"``; train and eval use disjoint identifiers, every split its own
+            seed stream ("probe": the fit's content probe, eval's identifiers, items of its own).
         seed: the seed of this generator's stream.
         values: the pool answers are drawn from (decimal strings). :func:`answer_values` gives the numbers
             that are a single token after `` ``\u0060\u0060`` `` for a given tokenizer.
@@ -185,7 +190,7 @@ class FactGenerator:
                 n = (_word(self.rng, 1, 2) + "_" + _word(self.rng, 1, 2)).upper()
             else:
                 n = _word(self.rng, 2, 3)
-            if _split_of(n) == self.split and (used is None or n not in used):
+            if _split_of(n) == _NAME_POOL[self.split] and (used is None or n not in used):
                 if used is not None:
                     used.add(n)
                 return n
@@ -455,7 +460,8 @@ def passage_recall_items(
         n_facts: facts per passage (distinct keys and values); one of them is asked.
         distractor_texts: documents to cut the distractor from (e.g. held-out docs); default generated filler.
         distractor_chars: distractor length range in characters.
-        split: name pool and seed stream; ``"eval"`` (default) never shares identifiers with ``"train"``.
+        split: name pool and seed stream; ``"eval"`` (default) never shares identifiers with ``"train"``;
+            ``"probe"`` is what the fit's content probe decides on (other items than ``"eval"``'s).
 
     Returns:
         list of :class:`PassageRecallItem`.

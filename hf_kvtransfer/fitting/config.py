@@ -237,8 +237,13 @@ class FitConfig:
         "prompt tokens the probe times each candidate's first token on (one thread; default 512)", group="exact",
         metavar="N"))  # fmt: skip
     exact_layers_items: int = field(default=64, metadata=_opt(
-        "items per probe: repeated spans, and cued-recall records for maps reading the residual (default 64)",
-        group="exact", metavar="N"))  # fmt: skip
+        "items per probe: repeated spans, cued-recall records for maps reading the residual, and twice as many "
+        "passage-recall and hand-off items per task for the content gate, which extends an undecided candidate to "
+        "what its measured spread needs, at most 4 times that (default 64)", group="exact", metavar="N"))  # fmt: skip
+    exact_layers_tolerance: float = field(default=0.05, metadata=_opt(
+        "the content gate's tolerance: a configuration is kept only if the paired 95-percent interval of its passage-recall "
+        "and hand-off accuracy minus the target's own (held-out probe items) ends above -tolerance on each "
+        "(default 0.05: 5 points; content_gate.py)", group="exact", metavar="FRACTION"))  # fmt: skip
     # -- calibration data
     dataset: str | None = field(default=None, metadata=_opt(
         "Hub dataset id (streamed) or local .txt/.jsonl/.parquet file or directory (default "
@@ -298,6 +303,9 @@ class FitConfig:
         set_(self, "num_exact_layers", parse_num_exact_layers(self.num_exact_layers))
         if not 0 < self.exact_layers_retention <= 1:
             raise ValueError(f"exact_layers_retention must be in (0, 1], got {self.exact_layers_retention}")
+        if not 0 < self.exact_layers_tolerance < 1:
+            raise ValueError(f"exact_layers_tolerance must be a fraction of accuracy in (0, 1) (0.05 = 5 points), got "
+                             f"{self.exact_layers_tolerance}")  # fmt: skip
         if self.residual_inputs not in ("auto", "off"):
             raise ValueError(f"residual_inputs must be 'auto' or 'off', got {self.residual_inputs!r}")
         set_(self, "residual_lags", parse_residual_lags(self.residual_lags))

@@ -44,8 +44,9 @@ from ..core.mapper import KVMapper
 from ..core.map_inputs import exact_layers_needed
 from ..core.residual import residual_config, residual_readers
 from ..evaluation.content import repeated_span_retention
-from ..evaluation.metrics import retention_difference, sign_test_min_wins
+from ..evaluation.metrics import retention_difference
 from ..evaluation.tasks import cued_recall_items, repeated_span_items
+from .content_gate import ContentGate, gate_line
 
 logger = logging.getLogger(__name__)
 
@@ -245,14 +246,9 @@ def _source_label(c, mapped: range) -> str:
     return f"source K/V (none for layer{'s' if len(alone) > 1 else ''} {', '.join(map(str, alone))})"
 
 
-# Timing rounds of the candidates: each round times every candidate once, then the target's own prefill.
+# Timing rounds of the candidates: each round times every candidate once, then the target's own prefill. The figures
+# are reported (the frontier's speed-ups); they decide nothing: the choice is by `configuration_cost`.
 TIMING_ROUNDS = 5
-# When the fastest passing candidate does not beat the next fastest in every one of those rounds, every passing
-# candidate (and the own prefill) is timed on this many more rounds, and the two fastest are decided on all of them
-# by a sign test (5%, two-sided); a difference those rounds cannot tell from noise is a tie, and a tie goes to the
-# candidate that computes more of the target itself.
-TIMING_MORE_ROUNDS = 10
-SIGN_TEST_LEVEL = 0.05
 
 
 def _clock(target: PreTrainedModel) -> str:
@@ -300,40 +296,50 @@ def _timing_row(times: dict[str, list[float]], own: dict[str, list[float]], cloc
     return row
 
 
-def _wins(a: list[float], b: list[float]) -> int:
-    return sum(x < y for x, y in zip(a, b))
+def configuration_cost(target: PreTrainedModel, mapper: KVMapper, num_exact: int, seq_len: int) -> dict[str, int]:
+    """Multiply-adds per prompt token to the first token of a `seq_len`-token prompt at a configuration: the exact
+    layers' weights and attention (a causal prefill's average context, `seq_len / 2`) and the maps of the other
+    layers (their weights; token tables are look-ups and cost none). A count from the shapes alone, the same on
+    every machine and under any load: what the fit orders the configurations that keep the content by.
+
+    Returns:
+        `{"exact_layers", "maps", "total"}`; `num_exact` equal to the target's layers is its own prefill.
+    """
+    layers = getattr(target, "base_model", target).layers
+    text = target.config.get_text_config()
+    q_dim = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    vocab = text.vocab_size
+    exact = sum(sum(p.numel() for p in layers[i].parameters()) + q_dim * seq_len // 2 * 2 for i in range(num_exact))
+    maps = 0
+    if num_exact < len(layers):
+        for name, p in mapper.named_parameters():
+            parts = name.split(".")
+            if vocab in p.shape:  # a table of rows by token id: a look-up
+                continue
+            if parts[0] == "layers" and int(parts[1]) < num_exact:
+                continue  # a map the exact layers replace
+            maps += p.numel()
+    return {"exact_layers": int(exact), "maps": int(maps), "total": int(exact + maps)}
 
 
-def _pick_fastest(
-    passing: list[int], exact: list[int], times: dict[int, dict[str, list[float]]], clock: str,
-    time_again: Callable[[list[int]], None],
-) -> tuple[int, dict[str, Any]]:
-    """The fastest of the `passing` candidates (keys of `times`), or, when it cannot be told from the next fastest,
-    the one of the two with more exact layers (`exact`). `time_again(indices)` adds rounds to those candidates'
-    `times` (all the passing ones, so that every median it compares covers the same rounds)."""
-
-    def by_median(i: int) -> float:
-        return statistics.median(times[i][clock])
-
-    order = sorted(passing, key=by_median)
-    if len(order) == 1:
-        return order[0], {"rule": "the only candidate that passes"}
-    best, runner = order[:2]
-    rounds = len(times[best][clock])
-    decision: dict[str, Any] = {"between": [best, runner], "rounds": rounds, "wins": _wins(times[best][clock], times[runner][clock])}
-    if decision["wins"] == rounds:
-        return best, {**decision, "rule": f"faster in every one of {rounds} paired rounds"}
-    time_again(order)
-    best, runner = sorted(order, key=by_median)[:2]
-    rounds = min(len(times[best][clock]), len(times[runner][clock]))
-    wins, needed = _wins(times[best][clock], times[runner][clock]), sign_test_min_wins(rounds, SIGN_TEST_LEVEL)
-    decision.update(between=[best, runner], rounds=rounds, wins=wins, min_wins=needed)
-    if needed is not None and wins >= needed:
-        return best, {**decision, "rule": f"faster in {wins} of {rounds} paired rounds (sign test, "
-                                          f"{SIGN_TEST_LEVEL:.0%})"}  # fmt: skip
-    pick = runner if exact[runner] > exact[best] else best
-    return pick, {**decision, "tie": True, "rule": f"a tie ({wins} of {rounds} paired rounds; the sign test needs "
-                  f"{needed}): the one computing more of the target itself"}  # fmt: skip
+def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | None, num_layers: int,
+                      rows: list[dict[str, Any]]) -> int | None:
+    """The fewest exact layers from `first` on whose source-only transfer the gate accepts (`num_layers`, the
+    target's own prefill, when none is): each judged row of `rows` gets its `gate` verdict."""
+    if gate is None or first is None:
+        return first
+    for k in range(first, num_layers):
+        verdict = gate.judge(mapper, k)
+        row = next((r for r in rows if r["num_exact_layers"] == k), None)
+        if row is None:
+            row = {"inputs": _inputs_label(mapper), "residual_layer": None, "num_exact_layers": k, "retention": None,
+                   "retention_ci": None, "passes": True}  # fmt: skip
+            rows.append(row)
+        row["gate"] = verdict
+        logger.info("content gate, %d exact, source K/V: %s", k, gate_line(verdict))
+        if verdict["accepted"]:
+            return k
+    return num_layers
 
 
 def choose_configuration(
@@ -348,41 +354,40 @@ def choose_configuration(
     prefix_len: int | None = None,
     timing_tokens: int = 512,
     refine: Callable[[KVMapper], KVMapper] | None = None,
+    gate: ContentGate | None = None,
     seed: int = 0,
     progress: bool = False,
 ) -> tuple[KVMapper, dict[str, Any]]:
-    """The fastest configuration (exact layers x map inputs) that keeps `min_retention` of the target's copying and
-    what the source-only answer keeps of its look-ups.
+    """The cheapest configuration (exact layers x map inputs) that keeps what `eval` measures of the content.
 
     Candidates: `mapper` (source K/V only) with the exact layers `choose_num_exact_layers` finds, and each of
     `residual_mappers` (mappers whose maps also read the target's residual entering their `residual_layer` J, from
-    `residual_stats.solve_residual_mapper`; a `{J: mapper}` dict or a list) with `J + 1` exact layers. A residual
-    candidate must pass two probes on the held-out tokens:
+    `residual_stats.solve_residual_mapper`; a `{J: mapper}` dict or a list) with `J + 1` exact layers.
 
-    - repeated spans (`tasks.repeated_span_items`): retention >= `min_retention`, as the source-only answer;
-    - cued recall (`tasks.cued_recall_items`, records sharing a cue, found by their key; `CUED_ITEMS_FACTOR` times
-      the items): the paired 95% interval of its retention minus the source-only answer's (1 when that answer is
-      the whole target) must rule out a loss of more than `1 - min_retention`. Copying the next tokens of a span
-      and finding a record by what came several tokens before it are different skills: maps that read the residual
-      can keep the first and lose the second (`research/recall_probe/`). A candidate whose estimate is within
-      the allowed loss but whose interval is not is scored once more on `CUED_MORE_ITEMS_FACTOR` times the items
-      (new ones, the source-only answer too) and decided on all of them; the rule errs on the safe side: a
-      candidate the probe still cannot tell from a loss is not kept (it costs speed, never content).
+    Two stages decide whether a candidate keeps the content:
+
+    - a screen on the held-out calibration tokens: repeated spans (`tasks.repeated_span_items`, retention >=
+      `min_retention`) and, for residual candidates, cued recall (`tasks.cued_recall_items`: the paired 95% interval
+      of its retention minus the source-only answer's must rule out a loss of more than `1 - min_retention`;
+      undecided ones are scored once more on `CUED_MORE_ITEMS_FACTOR` times the items);
+    - with `gate` (`content_gate.ContentGate`: passage recall and hand-off, the tasks `eval` reports, on probe-split
+      items that `eval` does not use, paired against the target's own answers), the decision: a candidate is kept
+      only if the lower end of the paired 95% interval of (candidate - own) accuracy is above `-gate.tolerance` on
+      each task. The source-only answer is gated too, from the screen's number of exact layers upward, until one is
+      accepted (all of them: the target's own prefill). Without a gate the screen decides.
 
     Candidates are tried by residual layer, shallowest first, each layer's candidates in the given order; when the
-    first of a layer fails, the rest of that layer are skipped (they read less), and once a layer has a passing
+    first of a layer fails, the rest of that layer are skipped (they read less), and once a layer has a kept
     candidate, deeper layers are not tried (they compute more of the target), nor those with more exact layers than
     the source-only answer; a reduced-rank candidate whose full-rank twin (same layer, sources and readers) failed
-    is skipped too. When the source-only answer is the whole target, a candidate must also be faster than the
-    target's own prefill to be kept. Each tried candidate is timed to
-    the first token (`evaluation.timing.time_to_first_token`, one thread, the first `timing_tokens` probe tokens;
-    medians of `TIMING_ROUNDS` interleaved rounds, by process CPU time on CPU) on this machine with the cache's
-    default recomputed tokens (the probes feed the question themselves, so they cannot vouch for fewer: on large ->
-    small_kv4 a residual map kept 98.7% of passage recall with 32 recomputed tokens and 25% with 1). The chosen one
-    is the fastest that passes, else the source-only answer. When the fastest does not beat the next fastest
-    passing candidate in every round, every passing candidate is timed on `TIMING_MORE_ROUNDS` more rounds and the
-    two fastest are decided by a sign test over all paired rounds; if it cannot tell them apart, the one with more
-    exact layers is chosen (speed the machine cannot measure is not worth computing less of the target).
+    is skipped too.
+
+    Of the kept candidates the one with the least `configuration_cost` (multiply-adds per token from the shapes:
+    exact layers and maps) is chosen, a tie going to the one with more exact layers; when the source-only answer is
+    the whole target, a candidate must also cost less than the target's own prefill. Nothing in the decision is
+    timed, so two runs with the same seed choose alike on any machine under any load. Each tried candidate is still
+    timed to the first token for the report (`evaluation.timing.time_to_first_token`, one thread, the first
+    `timing_tokens` probe tokens, medians of `TIMING_ROUNDS` interleaved rounds, process CPU time on CPU).
 
     `refine`, when given, turns each residual candidate into the one that is probed, timed and possibly chosen,
     just before it is probed (the fit adds token tables fit on what its maps miss: `fitting/token_tables.py`);
@@ -390,9 +395,9 @@ def choose_configuration(
 
     Returns:
         `(mapper, report)`: the chosen mapper with its `num_exact_layers` recorded, and the probe's report with
-        `candidates` (the frontier: one row per candidate with inputs, exact layers, both retentions and their
-        95% intervals, whether it passes, transfer and prefill milliseconds, speed-up, chosen) besides
-        `choose_num_exact_layers`' keys.
+        `candidates` (the frontier: one row per candidate with inputs, exact layers, both screen retentions and their
+        95% intervals, the gate's verdict, whether it passes, its cost, transfer and prefill milliseconds, speed-up,
+        chosen) besides `choose_num_exact_layers`' keys.
     """
     stream = probe_stream(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
     chosen_kv, report = choose_num_exact_layers(
@@ -402,110 +407,82 @@ def choose_configuration(
     num_layers = mapper.target_layout.num_layers
     if report.get("prefix_len") is None or report.get("copy_gain") is None or "barely copies" in report.get("reason", ""):
         return _with_num_exact(mapper, chosen_kv), report  # nothing to compare on: the source-only answer
-    candidates_in = list(residual_mappers.values() if isinstance(residual_mappers, Mapping) else residual_mappers or [])
-    candidates_in.sort(key=lambda m: residual_config(m.config).layer)  # stable: each layer's candidates in the given order
-    vocab = target.config.get_text_config().vocab_size
-    spans = repeated_span_items(vocab, stream, num_items, seed=seed, prefix_len=report["prefix_len"],
-                                continuation_len=PROBE_CONTINUATION_LEN, kind="text")  # fmt: skip
-    # Records of 8 + 4 + 2 tokens (key, cue, value), at most 4, in the probe's prefix.
-    num_records = max(2, min(4, report["prefix_len"] // 14))
-    cued = cued_recall_items(stream, CUED_ITEMS_FACTOR * num_items, seed=seed, prefix_len=report["prefix_len"],
-                             num_records=num_records, continuation_len=PROBE_CONTINUATION_LEN) if candidates_in else []  # fmt: skip
+    report["gate"] = _gate_settings(gate)
+    source_rows = [{"inputs": _inputs_label(mapper), "residual_layer": None, **row,
+                    "passes": row["retention"] is not None and row["retention"] >= min_retention}
+                   for row in report["tried"]]  # fmt: skip
+    faithful_kv = _gate_source_only(gate, mapper, chosen_kv, num_layers, source_rows)
+    if faithful_kv != chosen_kv:
+        report["screen_chosen"] = chosen_kv
+    source_rows.sort(key=lambda row: row["num_exact_layers"])
+    search = _ResidualSearch(source, target, mapper, stream, report, gate=gate, min_retention=min_retention,
+                             num_items=num_items, refine=refine, seed=seed)  # fmt: skip
+    rows, candidates = search.run(residual_mappers, faithful_kv, num_layers, progress)
+    rows[:0] = source_rows
+    candidates[:0] = [(mapper, row["num_exact_layers"]) for row in source_rows]
     ids = torch.tensor(stream[: min(timing_tokens, len(stream))]).unsqueeze(0)
-    rows: list[dict[str, Any]] = []
-    candidates: list[tuple[KVMapper, int]] = []
-    for row in report["tried"]:
-        candidates.append((mapper, row["num_exact_layers"]))
-        rows.append({"inputs": _inputs_label(mapper), "residual_layer": None, **row,
-                     "passes": row["retention"] is not None and row["retention"] >= min_retention})  # fmt: skip
-    references: dict[str, Any] = {}
+    best = _pick_cheapest(target, rows, candidates, faithful_kv, num_layers, int(ids.shape[-1]), gate is not None, report)
+    _time_rows(source, target, rows, candidates, ids, num_layers, report)
+    report["candidates"] = rows
+    if best is None:
+        report["chosen"] = faithful_kv
+        if any(row.get("not_cheaper_than_own_prefill") for row in rows):
+            report["reason"] = ("the candidates that keep the content cost no less than the target's own prefill: the "
+                                f"target computes its whole cache itself (all {num_layers} layers exact)")
+        elif gate is not None and faithful_kv is not None and faithful_kv >= num_layers:
+            report["reason"] = (f"no mapped configuration keeps passage recall and hand-off within {gate.tolerance:.0%} of "
+                                f"the target's own answers: the target computes its whole cache itself (all {num_layers} "
+                                "layers exact)")  # fmt: skip
+        elif gate is not None and faithful_kv is not None:
+            report["reason"] = (f"the fewest exact layers whose source-only transfer keeps passage recall and hand-off "
+                                f"within {gate.tolerance:.0%} of the target's own answers (paired 95% interval)")  # fmt: skip
+        return _with_num_exact(mapper, faithful_kv), report
+    chosen_mapper, num_exact = candidates[best]
+    report["chosen"] = num_exact
+    report["chosen_inputs"] = rows[best]["inputs"]
+    kept = (f"passage recall and hand-off within {gate.tolerance:.0%} of the target's own answers (paired 95% "
+            "interval, probe items)") if gate is not None else f"repeated-span retention >= {min_retention:.0%}"  # fmt: skip
+    report["reason"] = f"the cheapest configuration (multiply-adds per token to the first token) that keeps {kept}"
+    return _with_num_exact(chosen_mapper, num_exact), report
 
-    def probe(name: str, items, m: KVMapper, num_exact: int) -> dict[str, Any]:
-        logger.debug("configuration probe (%s, %d items): %d exact, %s", name, len(items), num_exact, _inputs_label(m))
-        r = repeated_span_retention(
-            source, target, m, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=num_exact,
-            progress=False, reference=references.get(name),
-        )  # fmt: skip
-        references.setdefault(name, r)
-        return r
 
-    cued_reference = None  # per-item NLLs of the source-only answer on the cued items (None: the whole target)
-    if candidates_in:
-        if chosen_kv is not None and chosen_kv < num_layers:
-            ref = probe("cued recall", cued, mapper, chosen_kv)
-            cued_reference = ref["nll_per_item"]["transfer"]
-            report["cued_reference"] = {"num_exact_layers": chosen_kv, "retention": ref["retention"], "retention_ci": ref["retention_ci"]}
-        else:  # the source-only answer is the target's own prefill: retention 1
-            report["cued_reference"] = {"num_exact_layers": num_layers, "retention": 1.0, "retention_ci": None}
-        report["cued_max_loss"] = 1 - min_retention
-    more_cued = more_reference = None  # the extra cued items of undecided candidates, made when first needed
-    seen_layers: set[int] = set()
-    failed_layers: set[int] = set()
-    passed_layers: set[int] = set()
-    failed_full_rank: set[tuple[int, str, str]] = set()
-    # One bar for the stage, one step per candidate (each candidate's result goes to the log at INFO, each probe
-    # it runs at DEBUG).
-    bar = tqdm(candidates_in, desc="configuration probe", unit="candidate", disable=not progress or not candidates_in)
-    for index, m in enumerate(bar, 1):
-        layer, num_exact = residual_config(m.config).layer, residual_config(m.config).layer + 1
-        row: dict[str, Any] = {"inputs": _inputs_label(m), "residual_layer": layer, "num_exact_layers": num_exact,
-                               "readers": residual_readers(m.config), "retention": None, "retention_ci": None,
-                               "cued_retention": None, "cued_retention_ci": None, "passes": False}  # fmt: skip
-        candidates.append((m, num_exact))
-        rows.append(row)
-        try:
-            if layer in failed_layers:
-                row["skipped"] = "the first candidate of this residual layer failed the probe"
-                continue
-            if any(passed < layer for passed in passed_layers):
-                row["skipped"] = "a shallower residual layer passed (deeper ones compute more of the target)"
-                continue
-            if chosen_kv is not None and num_exact > chosen_kv:
-                row["skipped"] = f"more exact layers than the source-only answer's {chosen_kv} (more of the target computed)"
-                continue
-            twin = (layer, repr(m.config.selected_layers), repr(residual_readers(m.config)))
-            if residual_config(m.config).rank is not None and twin in failed_full_rank:
-                row["skipped"] = "the same maps at full rank failed the probe (a reduced rank keeps less)"
-                continue
-            if refine is not None:
-                m = refine(m)
-                candidates[-1] = (m, num_exact)
-                row["inputs"] = _inputs_label(m)
-            r = probe("repeated spans", spans, m, num_exact)
-            row.update(retention=r["retention"], retention_ci=r["retention_ci"])
-            if r["retention"] is not None and r["retention"] >= min_retention:
-                c = probe("cued recall", cued, m, num_exact)
-                nll = c["nll_per_item"]
-                diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], cued_reference, higher_is_better=False,
-                                            seed=seed)  # fmt: skip
-                row.update(cued_retention=c["retention"], cued_retention_ci=c["retention_ci"], cued_items=len(cued))
-                if _undecided(diff, 1 - min_retention):
-                    if more_cued is None:
-                        more_cued = cued_recall_items(stream, CUED_MORE_ITEMS_FACTOR * len(cued), seed=seed + 1,
-                                                      prefix_len=report["prefix_len"], num_records=num_records,
-                                                      continuation_len=PROBE_CONTINUATION_LEN)  # fmt: skip
-                        if cued_reference is not None:
-                            more_reference = probe("cued recall, more items", more_cued, mapper, chosen_kv)["nll_per_item"]["transfer"]
-                    more = probe("cued recall, more items", more_cued, m, num_exact)["nll_per_item"]
-                    nll = {k: list(nll[k]) + list(more[k]) for k in ("own", "no_context", "transfer")}
-                    reference = None if cued_reference is None else list(cued_reference) + list(more_reference)
-                    diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], reference, higher_is_better=False,
-                                                seed=seed)  # fmt: skip
-                    row["cued_items"] = len(cued) + len(more_cued)
-                row.update(cued_minus_reference=diff["difference"], cued_minus_reference_ci=diff["difference_ci"])
-                # Kept only where the paired interval rules out losing more than 1 - min_retention of the reference's.
-                low = (diff["difference_ci"] or [None])[0]
-                row["passes"] = low is not None and math.isfinite(low) and low >= -(1 - min_retention)
-            if not row["passes"] and layer not in seen_layers:
-                failed_layers.add(layer)
-            if not row["passes"] and residual_config(m.config).rank is None:
-                failed_full_rank.add(twin)
-            seen_layers.add(layer)
-            if row["passes"]:
-                passed_layers.add(layer)
-        finally:
-            logger.info("configuration probe, candidate %d of %d: %s", index, len(candidates_in), _row_line(row))
+def _gate_settings(gate: ContentGate | None) -> dict[str, Any]:
+    if gate is None:
+        return {"used": False, "why": "no tokenizer given: the recall and hand-off items cannot be built; the screen decides"}
+    return {"used": True, "tasks": ["passage recall", "hand-off"], "split": "probe", "tolerance": gate.tolerance,
+            "items": gate.num_items, "max_items": gate.max_items, "seed": gate.seed,
+            "rule": "kept when the lower end of the paired 95% bootstrap interval of (candidate - target own) accuracy "
+                    "is above -tolerance on each task"}  # fmt: skip
 
+
+def _pick_cheapest(target, rows, candidates, faithful_kv, num_layers, seq_len, gated, report) -> int | None:
+    """The index of the kept candidate with the least `configuration_cost` (ties: more exact layers), None when the
+    source-only answer stays (no candidate cheaper than it, or none kept); every row gets its `cost`."""
+    own = configuration_cost(target, candidates[0][0], num_layers, seq_len)["total"]
+    kept = []
+    for i, (row, (m, n)) in enumerate(zip(rows, candidates)):
+        row["cost"] = configuration_cost(target, m, n, seq_len)
+        row["cost_vs_own_prefill"] = row["cost"]["total"] / own
+        row["chosen"] = False
+        ok = row["passes"] and not row.get("skipped") and n < num_layers
+        if gated:
+            ok = ok and bool(row.get("gate", {}).get("accepted"))
+        elif row.get("residual_layer") is None:
+            ok = ok and n == faithful_kv
+        if ok and faithful_kv is not None and faithful_kv >= num_layers and row["cost"]["total"] >= own:
+            row["not_cheaper_than_own_prefill"] = True
+            ok = False
+        if ok:
+            kept.append(i)
+    if not kept:
+        return None
+    best = min(kept, key=lambda i: (rows[i]["cost"]["total"], -candidates[i][1]))
+    rows[best]["chosen"] = True
+    return best
+
+
+def _time_rows(source, target, rows, candidates, ids, num_layers, report) -> None:
+    """Times every tried candidate to the first token (the report's speed-ups; the choice does not read them)."""
     timed = [i for i, (row, (_, n)) in enumerate(zip(rows, candidates)) if not row.get("skipped") and n < num_layers]
     clock = _clock(target)
     times: dict[int, dict[str, list[float]]] = {}
@@ -514,53 +491,129 @@ def choose_configuration(
         per_candidate, own = _time_candidates(source, target, [candidates[i] for i in timed], ids)
         times = dict(zip(timed, per_candidate))
     report["timing"] = {"num_tokens": int(ids.shape[-1]), "threads": 1, "rounds": TIMING_ROUNDS, "interleaved": True,
-                        "clock": "process CPU time" if clock == "cpu" else "wall",
+                        "clock": "process CPU time" if clock == "cpu" else "wall", "decides": False,
                         "num_recompute_tokens": "per candidate (None: TransferredCache's default)"}  # fmt: skip
-    report["candidates"] = rows
-    ok = [i for i, row in enumerate(rows) if row["passes"] and i in times]
-    if ok and chosen_kv is not None and chosen_kv >= num_layers:
-        # The source-only answer is the target's own prefill: a candidate must beat that, not only keep the content.
-        own_ms = statistics.median(own[clock])
-        for i in [i for i in ok if statistics.median(times[i][clock]) >= own_ms]:
-            rows[i]["not_faster_than_own_prefill"] = True
-            ok.remove(i)
-        if not ok:
-            report["reason"] = (
-                "the candidates that keep the content are not faster than the target's own prefill on this machine: "
-                f"the target computes its whole cache itself (all {num_layers} layers exact)"
-            )
-    best = None
-    if ok:
-        def time_again(indices: list[int]) -> None:
-            more, more_own = _time_candidates(source, target, [candidates[i] for i in indices], ids, rounds=TIMING_MORE_ROUNDS)
-            for i, m in zip(indices, more):
-                times[i] = {key: times[i][key] + m[key] for key in m}
-            own.update({key: own[key] + more_own[key] for key in more_own})
-
-        best, decision = _pick_fastest(ok, [n for _, n in candidates], times, clock, time_again)
-        decision["between"] = [{"inputs": rows[i]["inputs"], "num_exact_layers": candidates[i][1]}
-                               for i in decision.get("between", [])]  # fmt: skip
-        report["timing"]["decision"] = decision
     for i, row in enumerate(rows):
-        # Not timed: skipped (no figure), or every layer exact (the target's own prefill).
         row.update(_timing_row(times[i], own, clock) if i in times else
                    {"transfer_ms": None, "target_prefill_ms": None, "speedup": None if row.get("skipped") else 1.0})  # fmt: skip
         row["num_recompute_tokens"] = candidates[i][0].config.num_recompute_tokens  # None: TransferredCache's default
-        row["chosen"] = i == best
-    if best is None:
-        return _with_num_exact(mapper, chosen_kv), report
-    chosen_mapper, num_exact = candidates[best]
-    report["chosen"] = num_exact
-    report["chosen_inputs"] = rows[best]["inputs"]
-    report["reason"] = (
-        f"the fastest candidate (time to the first token on {int(ids.shape[-1])} tokens, one thread"
-        + (", or of two that time alike the one with more exact layers" if report["timing"]["decision"].get("tie") else "")
-        + f") with "
-        f"repeated-span retention >= {min_retention:.0%}"
-        + (f" and cued recall not {1 - min_retention:.0%} below the source-only answer's (paired 95% interval)"
-           if rows[best]["residual_layer"] is not None else "")
-    )
-    return _with_num_exact(chosen_mapper, num_exact), report
+
+
+class _ResidualSearch:
+    """The residual candidates' screen (repeated spans, then cued recall against the source-only answer) and gate."""
+
+    def __init__(self, source, target, mapper, stream, report, *, gate, min_retention, num_items, refine, seed):
+        self.source, self.target, self.mapper, self.stream, self.report = source, target, mapper, stream, report
+        self.gate, self.min_retention, self.num_items, self.refine, self.seed = gate, min_retention, num_items, refine, seed
+        self.references: dict[str, Any] = {}
+        self.more_cued = self.more_reference = self.cued_reference = None
+
+    def probe(self, name: str, items, m: KVMapper, num_exact: int) -> dict[str, Any]:
+        logger.debug("configuration probe (%s, %d items): %d exact, %s", name, len(items), num_exact, _inputs_label(m))
+        r = repeated_span_retention(
+            self.source, self.target, m, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=num_exact,
+            progress=False, reference=self.references.get(name),
+        )  # fmt: skip
+        self.references.setdefault(name, r)
+        return r
+
+    def run(self, residual_mappers, faithful_kv: int | None, num_layers: int, progress: bool):
+        candidates_in = list(residual_mappers.values() if isinstance(residual_mappers, Mapping) else residual_mappers or [])
+        candidates_in.sort(key=lambda m: residual_config(m.config).layer)  # stable: each layer's candidates in the given order
+        rows: list[dict[str, Any]] = []
+        candidates: list[tuple[KVMapper, int]] = []
+        if not candidates_in:
+            return rows, candidates
+        report, prefix_len = self.report, self.report["prefix_len"]
+        self.spans = repeated_span_items(self.target.config.get_text_config().vocab_size, self.stream, self.num_items,
+                                         seed=self.seed, prefix_len=prefix_len, continuation_len=PROBE_CONTINUATION_LEN,
+                                         kind="text")  # fmt: skip
+        # Records of 8 + 4 + 2 tokens (key, cue, value), at most 4, in the probe's prefix.
+        self.num_records = max(2, min(4, prefix_len // 14))
+        self.cued = cued_recall_items(self.stream, CUED_ITEMS_FACTOR * self.num_items, seed=self.seed, prefix_len=prefix_len,
+                                      num_records=self.num_records, continuation_len=PROBE_CONTINUATION_LEN)  # fmt: skip
+        self.faithful_kv = faithful_kv
+        if faithful_kv is not None and faithful_kv < num_layers:
+            ref = self.probe("cued recall", self.cued, self.mapper, faithful_kv)
+            self.cued_reference = ref["nll_per_item"]["transfer"]
+            report["cued_reference"] = {"num_exact_layers": faithful_kv, "retention": ref["retention"], "retention_ci": ref["retention_ci"]}
+        else:  # the source-only answer is the target's own prefill: retention 1
+            report["cued_reference"] = {"num_exact_layers": num_layers, "retention": 1.0, "retention_ci": None}
+        report["cued_max_loss"] = 1 - self.min_retention
+        state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set()}
+        bar = tqdm(candidates_in, desc="configuration probe", unit="candidate", disable=not progress)
+        for index, m in enumerate(bar, 1):
+            row = {"inputs": _inputs_label(m), "residual_layer": residual_config(m.config).layer,
+                   "num_exact_layers": residual_config(m.config).layer + 1, "readers": residual_readers(m.config),
+                   "retention": None, "retention_ci": None, "cued_retention": None, "cued_retention_ci": None,
+                   "passes": False}  # fmt: skip
+            rows.append(row)
+            candidates.append((m, row["num_exact_layers"]))
+            try:
+                candidates[-1] = (self.candidate(m, row, state), row["num_exact_layers"])
+            finally:
+                logger.info("configuration probe, candidate %d of %d: %s", index, len(candidates_in), _row_line(row))
+        return rows, candidates
+
+    def candidate(self, m: KVMapper, row: dict[str, Any], state: dict[str, set]) -> KVMapper:
+        layer, num_exact = row["residual_layer"], row["num_exact_layers"]
+        twin = (layer, repr(m.config.selected_layers), repr(residual_readers(m.config)))
+        skip = None
+        if layer in state["failed"]:
+            skip = "the first candidate of this residual layer failed the probe"
+        elif any(passed < layer for passed in state["passed"]):
+            skip = "a shallower residual layer passed (deeper ones compute more of the target)"
+        elif self.faithful_kv is not None and num_exact > self.faithful_kv:
+            skip = f"more exact layers than the source-only answer's {self.faithful_kv} (more of the target computed)"
+        elif residual_config(m.config).rank is not None and twin in state["failed_full_rank"]:
+            skip = "the same maps at full rank failed the probe (a reduced rank keeps less)"
+        if skip:
+            row["skipped"] = skip
+            return m
+        if self.refine is not None:
+            m = self.refine(m)
+            row["inputs"] = _inputs_label(m)
+        r = self.probe("repeated spans", self.spans, m, num_exact)
+        row.update(retention=r["retention"], retention_ci=r["retention_ci"])
+        if r["retention"] is not None and r["retention"] >= self.min_retention:
+            row["passes"] = self.cued_passes(m, num_exact, row)
+        if row["passes"] and self.gate is not None:
+            row["gate"] = self.gate.judge(m, num_exact)
+            row["passes"] = row["gate"]["accepted"]
+        if not row["passes"] and layer not in state["seen"]:
+            state["failed"].add(layer)
+        if not row["passes"] and residual_config(m.config).rank is None:
+            state["failed_full_rank"].add(twin)
+        state["seen"].add(layer)
+        if row["passes"]:
+            state["passed"].add(layer)
+        return m
+
+    def cued_passes(self, m: KVMapper, num_exact: int, row: dict[str, Any]) -> bool:
+        """Whether the paired cued-recall interval rules out losing more than `1 - min_retention` of the reference's."""
+        max_loss = 1 - self.min_retention
+        c = self.probe("cued recall", self.cued, m, num_exact)
+        nll = c["nll_per_item"]
+        diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], self.cued_reference,
+                                    higher_is_better=False, seed=self.seed)  # fmt: skip
+        row.update(cued_retention=c["retention"], cued_retention_ci=c["retention_ci"], cued_items=len(self.cued))
+        if _undecided(diff, max_loss):
+            if self.more_cued is None:
+                self.more_cued = cued_recall_items(self.stream, CUED_MORE_ITEMS_FACTOR * len(self.cued), seed=self.seed + 1,
+                                                   prefix_len=self.report["prefix_len"], num_records=self.num_records,
+                                                   continuation_len=PROBE_CONTINUATION_LEN)  # fmt: skip
+                if self.cued_reference is not None:
+                    self.more_reference = self.probe("cued recall, more items", self.more_cued, self.mapper,
+                                                     self.faithful_kv)["nll_per_item"]["transfer"]  # fmt: skip
+            more = self.probe("cued recall, more items", self.more_cued, m, num_exact)["nll_per_item"]
+            nll = {k: list(nll[k]) + list(more[k]) for k in ("own", "no_context", "transfer")}
+            reference = None if self.cued_reference is None else list(self.cued_reference) + list(self.more_reference)
+            diff = retention_difference(nll["own"], nll["no_context"], nll["transfer"], reference, higher_is_better=False,
+                                        seed=self.seed)  # fmt: skip
+            row["cued_items"] = len(self.cued) + len(self.more_cued)
+        row.update(cued_minus_reference=diff["difference"], cued_minus_reference_ci=diff["difference_ci"])
+        low = (diff["difference_ci"] or [None])[0]
+        return low is not None and math.isfinite(low) and low >= -max_loss
 
 
 def _row_line(row: dict[str, Any]) -> str:
@@ -571,6 +624,8 @@ def _row_line(row: dict[str, Any]) -> str:
     scores = [f"repeated spans {_percent(row['retention'], row['retention_ci'])}"]
     if row.get("cued_retention") is not None:
         scores.append(f"cued recall {_percent(row['cued_retention'], row['cued_retention_ci'])}")
+    if row.get("gate"):
+        scores.append(f"content gate: {gate_line(row['gate'])}")
     return f"{what}: {', '.join(scores)}: {'passes' if row['passes'] else 'fails'}"
 
 
@@ -587,4 +642,5 @@ def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
     return chosen
 
 
-__all__ = ["MIN_COPY_GAIN", "TIMING_MORE_ROUNDS", "TIMING_ROUNDS", "choose_configuration", "choose_num_exact_layers", "probe_stream", "residual_candidates"]
+__all__ = ["MIN_COPY_GAIN", "TIMING_ROUNDS", "choose_configuration", "choose_num_exact_layers", "configuration_cost",
+           "probe_stream", "residual_candidates"]

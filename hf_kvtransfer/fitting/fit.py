@@ -40,6 +40,7 @@ from .config import (
     parse_top_k,
     resolve_config,
 )
+from .content_gate import ContentGate, gate_line, heldout_texts
 from .exact_layers import choose_configuration, probe_stream, residual_candidates
 from .mlp import fit_mlp
 from .residual_stats import ResidualStatistics, residual_statistics_nbytes, residual_variants
@@ -437,7 +438,8 @@ def fit_mappers(
         mapper_kwargs.setdefault("calibration", info)
     if config.mapper_type == MLP:
         mapper = fit_mlp(source, target, ids, mask, config, log=log, **mapper_kwargs)
-        return {mapper_name(config.top_k_values[0]): with_exact_layers(source, target, mapper, ids, mask, config, log)}
+        return {mapper_name(config.top_k_values[0]): with_exact_layers(source, target, mapper, ids, mask, config, log,
+                                                                         tokenizer=tokenizer)}
     metadata = {"calibration": mapper_kwargs.pop("calibration")} if "calibration" in mapper_kwargs else None
     residual = _residual_statistics(source, target, config, log)
     train, heldout = run_fit_pass(source, target, ids, mask, config, consumers=[residual] if residual else (),
@@ -449,7 +451,7 @@ def fit_mappers(
         dtype=config.torch_mapper_dtype, **config.rank_kwargs, **mapper_kwargs,
     )  # fmt: skip
     return {name: with_exact_layers(source, target, m, ids, mask, config, log, residual=residual,
-                                    token_table_input_ids=token_table_input_ids)
+                                    token_table_input_ids=token_table_input_ids, tokenizer=tokenizer)
             for name, m in mappers.items()}  # fmt: skip
 
 
@@ -560,13 +562,16 @@ def with_exact_layers(
     log: Callable[[str], None] | None = None,
     residual: ResidualStatistics | None = None,
     token_table_input_ids: torch.Tensor | None = None,
+    tokenizer=None,
 ) -> KVMapper:
     """`mapper` with `config.num_exact_layers` recorded: a given number as is, "auto" from the content probe
     (`exact_layers.choose_configuration`) on the held-out calibration sequences (all of them without a
     held-out shard), its table in `mapper.report["exact_layers"]`. With `residual` statistics the probe also tries
     maps reading the target's residual after each candidate residual layer and may return such a mapper; with
     `config.token_tables == "auto"` those candidates get token tables, fit on the training sequences and
-    `token_table_input_ids` (sequences for the tables alone)."""
+    `token_table_input_ids` (sequences for the tables alone). With the models' `tokenizer` the choice is made by the
+    content gate (`content_gate.py`: passage recall and hand-off on probe items, paired against the target's own
+    answers, `config.exact_layers_tolerance`); without one the screen decides (a warning says so)."""
     if config.num_exact_layers != "auto":
         mapper.config = dataclasses.replace(mapper.config, num_exact_layers=config.num_exact_layers)
         return mapper
@@ -585,28 +590,60 @@ def with_exact_layers(
     if residual_mappers and config.token_tables == "auto":
         table_ids, table_mask = _table_rows(input_ids, attention_mask, num_heldout, token_table_input_ids, config)
         refine = _token_tables_step(source, target, table_ids, table_mask, config, log)
+    gate = _content_gate(source, target, tokenizer, input_ids[rows], mask, config)
     with torch.no_grad():
         mapper, report = choose_configuration(
             source, target, mapper, probe_stream(input_ids[rows], mask), residual_mappers=residual_mappers,
             min_retention=config.exact_layers_retention, num_items=config.exact_layers_items,
-            timing_tokens=config.exact_layers_timing_tokens, refine=refine, progress=config.progress,
+            timing_tokens=config.exact_layers_timing_tokens, refine=refine, gate=gate, progress=config.progress,
         )  # fmt: skip
     report["probe_sequences"] = "held-out" if num_heldout else "all calibration sequences (no held-out shard)"
     if refine is not None:
         report["token_table_sequences"] = int(table_ids.shape[0])
     mapper.report = {**mapper.report, "exact_layers": report}
-    tried = ", ".join(
-        f"{row['num_exact_layers']}{'+res' if row.get('residual_layer') is not None else ''}: "
-        f"{'n/a' if row['retention'] is None else format(row['retention'], '.0%')}"
-        + (f"/cued {row['cued_retention']:.0%}" if row.get("cued_retention") is not None else "")
-        + (f" {row['speedup']:.1f}x" if row.get("speedup") else "")
-        for row in report.get("candidates", report["tried"]) if not row.get("skipped")
-    )
     (log or logger.info)(
-        f"exact layers: {mapper.num_exact_layers} of {mapper.target_layout.num_layers} ({report['reason']}; probe "
-        f"retention by exact layers {tried}; {time.perf_counter() - started:.0f} s)"
+        f"exact layers: {mapper.num_exact_layers} of {mapper.target_layout.num_layers} ({report['reason']}; "
+        f"{_probe_summary(report)}; {time.perf_counter() - started:.0f} s)"
     )
     return mapper
+
+
+# The content gate's first stage scores this many times `exact_layers_items` items per task (recall, hand-off).
+GATE_ITEMS_FACTOR = 2
+
+
+def _content_gate(source, target, tokenizer, heldout_ids, mask, config: FitConfig) -> ContentGate | None:
+    """The fit's content gate on its held-out rows, or None (with a warning) where no tokenizer can build its items."""
+    if tokenizer is None:
+        logger.warning("exact layers: no tokenizer given, so the content gate (passage recall and hand-off) cannot "
+                       "build its items and the repeated-span screen decides alone; pass tokenizer= to fit_mapper")  # fmt: skip
+        return None
+    try:
+        return ContentGate(source, target, tokenizer, heldout_texts(tokenizer, heldout_ids, mask),
+                           tolerance=config.exact_layers_tolerance,
+                           num_items=GATE_ITEMS_FACTOR * config.exact_layers_items)  # fmt: skip
+    except ValueError as exc:  # e.g. a tokenizer without single-token numbers for the answers
+        logger.warning("exact layers: the content gate cannot build its items (%s); the repeated-span screen decides", exc)
+        return None
+
+
+def _probe_summary(report: dict[str, Any]) -> str:
+    """Each candidate the probe tried on one line: `3+res: 103%/cued 99%, recall -10.0 [-15.3, -4.7] pts on 128,
+    hand-off ...: rejected` (screen retentions, then the gate's paired differences)."""
+    rows = []
+    for row in report.get("candidates", report["tried"]):
+        if row.get("skipped"):
+            continue
+        text = (f"{row['num_exact_layers']}{'+res' if row.get('residual_layer') is not None else ''}: "
+                f"{'n/a' if row.get('retention') is None else format(row['retention'], '.0%')}"
+                + (f"/cued {row['cued_retention']:.0%}" if row.get("cued_retention") is not None else ""))  # fmt: skip
+        if row.get("gate"):
+            text += f", {gate_line(row['gate'])}"
+        rows.append(text + (" (chosen)" if row.get("chosen") else ""))
+    gate = report.get("gate") or {}
+    what = (f"content gate: recall and hand-off within {gate['tolerance']:.0%} of the target's own, paired"
+            if gate.get("used") else "screen only (no content gate)")  # fmt: skip
+    return f"{what}; probe by candidate {'; '.join(rows)}"
 
 
 def fit_mlp_mapper(

@@ -1,0 +1,194 @@
+"""The fit's content gate (`fitting/content_gate.py`): its items are not eval's, its decision reads the paired
+interval against the target's own answers with the stated tolerance, an undecided candidate gets the items its
+spread needs, and the fit's choice is the same on two runs whatever the clock says."""
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import exact_identity_mapper
+from hf_kvtransfer.evaluation.evaluate import split_documents
+from hf_kvtransfer.evaluation.tasks import handoff_items, passage_recall_items
+from hf_kvtransfer.fitting import content_gate, exact_layers
+from hf_kvtransfer.fitting.content_gate import PROBE_SPLIT, ContentGate, required_items
+
+FAMILY = Path(__file__).resolve().parent.parent / "examples" / "family"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    if not (FAMILY / "large").is_dir():
+        pytest.skip("bundled family not in examples/family")
+    return AutoTokenizer.from_pretrained(FAMILY / "large")
+
+
+def test_probe_items_are_not_evals_items(tokenizer):
+    # What `eval --tasks recall,handoff --items N` scores (seed 0, heldout.txt distractors) against what the fit's
+    # gate draws (the probe split, seed 0, calibration text): no passage, prompt or module name in common (200 of
+    # each here; items are prefix-stable, so larger N only add items drawn the same way).
+    docs = split_documents((FAMILY / "heldout.txt").read_text(encoding="utf-8"), tokenizer.eos_token)
+    texts = split_documents((FAMILY / "calibration.txt").read_text(encoding="utf-8")[:200_000], tokenizer.eos_token)
+    for make in (passage_recall_items, handoff_items):
+        evals = make(tokenizer, 200, seed=0, distractor_texts=docs)
+        probes = make(tokenizer, 200, seed=0, distractor_texts=texts, split=PROBE_SPLIT)
+        assert not {it.meta["module"] for it in evals} & {it.meta["module"] for it in probes}
+        assert not {tuple(it.prompt_ids) for it in evals} & {tuple(it.prompt_ids) for it in probes}
+        # the same kind of items: identifiers from eval's name pool, never the training pool
+        from hf_kvtransfer.evaluation.tasks import _split_of
+
+        assert all(_split_of(name) == "eval" for it in probes for name in it.meta["module"].split("."))
+
+
+def test_required_items_closes_the_interval_at_the_measured_spread():
+    # A normal-approximation interval mean - 1.96 sd / sqrt(n) reaches -tolerance exactly at the returned n.
+    d = np.array([-1.0] * 3 + [1.0] * 2 + [0.0] * 25)  # mean -1/30, sd 0.41: 30 items are far too few
+    n = required_items(d, 0.05)
+    sd = d.std(ddof=1)
+    assert n > d.size
+    assert d.mean() - 1.96 * sd / math.sqrt(n) >= -0.05 - 1e-12
+    assert d.mean() - 1.96 * sd / math.sqrt(n - 1) < -0.05
+    assert required_items([-0.1] * 10 + [0.0] * 10, 0.05) is None  # the estimate itself is a loss beyond it
+
+
+class _FakeScores:
+    """Stands in for `passage_recall` / `handoff`: the target's own answer is right on every item; the transfer of
+    `mapper` is wrong on every `every[mapper]`-th item (0: never)."""
+
+    def __init__(self, every):
+        self.every, self.calls = every, []
+
+    def __call__(self, source, target, mapper, items, *, num_exact_layers, reference=None, **kw):
+        self.calls.append((mapper, len(items), reference is not None))
+        every = self.every[mapper]
+        transfer = [0.0 if every and it.meta["index"] % every == 0 else 1.0 for it in items]
+        return {"correct_per_item": {"own": [1.0] * len(items), "transfer": transfer, "no_context": [0.0] * len(items)}}
+
+
+def test_gate_accepts_rejects_and_sizes_from_the_spread(tokenizer, monkeypatch):
+    fake = _FakeScores({"same": 0, "lossy": 4, "slight": 41})
+    monkeypatch.setattr(content_gate, "passage_recall", fake)
+    monkeypatch.setattr(content_gate, "handoff", fake)
+    gate = ContentGate(None, None, tokenizer, None, tolerance=0.05, num_items=40, max_items=200)
+    # No item differs from the target's own: accepted on the first stage.
+    v = gate.judge("same", 2)
+    assert v["accepted"] and all(t["num_items"] == 40 for t in v["tasks"].values())
+    # A 25-point loss: rejected on the first task, the second is not scored.
+    v = gate.judge("lossy", 2)
+    assert not v["accepted"] and list(v["tasks"]) == ["recall"] and v["tasks"]["recall"]["decision"] == "rejected"
+    # One wrong answer in 40 (-2.5 points) is undecided: more items, as many as its spread asks (at most 200), and the
+    # decision is the interval's on all of them.
+    v = gate.judge("slight", 2)
+    t = v["tasks"]["recall"]
+    first = ContentGate(None, None, tokenizer, None, tolerance=0.05, num_items=40, max_items=40).judge("slight", 2)
+    assert first["tasks"]["recall"]["decision"] == "rejected" and "not ruled out" in first["tasks"]["recall"]["why"]
+    assert t["num_items"] == min(200, math.ceil(1.2 * first["tasks"]["recall"]["required_items"]))
+    assert (t["decision"] == "accepted") == (t["difference_ci"][0] > -0.05)
+    # the own answers are scored once per item slice and reused for every later candidate
+    assert [c[2] for c in fake.calls if c[0] == "lossy"] == [True]
+
+
+def test_two_runs_choose_alike_whatever_the_clock(monkeypatch):
+    """The same seed gives the same choice and the same report (timings aside) when the candidates' timings are
+    drawn at random on each run (a loaded machine): the decision reads no clock."""
+    from conftest import random_ids, tiny_model
+    from hf_kvtransfer import fit_mapper
+    from hf_kvtransfer.fitting.calibration_pass import calibration_pass
+    from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
+
+    source = tiny_model("qwen3", num_hidden_layers=2, seed=0)
+    target = tiny_model("qwen3", num_hidden_layers=3, seed=1)
+    ids = random_ids(6, 40, seed=5)
+    base = fit_mapper(source, target, ids, top_k=2, num_exact_layers=1, heldout_fraction=0, progress=False)
+    stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=(0, 1), stride=1)
+    calibration_pass(source, target, ids, consumers=[stats], progress=False)
+    residual = [solve_residual_mapper(base, stats, residual_layer=j) for j in (0, 1)]
+
+    def fake_probe(*args, **kwargs):
+        return 3, {"tried": [{"num_exact_layers": 2, "retention": 0.5, "retention_ci": [0.4, 0.6]}], "prefix_len": 64,
+                   "copy_gain": {"mean": 5.0, "ci": [4, 6]}, "reason": "the fewest"}  # fmt: skip
+
+    def fake_retention(s, t, m, items, num_exact_layers, **kw):
+        n = len(items)
+        return {"retention": 0.99, "retention_ci": [0.98, 1.0],
+                "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [1.02] * n}}
+
+    class Gate:  # accepts the residual maps at layer 1, not layer 0's (the source-only answer is the whole target)
+        tolerance, num_items, max_items, seed = 0.05, 8, 32, 0
+
+        def judge(self, m, k, every_task=False):
+            ok = not m.needs_target_residual or m.config.map_inputs["residual"].layer == 1
+            d = {"difference": 0.0 if ok else -0.2, "difference_ci": [-0.02, 0.02] if ok else [-0.3, -0.1], "num_items": 8}
+            return {"accepted": ok, "tolerance": 0.05, "tasks": {"recall": d, "handoff": d}}
+
+    monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
+    stream = random_ids(1, 600, seed=1)[0].tolist()
+    runs = []
+    for seed in (1, 2):
+        rng = random.Random(seed)
+
+        def noisy(s, t, configs, ids, rounds=5, measure_own=True):
+            per = [{"wall": [rng.uniform(1, 200) for _ in range(rounds)], "cpu": [rng.uniform(1, 200) for _ in range(rounds)]}
+                   for _ in configs]  # fmt: skip
+            return per, {"wall": [100.0] * rounds, "cpu": [100.0] * rounds}
+
+        monkeypatch.setattr(exact_layers, "_time_candidates", noisy)
+        runs.append(exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual, gate=Gate()))
+    untimed = ("transfer_ms", "transfer_wall_ms", "target_prefill_ms", "target_prefill_wall_ms", "speedup", "timing_rounds")
+    (a, ra), (b, rb) = runs
+    assert a.config.map_inputs["residual"].layer == b.config.map_inputs["residual"].layer == 1 and a.config.num_exact_layers == 2
+    assert [{k: v for k, v in r.items() if k not in untimed} for r in ra["candidates"]] == \
+        [{k: v for k, v in r.items() if k not in untimed} for r in rb["candidates"]]
+    rejected = next(r for r in ra["candidates"] if r.get("residual_layer") == 0)
+    assert not rejected["passes"] and not rejected["gate"]["accepted"]
+
+
+@pytest.mark.parametrize("name", ["small"])
+def test_gate_on_the_bundled_model_accepts_its_own_cache_and_rejects_a_broken_layer(tokenizer, name):
+    # Ground truth by construction: an exact identity mapper keeps every answer the target gives (differences 0);
+    # with target layer 3 (the layer the bundled models copy through) mapped to zeros and only layer 0 exact, recall
+    # collapses.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(FAMILY / name, dtype=torch.float32).eval()
+    exact = exact_identity_mapper(model)
+    broken = exact_identity_mapper(model)
+    with torch.no_grad():
+        for kind in ("key", "value"):
+            getattr(broken.layers[3], kind).weight.zero_()
+    gate = ContentGate(model, model, tokenizer, None, tolerance=0.05, num_items=12, max_items=12)
+    with torch.no_grad():
+        same = gate.judge(exact, 1)
+        lost = gate.judge(broken, 1)
+    assert same["accepted"] and all(t["difference"] == 0 for t in same["tasks"].values()), same
+    assert not lost["accepted"] and lost["tasks"]["recall"]["difference"] < -0.2, lost
+
+
+@pytest.mark.slow
+def test_the_default_fit_keeps_evals_passage_recall_within_the_tolerance(tokenizer):
+    """The defect this gate answers: a default large -> small fit kept 3 of 4 exact layers + residual maps whose
+    passage recall on eval's items was 10 points below the target's own. Fit at the defaults, then measure with
+    eval's own code on eval's held-out items (which the gate never saw): the accepted configuration's recall is
+    within the tolerance of the target's own."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_kvtransfer import FitConfig, fit_mapper
+    from hf_kvtransfer.evaluation.content import passage_recall
+
+    source = AutoModelForCausalLM.from_pretrained(FAMILY / "large", dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(FAMILY / "small", dtype=torch.float32).eval()
+    mapper = fit_mapper(source, target, str(FAMILY / "calibration.txt"), tokenizer=tokenizer, progress=False)
+    tolerance = FitConfig().exact_layers_tolerance
+    assert mapper.report["exact_layers"]["gate"]["used"], mapper.report["exact_layers"]
+    docs = split_documents((FAMILY / "heldout.txt").read_text(encoding="utf-8"), tokenizer.eos_token)
+    items = passage_recall_items(tokenizer, 300, seed=0, distractor_texts=docs)  # eval --items 300's recall items
+    with torch.no_grad():
+        r = passage_recall(source, target, mapper, items, progress=False)
+    d = np.asarray(r["correct_per_item"]["transfer"]) - np.asarray(r["correct_per_item"]["own"])
+    assert d.mean() > -tolerance, (d.mean(), mapper.config.num_exact_layers, mapper.config.map_inputs.get("residual"))
