@@ -206,7 +206,7 @@ def test_errors_for_wrong_source_cache(qwen3_model, identity_mapper):
     with pytest.raises(ValueError, match=r"expects \[batch, 2, seq, 16\]"):
         TransferredCache(legacy, identity_mapper)
     rope_changed = tiny_model("qwen3", num_hidden_layers=3, rope_parameters={"rope_type": "default", "rope_theta": 50.0})
-    with pytest.warns(UserWarning, match="fit for source model"):
+    with pytest.warns(UserWarning, match="fit for another source model"):
         TransferredCache(prefill(rope_changed, ids), identity_mapper)
     with pytest.raises(ValueError, match="rope_parameters"):
         TransferredCache(prefill(rope_changed, ids), identity_mapper, strict=True)
