@@ -120,6 +120,22 @@ def steady_timings(ms_of):
     return fake
 
 
+def residual_pair(residual_layers=(0,)):
+    """A tiny qwen3 pair (2 -> 3 layers) with its source-only mapper (1 exact layer) and, for each residual layer J
+    asked for, the mapper that also reads the target's residual entering J: `(source, target, ids, base, [mappers])`."""
+    from hf_kvtransfer import fit_mapper
+    from hf_kvtransfer.fitting.calibration_pass import calibration_pass
+    from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
+
+    source = tiny_model("qwen3", num_hidden_layers=2, seed=0)
+    target = tiny_model("qwen3", num_hidden_layers=3, seed=1)
+    ids = random_ids(6, 40, seed=5)
+    base = fit_mapper(source, target, ids, top_k=2, num_exact_layers=1, heldout_fraction=0, progress=False)
+    stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=(0, 1), stride=1)
+    calibration_pass(source, target, ids, consumers=[stats], progress=False)
+    return source, target, ids, base, [solve_residual_mapper(base, stats, residual_layer=j) for j in residual_layers]
+
+
 def left_pad(ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad row i to keep only its last `lengths[i]` tokens; returns (ids, mask)."""
     ids = ids.clone()

@@ -327,7 +327,7 @@ def _matches(path: str, patterns: list[str]) -> bool:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as huggingface_hub's pooled client expects
     disable_nagle_algorithm = True  # headers and body go out in two writes: Nagle + delayed ACK = 40 ms each
-    timeout = 60
+    timeout = 900  # an idle keep-alive connection's socket: a hang guard, not a limit a loaded machine reaches
     server: _Server
 
     # -- plumbing ------------------------------------------------------------------------------------------------

@@ -96,18 +96,9 @@ def test_gate_accepts_rejects_and_sizes_from_the_spread(tokenizer, monkeypatch):
 def test_two_runs_choose_alike_whatever_the_clock(monkeypatch):
     """The same seed gives the same choice and the same report (timings aside) when the candidates' timings are
     drawn at random on each run (a loaded machine): the decision reads no clock."""
-    from conftest import random_ids, tiny_model
-    from hf_kvtransfer import fit_mapper
-    from hf_kvtransfer.fitting.calibration_pass import calibration_pass
-    from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
+    from conftest import random_ids, residual_pair
 
-    source = tiny_model("qwen3", num_hidden_layers=2, seed=0)
-    target = tiny_model("qwen3", num_hidden_layers=3, seed=1)
-    ids = random_ids(6, 40, seed=5)
-    base = fit_mapper(source, target, ids, top_k=2, num_exact_layers=1, heldout_fraction=0, progress=False)
-    stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=(0, 1), stride=1)
-    calibration_pass(source, target, ids, consumers=[stats], progress=False)
-    residual = [solve_residual_mapper(base, stats, residual_layer=j) for j in (0, 1)]
+    source, target, ids, base, residual = residual_pair((0, 1))
 
     def fake_probe(*args, **kwargs):
         return 3, {"tried": [{"num_exact_layers": 2, "retention": 0.5, "retention_ci": [0.4, 0.6]}], "prefix_len": 64,

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, random_ids, steady_timings, tiny_model
+from conftest import VOCAB, random_ids, residual_pair, steady_timings, tiny_model
 from rope_reference import apply_rope
 from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.core.capture import capture_kv
@@ -19,9 +19,7 @@ from hf_kvtransfer.core.map_inputs import with_input
 from hf_kvtransfer.core.residual import ResidualConfig
 from hf_kvtransfer.core.token_tables import TokenTableConfig, lagged_token_ids, token_table_parameters
 from hf_kvtransfer.fitting import exact_layers
-from hf_kvtransfer.fitting.calibration_pass import calibration_pass
 from hf_kvtransfer.fitting.config import FitConfig
-from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
 from hf_kvtransfer.fitting.token_tables import (
     capture_table_inputs,
     fit_token_tables,
@@ -36,13 +34,8 @@ from hf_kvtransfer.fitting.token_tables import (
 
 @pytest.fixture(scope="module")
 def pair():
-    source = tiny_model("qwen3", num_hidden_layers=2, seed=0)
-    target = tiny_model("qwen3", num_hidden_layers=3, seed=1)
-    ids = random_ids(6, 40, seed=5)
-    base = fit_mapper(source, target, ids, top_k=2, num_exact_layers=1, heldout_fraction=0, progress=False)
-    stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=(0, 1), stride=1)
-    calibration_pass(source, target, ids, consumers=[stats], progress=False)
-    return source, target, ids, base, solve_residual_mapper(base, stats, residual_layer=0)
+    source, target, ids, base, (residual,) = residual_pair((0,))
+    return source, target, ids, base, residual
 
 
 def with_random_tables(mapper, readers, lags=(0, 1, 2), seed=0):
