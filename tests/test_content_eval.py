@@ -12,7 +12,7 @@ from fit_fixtures import SPECIALS, make_tokenizer
 from hf_kvtransfer import TransferredCache, prefill
 from hf_kvtransfer.commands.cli import main
 from hf_kvtransfer.evaluation.content import greedy_agreement, handoff, passage_recall, repeated_span_retention
-from hf_kvtransfer.evaluation.metrics import mean_and_ci, retention_over_items
+from hf_kvtransfer.evaluation.metrics import gap_recovered_over_items, mean_and_ci, retention_over_items
 from hf_kvtransfer.evaluation.tasks import HandoffItem, PassageRecallItem, repeated_span_items
 
 
@@ -72,6 +72,22 @@ def test_retention_over_items_matches_numpy():
     assert alone["retention"] is None and "no transfer" in alone["retention_undefined"]
     summary = mean_and_ci([0.25, 0.25, 0.25], num_bootstrap=50)
     assert summary == {"mean": 0.25, "ci": [0.25, 0.25]}
+
+
+def test_gap_recovered_matches_numpy():
+    rng = np.random.default_rng(2)
+    own, transfer, alone = rng.random(50) + 0.6, rng.random(50) + 0.4, rng.random(50)
+    res = gap_recovered_over_items(own, transfer, alone, num_bootstrap=200, seed=3)
+    assert res["gap_recovered"] == pytest.approx((transfer.mean() - alone.mean()) / (own.mean() - alone.mean()))
+    draws, ratios = np.random.default_rng(3), []
+    for _ in range(200):  # paired: an item's three scores drawn together
+        idx = draws.integers(0, 50, 50)
+        ratios.append((transfer[idx].mean() - alone[idx].mean()) / (own[idx].mean() - alone[idx].mean()))
+    assert res["gap_recovered_ci"] == pytest.approx([np.percentile(ratios, 2.5), np.percentile(ratios, 97.5)])
+    assert res["target_minus_source"]["mean"] == pytest.approx(own.mean() - alone.mean())
+    # The source as good as the target: nothing to recover, a reason instead of a ratio.
+    flat = gap_recovered_over_items([1.0, 0.0], [1.0, 1.0], [0.0, 1.0], num_bootstrap=10)
+    assert flat["gap_recovered"] is None and flat["gap_recovered_ci"] is None and "no better" in flat["gap_undefined"]
 
 
 # -- the four evaluations --------------------------------------------------------------------------------
@@ -141,6 +157,32 @@ def test_passage_recall_matches_plain_forward(model, identity, broken, recompute
     assert lost["answer_nll_per_item"]["own"] == res["answer_nll_per_item"]["own"]
     alone = passage_recall(None, model, None, items, num_recompute_tokens=recompute, num_bootstrap=0, progress=False)
     assert "transfer" not in alone["accuracy"] and alone["correct_per_item"]["own"] == res["correct_per_item"]["own"]
+    assert "source_alone" not in alone["accuracy"] and "gap_recovered" not in alone
+
+
+def test_source_alone_is_the_source_answering_itself(model, identity):
+    """Recall and hand-off score the source answering on its own (a plain forward of the source), and the gap
+    recovered is computed from the per-item scores."""
+    source = tiny_model("qwen3", num_hidden_layers=2, seed=11)  # same KV geometry: the identity map applies
+    items = _recall_items(model)
+    res = passage_recall(source, model, identity, items, num_recompute_tokens=2, num_bootstrap=20, progress=False)
+    scored = [_answer(source, it.prompt_ids, it.answer_ids) for it in items]
+    assert res["answer_nll_per_item"]["source_alone"] == pytest.approx([nll for nll, _ in scored], abs=1e-4)
+    assert res["correct_per_item"]["source_alone"] == [float(ok) for _, ok in scored]
+    own, transfer, alone = (np.array(res["correct_per_item"][k]) for k in ("own", "transfer", "source_alone"))
+    if own.mean() > alone.mean():
+        assert res["gap_recovered"] == pytest.approx((transfer.mean() - alone.mean()) / (own.mean() - alone.mean()))
+    else:
+        assert res["gap_recovered"] is None and res["gap_undefined"]
+    again = passage_recall(source, model, identity, items, num_recompute_tokens=2, num_bootstrap=0, progress=False,
+                           reference=res)  # the source's answers do not depend on the transfer: reused
+    assert again["correct_per_item"]["source_alone"] == res["correct_per_item"]["source_alone"]
+    dialogue = HandoffItem(prompt_ids=items[0].prompt_ids, answer1_ids=[5], followup_ids=[7, 8, 9], answer2_ids=[4])
+    out = handoff(source, model, identity, [dialogue] * 2, num_recompute_tokens=2, num_bootstrap=0, progress=False)
+    said = out["answer1_per_item"][0]  # the source answers question 1, then goes on alone
+    nll, ok = _answer(source, dialogue.prompt_ids + said + dialogue.followup_ids, dialogue.answer2_ids)
+    assert out["answer_nll_per_item"]["source_alone"] == pytest.approx([nll, nll], abs=1e-4)
+    assert out["correct_per_item"]["source_alone"] == [float(ok)] * 2
 
 
 @pytest.mark.parametrize("recompute", [0, 2])

@@ -189,6 +189,16 @@ def _mean_ci(stat: dict[str, Any] | None, percent: bool) -> str:
     return f"{stat['mean']:.3f}{bounds}"
 
 
+def _gap(res: dict[str, Any], notes: list[str], label: str) -> str:
+    """The share of the source-to-target gap a content task's transfer recovers (recall and hand-off), or why not."""
+    if res.get("gap_recovered") is not None:
+        return _pct(res["gap_recovered"]) + _ci(res.get("gap_recovered_ci"))
+    if res.get("gap_undefined"):
+        notes.append(f"{label}: {res['gap_undefined']}.")
+        return "undefined"
+    return "-"
+
+
 def _content_markdown(results: dict[str, Any]) -> list[str]:
     """The content tasks: own / transfer / no context with 95% CIs, retention, and greedy agreement."""
     rows, notes = [], []
@@ -196,7 +206,7 @@ def _content_markdown(results: dict[str, Any]) -> list[str]:
         res = results.get(key)
         if not res:
             continue
-        cells = [_mean_ci(res[score].get(s), percent) for s in ("own", "transfer", "no_context")]
+        cells = [_mean_ci(res[score].get(s), percent) for s in ("own", "transfer", "no_context", "source_alone")]
         if res.get("retention") is not None:
             # The gain beside the ratio: a retention over a small gain is a ratio of small numbers.
             gain = res["context_gain"]
@@ -209,13 +219,13 @@ def _content_markdown(results: dict[str, Any]) -> list[str]:
             notes.append(f"{label}: {res.get('retention_undefined')}.")
         if key == "handoff":
             label += f" (source answered question 1: {_mean_ci(res['q1_accuracy'], True)})"
-        rows.append(f"| {label} | {res['num_items']} | " + " | ".join(cells) + f" | {retention} |")
+        rows.append(f"| {label} | {res['num_items']} | " + " | ".join(cells) + f" | {retention} | {_gap(res, notes, label)} |")
     agreement = results.get("greedy_agreement")
     if agreement:
         rows.append(
             f"| greedy generations equal to own prefill's: first token / all {agreement['max_new_tokens']} tokens "
             f"| {agreement['num_prompts']} | - | {_mean_ci(agreement['first_token_agreement'], True)} / "
-            f"{_mean_ci(agreement['all_tokens_agreement'], True)} | - | - |"
+            f"{_mean_ci(agreement['all_tokens_agreement'], True)} | - | - | - | - |"
         )
         reference = agreement.get("reference")
         if reference and "skipped" in reference:
@@ -225,7 +235,7 @@ def _content_markdown(results: dict[str, Any]) -> list[str]:
             rows.append(
                 f"| the same from the target's own cache rounded to {reference['dtype']} (numeric reference) "
                 f"| {agreement['num_prompts']} | - | {_mean_ci(reference['first_token_agreement'], True)} / "
-                f"{_mean_ci(reference['all_tokens_agreement'], True)} | - | - |"
+                f"{_mean_ci(reference['all_tokens_agreement'], True)} | - | - | - | - |"
             )
     if not rows:
         return []
@@ -234,8 +244,9 @@ def _content_markdown(results: dict[str, Any]) -> list[str]:
         "Content tasks (bootstrap 95% CIs over items; no context = first occurrence replaced / passage left out / "
         "question 2 alone):",
         "",
-        "| task | items | own prefill | transfer | no context | floor-normalized retention [95% CI]; context gain |",
-        "|---|---|---|---|---|---|",
+        "| task | items | own prefill | transfer | no context | source alone | floor-normalized retention [95% CI]; "
+        "context gain | gap recovered [95% CI] |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     return lines + ([""] + notes if notes else [])

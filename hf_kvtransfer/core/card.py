@@ -251,7 +251,9 @@ def _gate_cell(row: dict, task: str) -> str:
     if not verdict:
         return "–"
     low, high = verdict["difference_ci"]
-    return f"{100 * verdict['difference']:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] on {verdict['num_items']}"
+    gap = verdict.get("gap_recovered")  # the share of the source-to-target gap recovered (None: no gap)
+    gap = "" if gap is None else f"; gap recovered {_percent(gap, verdict.get('gap_recovered_ci'))}"
+    return f"{100 * verdict['difference']:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] on {verdict['num_items']}{gap}"
 
 
 def _frontier_gate(probe: Any) -> str:

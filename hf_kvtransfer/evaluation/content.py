@@ -8,10 +8,15 @@ passage fact only by looking it up. Each evaluation here scores the target on th
 - **transfer**: the context prefilled by the source and mapped into the target's cache (`TransferredCache`),
 - **no_context**: the target without the information (first occurrence replaced, passage left out, hand-off
   question asked alone): the floor,
+- **source_alone** (passage recall and hand-off): the source model answering the same items itself, with its own
+  prefill — what a deployment gets if it does not switch,
 
 with 95% bootstrap intervals over items and the floor-normalized retention `(transfer - no_context) /
 (own - no_context)` (`metrics.retention_over_items`, resampling items jointly). Where the context is worth nothing
-to the target, retention is None with the reason, never a ratio of noise.
+to the target, retention is None with the reason, never a ratio of noise. Beside it, recall and hand-off report the
+share of the source-to-target gap the transfer recovers, `(transfer - source_alone) / (own - source_alone)`
+(`metrics.gap_recovered_over_items`): retention says the content survived, gap recovered says the switch was worth
+it. It is None with the reason where the target is no better than the source on the items.
 
 `greedy_agreement` compares generations instead: stock `generate` from the target's own prefill vs. from a
 `TransferredCache`, token for token.
@@ -37,7 +42,7 @@ from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import cache_argument, prefill
 from ..core.loading import dtype_name, model_device
 from ..core.mapper import KVMapper
-from .metrics import REFEED_WARNING, mean_and_ci, retention_over_items
+from .metrics import REFEED_WARNING, gap_recovered_over_items, mean_and_ci, retention_over_items
 from .multiple_choice import score_continuations
 from .tasks import HandoffItem, PassageRecallItem, RepeatedSpanItem
 
@@ -56,6 +61,12 @@ def _settings(source: PreTrainedModel | None, mapper: KVMapper | None) -> tuple[
             f"(got source={'a model' if source is not None else None}, mapper={'a mapper' if mapper is not None else None})"
         )
     return SETTINGS if mapper is not None else ("own", "no_context")
+
+
+def _answer_settings(source: PreTrainedModel | None, mapper: KVMapper | None) -> tuple[str, ...]:
+    """The settings of recall and hand-off: with a transfer, the source answering alone too."""
+    settings = _settings(source, mapper)
+    return settings + ("source_alone",) if mapper is not None else settings
 
 
 def _check_items(items: Sequence[Any], kind: type, what: str) -> list[Any]:
@@ -147,6 +158,10 @@ def _answer_result(
     result.update(retention_over_items(
         correct["own"], correct.get("transfer"), correct["no_context"], num_bootstrap=num_bootstrap, seed=seed,
     ))  # fmt: skip
+    if "source_alone" in correct:
+        result.update(gap_recovered_over_items(
+            correct["own"], correct["transfer"], correct["source_alone"], num_bootstrap=num_bootstrap, seed=seed,
+        ))  # fmt: skip
     return result
 
 
@@ -154,18 +169,19 @@ _PER_ITEM = {"correct": "correct_per_item", "nll": "answer_nll_per_item", "value
 
 
 def _reused(reference: dict[str, Any] | None, scores: dict[str, dict[str, np.ndarray]], keys: Sequence[str],
-            num_items: int) -> bool:
-    """Copies a `reference` result's own and no-context per-item scores into `scores` (True), or does nothing
-    (False, no reference)."""
+            num_items: int) -> set[str]:
+    """Copies a `reference` result's per-item scores of the settings that do not depend on the transfer (own, no
+    context, the source alone where both have it) into `scores`; returns the settings copied (none: no reference)."""
     if reference is None:
-        return False
+        return set()
+    names = {"own", "no_context"} | ({"source_alone"} & set(scores[keys[0]]) & set(reference[_PER_ITEM[keys[0]]]))
     for key in keys:
-        for name in ("own", "no_context"):
+        for name in names:
             values = np.asarray(reference[_PER_ITEM[key]][name], dtype=np.float64)
             if values.shape != (num_items,):
                 raise ValueError(f"reference has {values.shape[0]} items, got {num_items}: it must be a result on the same items")
             scores[key][name] = values
-    return True
+    return names
 
 
 def _greedy_tokens(model: PreTrainedModel, ids: Sequence[int], num_tokens: int) -> list[int]:
@@ -358,7 +374,7 @@ def passage_recall(
         {s: res["accuracy"][s]["mean"] for s in ("own", "transfer", "no_context")}, res["retention"]
         ```
     """
-    settings = _settings(source, mapper)
+    settings = _answer_settings(source, mapper)
     items = _check_items(items, PassageRecallItem, "passage_recall")
     if num_recompute_tokens is not None and num_recompute_tokens < 1:
         raise ValueError(
@@ -376,15 +392,17 @@ def passage_recall(
         r = min(resolve_num_recompute_tokens(num_recompute_tokens, prompt.shape[1], mapper, num_exact_layers), prompt.shape[1])
         r_alone = min(resolve_num_recompute_tokens(num_recompute_tokens, alone.shape[1], mapper, num_exact_layers), alone.shape[1])
         used.add(r)
-        # Every setting reads its prompt into a cache once, then scores the candidates on top of it.
+        # Every setting reads its prompt into a cache once, then its model scores the candidates on top of it.
         runs = {
-            "own": (item.prompt_ids[-r:], _own_cache(target, prompt, r)),
-            "no_context": (item.no_passage_prompt_ids[-r_alone:], _own_cache(target, alone, r_alone)),
-        } if not reused else {}
-        if "transfer" in settings:
-            runs["transfer"] = (item.prompt_ids[-r:], _transferred(source, target, mapper, prompt, r, num_exact_layers))
-        for name, (feed, cache) in runs.items():
-            nll, correct, value = _answer_scores(target, feed, item.answer_ids, item.passage_values, cache)
+            "own": lambda: (target, item.prompt_ids[-r:], _own_cache(target, prompt, r)),
+            "no_context": lambda: (target, item.no_passage_prompt_ids[-r_alone:], _own_cache(target, alone, r_alone)),
+            "transfer": lambda: (target, item.prompt_ids[-r:],
+                                 _transferred(source, target, mapper, prompt, r, num_exact_layers)),
+            "source_alone": lambda: (source, item.prompt_ids[-r:], _own_cache(source, prompt.to(model_device(source)), r)),
+        }  # fmt: skip
+        for name in (n for n in settings if n not in reused):
+            model, feed, cache = runs[name]()
+            nll, correct, value = _answer_scores(model, feed, item.answer_ids, item.passage_values, cache)
             scores["nll"][name][i], scores["correct"][name][i], scores["value"][name][i] = nll, correct, value
         bar.update(1)
     bar.close()
@@ -440,7 +458,7 @@ def handoff(
         res["q1_accuracy"]["mean"], res["accuracy"]["transfer"]["mean"], res["retention"]
         ```
     """
-    settings = _settings(source, mapper)
+    settings = _answer_settings(source, mapper)
     items = _check_items(items, HandoffItem, "handoff")
     if num_recompute_tokens is not None and num_recompute_tokens < 0:
         raise ValueError(f"num_recompute_tokens must be >= 0, got {num_recompute_tokens}")
@@ -465,11 +483,15 @@ def handoff(
         used.add(r)
         feed = dialogue[len(dialogue) - r :] + item.followup_ids
         head = _ids(dialogue, target)
-        runs = {"own": (feed, _own_cache(target, head, r)), "no_context": (item.followup_ids, None)} if not reused else {}
-        if "transfer" in settings:
-            runs["transfer"] = (feed, _transferred(source, target, mapper, head, r, num_exact_layers))
-        for name, (fed, cache) in runs.items():
-            nll, correct, _ = _answer_scores(target, fed, item.answer2_ids, [], cache)
+        runs = {
+            "own": lambda: (target, feed, _own_cache(target, head, r)),
+            "no_context": lambda: (target, item.followup_ids, None),
+            "transfer": lambda: (target, feed, _transferred(source, target, mapper, head, r, num_exact_layers)),
+            "source_alone": lambda: (source, feed, _own_cache(source, head.to(model_device(source)), r)),
+        }  # fmt: skip
+        for name in (n for n in settings if n not in reused):
+            model, fed, cache = runs[name]()
+            nll, correct, _ = _answer_scores(model, fed, item.answer2_ids, [], cache)
             scores["nll"][name][i], scores["correct"][name][i] = nll, correct
         bar.update(1)
     bar.close()

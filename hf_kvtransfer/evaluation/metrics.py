@@ -109,6 +109,44 @@ def retention_over_items(
     return out
 
 
+def gap_recovered_over_items(
+    own: Sequence[float] | np.ndarray,
+    transfer: Sequence[float] | np.ndarray,
+    source_alone: Sequence[float] | np.ndarray,
+    *,
+    num_bootstrap: int = 1000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The share of the source-to-target gap a transfer recovers, with a bootstrap interval paired over items.
+
+    `gap_recovered = (mean(transfer) - mean(source_alone)) / (mean(own) - mean(source_alone))`: 1 = the target
+    answers after the transfer as well as after its own prefill, 0 = no better than the source answering itself
+    (the switch bought nothing). Retention's floor is the target without the context; this one's floor is the
+    source, so a transfer can keep most of the content and still recover little of what the larger model adds.
+
+    Returns:
+        `gap_recovered` and `gap_recovered_ci` (None when undefined), `gap_undefined` (None, or why: the target is
+        no better than the source on these items), and `target_minus_source` (`{"mean", "ci"}`, raw units).
+    """
+    own, transfer, alone = (np.asarray(x, dtype=np.float64) for x in (own, transfer, source_alone))
+    if len({a.shape for a in (own, transfer, alone)}) != 1 or own.ndim != 1 or own.size == 0:
+        raise ValueError(f"own, transfer and source_alone need one score per item each, got shapes "
+                         f"{[a.shape for a in (own, transfer, alone)]}")  # fmt: skip
+    out: dict[str, Any] = {"gap_recovered": None, "gap_recovered_ci": None, "gap_undefined": None,
+                           "target_minus_source": mean_and_ci(own - alone, num_bootstrap, seed)}  # fmt: skip
+    if not own.mean() > alone.mean():
+        out["gap_undefined"] = (f"the target is no better than the source alone on these items (own {own.mean():.4g} "
+                                f"vs source {alone.mean():.4g}): there is no gap to recover")  # fmt: skip
+        return out
+
+    def stat(idx: np.ndarray) -> float:
+        return normalized_retention(transfer[idx].mean(), own[idx].mean(), alone[idx].mean())
+
+    out["gap_recovered"] = stat(np.arange(own.size))
+    out["gap_recovered_ci"] = bootstrap_ci(stat, own.size, num_bootstrap, seed)
+    return out
+
+
 def retention_difference(
     own: Sequence[float] | np.ndarray,
     no_context: Sequence[float] | np.ndarray,
@@ -149,6 +187,6 @@ def sign_test_min_wins(rounds: int, level: float = 0.05) -> int | None:
 
 
 __all__ = [
-    "REFEED_WARNING", "bootstrap_ci", "mean_and_ci", "normalized_retention", "retention_difference", "retention_over_items",
+    "REFEED_WARNING", "bootstrap_ci", "gap_recovered_over_items", "mean_and_ci", "normalized_retention", "retention_difference", "retention_over_items",
     "sign_test_min_wins",
 ]

@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from ..core.mapper import KVMapper
 from ..evaluation.content import handoff, passage_recall
-from ..evaluation.metrics import mean_and_ci, retention_over_items
+from ..evaluation.metrics import gap_recovered_over_items, mean_and_ci, retention_over_items
 from ..evaluation.tasks import handoff_items, passage_recall_items
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class ContentGate:
 
     def _per_item(self, task: str, mapper: KVMapper, num_exact: int, stops: list[int]) -> dict[str, np.ndarray]:
         parts = [self._score(task, mapper, num_exact, a, b) for a, b in zip([0] + stops[:-1], stops)]
-        return {name: np.concatenate([p["correct_per_item"][name] for p in parts]) for name in ("own", "transfer", "no_context")}
+        return {name: np.concatenate([p["correct_per_item"][name] for p in parts]) for name in parts[0]["correct_per_item"]}
 
     def _task_verdict(self, correct: dict[str, np.ndarray]) -> dict[str, Any]:
         d = correct["transfer"] - correct["own"]
@@ -121,10 +121,15 @@ class ContentGate:
         own = float(correct["own"].mean())
         retention = retention_over_items(correct["own"], correct["transfer"], correct["no_context"], num_bootstrap=1000,
                                          seed=self.seed)  # fmt: skip
+        alone = correct.get("source_alone")
+        gap = {} if alone is None else gap_recovered_over_items(correct["own"], correct["transfer"], alone,
+                                                                num_bootstrap=1000, seed=self.seed)  # fmt: skip
         return {"num_items": int(d.size), "own_accuracy": own, "transfer_accuracy": float(correct["transfer"].mean()),
-                "no_context_accuracy": float(correct["no_context"].mean()), "difference": diff["mean"],
+                "no_context_accuracy": float(correct["no_context"].mean()),
+                "source_alone_accuracy": None if alone is None else float(alone.mean()), "difference": diff["mean"],
                 "difference_ci": diff["ci"], "retention": retention.get("retention"),
-                "retention_ci": retention.get("retention_ci"), "decision": decided,
+                "retention_ci": retention.get("retention_ci"), "gap_recovered": gap.get("gap_recovered"),
+                "gap_recovered_ci": gap.get("gap_recovered_ci"), "decision": decided,
                 "required_items": required_items(d, self.tolerance)}  # fmt: skip
 
     def judge(self, mapper: KVMapper, num_exact_layers: int, *, every_task: bool = False) -> dict[str, Any]:
@@ -133,7 +138,8 @@ class ContentGate:
 
         Returns:
             `{"accepted": bool, "tolerance", "tasks": {task: {"num_items", "own_accuracy", "transfer_accuracy",
-            "difference", "difference_ci", "retention", "retention_ci", "decision", "required_items"}}}`;
+            "source_alone_accuracy", "difference", "difference_ci", "retention", "retention_ci", "gap_recovered",
+            "gap_recovered_ci", "decision", "required_items"}}}`;
             `difference` is the mean of (transfer - own) per item, in accuracy (-0.1 = 10 points lost).
         """
         tasks: dict[str, Any] = {}
@@ -172,8 +178,9 @@ def gate_line(verdict: dict[str, Any] | None) -> str:
     parts = []
     for task, v in verdict["tasks"].items():
         low, high = v["difference_ci"]
+        gap = "" if v.get("gap_recovered") is None else f" (gap recovered {100 * v['gap_recovered']:.0f}%)"
         parts.append(f"{'hand-off' if task == 'handoff' else task} {100 * v['difference']:+.1f} "
-                     f"[{100 * low:+.1f}, {100 * high:+.1f}] pts on {v['num_items']}")  # fmt: skip
+                     f"[{100 * low:+.1f}, {100 * high:+.1f}] pts on {v['num_items']}{gap}")  # fmt: skip
     return ", ".join(parts) + (": accepted" if verdict["accepted"] else ": rejected")
 
 
