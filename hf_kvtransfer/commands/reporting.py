@@ -138,6 +138,7 @@ def evaluation_markdown(results: dict[str, Any]) -> str:
             k = r2.get("key", [float("nan")] * (t + 1))[t]
             v = r2.get("value", [float("nan")] * (t + 1))[t]
             lines.append(f"| {t} | {cos:.4f} | {k:.3f} | {v:.3f} |")
+    lines += _depth_markdown(results.get("recall_by_depth"))
     turns = results.get("multi_turn")
     if turns:
         lines += [
@@ -252,6 +253,48 @@ def _content_markdown(results: dict[str, Any]) -> list[str]:
     return lines + ([""] + notes if notes else [])
 
 
+def _depth_cell(cell: dict[str, Any]) -> str:
+    acc = cell["accuracy"]
+    text = f"{_pct(acc['own']['mean'])} / {_pct(acc['transfer']['mean'])}" if "transfer" in acc else _pct(acc["own"]["mean"])
+    diff = cell.get("transfer_minus_own")
+    return text + (f" ({100 * diff['mean']:+.1f}{_ci(diff.get('ci'))})" if diff else "")
+
+
+def _depth_markdown(depth: dict[str, Any] | None) -> list[str]:
+    """Recall by depth: one row per context length, one column per needle position; own / transfer accuracy and
+    the paired difference in points."""
+    if not depth:
+        return []
+    by = {(c["context_tokens"], c["position"]): c for c in depth["cells"]}
+    lines = ["", f"Passage recall by context length and needle position ({depth['items']} items per cell; own prefill / "
+             "transfer accuracy, transfer - own in points [95% CI]):", "",
+             "| context tokens | " + " | ".join(depth["positions"]) + " |",
+             "|---|" + "---|" * len(depth["positions"])]  # fmt: skip
+    for length in depth["lengths"]:
+        lines.append(f"| {length} | " + " | ".join(_depth_cell(by[length, pos]) for pos in depth["positions"]) + " |")
+    return lines
+
+
+def plot_depth(ax, depth: dict[str, Any]) -> None:
+    """A heat-map of transfer - own passage-recall accuracy (points) over context length x needle position."""
+    import numpy as np
+
+    by = {(c["context_tokens"], c["position"]): c for c in depth["cells"]}
+    grid = np.array([[100 * ((by[n, p].get("transfer_minus_own") or {}).get("mean", float("nan")))
+                      for p in depth["positions"]] for n in depth["lengths"]])  # fmt: skip
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=-50, vmax=50, aspect="auto")
+    ax.set_xticks(range(len(depth["positions"])), depth["positions"])
+    ax.set_yticks(range(len(depth["lengths"])), [str(n) for n in depth["lengths"]])
+    ax.set_xlabel("needle position")
+    ax.set_ylabel("context tokens")
+    for i, n in enumerate(depth["lengths"]):
+        for j, p in enumerate(depth["positions"]):
+            own = by[n, p]["accuracy"]["own"]["mean"]
+            ax.text(j, i, f"{grid[i, j]:+.0f}\nown {100 * own:.0f}%", ha="center", va="center", fontsize=8)
+    ax.set_title("passage recall: transfer - own (points)")
+    ax.figure.colorbar(image, ax=ax)
+
+
 def _plot_content(ax, results: dict[str, Any]) -> None:
     """Bars own / transfer / no context per content task, with 95% CI whiskers, on one 0..1 scale: accuracies,
     and for repeated spans exp(-NLL), the geometric-mean probability of a repeated token."""
@@ -296,9 +339,11 @@ def plot_evaluation(results: dict[str, Any], path: str | os.PathLike) -> None:
     plt = pyplot()
     ppl, r2, turns = results.get("prefix_perplexity", {}), results.get("kv_r2"), results.get("multi_turn")
     content = any(results.get(key) for key in ("repeated_span", "passage_recall", "handoff", "greedy_agreement"))
-    panels = int(bool(ppl.get("attention_cosine") or r2)) + int(content) + int(bool(turns))
+    depth = results.get("recall_by_depth")
+    panels = int(bool(ppl.get("attention_cosine") or r2)) + int(content) + int(bool(turns)) + int(bool(depth))
     if panels == 0:
-        raise ValueError("nothing to plot: the results hold no per-layer diagnostics, content tasks or multi-turn drift")
+        raise ValueError("nothing to plot: the results hold no per-layer diagnostics, content tasks, recall by depth or "
+                         "multi-turn drift")
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     ax_iter = iter(axes[0])
     if ppl.get("attention_cosine") or r2:
@@ -315,6 +360,8 @@ def plot_evaluation(results: dict[str, Any], path: str | os.PathLike) -> None:
         ax.grid(alpha=0.3)
     if content:
         _plot_content(next(ax_iter), results)
+    if depth:
+        plot_depth(next(ax_iter), depth)
     if turns:
         ax = next(ax_iter)
         xs = [t["turn"] for t in turns["turns"]]

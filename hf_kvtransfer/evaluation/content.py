@@ -44,9 +44,9 @@ from ..core.loading import dtype_name, model_device
 from ..core.mapper import KVMapper
 from .metrics import REFEED_WARNING, gap_recovered_over_items, mean_and_ci, retention_over_items
 from .multiple_choice import score_continuations
-from .tasks import HandoffItem, PassageRecallItem, RepeatedSpanItem
+from .tasks import NEEDLE_POSITIONS, HandoffItem, PassageRecallItem, RepeatedSpanItem, needle_recall_items
 
-__all__ = ["SETTINGS", "greedy_agreement", "handoff", "passage_recall", "repeated_span_retention"]
+__all__ = ["SETTINGS", "greedy_agreement", "handoff", "passage_recall", "recall_by_depth", "repeated_span_retention"]
 
 SETTINGS = ("own", "transfer", "no_context")
 
@@ -411,6 +411,41 @@ def passage_recall(
     result["passage_value_chance"] = float(np.mean([1 / max(1, len(it.passage_values)) for it in items]))
     result["passage_value_rate"] = _summaries(scores["value"], num_bootstrap, seed)
     return result
+
+
+def recall_by_depth(
+    source: PreTrainedModel | None,
+    target: PreTrainedModel,
+    mapper: KVMapper | None,
+    tokenizer,
+    *,
+    lengths: Sequence[int] = (512, 1024),
+    positions: Sequence[str] = tuple(NEEDLE_POSITIONS),
+    items: int = 100,
+    distractor_texts: Sequence[str] | None = None,
+    seed: int = 0,
+    **recall_options: Any,
+) -> dict[str, Any]:
+    """Passage recall over a grid of context lengths x needle positions (`tasks.needle_recall_items`): where in a
+    long context the transfer loses the content.
+
+    Every cell asks the same facts (the positions of one length share their haystack), so cells differ only in
+    length and depth. `recall_options` go to `passage_recall` (`num_recompute_tokens`, `num_exact_layers`, ...).
+
+    Returns:
+        `{"lengths", "positions", "items", "cells": [{"context_tokens", "position", "accuracy": {setting: {"mean",
+        "ci"}}, "retention", "retention_ci", "gap_recovered", "gap_recovered_ci", "transfer_minus_own"}, ...]}`,
+        cells in row-major order (lengths, then positions).
+    """
+    cells = []
+    for length in lengths:
+        for position in positions:
+            cell = needle_recall_items(tokenizer, items, length, position, seed, distractor_texts=distractor_texts)
+            res = passage_recall(source, target, mapper, cell, seed=seed, **recall_options)
+            keep = ("accuracy", "retention", "retention_ci", "retention_undefined", "gap_recovered",
+                    "gap_recovered_ci", "transfer_minus_own", "num_recompute_tokens", "num_exact_layers")  # fmt: skip
+            cells.append({"context_tokens": length, "position": position, **{k: res.get(k) for k in keep}})
+    return {"lengths": list(lengths), "positions": list(positions), "items": items, "cells": cells}
 
 
 # -- hand-off: the source answers, the target takes over -------------------------------------------------

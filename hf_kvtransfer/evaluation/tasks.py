@@ -12,6 +12,8 @@ their context. The items built here can only be scored well by a model that *rea
   answer (a number) appears only in the passage; a "no passage" prompt gives the floor.
 - :func:`handoff_items`: passage + question 1 + answer 1 (what a source model reads and answers), then
   question 2, also answered only by the passage (what the target answers after a hand-off).
+- :func:`needle_recall_items`: passage recall at a chosen context length with the passage (the needle) at a
+  chosen depth of held-out text (start, middle, end): where in a long context a transfer loses the content.
 - :func:`two_hop_items`: a passage of function facts and alias lines (``a`` is an alias of ``f``); the question
   names an alias, so the answer is found only by following the alias to its function's fact (two look-ups).
 
@@ -53,6 +55,8 @@ __all__ = [
     "repeated_span_items",
     "cued_recall_items",
     "passage_recall_items",
+    "needle_recall_items",
+    "NEEDLE_POSITIONS",
     "handoff_items",
 ]
 
@@ -485,6 +489,70 @@ def passage_recall_items(
             meta=dict(index=i, seed=seed, split=split, kind=f.kind, key=f.key, value=f.value, fact_index=qi,
                       n_facts=n_facts, module=fs.module),
         ))
+    return items
+
+
+NEEDLE_POSITIONS = {"start": 0.0, "middle": 0.5, "end": 1.0}  # the share of the haystack before the needle
+
+
+def _haystack(rng: random.Random, tokenizer, texts: Sequence[str] | None, gen: FactGenerator, n_tokens: int) -> list[int]:
+    """`n_tokens` tokens of number-free distractor text (chunks of `texts`, or generated filler)."""
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        ids += _encode(tokenizer, _distractor(rng, texts, gen, (600, 1200)) + "\n\n")
+    return ids[:n_tokens]
+
+
+def needle_recall_items(
+    tokenizer,
+    n: int,
+    context_tokens: int,
+    position: str | float,
+    seed: int = 0,
+    *,
+    n_facts: int = 4,
+    distractor_texts: Sequence[str] | None = None,
+    split: str = "eval",
+) -> list[PassageRecallItem]:
+    """Passage-recall items of a given length with the passage at a given depth: the needle in a haystack.
+
+    Each prompt is `context_tokens` tokens of haystack and passage (a fact set, as in :func:`passage_recall_items`),
+    then the question; `position` is how much of the haystack comes before the passage: ``"start"`` (none),
+    ``"middle"`` (half), ``"end"`` (all), or a fraction in [0, 1]. The no-passage prompt is the same haystack
+    without the passage (the floor). Items are a pure function of the arguments and the tokenizer.
+
+    Raises:
+        ValueError: when `context_tokens` cannot hold the passage, or `position` is unknown.
+    """
+    frac = NEEDLE_POSITIONS.get(position, position) if isinstance(position, str) else float(position)
+    if isinstance(frac, str) or not 0.0 <= frac <= 1.0:
+        raise ValueError(f"position must be one of {sorted(NEEDLE_POSITIONS)} or a fraction in [0, 1], got {position!r}")
+    values = answer_values(tokenizer)
+    # Every cell of a length x position grid asks the same facts; the positions of one length share a haystack.
+    gen, filler = FactGenerator(split, seed + 3_000_003, values), FactGenerator(split, seed + 4_000_003, values)
+    ask = random.Random(f"hf_kvtransfer.evaluation.tasks.needle:{split}:{seed}")
+    rng = random.Random(f"hf_kvtransfer.evaluation.tasks.needle:{split}:{seed}:{context_tokens}")
+    items = []
+    for i in range(n):
+        fs = gen.fact_set(n_facts)
+        qi = ask.randrange(n_facts)
+        f = fs.facts[qi]
+        needle = _encode(tokenizer, fs.passage + "\n\n")
+        fill = context_tokens - len(needle)
+        if fill < 0:
+            raise ValueError(f"context_tokens={context_tokens} cannot hold a passage of {len(needle)} tokens")
+        hay = _haystack(rng, tokenizer, distractor_texts, filler, fill)
+        before = round(frac * fill)
+        question = _encode(tokenizer, "\n\n" + _qa(f))
+        items.append(PassageRecallItem(
+            prompt_ids=hay[:before] + needle + hay[before:] + question,
+            answer_ids=_encode(tokenizer, f.value),
+            no_passage_prompt_ids=hay + question,
+            passage_values=[_encode(tokenizer, g.value) for g in fs.facts],
+            meta=dict(index=i, seed=seed, split=split, kind=f.kind, key=f.key, value=f.value, fact_index=qi,
+                      n_facts=n_facts, context_tokens=context_tokens, position=frac, needle_start=before,
+                      question=f.question, answer_prefix=f.answer_prefix),
+        ))  # fmt: skip
     return items
 
 
