@@ -193,7 +193,9 @@ def _mean_ci(stat: dict[str, Any] | None, percent: bool) -> str:
 def _gap(res: dict[str, Any], notes: list[str], label: str) -> str:
     """The share of the source-to-target gap a content task's transfer recovers (recall and hand-off), or why not."""
     if res.get("gap_recovered") is not None:
-        return _pct(res["gap_recovered"]) + _ci(res.get("gap_recovered_ci"))
+        gap = res["target_minus_source"]  # a share of a gap the items cannot resolve is noise: say so beside it
+        shown = _pct(res["gap_recovered"]) + _ci(res.get("gap_recovered_ci")) + f"; gap {_mean_ci(gap, True)}"
+        return shown + (", not significant" if math.isfinite(gap["ci"][0]) and gap["ci"][0] <= 0 else "")
     if res.get("gap_undefined"):
         notes.append(f"{label}: {res['gap_undefined']}.")
         return "undefined"
