@@ -205,6 +205,29 @@ def load_checkpoint(path: Path, model, opt, data: Data) -> dict:
 
 
 # --------------------------------------------------------------------------- training
+def on_device(model, device: str):
+    """Move `model` to `device`; its inputs follow it there and, outside training, its logits come back to the CPU.
+
+    The bundled family's data, probes and held-out loss build CPU tensors; the hooks keep them unchanged.
+    """
+    model.to(device)
+    if device == "cpu":
+        return model
+
+    def inputs_to_device(module, args, kwargs):
+        move = lambda v: v.to(device) if hasattr(v, "to") and hasattr(v, "device") else v  # noqa: E731
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+    def logits_to_cpu(module, args, kwargs, out):
+        if not module.training:
+            out.logits = out.logits.cpu()
+        return out
+
+    model.register_forward_pre_hook(inputs_to_device, with_kwargs=True)
+    model.register_forward_hook(logits_to_cpu, with_kwargs=True)
+    return model
+
+
 def build(name: str, args, tok):
     import torch
     from transformers import Qwen3ForCausalLM
@@ -214,6 +237,7 @@ def build(name: str, args, tok):
     model = Qwen3ForCausalLM(tf.make_config(name, tok, args.max_position_embeddings)).float()
     with torch.no_grad():  # embedding std 1/sqrt(hidden), as the bundled family (faster escape from the plateau)
         model.get_input_embeddings().weight.normal_(0.0, 1.0 / math.sqrt(model.config.hidden_size))
+    on_device(model, args.device)
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -250,7 +274,7 @@ def train_step(model, opt, state: dict, data: Data, args, peak: float) -> dict:
     ids, labels = tf.make_batch(data.short_maker if in_copy else data.maker, kinds, step / steps, args.copy_phase)
     for g in opt.param_groups:
         g["lr"] = lr_at(step, steps, peak, args)
-    loss, row_loss, aux = tf.train_loss(model, ids, labels, aux_w)
+    loss, row_loss, aux = tf.train_loss(model, ids.to(args.device), labels.to(args.device), aux_w)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -294,13 +318,15 @@ def train_model(name: str, args, data: Data, fh) -> bool:
 
 
 def _loop(name, model, opt, state, data, args, peak, ckpt, fh) -> bool:
-    t_save = t_log = time.time()
+    t_save = t_log = t_start = time.time()
     tok_log, ran, was_aux = 0, 0, state["aux_on"]
     while state["step"] < state["steps"]:
         t = time.time()
         info = train_step(model, opt, state, data, args, peak)
         state["wall_s"] += time.time() - t
         tok_log, ran, step = tok_log + info["tokens"], ran + 1, state["step"]
+        if args.time_budget_min and ran == BUDGET_PROBE_STEPS:
+            fit_steps_to_budget(name, model, state, ran, time.time() - t_start, args, fh)
         if state["aux_on"] and not was_aux:
             was_aux = True
             tf.log(f"[{name}] step {step}: previous-token loss on layer 0 / head 0 switched on for the rest of the "
@@ -325,6 +351,47 @@ def _loop(name, model, opt, state, data, args, peak, ckpt, fh) -> bool:
             tf.log(f"[{name}] stopped after {ran} steps at step {step} (--stop-after); checkpoint {ckpt}", fh)
             return False
     return True
+
+
+BUDGET_PROBE_STEPS = 50
+
+
+def fit_steps_to_budget(name: str, model, state: dict, ran: int, elapsed_s: float, args, fh) -> None:
+    """Set the run's total steps so the rest ends within `--time-budget-min` (85% of what is left, for probes).
+
+    Called once, early in the warmup (the schedule's fractions all read `state['steps']`, so the cosine and the
+    copy phase then fit the new length). Copy-phase steps cost what the steps so far cost; a step after the copy
+    phase is timed on a full-size batch (forward and backward, gradients dropped, weights untouched) plus 15% for
+    making its rows. Never more than the steps asked for.
+    """
+    copy_s, text_s = elapsed_s / ran, 1.15 * text_step_seconds(model, args)
+    left = args.time_budget_min * 60 - (time.time() - args.t0)
+    done = state["step"]
+    total = int((0.85 * left + done * copy_s) / (args.copy_phase * copy_s + (1 - args.copy_phase) * text_s))
+    steps = max(done + 1, min(state["steps"], total))
+    tf.log(f"[{name}] {copy_s * 1000:.0f} ms per copy-phase step, {text_s * 1000:.0f} ms per later step; "
+           f"{left:.0f} s of the {args.time_budget_min} min budget left: {steps} steps (asked {state['steps']})", fh)
+    state["steps"] = steps
+
+
+def text_step_seconds(model, args, repeats: int = 3) -> float:
+    """Median seconds of a forward and backward pass on a `--batch-size` x `--seq-len` batch of random ids."""
+    import torch
+
+    ids = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len),
+                        generator=torch.Generator().manual_seed(0)).to(args.device)
+    sync = torch.cuda.synchronize if str(args.device).startswith("cuda") else (lambda: None)
+    attn, model.config._attn_implementation = model.config._attn_implementation, "sdpa"
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.time()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        sync()
+        times.append(time.time() - t)
+        model.zero_grad(set_to_none=True)
+    model.config._attn_implementation = attn
+    return sorted(times)[len(times) // 2]
 
 
 def finish(name: str, model, state: dict, data: Data, args, fh) -> None:
@@ -390,6 +457,10 @@ def parse_args(argv=None):
     a("--sample-kb", type=int, default=300, help="size of heldout.txt in KB (default: %(default)s)")
     a("--calibration-kb", type=int, default=2048, help="size of calibration.txt in KB (default: %(default)s)")
     a("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
+    a("--device", default="cpu", help="torch device to train on, e.g. cuda (default: %(default)s)")
+    a("--time-budget-min", type=float, default=0.0,
+      help="fit each model's step count to this wall-clock budget, measured from the start of the command, after "
+           f"{BUDGET_PROBE_STEPS} steps (0 = the steps asked for; default: %(default)s)")
     a("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     return p.parse_args(argv)
 
@@ -403,7 +474,12 @@ def main(argv=None) -> int:
     if unknown:
         sys.exit(f"unknown model(s) {unknown}; choose from {sorted(PRESETS)}")
     torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
+    args.t0 = time.time()
+    # CPU runs are bit-reproducible (and resumable to the same weights); on CUDA some kernels have no deterministic
+    # version, so there it is best effort
+    torch.use_deterministic_algorithms(True, warn_only=args.device != "cpu")
+    if args.device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     Path(args.run_dir).mkdir(parents=True, exist_ok=True)
     with open(Path(args.run_dir) / "train_log.txt", "a", encoding="utf-8") as fh:
         tf.log(f"train_deep.py {' '.join(sys.argv[1:])}; torch {torch.__version__}, "
