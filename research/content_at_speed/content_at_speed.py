@@ -59,11 +59,13 @@ class FamilyPair:
         return self.calibration_ids[: num_rows * seq_len].reshape(-1, seq_len)
 
 
-def load_pair(source: str, target: str) -> FamilyPair:
-    tok = AutoTokenizer.from_pretrained(FAMILY / "tokenizer")
-    src, tgt = (AutoModelForCausalLM.from_pretrained(FAMILY / name, dtype=torch.float32).eval() for name in (source, target))
-    calibration = tok((FAMILY / "calibration.txt").read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
-    heldout = (FAMILY / "heldout.txt").read_text(encoding="utf-8")
+def load_pair(source: str, target: str, family: Path = FAMILY) -> FamilyPair:
+    """Two models of a bundled family directory (`examples/family` by default), its calibration and held-out text."""
+    family = Path(family)
+    tok = AutoTokenizer.from_pretrained(family / "tokenizer" if (family / "tokenizer").is_dir() else family / target)
+    src, tgt = (AutoModelForCausalLM.from_pretrained(family / name, dtype=torch.float32).eval() for name in (source, target))
+    calibration = tok((family / "calibration.txt").read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+    heldout = (family / "heldout.txt").read_text(encoding="utf-8")
     return FamilyPair(tok, src, tgt, calibration, heldout, split_documents(heldout, tok.eos_token or "<|endoftext|>"))
 
 

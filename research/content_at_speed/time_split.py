@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from content_at_speed import load_pair
+from content_at_speed import FAMILY, load_pair
 
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
 
@@ -35,6 +35,7 @@ def clocks() -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", type=Path, default=FAMILY, help="family directory (default: examples/family)")
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--mapper", required=True, help="a saved mapper directory, timed at its defaults")
@@ -45,11 +46,11 @@ def main() -> None:
     p.add_argument("--output", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
-    pair = load_pair(args.source, args.target)
+    pair = load_pair(args.source, args.target, args.family)
     mapper = KVMapper.from_pretrained(args.mapper)
     target = pair.target
     stream = pair.tokenizer(pair.heldout, verbose=False)["input_ids"]
-    result = {"mapper": args.mapper, "threads": 1, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    result = {"family": str(args.family), "source": args.source, "target": args.target, "mapper": args.mapper, "threads": 1, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "rounds": args.rounds, "load_average_before": os.getloadavg(), "lengths": {}}  # fmt: skip
     for n in args.lengths:
         ids = torch.tensor(stream[:n]).unsqueeze(0)
