@@ -50,8 +50,9 @@ def main() -> None:
     mapper = KVMapper.from_pretrained(args.mapper)
     target = pair.target
     stream = pair.tokenizer(pair.heldout, verbose=False)["input_ids"]
-    result = {"family": str(args.family), "source": args.source, "target": args.target, "mapper": args.mapper, "threads": 1, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-              "rounds": args.rounds, "load_average_before": os.getloadavg(), "lengths": {}}  # fmt: skip
+    result = {"family": str(args.family), "source": args.source, "target": args.target, "mapper": args.mapper,
+              "threads": 1, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rounds": args.rounds,
+              "load_average_before": os.getloadavg(), "lengths": {}}  # fmt: skip
     for n in args.lengths:
         ids = torch.tensor(stream[:n]).unsqueeze(0)
         src_cache = prefill(pair.source, ids)
