@@ -31,7 +31,7 @@ from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import capture_kv, prefill
 from ..core.loading import model_device
 from ..core.mapper import KVMapper
-from .content import greedy_agreement, handoff, passage_recall, repeated_span_retention
+from .content import greedy_agreement, handoff, passage_recall, recall_by_depth, repeated_span_retention
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
 from .tasks import handoff_items, passage_recall_items, repeated_span_items
@@ -412,8 +412,11 @@ def multi_turn_drift(
 # -- everything at once ----------------------------------------------------------------------------------
 
 # The tasks `evaluate` runs, by name (`--tasks` of `hf-kvtransfer eval`). multiple-choice and multi-turn need their
-# inputs (a task file, a reverse mapper); the rest are built from the evaluation text.
-EVAL_TASKS = ("perplexity", "continuation", "repeat", "recall", "handoff", "agreement", "multiple-choice", "multi-turn")
+# inputs (a task file, a reverse mapper); the rest are built from the evaluation text. depth (passage recall over
+# context lengths x needle positions) runs only when asked for: it scores a grid of cells.
+EVAL_TASKS = ("perplexity", "continuation", "repeat", "recall", "handoff", "agreement", "depth", "multiple-choice",
+              "multi-turn")
+_ASKED_ONLY = ("depth",)
 
 
 def resolve_tasks(
@@ -425,7 +428,7 @@ def resolve_tasks(
 ) -> list[str]:
     """The tasks `evaluate` runs: `tasks` checked (names of `EVAL_TASKS`, a list or a comma-separated string), or
     by default every task that applies (multiple-choice with a task file, multi-turn with a reverse mapper, the
-    continuation task unless `continuation=False`).
+    continuation task unless `continuation=False`; depth only when asked for).
 
     Raises:
         ValueError: an unknown name, or multiple-choice / multi-turn asked for without their input.
@@ -433,7 +436,7 @@ def resolve_tasks(
     if tasks is None:
         return [
             t for t in EVAL_TASKS
-            if (t != "multiple-choice" or multiple_choice) and (t != "multi-turn" or multi_turn)
+            if t not in _ASKED_ONLY and (t != "multiple-choice" or multiple_choice) and (t != "multi-turn" or multi_turn)
             and (t != "continuation" or continuation)
         ]  # fmt: skip
     names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
@@ -491,6 +494,8 @@ def evaluate(
     num_items: int = 200,
     num_content_items: int = 600,
     max_new_tokens: int = 16,
+    depth_lengths: Sequence[int] = (512, 1024),
+    depth_items: int = 100,
     multiple_choice_items: Sequence[MultipleChoiceItem] | None = None,
     reverse_mapper: KVMapper | None = None,
     num_turns: int = 4,
@@ -522,12 +527,15 @@ def evaluate(
         num_content_items: items of each content task (repeat, recall, handoff, agreement prompts); the
             recall and hand-off distractors are cut from the documents of `text`.
         max_new_tokens: tokens generated per prompt by the greedy-agreement task.
+        depth_lengths: context lengths of the depth task (recall with the passage at the start, middle and end).
+        depth_items: items per cell of the depth task (the same facts in every cell).
         multiple_choice_items: a task to score too (e.g. `load_multiple_choice("hellaswag.jsonl", tok)`).
         reverse_mapper: a target -> source mapper; enables the multi-turn handoff.
 
     Returns:
         A JSON-serializable dict: `prefix_perplexity`, `kv_r2`, `continuation`, `multiple_choice`, `multi_turn`,
-        `repeated_span`, `passage_recall`, `handoff`, `greedy_agreement` (those run) and a `config` block;
+        `repeated_span`, `passage_recall`, `handoff`, `greedy_agreement`, `recall_by_depth` (those run) and a
+        `config` block;
         `reporting.evaluation_markdown` / `plot_evaluation` render it.
 
     Example:
@@ -594,6 +602,12 @@ def evaluate(
         results["greedy_agreement"] = greedy_agreement(
             source, target, mapper, content["agreement"], max_new_tokens, num_recompute_tokens=fed,
             batch_size=batch_size, **exact, **common,
+        )  # fmt: skip
+    if "depth" in selected:
+        results["recall_by_depth"] = recall_by_depth(
+            source, target, mapper, tokenizer, lengths=depth_lengths, items=depth_items, distractor_texts=documents,
+            seed=seed, num_recompute_tokens=fed, num_exact_layers=num_exact_layers, num_bootstrap=num_bootstrap,
+            progress=progress,
         )  # fmt: skip
     if "multiple-choice" in selected:
         results["multiple_choice"] = multiple_choice(
