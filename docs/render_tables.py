@@ -88,7 +88,7 @@ RESULTS = {
                                    "--mapper DIR --text examples/family/heldout.txt --tasks recall,handoff,agreement "
                                    "--items 600 --json FILE"),
            ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py --source {{s}} --target {{t}} "
-                                           "--mapper DIR --rounds 9 --output FILE"),
+                                           "--mapper DIR --rounds 7 --output FILE"),
        ) if (d, kind) != ("l2s", "eval")},  # fmt: skip (large -> small maps nothing: no eval)
     "l2s_three_exact": Result(
         f"{_CAS}/results/large_to_small_three_exact.json",
@@ -273,8 +273,9 @@ def at_a_glance() -> str:
         f"{agreement['num_prompts']} prompts of {agreement['prompt_len']} tokens "
         f"({pct(agreement['reference']['all_tokens_agreement']['mean'])} of all 16 from the target's own cache "
         "rounded to bf16); times: one CPU thread, medians of "
-        f"{RESULTS['gate_split_s2l'].load()['rounds']} interleaved rounds; fit: 500 x 1024 calibration tokens, wall "
-        "clock on the 2-core VM beside other jobs (load average about 5)."
+        f"{RESULTS['gate_split_s2l'].load()['rounds']} interleaved rounds (1-minute load average "
+        f"{RESULTS['gate_split_s2l'].load()['load_average_before'][0]:.1f} at the start); fit: 500 x 1024 calibration "
+        "tokens, wall clock on the 2-core VM beside other jobs."
     )
     keys = [f"gate_{kind}_{d}" for d, kinds in (("s2l", ("fit", "eval", "split")), ("l2s", ("fit", "split")))
             for kind in kinds]  # fmt: skip
