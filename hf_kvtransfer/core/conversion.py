@@ -154,7 +154,9 @@ class PendingTransfer:
         self.rope.map_positions(fn)
         self.attention_mask = fn(self.attention_mask) if self.attention_mask is not None else None
         self.features.clear()
-        self.ahead.clear()  # recomputed from the changed sources when asked for
+        # Finished layers waiting to be stored (the exact pass's own K/V, the rest of a mapped group) follow the
+        # operation: the exact layers' sources are gone, and a row or length operation commutes with the maps.
+        self.ahead = {t: (fn(k), fn(v)) for t, (k, v) in self.ahead.items()}
         self.inputs = {name: map_state(state, fn) for name, state in self.inputs.items()}
         if self.sources:
             self.batch_size = next(iter(self.sources.values())).keys.shape[0]
