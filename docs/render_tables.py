@@ -45,6 +45,7 @@ _CAS = "research/content_at_speed"
 _RP = "research/recall_probe"
 _ONE_THREAD = "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE"
 _GATE = "research/defaults/results/gate"  # the CLI's default fit with the content gate, both directions
+_DEEP = "research/family_builder/results/deep_pair"  # the same on the deep pair (examples/family_deep)
 
 # Every result file a table reads. DIR, DIR_1 and DIR_OFF are the mapper folders of those runs: DIR a fit at the
 # defaults, DIR_1 the same mapper with num_recompute_tokens 1 in its config.json, DIR_OFF the fit with
@@ -90,6 +91,17 @@ RESULTS = {
            ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py --source {{s}} --target {{t}} "
                                            "--mapper DIR --rounds 7 --output FILE"),
        ) if (d, kind) != ("l2s", "eval")},  # fmt: skip (large -> small maps nothing: no eval)
+    **{f"gate_{kind}_deep": Result(f"{_DEEP}/{name}_source_to_target.{ext}", command, "2026-12-04")
+       for kind, name, ext, command in (
+           ("fit", "fit", "log", "hf-kvtransfer fit -v --source examples/family_deep/source --target "
+                                 "examples/family_deep/target --dataset examples/family_deep/calibration.txt --output DIR"),
+           ("mapper", "mapper_config", "json", "(DIR/config.json of that fit)"),
+           ("eval", "eval", "json", "hf-kvtransfer eval --source examples/family_deep/source --target "
+                                   "examples/family_deep/target --mapper DIR --text examples/family_deep/heldout.txt "
+                                   "--tasks recall,handoff,agreement --items 600 --json FILE"),
+           ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py --family examples/family_deep "
+                                           "--source source --target target --mapper DIR --rounds 5 --output FILE"),
+       )},  # fmt: skip
     "l2s_three_exact": Result(
         f"{_CAS}/results/large_to_small_three_exact.json",
         f"python {_CAS}/content_at_speed.py --source large --target small --variants kv:3 res:2 res:2:-:-:none "
@@ -223,9 +235,9 @@ def _gate_row(pair: str, direction: str) -> list[str]:
     split = RESULTS[f"gate_split_{direction}"].load()["lengths"]["1024"]
     exact, layers = config["num_exact_layers"], len(config["selected_layers"])
     assert exact == split["num_exact_layers"]
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\d+):(\d+(?:\.\d+)?)",
-                     RESULTS[f"gate_fit_{direction}"].text())  # fmt: skip
-    fit = f"{int(wall.group(1)) + float(wall.group(2)) / 60:.0f} min"
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", RESULTS[f"gate_fit_{direction}"].text())
+    seconds = sum(float(part) * 60**i for i, part in enumerate(reversed(wall.group(1).split(":"))))
+    fit = f"{seconds / 60:.0f} min"
     ttft = f"{times(split['speedup_cpu'])} ({split['transfer']['cpu_ms']:.0f} vs {split['own']['cpu_ms']:.0f} ms)"
     if exact == layers:
         return [pair, f"computes all {layers} of its layers: no map kept the content", "all (its own cache)", "all",
@@ -235,7 +247,8 @@ def _gate_row(pair: str, direction: str) -> list[str]:
     residual = (config.get("map_inputs") or {}).get("residual")
     alone = all(not sel for sel in config["selected_layers"][exact:])
     chose = f"computes its first {exact} of {layers} layers, maps the other {layers - exact}" + (
-        f" from its own residual stream entering layer {residual['layer']}" + (" (no source K/V)" if alone else "")
+        (f" from its own residual stream entering layer {residual['layer']} (no source K/V)" if alone else
+         f" from the source's K/V and its own residual stream entering layer {residual['layer']}")
         if residual else " from the source's K/V")  # fmt: skip
     recall, handoff = content["passage_recall"], content["handoff"]
     agreement = content["greedy_agreement"]
@@ -260,25 +273,28 @@ def _gate_row(pair: str, direction: str) -> list[str]:
 
 def at_a_glance() -> str:
     """Today's defaults, both directions of the bundled pair: what the fit keeps, what the transfer keeps and costs."""
-    rows = [_gate_row("small -> large", "s2l"), _gate_row("large -> small", "l2s")]
+    rows = [_gate_row("small -> large", "s2l"), _gate_row("large -> small", "l2s"),
+            _gate_row("deep: source (8 layers) -> target (24)", "deep")]
     header = ["pair", "what the fit chose", "passage recall kept [95% CI]", "hand-off kept",
               "gap to the source recovered", "greedy tokens as the target's own: first / all 16",
               "time to the first token, 1024 tokens", "one-time fit"]  # fmt: skip
     content = RESULTS["gate_eval_s2l"].load()
     agreement = content["greedy_agreement"]
     note = (
-        f"The bundled family (`examples/family/`), `hf-kvtransfer fit` and `eval` at their defaults. Recall and "
+        "The bundled family (`examples/family/`) and the deep pair (`examples/family_deep/`), `hf-kvtransfer fit` "
+        f"and `eval` at their defaults. Recall and "
         f"hand-off: {content['passage_recall']['num_items']} items each, kept = floor-normalized retention; gap "
         "recovered = (transfer - source alone) / (target own - source alone); greedy agreement: "
         f"{agreement['num_prompts']} prompts of {agreement['prompt_len']} tokens "
         f"({pct(agreement['reference']['all_tokens_agreement']['mean'])} of all 16 from the target's own cache "
-        "rounded to bf16); times: one CPU thread, medians of "
-        f"{RESULTS['gate_split_s2l'].load()['rounds']} interleaved rounds (1-minute load average "
+        "rounded to bf16, small -> large); times: one CPU thread, medians of "
+        f"{RESULTS['gate_split_s2l'].load()['rounds']} interleaved rounds ({RESULTS['gate_split_deep'].load()['rounds']} "
+        "on the deep pair; 1-minute load average "
         f"{RESULTS['gate_split_s2l'].load()['load_average_before'][0]:.1f} at the start); fit: 500 x 1024 calibration "
         "tokens, wall clock on the 2-core VM beside other jobs."
     )
-    keys = [f"gate_{kind}_{d}" for d, kinds in (("s2l", ("fit", "eval", "split")), ("l2s", ("fit", "split")))
-            for kind in kinds]  # fmt: skip
+    keys = [f"gate_{kind}_{d}" for d, kinds in (("s2l", ("fit", "eval", "split")), ("l2s", ("fit", "split")),
+                                                 ("deep", ("fit", "eval", "split"))) for kind in kinds]  # fmt: skip
     return "\n\n".join([table(header, rows), note, sources(*keys)])
 
 
