@@ -332,3 +332,26 @@ def test_a_cache_computing_every_layer_recomputes_one_token_by_default(qwen3_mod
     assert TransferredCache(legacy, every).num_recompute_tokens == 1
     assert TransferredCache(legacy, every, input_ids=ids).num_recompute_tokens == 1
     assert resolve_num_recompute_tokens(None, 80, every) == 1 and resolve_num_recompute_tokens(None, 80, every, 0) == 32
+
+
+@pytest.mark.parametrize("operation", ["crop", "batch"])
+def test_cache_operations_between_exact_layers_and_conversion(qwen3_model, operation):
+    """A crop / batch select / repeat / reorder after `compute_exact_layers` and before the mapped layers are
+    converted acts on the exact layers too: the answer is the target's own prefill of the same prompt, cropped or
+    reordered the same way (identity maps for the mapped layer, so every layer is the target's own)."""
+    ids = random_ids(2, 20, seed=19)
+    cache = TransferredCache(prefill(qwen3_model, ids), exact_identity_mapper(qwen3_model), num_recompute_tokens=1,
+                             num_exact_layers=2)
+    cache.compute_exact_layers(qwen3_model)
+    with torch.no_grad():
+        if operation == "crop":
+            cache.crop(-5)
+            out = qwen3_model(ids[:, 14:16], cache=cache).logits
+            ref = qwen3_model(ids[:, :16]).logits[:, 14:16]
+        else:
+            cache.batch_select_indices(torch.tensor([1]))
+            cache.batch_repeat_interleave(2)
+            cache.reorder_cache(torch.tensor([1, 0]))
+            out = qwen3_model(ids[[1, 1], 19:], cache=cache).logits
+            ref = qwen3_model(ids[[1]]).logits[:, -1:].expand(2, -1, -1)
+    assert (out - ref).abs().max().item() < 1e-4
