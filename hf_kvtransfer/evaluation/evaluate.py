@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +32,7 @@ from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import capture_kv, prefill
 from ..core.loading import model_device
 from ..core.mapper import KVMapper
+from ..core.options import with_options
 from .content import greedy_agreement, handoff, passage_recall, repeated_span_retention
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
@@ -517,14 +518,6 @@ class EvalConfig:
     seed: int = 0
     progress: bool = True
 
-    @classmethod
-    def of(cls, config: "EvalConfig | None", options: dict[str, Any]) -> "EvalConfig":
-        """`config` (default: the defaults) with the keyword `options` given to `evaluate`."""
-        unknown = sorted(set(options) - {f.name for f in fields(cls)})
-        if unknown:
-            raise TypeError(f"evaluate() got unknown option(s) {', '.join(unknown)}; the options are EvalConfig's fields")
-        return replace(config if config is not None else cls(), **options)
-
 
 def evaluate(
     source: PreTrainedModel,
@@ -559,7 +552,7 @@ def evaluate(
         print(evaluation_markdown(results))
         ```
     """
-    cfg = EvalConfig.of(config, options)
+    cfg = with_options(EvalConfig, config, options, "evaluate")
     selected = _selected_tasks(cfg, multiple_choice_items, reverse_mapper)
     documents = split_documents(text, getattr(tokenizer, "eos_token", None))
     docs = _tokenize_documents(tokenizer, documents)
