@@ -460,7 +460,7 @@ class TransferredCache(DynamicCache):
             if state is not None:
                 transfer.inputs[inp.name] = state
         for t, kv in zip(exact, own):
-            transfer.exact[t] = kv
+            transfer.ahead[t] = kv
         for s, layer in list(transfer.sources.items()):
             layer.readers.difference_update(exact)
             if not layer.readers:
@@ -517,7 +517,7 @@ class TransferredCache(DynamicCache):
         self._pending.discard(layer_idx)
         selected = tuple(self.mapper.config.selected_layers[layer_idx])
         readers = [t for t in self._pending if tuple(self.mapper.config.selected_layers[t]) == selected]
-        if all(transfer.finished(t) for t in readers):  # every other reader is mapped already
+        if all(t in transfer.ahead for t in readers):  # every other reader is mapped already
             transfer.features.pop(selected, None)
         for s in selected:
             layer = transfer.sources.get(s)
@@ -560,8 +560,8 @@ class TransferredCache(DynamicCache):
         # exact layers' own K/V, computed or already stored.
         if transfer.sources:
             some = next(iter(transfer.sources.values())).keys
-        elif transfer.exact or transfer.ahead:
-            some = next(iter((transfer.exact or transfer.ahead).values()))[0]
+        elif transfer.ahead:
+            some = next(iter(transfer.ahead.values()))[0]
         else:
             some = next(layer.keys for layer in self.layers if getattr(layer, "is_initialized", False))
         tgt = self.mapper.target_layout

@@ -141,9 +141,6 @@ class PendingTransfer:
     features: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Finished target K/V of group members computed together with an earlier layer of their group.
     ahead: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # The target's own K/V of its exact layers (`compute_exact_layers`), until those layers convert: unlike `ahead`,
-    # they cannot be recomputed from the sources, so they follow every batch and length operation.
-    exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Non-finite flags of stripped source layers on accelerators, checked once after the last layer (no host sync).
     nonfinite: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # Each map input's state for this transfer, by name (`map_inputs.py`): a tensor that follows the batch and length
@@ -157,15 +154,16 @@ class PendingTransfer:
         self.rope.map_positions(fn)
         self.attention_mask = fn(self.attention_mask) if self.attention_mask is not None else None
         self.features.clear()
-        self.ahead.clear()  # recomputed from the changed sources when asked for
-        self.exact = {t: (fn(k), fn(v)) for t, (k, v) in self.exact.items()}
+        # Finished layers waiting to be stored (the exact pass's own K/V, the rest of a mapped group) follow the
+        # operation: the exact layers' sources are gone, and a row or length operation commutes with the maps.
+        self.ahead = {t: (fn(k), fn(v)) for t, (k, v) in self.ahead.items()}
         self.inputs = {name: map_state(state, fn) for name, state in self.inputs.items()}
         if self.sources:
             self.batch_size = next(iter(self.sources.values())).keys.shape[0]
         elif self._rows() is not None:  # maps without source inputs: an input's state holds the rows
             self.batch_size = self._rows().shape[0]
-        elif self.exact:
-            self.batch_size = next(iter(self.exact.values()))[0].shape[0]
+        elif self.ahead:  # or only finished layers (the exact pass's) hold them
+            self.batch_size = next(iter(self.ahead.values()))[0].shape[0]
 
     # The cache operations of transformers' cache layers (`CacheLayerMixin`), for what is not converted yet: a
     # `TransferredCache` hands each to this state, as transformers' `Cache` hands it to each of its layers.
@@ -188,18 +186,13 @@ class PendingTransfer:
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.map_tensors(lambda t: t[indices.to(t.device)])
 
-    def finished(self, layer_idx: int) -> bool:
-        """Whether target layer `layer_idx`'s K/V wait here, finished (computed ahead, or one of the exact layers)."""
-        return layer_idx in self.ahead or layer_idx in self.exact
-
     def _rows(self) -> torch.Tensor | None:
         """An input's `[B, T, ...]` state, for maps without source inputs (None when no input holds one)."""
         return next((s for s in self.inputs.values() if isinstance(s, torch.Tensor)), None)
 
     def nbytes(self) -> int:
         tensors = [t for layer in self.sources.values() for t in (layer.keys, layer.values, *(layer.stripped or ()))]
-        pairs = (*self.features.values(), *self.ahead.values(), *self.exact.values(), *self.rope.tables.values())
-        tensors += [t for pair in pairs for t in pair]
+        tensors += [t for pair in (*self.features.values(), *self.ahead.values(), *self.rope.tables.values()) for t in pair]
         tensors += [t for t in self.inputs.values() if isinstance(t, torch.Tensor)]
         # Views share storage (the caller's tensors, buffers of a selection): count each storage once.
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -346,9 +339,6 @@ class PendingTransfer:
         """Finished target keys and values of `layer_idx` `[B, n_kv, T, d]`, computed with the other layers of its
         group (which then wait, finished, in `ahead`); `pending` are the target layers not converted yet."""
         transfer = self
-        if layer_idx in transfer.exact:
-            keys, values = transfer.exact.pop(layer_idx)
-            return keys.to(like.device, like.dtype), values.to(like.device, like.dtype)
         if layer_idx not in transfer.ahead:
             key_feats, value_feats = (f.to(like.device) for f in self._selection_features(layer_idx))
             group, dense = plan_group(self.mapper, layer_idx, pending, key_feats.shape[0] * key_feats.shape[1])

@@ -33,7 +33,7 @@ from ..core.capture import capture_kv, prefill
 from ..core.loading import model_device
 from ..core.mapper import KVMapper
 from ..core.options import with_options
-from .content import greedy_agreement, handoff, passage_recall, repeated_span_retention
+from .content import greedy_agreement, handoff, passage_recall, recall_by_depth, repeated_span_retention
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
 from .tasks import handoff_items, passage_recall_items, repeated_span_items
@@ -414,8 +414,11 @@ def multi_turn_drift(
 # -- everything at once ----------------------------------------------------------------------------------
 
 # The tasks `evaluate` runs, by name (`--tasks` of `hf-kvtransfer eval`). multiple-choice and multi-turn need their
-# inputs (a task file, a reverse mapper); the rest are built from the evaluation text.
-EVAL_TASKS = ("perplexity", "continuation", "repeat", "recall", "handoff", "agreement", "multiple-choice", "multi-turn")
+# inputs (a task file, a reverse mapper); the rest are built from the evaluation text. depth (passage recall over
+# context lengths x needle positions) runs only when asked for: it scores a grid of cells.
+EVAL_TASKS = ("perplexity", "continuation", "repeat", "recall", "handoff", "agreement", "depth", "multiple-choice",
+              "multi-turn")
+_ASKED_ONLY = ("depth",)
 
 
 def resolve_tasks(
@@ -427,7 +430,7 @@ def resolve_tasks(
 ) -> list[str]:
     """The tasks `evaluate` runs: `tasks` checked (names of `EVAL_TASKS`, a list or a comma-separated string), or
     by default every task that applies (multiple-choice with a task file, multi-turn with a reverse mapper, the
-    continuation task unless `continuation=False`).
+    continuation task unless `continuation=False`; depth only when asked for).
 
     Raises:
         ValueError: an unknown name, or multiple-choice / multi-turn asked for without their input.
@@ -435,7 +438,7 @@ def resolve_tasks(
     if tasks is None:
         return [
             t for t in EVAL_TASKS
-            if (t != "multiple-choice" or multiple_choice) and (t != "multi-turn" or multi_turn)
+            if t not in _ASKED_ONLY and (t != "multiple-choice" or multiple_choice) and (t != "multi-turn" or multi_turn)
             and (t != "continuation" or continuation)
         ]  # fmt: skip
     names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
@@ -494,6 +497,8 @@ class EvalConfig:
         num_content_items: items of each content task (repeat, recall, handoff, agreement prompts); the
             recall and hand-off distractors are cut from the documents of `text`.
         max_new_tokens: tokens generated per prompt by the greedy-agreement task.
+        depth_lengths: context lengths of the depth task (recall with the passage at the start, middle and end).
+        depth_items: items per cell of the depth task (the same facts in every cell).
         num_turns, turn_len, max_conversations: the multi-turn handoff's conversations.
         batch_size, num_bootstrap, seed, progress: batching, bootstrap resamples, seed and progress bars.
     """
@@ -510,6 +515,8 @@ class EvalConfig:
     num_items: int = 200
     num_content_items: int = 600
     max_new_tokens: int = 16
+    depth_lengths: Sequence[int] = (512, 1024)
+    depth_items: int = 100
     num_turns: int = 4
     turn_len: int = 64
     max_conversations: int = 32
@@ -543,7 +550,8 @@ def evaluate(
 
     Returns:
         A JSON-serializable dict: `prefix_perplexity`, `kv_r2`, `continuation`, `multiple_choice`, `multi_turn`,
-        `repeated_span`, `passage_recall`, `handoff`, `greedy_agreement` (those run) and a `config` block;
+        `repeated_span`, `passage_recall`, `handoff`, `greedy_agreement`, `recall_by_depth` (those run) and a
+        `config` block;
         `reporting.evaluation_markdown` / `plot_evaluation` render it.
 
     Example:
@@ -558,10 +566,10 @@ def evaluate(
     docs = _tokenize_documents(tokenizer, documents)
     results: dict[str, Any] = {"config": _config_block(cfg, mapper, docs, selected)}
     content = _content_items(tokenizer, documents, docs, selected, cfg.num_content_items, cfg.prefix_len, cfg.seed)
-    run = _TaskRun(source, target, mapper, cfg)
+    run = _TaskRun(source, target, mapper, cfg, tokenizer, documents, docs, content, multiple_choice_items, reverse_mapper)
     for name, task in _TASKS.items():
         if name in selected:
-            task(run, results, docs, content, multiple_choice_items, reverse_mapper)
+            task(run, results)
     # What each task's transfers used (the default resolves per prompt length: 32, at most half a shorter prompt).
     results["config"]["num_recompute_tokens_used"] = {
         name: res["num_recompute_tokens"]
@@ -608,6 +616,12 @@ class _TaskRun:
     target: PreTrainedModel
     mapper: KVMapper
     cfg: EvalConfig
+    tokenizer: Any
+    documents: list[str]  # the evaluation text's documents
+    docs: list[list[int]]  # their token ids
+    content: dict[str, Any]  # the content tasks' items (`_content_items`)
+    multiple_choice_items: Sequence[MultipleChoiceItem] | None
+    reverse_mapper: KVMapper | None
 
     @property
     def models(self) -> tuple:
@@ -628,18 +642,18 @@ class _TaskRun:
         return None if n is None else max(1, n)
 
 
-def _perplexity(run: _TaskRun, results, docs, content, mc_items, reverse) -> None:
+def _perplexity(run: _TaskRun, results: dict[str, Any]) -> None:
     cfg = run.cfg
-    windows = text_windows(docs, 2 * cfg.prefix_len, cfg.max_windows)
+    windows = text_windows(run.docs, 2 * cfg.prefix_len, cfg.max_windows)
     results["prefix_perplexity"] = prefix_perplexity(
         *run.models, windows, cfg.prefix_len, cfg.num_recompute_tokens, cfg.batch_size, **run.common
     )
     results["kv_r2"] = kv_r2(*run.models, windows[:, : cfg.prefix_len], cfg.batch_size, progress=cfg.progress)
 
 
-def _continuation(run: _TaskRun, results, docs, content, mc_items, reverse) -> None:
+def _continuation(run: _TaskRun, results: dict[str, Any]) -> None:
     cfg = run.cfg
-    items = build_continuation_task(docs, cfg.context_len, cfg.continuation_len, cfg.num_choices, cfg.num_items,
+    items = build_continuation_task(run.docs, cfg.context_len, cfg.continuation_len, cfg.num_choices, cfg.num_items,
                                     seed=cfg.seed)  # fmt: skip
     results["continuation"] = multiple_choice(
         *run.models, items, num_recompute_tokens=run.fed, desc="continuation task", **run.common
@@ -647,39 +661,48 @@ def _continuation(run: _TaskRun, results, docs, content, mc_items, reverse) -> N
     results["continuation"].update(context_len=cfg.context_len, continuation_len=cfg.continuation_len)
 
 
-def _repeat(run: _TaskRun, results, docs, content, mc_items, reverse) -> None:
+def _repeat(run: _TaskRun, results: dict[str, Any]) -> None:
     results["repeated_span"] = repeated_span_retention(
-        *run.models, content["repeat"], num_recompute_tokens=run.cfg.num_recompute_tokens,
+        *run.models, run.content["repeat"], num_recompute_tokens=run.cfg.num_recompute_tokens,
         batch_size=run.cfg.batch_size, **run.common,
     )  # fmt: skip
 
 
-def _recall(run: _TaskRun, results, docs, content, mc_items, reverse) -> None:
-    results["passage_recall"] = passage_recall(*run.models, content["recall"], num_recompute_tokens=run.fed, **run.common)
+def _recall(run: _TaskRun, results: dict[str, Any]) -> None:
+    results["passage_recall"] = passage_recall(*run.models, run.content["recall"], num_recompute_tokens=run.fed, **run.common)
 
 
-def _handoff(run: _TaskRun, results, docs, content, mc_items, reverse) -> None:
+def _handoff(run: _TaskRun, results: dict[str, Any]) -> None:
     results["handoff"] = handoff(
-        *run.models, content["handoff"], num_recompute_tokens=run.cfg.num_recompute_tokens, **run.common
+        *run.models, run.content["handoff"], num_recompute_tokens=run.cfg.num_recompute_tokens, **run.common
     )
 
 
-def _agreement(run: _TaskRun, results, docs, content, mc_items, reverse) -> None:
+def _agreement(run: _TaskRun, results: dict[str, Any]) -> None:
     results["greedy_agreement"] = greedy_agreement(
-        *run.models, content["agreement"], run.cfg.max_new_tokens, num_recompute_tokens=run.fed,
+        *run.models, run.content["agreement"], run.cfg.max_new_tokens, num_recompute_tokens=run.fed,
         batch_size=run.cfg.batch_size, **run.common,
     )  # fmt: skip
 
 
-def _multiple_choice(run: _TaskRun, results, docs, content, mc_items, reverse) -> None:
-    results["multiple_choice"] = multiple_choice(*run.models, mc_items, num_recompute_tokens=run.fed, **run.common)
-
-
-def _multi_turn(run: _TaskRun, results, docs, content, mc_items, reverse) -> None:
+def _depth(run: _TaskRun, results: dict[str, Any]) -> None:
     cfg = run.cfg
-    conversations = text_windows(docs, cfg.num_turns * cfg.turn_len, cfg.max_conversations)
+    results["recall_by_depth"] = recall_by_depth(
+        *run.models, run.tokenizer, lengths=cfg.depth_lengths, items=cfg.depth_items, distractor_texts=run.documents,
+        seed=cfg.seed, num_recompute_tokens=run.fed, num_exact_layers=cfg.num_exact_layers,
+        num_bootstrap=cfg.num_bootstrap, progress=cfg.progress,
+    )  # fmt: skip
+
+
+def _multiple_choice(run: _TaskRun, results: dict[str, Any]) -> None:
+    results["multiple_choice"] = multiple_choice(*run.models, run.multiple_choice_items, num_recompute_tokens=run.fed, **run.common)
+
+
+def _multi_turn(run: _TaskRun, results: dict[str, Any]) -> None:
+    cfg = run.cfg
+    conversations = text_windows(run.docs, cfg.num_turns * cfg.turn_len, cfg.max_conversations)
     results["multi_turn"] = multi_turn_drift(
-        run.source, run.target, run.mapper, reverse, conversations, cfg.num_turns, batch_size=cfg.batch_size,
+        run.source, run.target, run.mapper, run.reverse_mapper, conversations, cfg.num_turns, batch_size=cfg.batch_size,
         progress=cfg.progress,
     )  # fmt: skip
 
@@ -692,6 +715,7 @@ _TASKS: dict[str, Callable[..., None]] = {
     "recall": _recall,
     "handoff": _handoff,
     "agreement": _agreement,
+    "depth": _depth,
     "multiple-choice": _multiple_choice,
     "multi-turn": _multi_turn,
 }
