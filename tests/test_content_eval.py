@@ -341,3 +341,9 @@ def test_evaluate_takes_an_eval_config_or_its_fields_as_keywords():
         assert json.dumps(res["prefix_perplexity"], sort_keys=True) == json.dumps(alone, sort_keys=True)
     with pytest.raises(TypeError, match="unknown option.*prefix_lenn"):
         evaluate(model, model, mapper, tok, text, prefix_lenn=3)
+
+
+def test_every_eval_task_has_a_step():
+    from hf_kvtransfer.evaluation.evaluate import _TASKS, EVAL_TASKS
+
+    assert tuple(_TASKS) == EVAL_TASKS  # the steps run in the order the tasks are listed (and reported)
