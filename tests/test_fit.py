@@ -312,3 +312,20 @@ def test_fit_mapper_returns_one_mapper_and_points_to_fit_mappers_for_several(qwe
     assert sorted(several) == ["k1", "kall"] and isinstance(one, KVMapper)
     for kind in ("key", "value"):  # the same pass and solve: the k=1 mapper is the same either way
         torch.testing.assert_close(several["k1"].layers[0].linear_parts(kind).up, one.layers[0].linear_parts(kind).up)
+
+
+def test_accumulation_options_and_keywords(mismatched_pair):
+    """`AccumulationOptions` carries the pass's options; a keyword overrides it (the count is the tokens read at the
+    keyword's stride, counted independently), and an unknown option is a one-line TypeError naming it."""
+    from hf_kvtransfer.fitting.accumulate import AccumulationOptions
+
+    source, target = mismatched_pair
+    ids = random_ids(3, 24, seed=14)
+    options = AccumulationOptions(stride=2, batch_size=2, progress=False)
+    stats, held = accumulate_statistics(source, target, ids, options=options, stride=1)
+    x, _ = _materialise(source, target, ids, stride=1)["value"]
+    assert stats.count == x.shape[0] and held is None
+    strided, _ = accumulate_statistics(source, target, ids, None, stride=2, batch_size=2, progress=False)
+    assert strided.count == _materialise(source, target, ids, stride=2)["value"][0].shape[0] < x.shape[0]
+    with pytest.raises(TypeError, match="unknown option.*strid"):
+        accumulate_statistics(source, target, ids, options, strid=1)

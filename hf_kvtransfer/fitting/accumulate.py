@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.loading import model_device
+from ..core.options import with_options
 from ..core.ridge import probe_single_source_r2, select_layers
 from ..core.rope import text_config
 from ..core.stats import (
@@ -291,64 +293,85 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class AccumulationOptions:
+    """How `accumulate_statistics` runs its calibration pass and keeps its sums; each field is also accepted as a
+    keyword of `accumulate_statistics`.
+
+    Args:
+        stride, batch_size, num_heldout, checkpoint_dir, checkpoint_every, progress: the pass (`calibration_pass`).
+        statistics_device: where the sums live; default the model's GPU when they fit, else the CPU.
+        statistics_dtype: dtype of the sums.
+        product_dtype: dtype of the per-batch products; float32 = per-batch centering + float64 merge
+            (default on CUDA), else exact products in `statistics_dtype` (default on CPU).
+        metadata: recorded on the statistics.
+        two_stage, probe_tokens, max_top_k, ridge_lambdas: bounded-memory mode (`StatisticsAccumulator`); any
+            k <= max_top_k can then be solved, at any of `ridge_lambdas`.
+    """
+
+    stride: int = 4
+    batch_size: int = 8
+    num_heldout: int = 0
+    checkpoint_dir: str | os.PathLike | None = None
+    checkpoint_every: int = 64
+    statistics_device: torch.device | str | None = None
+    statistics_dtype: torch.dtype = torch.float64
+    product_dtype: torch.dtype | None = None
+    metadata: dict[str, Any] | None = None
+    progress: bool = True
+    two_stage: bool = False
+    probe_tokens: int = 8192
+    max_top_k: int | None = 8
+    ridge_lambdas: Sequence[float] = (0.01,)
+
+
 def accumulate_statistics(
     source: PreTrainedModel,
     target: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    stride: int = 4,
-    batch_size: int = 8,
-    num_heldout: int = 0,
-    checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int = 64,
-    statistics_device: torch.device | str | None = None,
-    statistics_dtype: torch.dtype = torch.float64,
-    metadata: dict[str, Any] | None = None,
-    progress: bool = True,
+    options: AccumulationOptions | None = None,
+    *,
     group=None,
-    two_stage: bool = False,
-    probe_tokens: int = 8192,
-    max_top_k: int | None = 8,
-    ridge_lambdas: Sequence[float] = (0.01,),
-    product_dtype: torch.dtype | None = None,
     consumers: Sequence[CalibrationConsumer] = (),
     statistics: KVStatistics | None = None,
     log: Callable[[str], None] | None = None,
+    **keywords: Any,
 ) -> tuple[KVStatistics, KVStatistics | None]:
     """Fit (and held-out) statistics over a fixed token sample: `calibration_pass` with a `StatisticsAccumulator`
     (plus any other `consumers` riding along). Resumable and distributed, see `calibration_pass`.
 
     Args:
-        two_stage, probe_tokens, max_top_k, ridge_lambdas: bounded-memory mode (`StatisticsAccumulator`); any
-            k <= max_top_k can then be solved, at any of `ridge_lambdas`.
-        statistics_device: where the sums live; default the model's GPU when they fit, else the CPU.
-        product_dtype: dtype of the per-batch products; float32 = per-batch centering + float64 merge
-            (default on CUDA), else exact products in `statistics_dtype` (default on CPU).
+        options: `AccumulationOptions`; its fields may also be given as keywords (`stride=1`), which override it.
+        group: the process group of a distributed pass.
+        consumers: other calibration consumers riding the same pass.
         statistics: existing fit statistics to add to (full mode only).
         log: where the line with the statistics' memory goes (default: `logger.info`).
 
     Returns:
         `(fit_statistics, heldout_statistics or None)`.
     """
+    o = with_options(AccumulationOptions, options, keywords, "accumulate_statistics")
     check_pair(source, target)
     src_layout, tgt_layout = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
+    heldout = bool(o.num_heldout)
     if statistics is not None:
         device = statistics.device
-    elif statistics_device is not None:
-        device = torch.device(statistics_device)
+    elif o.statistics_device is not None:
+        device = torch.device(o.statistics_device)
     else:
-        nbytes = statistics_nbytes(src_layout, tgt_layout, statistics_dtype) * (2 if num_heldout else 1)
+        nbytes = statistics_nbytes(src_layout, tgt_layout, o.statistics_dtype) * (2 if heldout else 1)
         device = default_statistics_device(target, nbytes)
     accumulator = StatisticsAccumulator(
-        source, target, stride=stride, heldout=bool(num_heldout), device=device, dtype=statistics_dtype,
-        product_dtype=product_dtype, metadata=metadata, two_stage=two_stage, probe_tokens=probe_tokens,
-        max_top_k=max_top_k, ridge_lambdas=ridge_lambdas, statistics=statistics, group=group,
+        source, target, stride=o.stride, heldout=heldout, device=device, dtype=o.statistics_dtype,
+        product_dtype=o.product_dtype, metadata=o.metadata, two_stage=o.two_stage, probe_tokens=o.probe_tokens,
+        max_top_k=o.max_top_k, ridge_lambdas=o.ridge_lambdas, statistics=statistics, group=group,
     )  # fmt: skip
-    (log or logger.info)(statistics_memory_line(src_layout, tgt_layout, statistics_dtype, device, bool(num_heldout)))
+    (log or logger.info)(statistics_memory_line(src_layout, tgt_layout, o.statistics_dtype, device, heldout))
     calibration_pass(
-        source, target, input_ids, attention_mask, [accumulator, *consumers], stride=stride, batch_size=batch_size,
-        num_heldout=num_heldout, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, progress=progress,
-        group=group,
+        source, target, input_ids, attention_mask, [accumulator, *consumers], stride=o.stride,
+        batch_size=o.batch_size, num_heldout=o.num_heldout, checkpoint_dir=o.checkpoint_dir,
+        checkpoint_every=o.checkpoint_every, progress=o.progress, group=group,
     )  # fmt: skip
     return accumulator.train, accumulator.heldout
 
@@ -454,6 +477,7 @@ def collect_statistics(
 
 
 __all__ = [
+    "AccumulationOptions",
     "StatisticsAccumulator",
     "accumulate_statistics",
     "available_memory",
