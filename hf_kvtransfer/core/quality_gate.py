@@ -1,0 +1,100 @@
+"""The per-request quality gate: how close the mapper's K/V are to the target's own on the tokens the target
+recomputes, and the threshold below which a request row falls back to the target's own prefill.
+
+The last `num_recompute_tokens` tokens of a prompt are computed by the target itself, so for those positions the
+target's K/V at every layer are known exactly; the mapper's prediction for the same positions is compared with them.
+The score of a row is the worst cosine similarity over the mapped layers and over keys and values (each flattened
+over heads, recomputed positions and head_dim): 1 is a perfect prediction. A fit calibrates the threshold as a low
+quantile of the score on held-out prompts (`fitting/quality_gate.py`), so text like the calibration text passes and
+text the maps were not fit for (random tokens) falls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+FALLBACK_REASON = "quality gate"
+
+
+@dataclass
+class QualityGateConfig:
+    """The gate a mapper carries in its config (`MapperConfig.quality_gate`; None: no gate).
+
+    Args:
+        threshold: rows whose score (`gate_scores`) is below it fall back to the target's own prefill.
+        quantile: the quantile of the held-out scores the threshold is (recorded by the fit).
+        num_prompts: how many held-out prompts the quantile was taken over.
+        prompt_length: their length in tokens.
+    """
+
+    threshold: float
+    quantile: float = 0.01
+    num_prompts: int = 0
+    prompt_length: int = 0
+
+    def __post_init__(self):
+        if not -1.0 <= float(self.threshold) <= 1.0:
+            raise ValueError(f"quality_gate.threshold is a cosine in [-1, 1], got {self.threshold}")
+        if not 0.0 <= float(self.quantile) <= 1.0:
+            raise ValueError(f"quality_gate.quantile must be in [0, 1], got {self.quantile}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: "QualityGateConfig | dict | None") -> "QualityGateConfig | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise TypeError(f"quality_gate must be a dict of QualityGateConfig fields or None, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """What a `TransferredCache` did with each row of its batch (`cache.transfer_status`).
+
+    applied[i] is True where row i runs on the transferred K/V, False where it fell back to the target's own prefill
+    (then `reason` is "quality gate"); `scores` are the rows' gate scores (None when the gate did not run) and
+    `threshold` the gate's threshold (None without a gate).
+    """
+
+    applied: tuple[bool, ...]
+    scores: tuple[float, ...] | None = None
+    threshold: float | None = None
+
+    @property
+    def reason(self) -> str | None:
+        return None if all(self.applied) else FALLBACK_REASON
+
+    @property
+    def fallback_rows(self) -> list[int]:
+        return [i for i, ok in enumerate(self.applied) if not ok]
+
+
+def _row_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = a.flatten(1).double(), b.flatten(1).double()
+    return torch.nn.functional.cosine_similarity(a, b, dim=1, eps=1e-12)
+
+
+def gate_scores(predicted: Sequence[tuple[torch.Tensor, torch.Tensor]], exact: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Per-row score `[batch]`: the worst cosine over layers and over K and V between the mapper's `predicted` and the
+    target's `exact` (key, value) pairs, each `[batch, heads, positions, head_dim]` for the same positions."""
+    if not predicted or len(predicted) != len(exact):
+        raise ValueError(f"gate_scores needs one (key, value) pair per layer on both sides, got {len(predicted)} and {len(exact)}")
+    per_layer = [torch.minimum(_row_cosine(pk, ek), _row_cosine(pv, ev)) for (pk, pv), (ek, ev) in zip(predicted, exact)]
+    return torch.stack(per_layer).amin(dim=0).float()
+
+
+def passes(scores: torch.Tensor, gate: QualityGateConfig | None) -> torch.Tensor:
+    """Boolean `[batch]`: the rows the gate lets through (all of them without a gate)."""
+    if gate is None:
+        return torch.ones_like(scores, dtype=torch.bool)
+    return scores >= gate.threshold
+
+
+__all__ = ["FALLBACK_REASON", "QualityGateConfig", "TransferStatus", "gate_scores", "passes"]
