@@ -189,7 +189,10 @@ class MapperConfig:
         return KVLayout(f["num_hidden_layers"], f["num_key_value_heads"], f["head_dim"])
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["quality_gate"] is None:  # a mapper without a gate saves the config it did before the field
+            del data["quality_gate"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MapperConfig":
