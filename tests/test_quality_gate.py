@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import random_ids, scrambled_mapper
 
 from hf_kvtransfer.core.quality_gate import QualityGateConfig, TransferStatus, gate_scores, passes
 
@@ -88,3 +89,64 @@ def test_mapper_saved_before_the_gate_loads_without_one(identity_mapper, tmp_pat
     data.pop("quality_gate", None)  # a config.json written before the field existed
     path.write_text(json.dumps(data))
     assert KVMapper.from_pretrained(tmp_path).config.quality_gate is None
+
+
+# -- the gate in TransferredCache ----------------------------------------------------------------------------------
+
+
+def _transfer_logits(model, mapper, ids, **kwargs):
+    from hf_kvtransfer import TransferredCache, prefill
+
+    cache = TransferredCache(prefill(model, ids), mapper, **kwargs)
+    with torch.no_grad():
+        logits = model(ids[:, -cache.num_recompute_tokens :], cache=cache).logits
+    return logits, cache
+
+
+def test_rows_below_the_threshold_get_the_targets_own_prefill(qwen3_model, scrambled):
+    ids = random_ids(2, 24, seed=7)
+    with torch.no_grad():
+        own = qwen3_model(ids).logits[:, -8:]
+    ungated, _ = _transfer_logits(qwen3_model, scrambled, ids, num_recompute_tokens=8, gate=False)
+    assert (ungated - own).abs().max() > 1e-2  # the scrambled maps alone do not give the target's answer
+    # Threshold above every row's score: both rows fall back, and the call returns the target's own logits.
+    gated, cache = _transfer_logits(qwen3_model, scrambled, ids, num_recompute_tokens=8, gate=QualityGateConfig(0.999))
+    assert cache.transfer_status.applied == (False, False) and cache.transfer_status.reason == "quality gate"
+    torch.testing.assert_close(gated, own, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_above_the_threshold_keep_the_transfer(qwen3_model, scrambled):
+    ids = random_ids(2, 24, seed=8)
+    ungated, _ = _transfer_logits(qwen3_model, scrambled, ids, num_recompute_tokens=8, gate=False)
+    gated, cache = _transfer_logits(qwen3_model, scrambled, ids, num_recompute_tokens=8, gate=QualityGateConfig(-1.0))
+    assert cache.transfer_status.applied == (True, True) and cache.transfer_status.reason is None
+    torch.testing.assert_close(gated, ungated, rtol=1e-4, atol=1e-4)
+    # The score is the worst-layer cosine of the mapped K/V against the target's own on the recomputed tokens.
+    from hf_kvtransfer import TransferredCache, prefill
+
+    full = TransferredCache(prefill(qwen3_model, ids), scrambled, num_recompute_tokens=0, model=qwen3_model, gate=False)
+    full.convert_all()
+    # Reference: the target's own K/V on the recomputed tokens given the transferred context, from a forward on a
+    # cache holding the mapped K/V of the first 16 tokens.
+    from transformers import DynamicCache
+
+    probe = DynamicCache(config=qwen3_model.config)
+    for i, layer in enumerate(full.layers):
+        probe.update(layer.keys[:, :, :16], layer.values[:, :, :16], i)
+    with torch.no_grad():
+        qwen3_model(ids[:, 16:], cache=probe)
+    expected = _numpy_score([(l.keys[:, :, 16:], l.values[:, :, 16:]) for l in full.layers],
+                            [(l.keys[:, :, 16:], l.values[:, :, 16:]) for l in probe.layers])  # fmt: skip
+    np.testing.assert_allclose(np.array(cache.transfer_status.scores), expected, rtol=1e-4)
+
+
+def test_gate_false_and_mappers_without_a_gate_leave_the_transfer_alone(qwen3_model, identity_mapper):
+    ids = random_ids(1, 24, seed=9)
+    logits, cache = _transfer_logits(qwen3_model, identity_mapper, ids, num_recompute_tokens=8)
+    assert identity_mapper.config.quality_gate is None
+    assert cache.transfer_status.applied == (True,) and cache.transfer_status.scores is None
+
+
+@pytest.fixture(scope="module")
+def scrambled(identity_mapper):
+    return scrambled_mapper(identity_mapper)

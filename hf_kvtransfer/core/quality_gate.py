@@ -97,4 +97,59 @@ def passes(scores: torch.Tensor, gate: QualityGateConfig | None) -> torch.Tensor
     return scores >= gate.threshold
 
 
-__all__ = ["FALLBACK_REASON", "QualityGateConfig", "TransferStatus", "gate_scores", "passes"]
+
+
+@dataclass
+class PendingGate:
+    """What a `TransferredCache` keeps until its gate runs (on the first conversion): the source cache (for the
+    mapper's prediction of the recomputed tokens) and the prompt's mask and positions."""
+
+    gate: QualityGateConfig
+    source_cache: Any
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor  # [batch, prompt length]
+
+
+def _own_kv(model, ids, mask, positions, past=None):
+    """The target's own K/V after a forward of `ids` (on `past`, a `DynamicCache`, when given)."""
+    from transformers import DynamicCache
+
+    cache = past if past is not None else DynamicCache(config=model.config)
+    model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    return cache
+
+
+def run_gate(cache, pending: PendingGate, model, like: torch.Tensor) -> TransferStatus:
+    """Fill `cache`'s pending layers from the source (all of them at once), score each row on the recomputed tokens,
+    and replace the rows below the threshold with the target's own prefill of the transferred tokens."""
+    from transformers import DynamicCache
+
+    prompt, held = cache.prompt_ids, cache.num_recompute_tokens
+    length = pending.position_ids.shape[-1]
+    held = length - held
+    # The mapper's prediction for every prompt token, the recomputed ones included: a transfer that recomputes none.
+    full = type(cache)(pending.source_cache, cache.mapper, pending.attention_mask, 0, input_ids=prompt,
+                       num_exact_layers=cache.num_exact_layers, model=model, gate=False)  # fmt: skip
+    full.convert_all(like.device, like.dtype)
+    mask = pending.attention_mask.to(like.device) if pending.attention_mask is not None else None
+    probe = DynamicCache(config=model.config)
+    for i, layer in enumerate(full.layers):
+        probe.update(layer.keys[:, :, :held], layer.values[:, :, :held], i)
+    ids, positions = prompt.to(like.device), pending.position_ids.to(like.device)
+    _own_kv(model, ids[:, held:], mask, positions[:, held:], probe)  # the target's own K/V of the recomputed tokens
+    predicted = [(layer.keys[:, :, held:], layer.values[:, :, held:]) for layer in full.layers]
+    exact = [(layer.keys[:, :, held:], layer.values[:, :, held:]) for layer in probe.layers]
+    scores = gate_scores(predicted, exact)
+    ok = passes(scores, pending.gate)
+    layers = [(layer.keys[:, :, :held].contiguous(), layer.values[:, :, :held].contiguous()) for layer in full.layers]
+    bad = (~ok).nonzero().flatten()
+    if bad.numel():
+        rows_mask = mask[bad, :held] if mask is not None else None
+        own = _own_kv(model, ids[bad, :held], rows_mask, positions[bad, :held])
+        for (keys, values), layer in zip(layers, own.layers):
+            keys[bad], values[bad] = layer.keys.to(keys.dtype), layer.values.to(values.dtype)
+    cache.fill_converted(layers)
+    return TransferStatus(tuple(ok.tolist()), tuple(scores.tolist()), pending.gate.threshold)
+
+
+__all__ = ["FALLBACK_REASON", "PendingGate", "QualityGateConfig", "TransferStatus", "gate_scores", "passes", "run_gate"]
