@@ -150,3 +150,41 @@ def test_gate_false_and_mappers_without_a_gate_leave_the_transfer_alone(qwen3_mo
 @pytest.fixture(scope="module")
 def scrambled(identity_mapper):
     return scrambled_mapper(identity_mapper)
+
+
+# -- calibration in the fit ------------------------------------------------------------------------------------------
+
+
+def test_calibrated_threshold_is_the_quantile_of_heldout_scores(qwen3_model, identity_mapper):
+    from hf_kvtransfer.fitting.quality_gate import calibrate_quality_gate
+
+    heldout = random_ids(6, 40, seed=11)
+    mapper = calibrate_quality_gate(qwen3_model, qwen3_model, scrambled_mapper(identity_mapper), heldout, 0.25)
+    # The scores, each from its own one-row transfer (the row's own worst-layer cosine), and numpy's quantile of them.
+    scores = []
+    for row in heldout:
+        _, cache = _transfer_logits(qwen3_model, mapper, row[None], gate=QualityGateConfig(-1.0))
+        scores.append(cache.transfer_status.scores[0])
+    gate = mapper.config.quality_gate
+    assert gate.threshold == pytest.approx(float(np.quantile(scores, 0.25)), abs=1e-5)
+    assert (gate.quantile, gate.num_prompts, gate.prompt_length) == (0.25, 6, 40)
+
+
+def test_fit_records_a_gate_only_when_asked(qwen3_model, calibration_ids, identity_mapper):
+    from hf_kvtransfer import fit_mapper
+
+    assert identity_mapper.config.quality_gate is None  # the default fit: no gate, as before
+    mapper = fit_mapper(qwen3_model, qwen3_model, calibration_ids, top_k=1, ridge_lambda=1e-4, progress=False,
+                        quality_gate_quantile=0.01)  # fmt: skip
+    gate = mapper.config.quality_gate
+    assert gate.num_prompts == 2 and gate.prompt_length == 64  # the 10% held-out rows of 24
+    assert gate.threshold > 0.99  # a near-identity map of a model onto itself scores close to 1
+
+
+def test_cli_fit_flag_sets_the_quantile():
+    from hf_kvtransfer.commands import cli
+
+    args = cli.build_parser().parse_args(["fit", "--source", "s", "--target", "t", "--output", "o", "--quality-gate-quantile", "0.01"])
+    assert cli.fit_config_from_args(args).quality_gate_quantile == 0.01
+    args = cli.build_parser().parse_args(["fit", "--source", "s", "--target", "t", "--output", "o"])
+    assert cli.fit_config_from_args(args).quality_gate_quantile is None
