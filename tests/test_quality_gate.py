@@ -188,3 +188,16 @@ def test_cli_fit_flag_sets_the_quantile():
     assert cli.fit_config_from_args(args).quality_gate_quantile == 0.01
     args = cli.build_parser().parse_args(["fit", "--source", "s", "--target", "t", "--output", "o"])
     assert cli.fit_config_from_args(args).quality_gate_quantile is None
+
+
+def test_generate_on_a_gated_cache_gives_the_targets_own_tokens_for_fallback_rows(qwen3_model, scrambled):
+    from hf_kvtransfer import TransferredCache, prefill
+
+    ids = random_ids(2, 24, seed=3)
+    own = qwen3_model.generate(ids, max_new_tokens=8, do_sample=False)
+    ungated = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), scrambled, gate=False),
+                                   max_new_tokens=8, do_sample=False)  # fmt: skip
+    assert not torch.equal(ungated, own)  # the scrambled maps alone change the answer
+    cache = TransferredCache(prefill(qwen3_model, ids), scrambled, gate=QualityGateConfig(0.999))
+    assert torch.equal(qwen3_model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False), own)
+    assert cache.transfer_status.fallback_rows == [0, 1]
