@@ -44,16 +44,13 @@ class Result:
 _CAS = "research/content_at_speed"
 _RP = "research/recall_probe"
 _ONE_THREAD = "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE"
-_FIT = "python research/token_tables/fit_pair.py"  # the library's fit_mapper at its defaults, 512 x 256 tokens
+_GATE = "research/defaults/results/gate"  # the CLI's default fit with the content gate, both directions
+_DEEP = "research/family_builder/results/deep_pair"  # the same on the deep pair (examples/family_deep)
 
 # Every result file a table reads. DIR, DIR_1 and DIR_OFF are the mapper folders of those runs: DIR a fit at the
 # defaults, DIR_1 the same mapper with num_recompute_tokens 1 in its config.json, DIR_OFF the fit with
 # --residual-inputs off (the JSONs name the folders).
 RESULTS = {
-    "fit_s2l": Result(f"{_CAS}/results/time_split_fit_small_to_large.log", f"{_FIT} small large 512 DIR",
-                      "2026-12-03"),  # fmt: skip
-    "fit_l2s": Result(f"{_CAS}/results/time_split_fit_large_to_small.log", f"{_FIT} large small 512 DIR",
-                      "2026-12-03"),  # fmt: skip
     "time_split_s2l": Result(
         f"{_CAS}/results/time_split_small_to_large.json",
         f"{_ONE_THREAD} python {_CAS}/time_split.py --source small --target large --mapper DIR --recompute-tokens 1",
@@ -82,6 +79,29 @@ RESULTS = {
         "--text examples/family/heldout.txt --tasks agreement --items 600 --recompute 1",
         "2026-12-03",
     ),
+    **{f"gate_{kind}_{d}": Result(f"{_GATE}/{name}_{pair}.{ext}", command.format(s=src, t=tgt), "2026-12-04")
+       for d, pair, src, tgt in (("s2l", "small_to_large", "small", "large"), ("l2s", "large_to_small", "large", "small"))
+       for kind, name, ext, command in (
+           ("fit", "fit", "log", "hf-kvtransfer fit -v --source examples/family/{s} --target examples/family/{t} "
+                                 "--dataset examples/family/calibration.txt --output DIR"),
+           ("mapper", "mapper_config", "json", "(DIR/config.json of that fit)"),
+           ("eval", "eval", "json", "hf-kvtransfer eval --source examples/family/{s} --target examples/family/{t} "
+                                   "--mapper DIR --text examples/family/heldout.txt --tasks recall,handoff,agreement "
+                                   "--items 600 --json FILE"),
+           ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py --source {{s}} --target {{t}} "
+                                           "--mapper DIR --rounds 7 --output FILE"),
+       ) if (d, kind) != ("l2s", "eval")},  # fmt: skip (large -> small maps nothing: no eval)
+    **{f"gate_{kind}_deep": Result(f"{_DEEP}/{name}_source_to_target.{ext}", command, "2026-12-04")
+       for kind, name, ext, command in (
+           ("fit", "fit", "log", "hf-kvtransfer fit -v --source examples/family_deep/source --target "
+                                 "examples/family_deep/target --dataset examples/family_deep/calibration.txt --output DIR"),
+           ("mapper", "mapper_config", "json", "(DIR/config.json of that fit)"),
+           ("eval", "eval", "json", "hf-kvtransfer eval --source examples/family_deep/source --target "
+                                   "examples/family_deep/target --mapper DIR --text examples/family_deep/heldout.txt "
+                                   "--tasks recall,handoff,agreement --items 600 --json FILE"),
+           ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py --family examples/family_deep "
+                                           "--source source --target target --mapper DIR --rounds 5 --output FILE"),
+       )},  # fmt: skip
     "l2s_three_exact": Result(
         f"{_CAS}/results/large_to_small_three_exact.json",
         f"python {_CAS}/content_at_speed.py --source large --target small --variants kv:3 res:2 res:2:-:-:none "
@@ -188,14 +208,6 @@ def sources(*keys: str) -> str:
     return "Results: " + "; ".join(parts) + "."
 
 
-def _fit_seconds(result: Result) -> tuple[float, float]:
-    """The fit's total and calibration-pass seconds, from its log."""
-    text = result.text()
-    total = float(re.search(r"^fit (\d+(?:\.\d+)?) s$", text, re.M).group(1))
-    calibration = float(re.search(r"calibration pass: (\d+(?:\.\d+)?) s", text).group(1))
-    return total, calibration
-
-
 def describe(variant: dict) -> str:
     """What a mapper computes and what its maps read, from a content_at_speed.py variant."""
     layers = variant["selected_layers"]
@@ -217,55 +229,73 @@ def describe(variant: dict) -> str:
 # --- tables -------------------------------------------------------------------------------------------------------
 
 
+def _gate_row(pair: str, direction: str) -> list[str]:
+    """One direction of the at-a-glance table: the CLI's default fit (content gate), `eval` and the time split."""
+    config = RESULTS[f"gate_mapper_{direction}"].load()
+    split = RESULTS[f"gate_split_{direction}"].load()["lengths"]["1024"]
+    exact, layers = config["num_exact_layers"], len(config["selected_layers"])
+    assert exact == split["num_exact_layers"]
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", RESULTS[f"gate_fit_{direction}"].text())
+    seconds = sum(float(part) * 60**i for i, part in enumerate(reversed(wall.group(1).split(":"))))
+    fit = f"{seconds / 60:.0f} min"
+    ttft = f"{times(split['speedup_cpu'])} ({split['transfer']['cpu_ms']:.0f} vs {split['own']['cpu_ms']:.0f} ms)"
+    if exact == layers:
+        return [pair, f"computes all {layers} of its layers: no map kept the content", "all (its own cache)", "all",
+                "-", "all", ttft, fit]  # fmt: skip
+    content = RESULTS[f"gate_eval_{direction}"].load()  # a transfer that maps nothing is the target's own cache
+    assert exact == content["config"]["num_exact_layers"]
+    residual = (config.get("map_inputs") or {}).get("residual")
+    alone = all(not sel for sel in config["selected_layers"][exact:])
+    chose = f"computes its first {exact} of {layers} layers, maps the other {layers - exact}" + (
+        (f" from its own residual stream entering layer {residual['layer']} (no source K/V)" if alone else
+         f" from the source's K/V and its own residual stream entering layer {residual['layer']}")
+        if residual else " from the source's K/V")  # fmt: skip
+    recall, handoff = content["passage_recall"], content["handoff"]
+    agreement = content["greedy_agreement"]
+
+    def gap(task: dict) -> str:
+        if task.get("gap_recovered") is None:
+            return "undefined"
+        low = task["target_minus_source"]["ci"][0]
+        return f"{pct(task['gap_recovered'])} {ci(task['gap_recovered_ci'])}" + (
+            f" (a gap of {pct(task['target_minus_source']['mean'])}, not significant)" if low <= 0 else
+            f" (of a {pct(task['target_minus_source']['mean'])} gap)")  # fmt: skip
+
+    return [
+        pair, chose,
+        f"{pct(recall['retention'])} {ci(recall['retention_ci'])}",
+        f"{pct(handoff['retention'])} {ci(handoff['retention_ci'])}",
+        f"recall {gap(recall)}; hand-off {gap(handoff)}",
+        f"{pct(agreement['first_token_agreement']['mean'])} / {pct(agreement['all_tokens_agreement']['mean'])}",
+        ttft, fit,
+    ]  # fmt: skip
+
+
 def at_a_glance() -> str:
     """Today's defaults, both directions of the bundled pair: what the fit keeps, what the transfer keeps and costs."""
-    s2l_content = RESULTS["recompute_s2l"].load()
-    s2l = s2l_content["variants"][s2l_content["reference"]]
-    agreement = RESULTS["agreement_32_s2l"].load()["greedy_agreement"]
-    split_s2l = RESULTS["time_split_s2l"].load()["lengths"]["1024"]
-    split_l2s = RESULTS["time_split_l2s"].load()["lengths"]["1024"]
-    fit_s2l, _ = _fit_seconds(RESULTS["fit_s2l"])
-    fit_l2s, _ = _fit_seconds(RESULTS["fit_l2s"])
-    exact, layers = s2l["num_exact_layers"], len(s2l["selected_layers"])
-    assert exact == split_s2l["num_exact_layers"] and split_l2s["num_exact_layers"] == 4
-
-    def ttft(split: dict) -> str:
-        return f"{times(split['speedup_cpu'])} ({split['transfer']['cpu_ms']:.0f} vs {split['own']['cpu_ms']:.0f} ms)"
-
-    alone = all(not sel for sel in s2l["selected_layers"][exact:])
-    rows = [
-        [
-            "small -> large",
-            f"computes its first {exact} of {layers} layers, maps the other {layers - exact} from its own residual "
-            f"stream entering layer {s2l['residual_layer']}" + (" (no source K/V)" if alone else ""),
-            f"{pct(s2l['recall']['retention'])} {ci(s2l['recall']['retention_ci'])}",
-            f"{pct(s2l['handoff']['retention'])} {ci(s2l['handoff']['retention_ci'])}",
-            f"{pct(agreement['first_token_agreement']['mean'])} / {pct(agreement['all_tokens_agreement']['mean'])}",
-            ttft(split_s2l),
-            f"{fit_s2l:.0f} s",
-        ],
-        [
-            "large -> small",
-            f"computes all {split_l2s['num_exact_layers']} of its layers: no map kept the content",
-            "all (its own cache)",
-            "all",
-            "all",
-            ttft(split_l2s),
-            f"{fit_l2s:.0f} s",
-        ],
-    ]
+    rows = [_gate_row("small -> large", "s2l"), _gate_row("large -> small", "l2s"),
+            _gate_row("deep: source (8 layers) -> target (24)", "deep")]
     header = ["pair", "what the fit chose", "passage recall kept [95% CI]", "hand-off kept",
-              "greedy tokens as the target's own: first / all 16", "time to the first token, 1024 tokens",
-              "one-time fit"]  # fmt: skip
+              "gap to the source recovered", "greedy tokens as the target's own: first / all 16",
+              "time to the first token, 1024 tokens", "one-time fit"]  # fmt: skip
+    content = RESULTS["gate_eval_s2l"].load()
+    agreement = content["greedy_agreement"]
     note = (
-        f"The bundled family (`examples/family/`). Recall and hand-off: {s2l['recall']['num_items']} items each; "
-        f"greedy agreement: {agreement['num_prompts']} prompts of {agreement['prompt_len']} tokens "
+        "The bundled family (`examples/family/`) and the deep pair (`examples/family_deep/`), `hf-kvtransfer fit` "
+        f"and `eval` at their defaults. Recall and "
+        f"hand-off: {content['passage_recall']['num_items']} items each, kept = floor-normalized retention; gap "
+        "recovered = (transfer - source alone) / (target own - source alone); greedy agreement: "
+        f"{agreement['num_prompts']} prompts of {agreement['prompt_len']} tokens "
         f"({pct(agreement['reference']['all_tokens_agreement']['mean'])} of all 16 from the target's own cache "
-        "rounded to bf16); times: one CPU thread, medians of "
-        f"{RESULTS['time_split_s2l'].load()['rounds']} interleaved rounds; fit: 512 x 256 calibration tokens."
+        "rounded to bf16, small -> large); times: one CPU thread, medians of "
+        f"{RESULTS['gate_split_s2l'].load()['rounds']} interleaved rounds ({RESULTS['gate_split_deep'].load()['rounds']} "
+        "on the deep pair; 1-minute load average "
+        f"{RESULTS['gate_split_s2l'].load()['load_average_before'][0]:.1f} at the start); fit: 500 x 1024 calibration "
+        "tokens, wall clock on the 2-core VM beside other jobs."
     )
-    return "\n\n".join([table(header, rows), note, sources("recompute_s2l", "agreement_32_s2l", "time_split_s2l",
-                                                          "time_split_l2s", "fit_s2l", "fit_l2s")])  # fmt: skip
+    keys = [f"gate_{kind}_{d}" for d, kinds in (("s2l", ("fit", "eval", "split")), ("l2s", ("fit", "split")),
+                                                 ("deep", ("fit", "eval", "split"))) for kind in kinds]  # fmt: skip
+    return "\n\n".join([table(header, rows), note, sources(*keys)])
 
 
 def fit_vs_source_only() -> str:

@@ -307,3 +307,22 @@ def test_compiled_rope_matches_reference():
     for (k_ref, v_ref), layer in zip(expected, got.layers):
         torch.testing.assert_close(layer.keys, k_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.values, v_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_run_benchmark_takes_bench_timing_or_its_fields_as_keywords():
+    from hf_kvtransfer.commands.bench import BenchTiming
+
+    source = tiny_model("qwen3", num_hidden_layers=2, seed=3)
+    target = tiny_model("qwen3", num_hidden_layers=3, seed=4)
+    mapper = _random_mapper(source, target, [[1]] * 3)
+    options = dict(repeats=1, warmup=0, measure_ttft=False, measure_decode=False, measure_memory=False,
+                   measure_full_forward=False, num_exact_layers=2, progress=False)  # fmt: skip
+    for report in (run_benchmark(source, target, mapper, [8], BenchTiming(**options)),
+                   run_benchmark(source, target, mapper, [8], **options)):  # fmt: skip
+        assert report["settings"]["repeats"] == 1 and "ttft_defaults" not in report["settings"]
+        assert set(report["results"][0]) == {"seq_len", "source_prefill_ms", "source_prefill_ms_cpu", "prefill_body_ms",
+                                             "prefill_body_ms_cpu", "prefill_gflop", "transfer"}  # fmt: skip
+    with pytest.raises(TypeError, match=r"run_benchmark\(\) got unknown option\(s\) repeat\b"):
+        run_benchmark(source, target, mapper, [8], repeat=1)
+    with pytest.raises(ValueError):  # an exact-layer count the target cannot take, before any timing
+        run_benchmark(source, target, mapper, [8], **{**options, "num_exact_layers": 7})

@@ -332,3 +332,33 @@ def test_a_cache_computing_every_layer_recomputes_one_token_by_default(qwen3_mod
     assert TransferredCache(legacy, every).num_recompute_tokens == 1
     assert TransferredCache(legacy, every, input_ids=ids).num_recompute_tokens == 1
     assert resolve_num_recompute_tokens(None, 80, every) == 1 and resolve_num_recompute_tokens(None, 80, every, 0) == 32
+
+
+@pytest.mark.parametrize("operation", ["crop", "select", "repeat_reorder"])
+def test_cache_operations_between_the_exact_pass_and_conversion(qwen3_model, identity_mapper, operation):
+    """`compute_exact_layers`, then a cache operation, then the forward: the exact layers are the target's own
+    prefill of the cropped / selected prompt (they were dropped, and the forward failed on the missing layers).
+    The maps are scrambled, so exact layers taken from the maps would not match."""
+    from conftest import scrambled_mapper
+
+    mapper = scrambled_mapper(identity_mapper)
+    ids = random_ids(2, 20, seed=21)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=1)
+    cache.compute_exact_layers(qwen3_model, ids)
+    if operation == "crop":
+        cache.crop(-5)
+        rows, length = [0, 1], 14
+    elif operation == "select":
+        cache.batch_select_indices(torch.tensor([1]))
+        rows, length = [1], 19
+    else:
+        cache.batch_repeat_interleave(2)  # rows 0 0 1 1
+        cache.reorder_cache(torch.tensor([3, 0, 1, 2]))
+        rows, length = [1, 0, 0, 1], 19
+    with torch.no_grad():
+        qwen3_model(ids[rows, length : length + 1], cache=cache)
+    own = prefill(qwen3_model, ids[rows, :length])
+    for t in range(2):
+        assert torch.allclose(cache.layers[t].keys[:, :, :length], own.layers[t].keys, atol=1e-5)
+        assert torch.allclose(cache.layers[t].values[:, :, :length], own.layers[t].values, atol=1e-5)
+    assert not torch.allclose(cache.layers[2].keys[:, :, :length], own.layers[2].keys, atol=1e-3)  # mapped

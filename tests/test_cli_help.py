@@ -119,7 +119,7 @@ def _all_examples() -> list[str]:
 _TINY = {
     "fit": ["--num-sequences", "6", "--seq-len", "48", "--exact-layers", "1", "--heldout-fraction", "0"],
     "eval": ["--items", "2", "--max-windows", "2", "--num-items", "2", "--prefix-len", "64", "--context-len", "32",
-             "--max-new-tokens", "2", "--turns", "2", "--turn-len", "8"],
+             "--max-new-tokens", "2", "--turns", "2", "--turn-len", "8", "--depth-items", "2", "--depth-lengths", "256"],
     "demo": ["--num-sequences", "6", "--seq-len", "48", "--recall-items", "2", "--max-new-tokens", "2",
              "--exact-layers-items", "8"],
 }  # fmt: skip

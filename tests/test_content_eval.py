@@ -320,3 +320,30 @@ def test_retention_difference_is_paired_and_matches_the_retentions():
     assert d1["difference"] == pytest.approx(ra["retention"] - 1, abs=1e-12)
     np.testing.assert_allclose(d1["difference_ci"], np.asarray(ra["retention_ci"]) - 1, atol=1e-12)
     assert retention_difference(own, own, a, b)["difference"] is None  # the context is worth nothing
+
+
+def test_evaluate_takes_an_eval_config_or_its_fields_as_keywords():
+    """`evaluate(config=EvalConfig(...))` and the same options as keywords run the task the options name, with the
+    numbers of that task run by itself on the same windows; an unknown option is one line."""
+    from hf_kvtransfer.evaluation.evaluate import EvalConfig, evaluate, prefix_perplexity, text_windows
+
+    model = tiny_model("qwen3", num_hidden_layers=2, seed=4)
+    tok, mapper = _number_tokenizer(), exact_identity_mapper(model)
+    words = [f"w{i}" for i in range(30)] + ["the", "of", "is", "value", "."]
+    text = " ".join(np.random.default_rng(1).choice(words, 200))
+    options = dict(tasks="perplexity", prefix_len=12, max_windows=3, num_bootstrap=0, progress=False, batch_size=2)
+    by_config = evaluate(model, model, mapper, tok, text, EvalConfig(**options))
+    by_keywords = evaluate(model, model, mapper, tok, text, **options)
+    windows = text_windows([tok(text, add_special_tokens=False)["input_ids"]], 24, 3)
+    alone = prefix_perplexity(model, model, mapper, windows, 12, None, 2, num_bootstrap=0, progress=False)
+    for res in (by_config, by_keywords):
+        assert res["config"]["tasks"] == ["perplexity"]
+        assert json.dumps(res["prefix_perplexity"], sort_keys=True) == json.dumps(alone, sort_keys=True)
+    with pytest.raises(TypeError, match="unknown option.*prefix_lenn"):
+        evaluate(model, model, mapper, tok, text, prefix_lenn=3)
+
+
+def test_every_eval_task_has_a_step():
+    from hf_kvtransfer.evaluation.evaluate import _TASKS, EVAL_TASKS
+
+    assert tuple(_TASKS) == EVAL_TASKS  # the steps run in the order the tasks are listed (and reported)

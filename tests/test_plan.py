@@ -228,3 +228,14 @@ def test_plan_says_which_map_inputs_are_practical_at_real_shapes():
     residual = plan.map_inputs["residual"]
     assert residual["parameters"] == 2 * 63 * 2 * 5120 * 1024 and residual["flops"] == 2 * (4096 - 32) * residual["parameters"]
     assert "maps also reading the target's residual stream (2 positions): 2.46 GiB" in text and ": practical" in text
+
+
+def test_plan_options_object_or_keywords():
+    from hf_kvtransfer.commands.plan import PlanOptions
+
+    options = dict(top_k=2, rank=16, seq_len=512, dtype="float32", available_memory=2**40, num_exact_layers=2)
+    by_object = plan_transfer(SOURCE, TARGET, PlanOptions(**options)).to_dict()
+    assert by_object == plan_transfer(SOURCE, TARGET, **options).to_dict()
+    assert (by_object["top_k"], by_object["rank"], by_object["num_exact_layers"]) == (2, 16, 2)
+    with pytest.raises(TypeError, match=r"plan_transfer\(\) got unknown option\(s\) topk"):
+        plan_transfer(SOURCE, TARGET, topk=2)

@@ -64,3 +64,20 @@ def test_identity_transfer_matches_own_in_every_cell(tokenizer, texts, tmp_path)
     assert "| 300 |" in text and "| 400 |" in text and "start | end" in text
     plot_evaluation({"config": {}, "recall_by_depth": res}, tmp_path / "depth.png")
     assert (tmp_path / "depth.png").stat().st_size > 1000
+
+
+def test_eval_scores_depth_only_when_asked(tokenizer, texts):
+    """`evaluate(tasks="depth")` scores the grid (an exact identity map: the target's own answer in each cell);
+    the default task list leaves it out."""
+    from hf_kvtransfer.evaluation.evaluate import evaluate, resolve_tasks
+
+    assert "depth" not in resolve_tasks(None) and resolve_tasks("recall,depth") == ["recall", "depth"]
+    model = AutoModelForCausalLM.from_pretrained(FAMILY / "small", dtype="float32").eval()
+    text = (FAMILY / "heldout.txt").read_text(encoding="utf-8")
+    res = evaluate(model, model, exact_identity_mapper(model), tokenizer, text, tasks="depth", depth_lengths=(256,),
+                   depth_items=3, num_bootstrap=20, progress=False)  # fmt: skip
+    assert set(res) == {"config", "recall_by_depth"}
+    cells = res["recall_by_depth"]["cells"]
+    assert [(c["context_tokens"], c["position"]) for c in cells] == [(256, "start"), (256, "middle"), (256, "end")]
+    for cell in cells:
+        assert cell["accuracy"]["transfer"]["mean"] == cell["accuracy"]["own"]["mean"]

@@ -46,6 +46,7 @@ from ..core.capture import prefill
 from ..core.conversion import conversion_groups
 from ..core.loading import DTYPES, check_device, load_model
 from ..core.mapper import KVMapper
+from ..core.options import with_options
 from ..core.rope import head_dim_of, text_config
 from ..core.stats import KVStatistics
 from ..evaluation.evaluate import kv_r2
@@ -228,25 +229,47 @@ def _measure(row: dict, name: str, fn: Callable[[], Any], device, repeats: int, 
     return row[name]
 
 
+@dataclasses.dataclass(frozen=True)
+class BenchTiming:
+    """The options of `run_benchmark` (each one also accepted as a keyword of `run_benchmark`).
+
+    Attributes:
+        repeats / warmup: timed and untimed calls per measurement; medians are reported.
+        decode_steps: single-token steps timed per repeat for (d).
+        measure_ttft, measure_decode, measure_memory, measure_full_forward: which measurements run.
+        compile_rope: time the transfer with `TransferredCache(..., compile_rope=True)` (True), or both ways ("both":
+            extra entries named "<mapper> +compile"). Time to first token is timed without.
+        num_exact_layers, num_recompute_tokens: the configuration time to first token is timed at, as
+            `TransferredCache` takes them (default None: the first mapper's exact layers and the cache's default of
+            recomputed tokens, i.e. what a user gets). Beside it, every layer mapped (0 exact layers, 1 recomputed
+            token) is timed too and labelled as such.
+        exact_layers_origin: where the exact-layer count came from, for the report (default: said from the mapper).
+        seed, progress: the random prompts' seed; a progress bar.
+    """
+
+    repeats: int = 5
+    warmup: int = 1
+    decode_steps: int = 8
+    measure_ttft: bool = True
+    measure_decode: bool = True
+    measure_memory: bool = True
+    measure_full_forward: bool = True
+    compile_rope: bool | str = False
+    num_exact_layers: int | None = None
+    num_recompute_tokens: int | None = None
+    exact_layers_origin: str | None = None
+    seed: int = 0
+    progress: bool = True
+
+
 @torch.no_grad()
 def run_benchmark(
     source: torch.nn.Module,
     target: torch.nn.Module,
     mappers: dict[str, KVMapper] | KVMapper,
     seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,
-    repeats: int = 5,
-    warmup: int = 1,
-    decode_steps: int = 8,
-    measure_ttft: bool = True,
-    measure_decode: bool = True,
-    measure_memory: bool = True,
-    measure_full_forward: bool = True,
-    compile_rope: bool | str = False,
-    num_exact_layers: int | None = None,
-    num_recompute_tokens: int | None = None,
-    exact_layers_origin: str | None = None,
-    seed: int = 0,
-    progress: bool = True,
+    timing: BenchTiming | None = None,
+    **keywords: Any,
 ) -> dict[str, Any]:
     """Time transfer against the target's own prefill at each sequence length (batch 1).
 
@@ -255,15 +278,7 @@ def run_benchmark(
         mappers: one `KVMapper` or several by name (e.g. full rank and reduced ranks); every one is timed
             for (b); (c) and (d) use the first. Put them on the models' device and dtype beforehand.
         seq_lens: context lengths in tokens.
-        repeats / warmup: timed and untimed calls per measurement; medians are reported.
-        decode_steps: single-token steps timed per repeat for (d).
-        compile_rope: time the transfer with `TransferredCache(..., compile_rope=True)` (True), or both ways ("both":
-            extra entries named "<mapper> +compile"). Time to first token is timed without.
-        num_exact_layers, num_recompute_tokens: the configuration time to first token is timed at, as
-            `TransferredCache` takes them (default None: the first mapper's exact layers and the cache's default of
-            recomputed tokens, i.e. what a user gets). Beside it, every layer mapped (0 exact layers, 1 recomputed
-            token) is timed too and labelled as such.
-        exact_layers_origin: where the exact-layer count came from, for the report (default: said from the mapper).
+        timing: the options (`BenchTiming`); any of its fields may be given as a keyword instead (`repeats=3`).
 
     Returns:
         `{"environment", "settings", "mappers": {name: size}, "results": [one dict per seq_len]}`, times in ms,
@@ -271,113 +286,136 @@ def run_benchmark(
         recomputed tokens each time to first token used; rows hold `ttft_own_ms`, `ttft_defaults_ms`,
         `ttft_defaults_speedup`, `ttft_all_mapped_ms`, `ttft_all_mapped_speedup`.
     """
+    o = with_options(BenchTiming, timing, keywords, "run_benchmark")
     if isinstance(mappers, KVMapper):
         mappers = {"mapper": mappers}
-    variants = [(name, mapper, bool(compile_rope)) for name, mapper in mappers.items()]
-    if compile_rope == "both":
+    variants = [(name, mapper, bool(o.compile_rope)) for name, mapper in mappers.items()]
+    if o.compile_rope == "both":
         variants = [(name, m, False) for name, m in mappers.items()] + [(f"{n} +compile", m, True) for n, m in mappers.items()]
     device = next(target.parameters()).device
-    dtype = next(target.parameters()).dtype
     vocab = text_config(target.config).vocab_size
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(o.seed)
     first = next(iter(mappers))
-    results = []
-    stages = len(seq_lens) * (3 + len(variants) + 2 * measure_ttft + measure_decode)
-    exact = mappers[first].resolve_num_exact_layers(num_exact_layers)
-    if exact_layers_origin is None:
-        exact_layers_origin = origin_of_exact_layers(mappers[first], num_exact_layers)
-    bar = tqdm(total=stages, desc="bench", unit="stage", disable=not progress)
+    mappers[first].resolve_num_exact_layers(o.num_exact_layers)  # a count the target cannot take: refused before timing
+    stages = len(seq_lens) * (3 + len(variants) + 2 * o.measure_ttft + o.measure_decode)
+    bar = tqdm(total=stages, desc="bench", unit="stage", disable=not o.progress)
 
     def step(name: str, seq_len: int):
         bar.set_postfix_str(f"T={seq_len} {name}")
         bar.update(1)
 
+    results = []
     for seq_len in seq_lens:
         ids = torch.randint(4, vocab, (1, seq_len), generator=generator).to(device)
         row: dict[str, Any] = {"seq_len": seq_len}
         source_cache = prefill(source, ids)
-        _measure(row, "source_prefill_ms", lambda: prefill(source, ids), device, max(1, repeats // 2), 0)
-        step("source prefill", seq_len)
-        _measure(row, "prefill_body_ms", lambda: prefill(target, ids), device, repeats, warmup)
-        step("target prefill (body)", seq_len)
-        if measure_full_forward:
-            full = lambda: target(input_ids=ids, use_cache=True)  # noqa: E731  (logits for every position)
-            _measure(row, "prefill_full_ms", full, device, repeats, warmup)
-        step("target forward (full)", seq_len)
-        flops = prefill_flops(target.config, seq_len)
-        row["prefill_gflop"] = flops["total"] / 1e9
-        row["transfer"] = {}
-        for name, mapper, compiled in variants:
-            # The whole transfer at the mapper's exact layers: computed by the target, then the maps.
-            convert = lambda m=mapper, c=compiled: TransferredCache(  # noqa: E731
-                source_cache, m, num_recompute_tokens=0, compile_rope=c, num_exact_layers=num_exact_layers, model=target
-            ).convert_all()
-            entry: dict[str, Any] = {"compile_rope": compiled}
-            ms = _measure(entry, "ms", convert, device, repeats, warmup)
-            entry.update({
-                "speedup_vs_body": row["prefill_body_ms"] / ms,
-                "cpu_speedup_vs_body": row["prefill_body_ms_cpu"] / max(entry["ms_cpu"], 1e-9),
-                "mapping_gflop": mapping_flops(mapper, seq_len) / 1e9,
-            })  # fmt: skip
-            entry["flop_ratio"] = row["prefill_gflop"] / max(entry["mapping_gflop"], 1e-12)
-            if measure_memory:
-                entry["peak_bytes"] = peak_memory(convert, device)
-            row["transfer"][name] = entry
-            step(f"transfer {name}", seq_len)
-        if measure_memory:
+        _time_prefills(row, source, target, ids, o, step)
+        _time_transfers(row, source_cache, target, variants, ids, o, step)
+        if o.measure_memory:
             row["prefill_body_peak_bytes"] = peak_memory(lambda: prefill(target, ids), device)
-        mapper = mappers[first]
-        if measure_ttft:
-            at_defaults = time_to_first_token(
-                source, target, mapper, ids, num_exact_layers=num_exact_layers,
-                num_recompute_tokens=num_recompute_tokens, repeats=repeats,
-            )  # fmt: skip
-            step("TTFT at the defaults (and own prefill)", seq_len)
-            # A mapper whose maps read the target's residual cannot map every layer: no such row for it.
-            all_mapped = time_to_first_token(
-                source, target, mapper, ids, num_exact_layers=0, num_recompute_tokens=1, repeats=repeats, measure_own=False
-            ) if not mapper.needs_target_residual else None
-            row.update({
-                "ttft_own_ms": at_defaults["target_prefill_ms"],
-                "ttft_defaults_ms": at_defaults["transfer_ms"], "ttft_defaults_speedup": at_defaults["speedup"],
-                "ttft_defaults_num_exact_layers": at_defaults["num_exact_layers"],
-                "ttft_defaults_num_recompute_tokens": at_defaults["num_recompute_tokens"],
-                "ttft_all_mapped_ms": all_mapped["transfer_ms"] if all_mapped else None,
-                "ttft_all_mapped_speedup": at_defaults["target_prefill_ms"] / all_mapped["transfer_ms"] if all_mapped else None,
-            })  # fmt: skip
-            step("TTFT all mapped", seq_len)
-        if measure_decode:
-            row.update(_decode_times(target, ids, source_cache, mapper, device, repeats, warmup, decode_steps, generator))
+        if o.measure_ttft:
+            _time_first_tokens(row, source, target, mappers[first], ids, o, step)
+        if o.measure_decode:
+            row.update(_decode_times(target, ids, source_cache, mappers[first], device, o.repeats, o.warmup,
+                                     o.decode_steps, generator))  # fmt: skip
             step("decode", seq_len)
         results.append(row)
         source_cache = None  # free it before the next length's prefill
     bar.close()
+    return {
+        "environment": environment(),
+        "settings": _bench_settings(source, target, mappers, first, seq_lens, o),
+        "mappers": {name: mapper_size(m) for name, m, _ in variants},
+        "results": results,
+    }
+
+
+def _time_prefills(row: dict[str, Any], source, target, ids, o: BenchTiming, step) -> None:
+    """The source's prefill, the target's prefill (body) and full forward, and the prefill's FLOPs."""
+    device, seq_len = ids.device, ids.shape[-1]
+    _measure(row, "source_prefill_ms", lambda: prefill(source, ids), device, max(1, o.repeats // 2), 0)
+    step("source prefill", seq_len)
+    _measure(row, "prefill_body_ms", lambda: prefill(target, ids), device, o.repeats, o.warmup)
+    step("target prefill (body)", seq_len)
+    if o.measure_full_forward:
+        full = lambda: target(input_ids=ids, use_cache=True)  # noqa: E731  (logits for every position)
+        _measure(row, "prefill_full_ms", full, device, o.repeats, o.warmup)
+    step("target forward (full)", seq_len)
+    row["prefill_gflop"] = prefill_flops(target.config, seq_len)["total"] / 1e9
+
+
+def _time_transfers(row: dict[str, Any], source_cache, target, variants, ids, o: BenchTiming, step) -> None:
+    """Each mapper's whole transfer at its exact layers (computed by the target, then the maps): `row["transfer"]`."""
+    device, seq_len = ids.device, ids.shape[-1]
+    row["transfer"] = {}
+    for name, mapper, compiled in variants:
+        convert = lambda m=mapper, c=compiled: TransferredCache(  # noqa: E731
+            source_cache, m, num_recompute_tokens=0, compile_rope=c, num_exact_layers=o.num_exact_layers, model=target
+        ).convert_all()
+        entry: dict[str, Any] = {"compile_rope": compiled}
+        ms = _measure(entry, "ms", convert, device, o.repeats, o.warmup)
+        entry.update({
+            "speedup_vs_body": row["prefill_body_ms"] / ms,
+            "cpu_speedup_vs_body": row["prefill_body_ms_cpu"] / max(entry["ms_cpu"], 1e-9),
+            "mapping_gflop": mapping_flops(mapper, seq_len) / 1e9,
+        })  # fmt: skip
+        entry["flop_ratio"] = row["prefill_gflop"] / max(entry["mapping_gflop"], 1e-12)
+        if o.measure_memory:
+            entry["peak_bytes"] = peak_memory(convert, device)
+        row["transfer"][name] = entry
+        step(f"transfer {name}", seq_len)
+
+
+def _time_first_tokens(row: dict[str, Any], source, target, mapper: KVMapper, ids, o: BenchTiming, step) -> None:
+    """Time to first token at the configuration asked for (the defaults) and with every layer mapped."""
+    seq_len = ids.shape[-1]
+    at_defaults = time_to_first_token(
+        source, target, mapper, ids, num_exact_layers=o.num_exact_layers,
+        num_recompute_tokens=o.num_recompute_tokens, repeats=o.repeats,
+    )  # fmt: skip
+    step("TTFT at the defaults (and own prefill)", seq_len)
+    # A mapper whose maps read the target's residual cannot map every layer: no such row for it.
+    all_mapped = time_to_first_token(
+        source, target, mapper, ids, num_exact_layers=0, num_recompute_tokens=1, repeats=o.repeats, measure_own=False
+    ) if not mapper.needs_target_residual else None
+    row.update({
+        "ttft_own_ms": at_defaults["target_prefill_ms"],
+        "ttft_defaults_ms": at_defaults["transfer_ms"], "ttft_defaults_speedup": at_defaults["speedup"],
+        "ttft_defaults_num_exact_layers": at_defaults["num_exact_layers"],
+        "ttft_defaults_num_recompute_tokens": at_defaults["num_recompute_tokens"],
+        "ttft_all_mapped_ms": all_mapped["transfer_ms"] if all_mapped else None,
+        "ttft_all_mapped_speedup": at_defaults["target_prefill_ms"] / all_mapped["transfer_ms"] if all_mapped else None,
+    })  # fmt: skip
+    step("TTFT all mapped", seq_len)
+
+
+def _bench_settings(source, target, mappers: dict[str, KVMapper], first: str, seq_lens, o: BenchTiming) -> dict[str, Any]:
+    """The report's `settings`: the machine's side of the run and what each time to first token used."""
+    parameter = next(target.parameters())
     settings = {
-        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch_size": 1, "repeats": repeats,
-        "warmup": warmup, "decode_steps": decode_steps, "seq_lens": list(seq_lens),
+        "device": str(parameter.device), "dtype": str(parameter.dtype).removeprefix("torch."), "batch_size": 1,
+        "repeats": o.repeats, "warmup": o.warmup, "decode_steps": o.decode_steps, "seq_lens": list(seq_lens),
         "source": getattr(source.config, "_name_or_path", None) or "random-init",
         "target": getattr(target.config, "_name_or_path", None) or "random-init",
         "attn_implementation": getattr(target.config, "_attn_implementation", None),
         "num_target_layers": len(mappers[first].layers),
     }  # fmt: skip
-    if measure_ttft:
+    if o.measure_ttft:
         # What each time to first token used (the recomputed tokens per length are in the rows).
+        mapper = mappers[first]
+        origin = o.exact_layers_origin
         settings["ttft_mapper"] = first
         settings["ttft_defaults"] = {
-            "num_exact_layers": exact, "exact_layers_origin": exact_layers_origin,
-            "num_recompute_tokens": num_recompute_tokens,  # None: TransferredCache's default
+            "num_exact_layers": mapper.resolve_num_exact_layers(o.num_exact_layers),
+            "exact_layers_origin": origin if origin is not None else origin_of_exact_layers(mapper, o.num_exact_layers),
+            "num_recompute_tokens": o.num_recompute_tokens,  # None: TransferredCache's default
             "num_recompute_tokens_default": DEFAULT_NUM_RECOMPUTE_TOKENS,
         }  # fmt: skip
         settings["ttft_all_mapped"] = (
-            {"num_exact_layers": 0, "num_recompute_tokens": 1} if not mappers[first].needs_target_residual
+            {"num_exact_layers": 0, "num_recompute_tokens": 1} if not mapper.needs_target_residual
             else None  # its maps read the target's residual, computed in exact layers
         )
-    return {
-        "environment": environment(),
-        "settings": settings,
-        "mappers": {name: mapper_size(m) for name, m, _ in variants},
-        "results": results,
-    }
+    return settings
 
 
 def _decode_times(target, ids, source_cache, mapper, device, repeats, warmup, steps, generator) -> dict[str, float]:

@@ -328,6 +328,8 @@ def _add_eval(subparsers) -> None:
             --mapper mappers/family --text examples/family/heldout.txt --json eval.json --plot eval.png
         hf-kvtransfer eval --source examples/family/small --target examples/family/large --mapper mappers/family \\
             --text examples/family/heldout.txt --tasks recall,handoff --items 300
+        hf-kvtransfer eval --source examples/family/small --target examples/family/large --mapper mappers/family \
+            --text examples/family/heldout.txt --tasks depth --depth-lengths 256 512 1024 --plot depth.png
         """,
     )
     p.add_argument("--source", required=True, help="source model id or path")
@@ -335,11 +337,16 @@ def _add_eval(subparsers) -> None:
     p.add_argument("--mapper", required=True, help="source -> target mapper (Hub id or local directory)")
     p.add_argument("--text", required=True, help="evaluation text file (documents split at lines holding only EOS)")
     p.add_argument("--tasks", help="comma-separated, from: perplexity, continuation, repeat (repeated spans), recall "
-                   "(passage recall), handoff, agreement (greedy generations), multiple-choice (needs --mc), multi-turn "
-                   "(needs --reverse-mapper); default: every one that applies")
+                   "(passage recall), handoff, agreement (greedy generations), depth (passage recall over context lengths x "
+                   "needle positions; only when named), multiple-choice (needs --mc), multi-turn (needs "
+                   "--reverse-mapper); default: every one that applies")
     p.add_argument("--items", type=int, default=600,
                    help="items per content task: repeat, recall, handoff, agreement prompts (default 600)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="agreement: tokens generated per prompt (default 16)")
+    p.add_argument("--depth-lengths", type=int, nargs="+", default=[512, 1024], metavar="N",
+                   help="depth: context lengths in tokens, each with the passage at the start, middle and end "
+                        "(default 512 1024)")
+    p.add_argument("--depth-items", type=int, default=100, help="depth: items per cell (default 100)")
     p.add_argument("--reverse-mapper", help="target -> source mapper: adds the multi-turn handoff")
     p.add_argument("--mc", help="multiple-choice JSONL (generic / HellaSwag / ARC / PIQA / WinoGrande fields)")
     p.add_argument("--mc-limit", type=int, help="score only the first N multiple-choice items")
@@ -386,6 +393,9 @@ def _run_eval(args) -> int:
             raise CLIError(str(exc), "or leave out --plot: the results as JSON and markdown need no matplotlib") from exc
     if args.items < 1:
         raise CLIError(f"--items must be >= 1, got {args.items}", "the content tasks default to 600 items")
+    if args.depth_items < 1 or min(args.depth_lengths) < 64:
+        raise CLIError(f"--depth-items must be >= 1 and --depth-lengths >= 64 tokens, got {args.depth_items} and "
+                       f"{args.depth_lengths}", "the defaults are --depth-items 100 --depth-lengths 512 1024")
     try:  # a mistyped task fails before anything loads
         resolve_tasks(args.tasks, multiple_choice=bool(args.mc), multi_turn=bool(args.reverse_mapper),
                       continuation=not args.no_continuation)
@@ -413,6 +423,7 @@ def _run_eval(args) -> int:
     results = evaluate(
         source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"), tasks=args.tasks,
         num_content_items=args.items, max_new_tokens=args.max_new_tokens, prefix_len=args.prefix_len,
+        depth_lengths=args.depth_lengths, depth_items=args.depth_items,
         max_windows=args.max_windows, num_recompute_tokens=args.recompute, num_exact_layers=args.exact_layers,
         continuation=not args.no_continuation, context_len=args.context_len, num_items=args.num_items,
         multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,

@@ -28,6 +28,7 @@ from transformers import PreTrainedConfig
 from ..core.loading import DTYPES, parse_dtype
 from ..core.map_inputs import InputCost, PlanShape, registered_map_inputs
 from ..core.mapper_types import LOWRANK, RIDGE
+from ..core.options import with_options
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 from ..fitting.config import FitConfig, heldout_count
@@ -296,30 +297,11 @@ def first_token_flops(
     return parts
 
 
-def plan_transfer(
-    source: str | os.PathLike | PreTrainedConfig,
-    target: str | os.PathLike | PreTrainedConfig,
-    *,
-    top_k: int = 8,
-    rank: int | None = None,
-    seq_len: int = 4096,
-    dtype: str | torch.dtype = "bfloat16",
-    batch_size: int = 1,
-    available_memory: int | None = None,
-    num_sequences: int = FIT_NUM_SEQUENCES,
-    heldout_fraction: float = FIT_HELDOUT_FRACTION,
-    probe_tokens: int = FIT_PROBE_TOKENS,
-    num_exact_layers: int | None = None,
-    num_recompute_tokens: int | None = None,
-    residual_positions: int = 2,
-    token_positions: int = 4,
-    use_hub: bool = True,
-) -> TransferPlan:
-    """Sizes, fit memory, FLOPs and transfer memory of a source -> target mapper, from the two configs only.
+@dataclass(frozen=True)
+class PlanOptions:
+    """The options of `plan_transfer` (each one also accepted as a keyword of `plan_transfer`).
 
-    Args:
-        source, target: Hub ids, local model folders, `config.json` files or `PreTrainedConfig`s (see
-            `load_model_config`: known families work offline).
+    Attributes:
         top_k: source layers read per target layer.
         rank: reduced rank of every map (None: full rank).
         seq_len, batch_size: the transfer the FLOPs and memory are computed for.
@@ -329,10 +311,41 @@ def plan_transfer(
         num_exact_layers, num_recompute_tokens: the configuration the first-token FLOPs are counted at, for a prompt
             of `seq_len` tokens (defaults: `TransferredCache`'s for a mapper that records no exact layers, 1, and 32
             recomputed tokens, at most half the prompt; a fit's content probe chooses the exact layers of a mapper).
-        residual_positions: positions (t, t-1, ...) of the target's residual stream entering the last exact layer that each
-            mapped layer's maps would also read, for the costs of that option (`residual_inputs_cost`); 0: none.
+        residual_positions: positions (t, t-1, ...) of the target's residual stream entering the last exact layer
+            that each mapped layer's maps would also read, for the costs of that option (`residual_inputs_cost`);
+            0: none.
         token_positions: positions the token tables of that option read (`token_tables_cost`); 0: none.
         use_hub: False never touches the network.
+    """
+
+    top_k: int = 8
+    rank: int | None = None
+    seq_len: int = 4096
+    dtype: str | torch.dtype = "bfloat16"
+    batch_size: int = 1
+    available_memory: int | None = None
+    num_sequences: int = FIT_NUM_SEQUENCES
+    heldout_fraction: float = FIT_HELDOUT_FRACTION
+    probe_tokens: int = FIT_PROBE_TOKENS
+    num_exact_layers: int | None = None
+    num_recompute_tokens: int | None = None
+    residual_positions: int = 2
+    token_positions: int = 4
+    use_hub: bool = True
+
+
+def plan_transfer(
+    source: str | os.PathLike | PreTrainedConfig,
+    target: str | os.PathLike | PreTrainedConfig,
+    options: PlanOptions | None = None,
+    **keywords: Any,
+) -> TransferPlan:
+    """Sizes, fit memory, FLOPs and transfer memory of a source -> target mapper, from the two configs only.
+
+    Args:
+        source, target: Hub ids, local model folders, `config.json` files or `PreTrainedConfig`s (see
+            `load_model_config`: known families work offline).
+        options: the options (`PlanOptions`); any of its fields may be given as a keyword instead (`top_k=4`).
 
     Returns:
         `TransferPlan` (`.to_dict()` for JSON).
@@ -344,77 +357,89 @@ def plan_transfer(
         'full'
         ```
     """
-    from .bench import mapper_size, mapping_flops, prefill_flops
-
-    if seq_len < 1 or batch_size < 1:
-        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
-    weight_dtype = _dtype(dtype)
-    source_name, source_config = _as_config(source, use_hub)
-    target_name, target_config = _as_config(target, use_hub)
+    o = with_options(PlanOptions, options, keywords, "plan_transfer")
+    if o.seq_len < 1 or o.batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be >= 1, got {o.seq_len} and {o.batch_size}")
+    weight_dtype = _dtype(o.dtype)
+    source_name, source_config = _as_config(source, o.use_hub)
+    target_name, target_config = _as_config(target, o.use_hub)
     src, tgt = KVLayout.from_config(source_config), KVLayout.from_config(target_config)
-    notes = []
-    if text_config(source_config).vocab_size != text_config(target_config).vocab_size:
-        notes.append(
-            f"vocabularies differ ({text_config(source_config).vocab_size} vs {text_config(target_config).vocab_size} "
-            "entries): transfer needs the same tokenizer; check that the token ids agree"
-        )
-
-    mapper = planning_mapper(source_config, target_config, top_k, rank)
-    size = mapper_size(mapper)
-    params = size["parameters"]
-    weight_params = sum(p.numel() for name, p in mapper.named_parameters() if not name.endswith("bias"))
-    full = planning_mapper(source_config, target_config, top_k) if rank is not None else mapper
-    by_dtype = {name: params * _itemsize(DTYPES[name]) for name in ("float32", "bfloat16", "float16")}
-
-    fit = _fit_memory(src, tgt, top_k, num_sequences, heldout_fraction, probe_tokens, available_memory)
+    notes = _vocabulary_notes(source_config, target_config)
+    mapper = planning_mapper(source_config, target_config, o.top_k, o.rank)
+    fit = _fit_memory(src, tgt, o.top_k, o.num_sequences, o.heldout_fraction, o.probe_tokens, o.available_memory)
     notes += fit.pop("notes")
-
-    # FLOPs at batch 1: the bench functions (prefill = transformer body, as the paper times it).
-    prefill = prefill_flops(target_config, seq_len)["total"]
-    mapping = mapping_flops(mapper, seq_len)
-
-    # To the first token: the exact layers, the maps, optionally the residual inputs, the recomputed tokens.
-    from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_recompute_tokens
-
-    exact = DEFAULT_NUM_EXACT_LAYERS if num_exact_layers is None else num_exact_layers
-    recompute = resolve_num_recompute_tokens(num_recompute_tokens, seq_len)
-    at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=rank)
-    first = first_token_flops(target_config, mapper, seq_len, **at)
-    first_residual = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, **at)
-    alone = first_token_flops(target_config, mapper, seq_len, residual_positions=residual_positions, source_inputs=False, **at)
-    residual = residual_inputs_cost(target_config, residual_positions, tgt.num_layers - exact, seq_len, rank)
-    tables = token_tables_cost(target_config, token_positions, dtype)
-    model_parameters = {"source": _model_parameters(source_config), "target": _model_parameters(target_config)}
-    positions = {"residual_positions": residual_positions, "token_positions": token_positions}
-    inputs = map_input_rows(target_config, tgt.num_layers - exact, seq_len - recompute, positions, rank, dtype,
-                            model_parameters["target"])  # fmt: skip
-
-    memory = _transfer_memory(src, tgt, top_k, batch_size * seq_len, weight_dtype)
-
     return TransferPlan(
         source=source_name,
         target=target_name,
         source_layout=vars(src).copy(),
         target_layout=vars(tgt).copy(),
-        top_k=top_k,
-        rank=rank,
-        seq_len=seq_len,
-        batch_size=batch_size,
+        top_k=o.top_k,
+        rank=o.rank,
+        seq_len=o.seq_len,
+        batch_size=o.batch_size,
         dtype=str(weight_dtype).removeprefix("torch."),
-        mapper_parameters=params,
-        mapper_weight_parameters=weight_params,
-        mapper_bytes=params * _itemsize(weight_dtype),
-        mapper_bytes_by_dtype=by_dtype,
-        full_rank_parameters=mapper_size(full)["parameters"],
+        **_mapper_sizes(mapper, source_config, target_config, o, weight_dtype),
         **fit,
+        **_first_token(mapper, source_config, target_config, o),
+        **_transfer_memory(src, tgt, o.top_k, o.batch_size * o.seq_len, weight_dtype),
+        notes=notes,
+    )
+
+
+def _vocabulary_notes(source_config, target_config) -> list[str]:
+    source_vocab, target_vocab = text_config(source_config).vocab_size, text_config(target_config).vocab_size
+    if source_vocab == target_vocab:
+        return []
+    return [
+        f"vocabularies differ ({source_vocab} vs {target_vocab} entries): transfer needs the same tokenizer; check "
+        "that the token ids agree"
+    ]
+
+
+def _mapper_sizes(mapper, source_config, target_config, o: PlanOptions, weight_dtype: torch.dtype) -> dict[str, Any]:
+    """`TransferPlan`'s fields of the mapper's size: parameters, bytes by dtype, the full-rank mapper's parameters."""
+    from .bench import mapper_size
+
+    params = mapper_size(mapper)["parameters"]
+    full = planning_mapper(source_config, target_config, o.top_k) if o.rank is not None else mapper
+    return dict(
+        mapper_parameters=params,
+        mapper_weight_parameters=sum(p.numel() for name, p in mapper.named_parameters() if not name.endswith("bias")),
+        mapper_bytes=params * _itemsize(weight_dtype),
+        mapper_bytes_by_dtype={name: params * _itemsize(DTYPES[name]) for name in ("float32", "bfloat16", "float16")},
+        full_rank_parameters=mapper_size(full)["parameters"],
+    )
+
+
+def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[str, Any]:
+    """`TransferPlan`'s fields of the FLOPs at batch 1 (the bench functions; prefill = transformer body, as the paper
+    times it) and to the first token: the exact layers, the maps, optionally the map inputs, the recomputed tokens."""
+    from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_recompute_tokens
+    from .bench import mapping_flops, prefill_flops
+
+    tgt, seq_len, rank, positions = KVLayout.from_config(target_config), o.seq_len, o.rank, o.residual_positions
+    prefill = prefill_flops(target_config, seq_len)["total"]
+    mapping = mapping_flops(mapper, seq_len)
+    exact = DEFAULT_NUM_EXACT_LAYERS if o.num_exact_layers is None else o.num_exact_layers
+    recompute = resolve_num_recompute_tokens(o.num_recompute_tokens, seq_len)
+    at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=rank)
+    first = first_token_flops(target_config, mapper, seq_len, **at)
+    first_residual = first_token_flops(target_config, mapper, seq_len, residual_positions=positions, **at)
+    alone = first_token_flops(target_config, mapper, seq_len, residual_positions=positions, source_inputs=False, **at)
+    residual = residual_inputs_cost(target_config, positions, tgt.num_layers - exact, seq_len, rank)
+    tables = token_tables_cost(target_config, o.token_positions, o.dtype)
+    model_parameters = {"source": _model_parameters(source_config), "target": _model_parameters(target_config)}
+    inputs = map_input_rows(target_config, tgt.num_layers - exact, seq_len - recompute,
+                            {"residual_positions": positions, "token_positions": o.token_positions}, rank, o.dtype,
+                            model_parameters["target"])  # fmt: skip
+    return dict(
         model_parameters=model_parameters,
         prefill_flops=prefill,
         mapping_flops=mapping,
         flop_ratio=prefill / mapping,
-        **memory,
         num_exact_layers=exact,
         num_recompute_tokens=recompute,
-        residual_positions=residual_positions,
+        residual_positions=positions,
         target_layer_flops=prefill // tgt.num_layers,
         first_token_flops=first,
         first_token_flop_ratio=first["own_prefill"] / first["total"],
@@ -424,12 +449,11 @@ def plan_transfer(
         first_token_flop_ratio_residual=first_residual["own_prefill"] / first_residual["total"],
         first_token_flops_residual_alone=alone,
         first_token_flop_ratio_residual_alone=alone["own_prefill"] / alone["total"],
-        token_positions=token_positions,
+        token_positions=o.token_positions,
         token_table_parameters_per_layer=tables["parameters"],
         token_table_bytes_per_layer=tables["bytes"],
         first_layer_table_bytes=tables["first_layer_bytes"],
         map_inputs=inputs,
-        notes=notes,
     )
 
 

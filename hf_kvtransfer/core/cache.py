@@ -74,6 +74,23 @@ def _prompt_mask(given: torch.Tensor | None, source_cache, batch_size: int, leng
         )
     return given
 
+def _reorder_prompt(ids: torch.Tensor, beam_idx: torch.LongTensor) -> torch.Tensor:
+    if beam_idx.numel() % ids.shape[0]:
+        return ids
+    repeats = beam_idx.numel() // ids.shape[0]  # beam search's first reorder: rows expanded
+    return ids.repeat_interleave(repeats, dim=0).index_select(0, beam_idx.to(ids.device))
+
+
+# The cache operations on the ids of the prompt a `TransferredCache` holds (`[batch, seq]`); `crop` is the cache's
+# own (it keeps the tokens the cache keeps: `_keep_prompt`).
+prompt_operations: dict[str, Callable[..., torch.Tensor]] = {
+    "crop": lambda ids, tokens_to_remove: ids,
+    "reorder_cache": _reorder_prompt,
+    "batch_repeat_interleave": lambda ids, repeats: ids.repeat_interleave(repeats, dim=0),
+    "batch_select_indices": lambda ids, indices: ids[indices.to(ids.device)],
+}
+
+
 class TransferredCache(DynamicCache):
     """The target model's KV cache, converted from the source model's cache one layer at a time.
 
@@ -594,54 +611,34 @@ class TransferredCache(DynamicCache):
             self._convert(layer_idx, like)
         return self
 
-    # -- cache operations that must also act on what is not converted yet -----------------------------
+    # -- cache operations: handed to what is not converted yet, then to the layers ---------------------------
+    # As transformers' `Cache` hands each operation to its layers, these hand it to the pending transfer's state
+    # (`PendingTransfer`: the source layers still read, the exact layers' own K/V, the map inputs' state) and to the
+    # prompt's ids (`prompt_operations`), then to the layers themselves.
     def _keep_prompt(self, length: int) -> None:
         if self.prompt_ids is not None and self.prompt_ids.shape[-1] > length:
             self.prompt_ids = self.prompt_ids[:, :length]
 
-    def _map_prompt(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def _hand(self, operation: str, *args) -> None:
+        if self._transfer is not None:
+            getattr(self._transfer, operation)(*args)
         if self.prompt_ids is not None:
-            self.prompt_ids = fn(self.prompt_ids)
+            self.prompt_ids = prompt_operations[operation](self.prompt_ids, *args)
+        getattr(super(), operation)(*args)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0:
-            keep = self.get_seq_length() + tokens_to_remove
-            self._map_prompt(lambda t: t[:, : max(keep, 0)])
-        if self._transfer is not None and tokens_to_remove < 0:
-            transfer = self._transfer
-            transfer.length -= min(-tokens_to_remove, transfer.length)
-            keep = transfer.length
-            transfer.map_tensors(lambda t: t[..., :keep, :] if t.ndim == 4 else t[:, :keep])
-        elif self._transfer is not None and tokens_to_remove > 0:
-            raise ValueError(
-                f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove} (as DynamicCache)"
-            )
-        super().crop(tokens_to_remove)
+            self._keep_prompt(max(self.get_seq_length() + tokens_to_remove, 0))
+        self._hand("crop", tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        transfer = self._transfer
-        if transfer is not None:
-            batch_size = beam_idx.numel()
-            if batch_size != transfer.batch_size and batch_size % transfer.batch_size == 0:
-                repeats = batch_size // transfer.batch_size
-                transfer.map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
-            transfer.map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
-        if self.prompt_ids is not None and beam_idx.numel() % self.prompt_ids.shape[0] == 0:
-            repeats = beam_idx.numel() // self.prompt_ids.shape[0]
-            self._map_prompt(lambda t: t.repeat_interleave(repeats, dim=0).index_select(0, beam_idx.to(t.device)))
-        super().reorder_cache(beam_idx)
+        self._hand("reorder_cache", beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self._transfer is not None:
-            self._transfer.map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
-        self._map_prompt(lambda t: t.repeat_interleave(repeats, dim=0))
-        super().batch_repeat_interleave(repeats)
+        self._hand("batch_repeat_interleave", repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._transfer is not None:
-            self._transfer.map_tensors(lambda t: t[indices.to(t.device)])
-        self._map_prompt(lambda t: t[indices.to(t.device)])
-        super().batch_select_indices(indices)
+        self._hand("batch_select_indices", indices)
 
     def reset(self) -> None:
         self._pending.clear()

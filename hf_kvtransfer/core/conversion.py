@@ -154,12 +154,37 @@ class PendingTransfer:
         self.rope.map_positions(fn)
         self.attention_mask = fn(self.attention_mask) if self.attention_mask is not None else None
         self.features.clear()
-        self.ahead.clear()  # recomputed from the changed sources when asked for
+        # Finished layers waiting to be stored (the exact pass's own K/V, the rest of a mapped group) follow the
+        # operation: the exact layers' sources are gone, and a row or length operation commutes with the maps.
+        self.ahead = {t: (fn(k), fn(v)) for t, (k, v) in self.ahead.items()}
         self.inputs = {name: map_state(state, fn) for name, state in self.inputs.items()}
         if self.sources:
             self.batch_size = next(iter(self.sources.values())).keys.shape[0]
         elif self._rows() is not None:  # maps without source inputs: an input's state holds the rows
             self.batch_size = self._rows().shape[0]
+        elif self.ahead:  # or only finished layers (the exact pass's) hold them
+            self.batch_size = next(iter(self.ahead.values()))[0].shape[0]
+
+    # The cache operations of transformers' cache layers (`CacheLayerMixin`), for what is not converted yet: a
+    # `TransferredCache` hands each to this state, as transformers' `Cache` hands it to each of its layers.
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove} (as DynamicCache)")
+        self.length -= min(-tokens_to_remove, self.length)
+        keep = self.length
+        self.map_tensors(lambda t: t[..., :keep, :] if t.ndim == 4 else t[:, :keep])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        rows = beam_idx.numel()
+        if rows != self.batch_size and rows % self.batch_size == 0:  # beam search's first reorder: rows expanded
+            self.batch_repeat_interleave(rows // self.batch_size)
+        self.map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.map_tensors(lambda t: t[indices.to(t.device)])
 
     def _rows(self) -> torch.Tensor | None:
         """An input's `[B, T, ...]` state, for maps without source inputs (None when no input holds one)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +32,8 @@ from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import capture_kv, prefill
 from ..core.loading import model_device
 from ..core.mapper import KVMapper
-from .content import greedy_agreement, handoff, passage_recall, repeated_span_retention
+from ..core.options import with_options
+from .content import greedy_agreement, handoff, passage_recall, recall_by_depth, repeated_span_retention
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
 from .tasks import handoff_items, passage_recall_items, repeated_span_items
@@ -412,8 +414,11 @@ def multi_turn_drift(
 # -- everything at once ----------------------------------------------------------------------------------
 
 # The tasks `evaluate` runs, by name (`--tasks` of `hf-kvtransfer eval`). multiple-choice and multi-turn need their
-# inputs (a task file, a reverse mapper); the rest are built from the evaluation text.
-EVAL_TASKS = ("perplexity", "continuation", "repeat", "recall", "handoff", "agreement", "multiple-choice", "multi-turn")
+# inputs (a task file, a reverse mapper); the rest are built from the evaluation text. depth (passage recall over
+# context lengths x needle positions) runs only when asked for: it scores a grid of cells.
+EVAL_TASKS = ("perplexity", "continuation", "repeat", "recall", "handoff", "agreement", "depth", "multiple-choice",
+              "multi-turn")
+_ASKED_ONLY = ("depth",)
 
 
 def resolve_tasks(
@@ -425,7 +430,7 @@ def resolve_tasks(
 ) -> list[str]:
     """The tasks `evaluate` runs: `tasks` checked (names of `EVAL_TASKS`, a list or a comma-separated string), or
     by default every task that applies (multiple-choice with a task file, multi-turn with a reverse mapper, the
-    continuation task unless `continuation=False`).
+    continuation task unless `continuation=False`; depth only when asked for).
 
     Raises:
         ValueError: an unknown name, or multiple-choice / multi-turn asked for without their input.
@@ -433,7 +438,7 @@ def resolve_tasks(
     if tasks is None:
         return [
             t for t in EVAL_TASKS
-            if (t != "multiple-choice" or multiple_choice) and (t != "multi-turn" or multi_turn)
+            if t not in _ASKED_ONLY and (t != "multiple-choice" or multiple_choice) and (t != "multi-turn" or multi_turn)
             and (t != "continuation" or continuation)
         ]  # fmt: skip
     names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
@@ -472,41 +477,11 @@ def _content_items(tokenizer, documents: list[str], token_docs: list[list[int]],
     return items
 
 
-def evaluate(
-    source: PreTrainedModel,
-    target: PreTrainedModel,
-    mapper: KVMapper,
-    tokenizer,
-    text: str,
-    *,
-    tasks: Sequence[str] | str | None = None,
-    prefix_len: int = 128,
-    max_windows: int | None = 256,
-    num_recompute_tokens: int | None = None,
-    num_exact_layers: int | None = None,
-    continuation: bool = True,
-    context_len: int = 128,
-    continuation_len: int = 16,
-    num_choices: int = 4,
-    num_items: int = 200,
-    num_content_items: int = 600,
-    max_new_tokens: int = 16,
-    multiple_choice_items: Sequence[MultipleChoiceItem] | None = None,
-    reverse_mapper: KVMapper | None = None,
-    num_turns: int = 4,
-    turn_len: int = 64,
-    max_conversations: int = 32,
-    batch_size: int = 8,
-    num_bootstrap: int = 1000,
-    seed: int = 0,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Run the evaluation suite for one (source, target, mapper) on a text: perplexity, tasks, diagnostics.
+@dataclass(frozen=True)
+class EvalConfig:
+    """The options of `evaluate` (each one also accepted as a keyword of `evaluate`).
 
-    Args:
-        tokenizer: the family's tokenizer (source and target share it).
-        text: evaluation text, documents separated by lines holding only the tokenizer's EOS token (the
-            bundled family's `heldout.txt`); otherwise one document.
+    Attributes:
         tasks: names from `EVAL_TASKS` (a list or "recall,handoff"); default: every task that applies
             (`resolve_tasks`).
         prefix_len: T of the prefix-conditioned perplexity (windows of 2T tokens), also the prefix of the
@@ -518,16 +493,65 @@ def evaluate(
         num_exact_layers: the target's first layers it computes itself in every transfer (default: the mapper's,
             as in `TransferredCache`).
         continuation: build and score the continuation task from `text` (when `tasks` is None).
-        num_items: continuation-task items.
+        context_len, continuation_len, num_choices, num_items: the continuation task's items.
         num_content_items: items of each content task (repeat, recall, handoff, agreement prompts); the
             recall and hand-off distractors are cut from the documents of `text`.
         max_new_tokens: tokens generated per prompt by the greedy-agreement task.
+        depth_lengths: context lengths of the depth task (recall with the passage at the start, middle and end).
+        depth_items: items per cell of the depth task (the same facts in every cell).
+        num_turns, turn_len, max_conversations: the multi-turn handoff's conversations.
+        batch_size, num_bootstrap, seed, progress: batching, bootstrap resamples, seed and progress bars.
+    """
+
+    tasks: Sequence[str] | str | None = None
+    prefix_len: int = 128
+    max_windows: int | None = 256
+    num_recompute_tokens: int | None = None
+    num_exact_layers: int | None = None
+    continuation: bool = True
+    context_len: int = 128
+    continuation_len: int = 16
+    num_choices: int = 4
+    num_items: int = 200
+    num_content_items: int = 600
+    max_new_tokens: int = 16
+    depth_lengths: Sequence[int] = (512, 1024)
+    depth_items: int = 100
+    num_turns: int = 4
+    turn_len: int = 64
+    max_conversations: int = 32
+    batch_size: int = 8
+    num_bootstrap: int = 1000
+    seed: int = 0
+    progress: bool = True
+
+
+def evaluate(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    mapper: KVMapper,
+    tokenizer,
+    text: str,
+    config: EvalConfig | None = None,
+    *,
+    multiple_choice_items: Sequence[MultipleChoiceItem] | None = None,
+    reverse_mapper: KVMapper | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Run the evaluation suite for one (source, target, mapper) on a text: perplexity, tasks, diagnostics.
+
+    Args:
+        tokenizer: the family's tokenizer (source and target share it).
+        text: evaluation text, documents separated by lines holding only the tokenizer's EOS token (the
+            bundled family's `heldout.txt`); otherwise one document.
+        config: the options (`EvalConfig`); any of its fields may be given as a keyword instead (`tasks=...`).
         multiple_choice_items: a task to score too (e.g. `load_multiple_choice("hellaswag.jsonl", tok)`).
         reverse_mapper: a target -> source mapper; enables the multi-turn handoff.
 
     Returns:
         A JSON-serializable dict: `prefix_perplexity`, `kv_r2`, `continuation`, `multiple_choice`, `multi_turn`,
-        `repeated_span`, `passage_recall`, `handoff`, `greedy_agreement` (those run) and a `config` block;
+        `repeated_span`, `passage_recall`, `handoff`, `greedy_agreement`, `recall_by_depth` (those run) and a
+        `config` block;
         `reporting.evaluation_markdown` / `plot_evaluation` render it.
 
     Example:
@@ -536,74 +560,16 @@ def evaluate(
         print(evaluation_markdown(results))
         ```
     """
-    selected = resolve_tasks(
-        tasks, multiple_choice=bool(multiple_choice_items), multi_turn=reverse_mapper is not None, continuation=continuation
-    )
-    if tasks is not None:
-        ignored = [name for name, given in (("multiple-choice", multiple_choice_items), ("multi-turn", reverse_mapper))
-                   if given and name not in selected]  # fmt: skip
-        if ignored:
-            logger.warning("inputs of %s given but not in tasks: not run", ", ".join(ignored))
+    cfg = with_options(EvalConfig, config, options, "evaluate")
+    selected = _selected_tasks(cfg, multiple_choice_items, reverse_mapper)
     documents = split_documents(text, getattr(tokenizer, "eos_token", None))
     docs = _tokenize_documents(tokenizer, documents)
-    results: dict[str, Any] = {
-        "config": {
-            "source": mapper.config.source_model_id,
-            "target": mapper.config.target_model_id,
-            "top_k": mapper.config.top_k,
-            "ridge_lambda": mapper.config.ridge_lambda,
-            "num_exact_layers": mapper.resolve_num_exact_layers(num_exact_layers),
-            "num_recompute_tokens": "default" if num_recompute_tokens is None else num_recompute_tokens,
-            "num_documents": len(docs),
-            "num_tokens": sum(len(d) for d in docs),
-            "seed": seed,
-            "tasks": selected,
-        }
-    }
-    content = _content_items(tokenizer, documents, docs, selected, num_content_items, prefix_len, seed)
-    common = dict(num_bootstrap=num_bootstrap, seed=seed, progress=progress)
-    exact = dict(num_exact_layers=num_exact_layers)  # the tasks that hand the target a prompt's transferred cache
-    # Recall, agreement and the choice tasks predict from the prompt's last position, which the target must be fed.
-    fed = None if num_recompute_tokens is None else max(1, num_recompute_tokens)
-    if "perplexity" in selected:
-        windows = text_windows(docs, 2 * prefix_len, max_windows)
-        results["prefix_perplexity"] = prefix_perplexity(
-            source, target, mapper, windows, prefix_len, num_recompute_tokens, batch_size, **exact, **common
-        )
-        results["kv_r2"] = kv_r2(source, target, mapper, windows[:, :prefix_len], batch_size, progress=progress)
-    if "continuation" in selected:
-        items = build_continuation_task(docs, context_len, continuation_len, num_choices, num_items, seed=seed)
-        results["continuation"] = multiple_choice(
-            source, target, mapper, items, num_recompute_tokens=fed, desc="continuation task", **exact, **common
-        )
-        results["continuation"].update(context_len=context_len, continuation_len=continuation_len)
-    if "repeat" in selected:
-        results["repeated_span"] = repeated_span_retention(
-            source, target, mapper, content["repeat"], num_recompute_tokens=num_recompute_tokens, batch_size=batch_size,
-            **exact, **common,
-        )  # fmt: skip
-    if "recall" in selected:
-        results["passage_recall"] = passage_recall(
-            source, target, mapper, content["recall"], num_recompute_tokens=fed, **exact, **common
-        )
-    if "handoff" in selected:
-        results["handoff"] = handoff(
-            source, target, mapper, content["handoff"], num_recompute_tokens=num_recompute_tokens, **exact, **common
-        )
-    if "agreement" in selected:
-        results["greedy_agreement"] = greedy_agreement(
-            source, target, mapper, content["agreement"], max_new_tokens, num_recompute_tokens=fed,
-            batch_size=batch_size, **exact, **common,
-        )  # fmt: skip
-    if "multiple-choice" in selected:
-        results["multiple_choice"] = multiple_choice(
-            source, target, mapper, multiple_choice_items, num_recompute_tokens=fed, **exact, **common
-        )
-    if "multi-turn" in selected:
-        conversations = text_windows(docs, num_turns * turn_len, max_conversations)
-        results["multi_turn"] = multi_turn_drift(
-            source, target, mapper, reverse_mapper, conversations, num_turns, batch_size=batch_size, progress=progress
-        )
+    results: dict[str, Any] = {"config": _config_block(cfg, mapper, docs, selected)}
+    content = _content_items(tokenizer, documents, docs, selected, cfg.num_content_items, cfg.prefix_len, cfg.seed)
+    run = _TaskRun(source, target, mapper, cfg, tokenizer, documents, docs, content, multiple_choice_items, reverse_mapper)
+    for name, task in _TASKS.items():
+        if name in selected:
+            task(run, results)
     # What each task's transfers used (the default resolves per prompt length: 32, at most half a shorter prompt).
     results["config"]["num_recompute_tokens_used"] = {
         name: res["num_recompute_tokens"]
@@ -611,3 +577,145 @@ def evaluate(
         if name != "config" and isinstance(res, dict) and "num_recompute_tokens" in res
     }
     return results
+
+
+def _selected_tasks(cfg: EvalConfig, multiple_choice_items, reverse_mapper) -> list[str]:
+    """The tasks to run (`resolve_tasks`), warning about inputs given for tasks left out."""
+    selected = resolve_tasks(
+        cfg.tasks, multiple_choice=bool(multiple_choice_items), multi_turn=reverse_mapper is not None,
+        continuation=cfg.continuation,
+    )  # fmt: skip
+    if cfg.tasks is not None:
+        ignored = [name for name, given in (("multiple-choice", multiple_choice_items), ("multi-turn", reverse_mapper))
+                   if given and name not in selected]  # fmt: skip
+        if ignored:
+            logger.warning("inputs of %s given but not in tasks: not run", ", ".join(ignored))
+    return selected
+
+
+def _config_block(cfg: EvalConfig, mapper: KVMapper, docs, selected: list[str]) -> dict[str, Any]:
+    return {
+        "source": mapper.config.source_model_id,
+        "target": mapper.config.target_model_id,
+        "top_k": mapper.config.top_k,
+        "ridge_lambda": mapper.config.ridge_lambda,
+        "num_exact_layers": mapper.resolve_num_exact_layers(cfg.num_exact_layers),
+        "num_recompute_tokens": "default" if cfg.num_recompute_tokens is None else cfg.num_recompute_tokens,
+        "num_documents": len(docs),
+        "num_tokens": sum(len(d) for d in docs),
+        "seed": cfg.seed,
+        "tasks": selected,
+    }
+
+
+@dataclass
+class _TaskRun:
+    """What every task of one `evaluate` call is run with."""
+
+    source: PreTrainedModel
+    target: PreTrainedModel
+    mapper: KVMapper
+    cfg: EvalConfig
+    tokenizer: Any
+    documents: list[str]  # the evaluation text's documents
+    docs: list[list[int]]  # their token ids
+    content: dict[str, Any]  # the content tasks' items (`_content_items`)
+    multiple_choice_items: Sequence[MultipleChoiceItem] | None
+    reverse_mapper: KVMapper | None
+
+    @property
+    def models(self) -> tuple:
+        return self.source, self.target, self.mapper
+
+    @property
+    def common(self) -> dict[str, Any]:
+        """The keywords of the tasks that hand the target a prompt's transferred cache."""
+        cfg = self.cfg
+        return dict(num_exact_layers=cfg.num_exact_layers, num_bootstrap=cfg.num_bootstrap, seed=cfg.seed,
+                    progress=cfg.progress)  # fmt: skip
+
+    @property
+    def fed(self) -> int | None:
+        """Recomputed tokens of the tasks predicting from the prompt's last position, which the target must be fed
+        (recall, agreement, the choice tasks)."""
+        n = self.cfg.num_recompute_tokens
+        return None if n is None else max(1, n)
+
+
+def _perplexity(run: _TaskRun, results: dict[str, Any]) -> None:
+    cfg = run.cfg
+    windows = text_windows(run.docs, 2 * cfg.prefix_len, cfg.max_windows)
+    results["prefix_perplexity"] = prefix_perplexity(
+        *run.models, windows, cfg.prefix_len, cfg.num_recompute_tokens, cfg.batch_size, **run.common
+    )
+    results["kv_r2"] = kv_r2(*run.models, windows[:, : cfg.prefix_len], cfg.batch_size, progress=cfg.progress)
+
+
+def _continuation(run: _TaskRun, results: dict[str, Any]) -> None:
+    cfg = run.cfg
+    items = build_continuation_task(run.docs, cfg.context_len, cfg.continuation_len, cfg.num_choices, cfg.num_items,
+                                    seed=cfg.seed)  # fmt: skip
+    results["continuation"] = multiple_choice(
+        *run.models, items, num_recompute_tokens=run.fed, desc="continuation task", **run.common
+    )
+    results["continuation"].update(context_len=cfg.context_len, continuation_len=cfg.continuation_len)
+
+
+def _repeat(run: _TaskRun, results: dict[str, Any]) -> None:
+    results["repeated_span"] = repeated_span_retention(
+        *run.models, run.content["repeat"], num_recompute_tokens=run.cfg.num_recompute_tokens,
+        batch_size=run.cfg.batch_size, **run.common,
+    )  # fmt: skip
+
+
+def _recall(run: _TaskRun, results: dict[str, Any]) -> None:
+    results["passage_recall"] = passage_recall(*run.models, run.content["recall"], num_recompute_tokens=run.fed, **run.common)
+
+
+def _handoff(run: _TaskRun, results: dict[str, Any]) -> None:
+    results["handoff"] = handoff(
+        *run.models, run.content["handoff"], num_recompute_tokens=run.cfg.num_recompute_tokens, **run.common
+    )
+
+
+def _agreement(run: _TaskRun, results: dict[str, Any]) -> None:
+    results["greedy_agreement"] = greedy_agreement(
+        *run.models, run.content["agreement"], run.cfg.max_new_tokens, num_recompute_tokens=run.fed,
+        batch_size=run.cfg.batch_size, **run.common,
+    )  # fmt: skip
+
+
+def _depth(run: _TaskRun, results: dict[str, Any]) -> None:
+    cfg = run.cfg
+    results["recall_by_depth"] = recall_by_depth(
+        *run.models, run.tokenizer, lengths=cfg.depth_lengths, items=cfg.depth_items, distractor_texts=run.documents,
+        seed=cfg.seed, num_recompute_tokens=run.fed, num_exact_layers=cfg.num_exact_layers,
+        num_bootstrap=cfg.num_bootstrap, progress=cfg.progress,
+    )  # fmt: skip
+
+
+def _multiple_choice(run: _TaskRun, results: dict[str, Any]) -> None:
+    results["multiple_choice"] = multiple_choice(*run.models, run.multiple_choice_items, num_recompute_tokens=run.fed, **run.common)
+
+
+def _multi_turn(run: _TaskRun, results: dict[str, Any]) -> None:
+    cfg = run.cfg
+    conversations = text_windows(run.docs, cfg.num_turns * cfg.turn_len, cfg.max_conversations)
+    results["multi_turn"] = multi_turn_drift(
+        run.source, run.target, run.mapper, run.reverse_mapper, conversations, cfg.num_turns, batch_size=cfg.batch_size,
+        progress=cfg.progress,
+    )  # fmt: skip
+
+
+# The tasks of `evaluate` in the order they run (and their results appear): name -> step.
+_TASKS: dict[str, Callable[..., None]] = {
+    "perplexity": _perplexity,
+    "continuation": _continuation,
+    "repeat": _repeat,
+    "recall": _recall,
+    "handoff": _handoff,
+    "agreement": _agreement,
+    "depth": _depth,
+    "multiple-choice": _multiple_choice,
+    "multi-turn": _multi_turn,
+}
