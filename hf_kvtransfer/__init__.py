@@ -21,6 +21,8 @@ _EXPORTS = {
     "MapperConfig": "core.mapper",
     "MapperHubError": "core.hub",
     "TransferredCache": "core.cache",
+    "QualityGateConfig": "core.quality_gate",
+    "TransferStatus": "core.quality_gate",
     "resolve_num_recompute_tokens": "core.defaults",
     "capture_kv": "core.capture",
     "prefill": "core.capture",
@@ -43,6 +45,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORTS
     from .core.cache import TransferredCache
+    from .core.quality_gate import QualityGateConfig, TransferStatus
     from .core.defaults import resolve_num_recompute_tokens
     from .core.capture import capture_kv, prefill
     from .core.hub import MapperHubError

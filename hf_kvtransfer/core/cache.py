@@ -25,6 +25,7 @@ from .exact import own_prefix
 from .defaults import resolve_transfer
 from .mapper import KVMapper
 from .map_inputs import ExactPass
+from .quality_gate import PendingGate, QualityGateConfig, TransferStatus, run_gate
 from .rope import position_ids_from_mask
 
 @functools.lru_cache(maxsize=8)
@@ -133,6 +134,11 @@ class TransferredCache(DynamicCache):
         model: the target model the exact layers are computed with. Default: the model whose forward first runs
             on the cache (`generate` or `target(...)`, with ids or `inputs_embeds`); give it to convert without a
             forward (`convert_all`). A cache that must compute exact layers and has neither refuses with one line.
+        gate: the per-request quality gate (`quality_gate.py`). Default (None): the mapper's own
+            (`mapper.config.quality_gate`; none for mappers fit without one); False: off; or a `QualityGateConfig`.
+            With a gate, the first forward maps every layer at once, scores each row on the recomputed tokens, and
+            gives rows below the threshold the target's own prefill (the same call then returns the target's own
+            answer for them); `transfer_status` says which. It needs the prompt's ids and at least one recomputed token.
         revision, token: used when `mapper` is a Hub repo id.
 
     Example:
@@ -155,6 +161,7 @@ class TransferredCache(DynamicCache):
         num_exact_layers: int | None = None,
         compile_rope: bool = False,
         model: PreTrainedModel | None = None,
+        gate: bool | QualityGateConfig | None = None,
         revision: str | None = None,
         token: str | bool | None = None,
     ):
@@ -174,6 +181,12 @@ class TransferredCache(DynamicCache):
         settings = resolve_transfer(mapper, length, num_exact_layers, num_recompute_tokens)
         self.num_exact_layers, self.num_recompute_tokens = settings.num_exact_layers, settings.num_recompute_tokens
         transferred = length - self.num_recompute_tokens
+        gate = mapper.config.quality_gate if gate is None or gate is True else (gate or None)
+        self.transfer_status = TransferStatus((True,) * batch_size, None, gate.threshold if gate else None)
+        self._gate = None
+        if gate is not None and self.num_recompute_tokens > 0 and transferred > 0:
+            full_positions = position_ids_from_mask(attention_mask, batch_size, length, next(iter(sources.values())).keys.device if sources else "cpu")
+            self._gate = PendingGate(gate, source_cache, attention_mask, full_positions)
         for layer in sources.values():
             layer.keys, layer.values = layer.keys[:, :, :transferred], layer.values[:, :, :transferred]
         device = next(iter(sources.values())).keys.device
@@ -197,7 +210,7 @@ class TransferredCache(DynamicCache):
             mapper.check_compatible(target_config=model.config)
         # What the exact layers are computed with: the target model (given, else the forward that first runs on the
         # cache) and the prompt's ids (known here, else generate's sequence). Dropped once they are computed.
-        self._exact_model: PreTrainedModel | None = model if self.num_exact_layers and transferred else None
+        self._exact_model: PreTrainedModel | None = model if (self.num_exact_layers or self._gate) and transferred else None
         self._exact_prompt: torch.Tensor | None = None
         self._exact_pending = self.num_exact_layers > 0 and transferred > 0
         self._first_input_checked = False
@@ -249,6 +262,8 @@ class TransferredCache(DynamicCache):
     def __deepcopy__(self, memo):
         # Share the mapper and rotary modules: a copy of a cache must not copy model-sized weights.
         shared = [self.mapper]
+        if self._gate is not None:  # the caller's source cache
+            shared.append(self._gate.source_cache)
         if self._exact_model is not None:
             shared.append(self._exact_model)  # the target model itself
         if self._transfer is not None:  # (its RoPE tables' rotary modules are the mapper's)
@@ -369,7 +384,7 @@ class TransferredCache(DynamicCache):
         if model is None or model is self._exact_model:
             return
         self.mapper.check_compatible(target_config=model.config)
-        if self._exact_pending and self._exact_model is None:
+        if (self._exact_pending or self._gate is not None) and self._exact_model is None:
             self._exact_model = model
 
     def _learn_prompt(self, sequence: torch.Tensor) -> None:
@@ -487,11 +502,33 @@ class TransferredCache(DynamicCache):
                 f"the model has more layers than the mapper's target ({len(self.layers)} layers, "
                 f"{self.mapper.config.target_model_id}); load the mapper made for this target model"
             )
+        if layer_idx in self._pending and self._gate is not None and self._pending == set(range(len(self.layers))):
+            self._run_gate(key_states)
         if layer_idx in self._pending:
             if self._exact_pending:  # here, where the forward needs them: the checks before it are getters
                 self._compute_exact_from_context()
             self._convert(layer_idx, key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @torch.no_grad()
+    def _run_gate(self, like: torch.Tensor) -> None:
+        """The quality gate, on the first conversion: every layer from the source at once, rows below the threshold
+        from the target's own prefill (`quality_gate.run_gate`)."""
+        pending, self._gate = self._gate, None
+        if self._exact_model is None or self.prompt_ids is None:
+            raise ValueError(
+                "this cache's quality gate runs the target on the recomputed tokens and needs the target model and the "
+                "prompt's ids: build the source cache with `prefill` (or pass input_ids=) and run the target on the "
+                "cache (or pass model=), or pass gate=False"
+            )
+        self.transfer_status = run_gate(self, pending, self._exact_model, like)
+
+    def fill_converted(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store finished target K/V for every pending layer at once (the gate's path) and drop the pending transfer."""
+        for layer_idx, (keys, values) in enumerate(layers):
+            self.layers[layer_idx].update(keys, values)
+        self._pending.clear()
+        self._transfer, self._exact_pending, self._exact_model, self._exact_prompt = None, False, None, None
 
     @torch.no_grad()
     def _convert(self, layer_idx: int, like: torch.Tensor) -> None:

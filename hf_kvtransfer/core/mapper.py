@@ -23,6 +23,7 @@ from .hub import CONFIG_NAME, REPORT_NAME, WEIGHTS_NAME, push_mapper_dir, resolv
 from .layer_maps import LAYER_MAP_TYPES, build_layer_maps, layer_map_class
 from .map_inputs import MapInput, MapInputConfig, exact_layers_needed, input_configs, map_inputs_of, registered_map_inputs, validate_inputs
 from .mapper_types import LOWRANK, RIDGE
+from .quality_gate import QualityGateConfig
 from .rope import build_rotary_embedding, config_from_dict, head_dim_of, text_config
 from .stats import KVLayout
 
@@ -91,6 +92,8 @@ class MapperConfig:
             the input registered under that name, `map_inputs.py`), each validated by the input against the whole
             config; saved as `{name: {field: value}}`, e.g. `{"residual": {"layer": 1, "lags": [0, 1], ...},
             "key_norm": {}}`. Empty: source-only maps.
+        quality_gate: the per-request gate (`quality_gate.QualityGateConfig`: a threshold on how close the maps come
+            to the target's own K/V on the recomputed tokens), set by a fit; None for mappers saved without one.
         num_parameters / dtype: size and weight dtype as saved (filled in by `save_pretrained`, for the card).
     """
 
@@ -116,6 +119,7 @@ class MapperConfig:
     num_exact_layers: int | None = None
     num_recompute_tokens: int | None = None
     map_inputs: dict[str, MapInputConfig] = field(default_factory=dict)
+    quality_gate: QualityGateConfig | None = None
     num_parameters: int | None = None
     dtype: str | None = None
     license: str = "apache-2.0"
@@ -136,6 +140,7 @@ class MapperConfig:
         self.target_model_id = self.target_model_id or _model_name(self.target_config)
         # Each input's config from its saved dict (an unknown input or setting refused), in the order they apply.
         self.map_inputs = input_configs(self.map_inputs)
+        self.quality_gate = QualityGateConfig.from_value(self.quality_gate)  # None: saved before the gate, or none
         self._validate_layers()
         if self.ridge_lambda < 0:
             raise ValueError(f"ridge_lambda must be >= 0, got {self.ridge_lambda}")
@@ -184,7 +189,10 @@ class MapperConfig:
         return KVLayout(f["num_hidden_layers"], f["num_key_value_heads"], f["head_dim"])
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["quality_gate"] is None:  # a mapper without a gate saves the config it did before the field
+            del data["quality_gate"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MapperConfig":

@@ -244,6 +244,10 @@ class FitConfig:
         "the content gate's tolerance: a configuration is kept only if the paired 95-percent interval of its passage-recall "
         "and hand-off accuracy minus the target's own (held-out probe items) ends above -tolerance on each "
         "(default 0.05: 5 points; content_gate.py)", group="exact", metavar="FRACTION"))  # fmt: skip
+    quality_gate_quantile: float | None = field(default=None, metadata=_opt(
+        "record a per-request quality gate: its threshold is this quantile of the gate's score (worst-layer cosine of "
+        "the mapped K/V against the target's own on the recomputed tokens) over up to 200 held-out 256-token prompts; "
+        "rows below it fall back to the target's own prefill (e.g. 0.01; default: no gate)", metavar="FRACTION"))  # fmt: skip
     # -- calibration data
     dataset: str | None = field(default=None, metadata=_opt(
         "Hub dataset id (streamed) or local .txt/.jsonl/.parquet file or directory (default "
@@ -301,6 +305,8 @@ class FitConfig:
         set_(self, "top_k", tuple("all" if k is None else k for k in parse_top_k(self.top_k)))
         set_(self, "ridge_lambda", tuple(parse_ridge_lambda(self.ridge_lambda)))
         set_(self, "num_exact_layers", parse_num_exact_layers(self.num_exact_layers))
+        if self.quality_gate_quantile is not None and not 0 <= self.quality_gate_quantile < 1:
+            raise ValueError(f"quality_gate_quantile must be in [0, 1), got {self.quality_gate_quantile}")
         if not 0 < self.exact_layers_retention <= 1:
             raise ValueError(f"exact_layers_retention must be in (0, 1], got {self.exact_layers_retention}")
         if not 0 < self.exact_layers_tolerance < 1:

@@ -41,6 +41,7 @@ from .config import (
     resolve_config,
 )
 from .content_gate import ContentGate, gate_line, heldout_texts
+from .quality_gate import calibrate_quality_gate
 from .exact_layers import choose_configuration, probe_stream, residual_candidates
 from .mlp import fit_mlp
 from .residual_stats import ResidualStatistics, residual_statistics_nbytes, residual_variants
@@ -438,8 +439,8 @@ def fit_mappers(
         mapper_kwargs.setdefault("calibration", info)
     if config.mapper_type == MLP:
         mapper = fit_mlp(source, target, ids, mask, config, log=log, **mapper_kwargs)
-        return {mapper_name(config.top_k_values[0]): with_exact_layers(source, target, mapper, ids, mask, config, log,
-                                                                         tokenizer=tokenizer)}
+        mapper = with_exact_layers(source, target, mapper, ids, mask, config, log, tokenizer=tokenizer)
+        return {mapper_name(config.top_k_values[0]): _with_quality_gate(source, target, mapper, ids, mask, config)}
     metadata = {"calibration": mapper_kwargs.pop("calibration")} if "calibration" in mapper_kwargs else None
     residual = _residual_statistics(source, target, config, log)
     train, heldout = run_fit_pass(source, target, ids, mask, config, consumers=[residual] if residual else (),
@@ -450,9 +451,25 @@ def fit_mappers(
         train, heldout, top_k=config.top_k_values, ridge_lambda=list(config.ridge_lambda), refit=config.refit,
         dtype=config.torch_mapper_dtype, **config.rank_kwargs, **mapper_kwargs,
     )  # fmt: skip
-    return {name: with_exact_layers(source, target, m, ids, mask, config, log, residual=residual,
-                                    token_table_input_ids=token_table_input_ids, tokenizer=tokenizer)
+    return {name: _with_quality_gate(source, target, with_exact_layers(
+                source, target, m, ids, mask, config, log, residual=residual,
+                token_table_input_ids=token_table_input_ids, tokenizer=tokenizer), ids, mask, config)
             for name, m in mappers.items()}  # fmt: skip
+
+
+def _with_quality_gate(source, target, mapper: KVMapper, ids, mask, config: FitConfig) -> KVMapper:
+    """`mapper` with a quality gate calibrated on the fit's held-out rows (unpadded ones), when
+    `config.quality_gate_quantile` asks for one."""
+    if config.quality_gate_quantile is None:
+        return mapper
+    num_heldout = heldout_count(ids.shape[0], config.heldout_fraction)
+    rows = ids[-num_heldout:] if num_heldout else ids
+    if mask is not None:
+        rows = rows[mask[-rows.shape[0]:].bool().all(dim=-1)]
+    if rows.shape[0] == 0:
+        raise ValueError("the quality gate is calibrated on unpadded held-out rows and the fit has none: give unpadded "
+                         "calibration sequences or drop quality_gate_quantile")  # fmt: skip
+    return calibrate_quality_gate(source, target, mapper, rows, config.quality_gate_quantile)
 
 
 # The residual-input statistics a fit collects stay under this size (float64 on the CPU): for the bundled family a
