@@ -79,29 +79,23 @@ RESULTS = {
         "--text examples/family/heldout.txt --tasks agreement --items 600 --recompute 1",
         "2026-12-03",
     ),
-    **{f"gate_{kind}_{d}": Result(f"{_GATE}/{name}_{pair}.{ext}", command.format(s=src, t=tgt), "2026-12-04")
-       for d, pair, src, tgt in (("s2l", "small_to_large", "small", "large"), ("l2s", "large_to_small", "large", "small"))
+    # The CLI's default fit, eval and time split: both directions of the bundled pair, and the deep pair.
+    **{f"gate_{kind}_{d}": Result(f"{where}/{name}_{pair}.{ext}", command.format(f=family, s=src, t=tgt, x=flag),
+                                  "2026-12-04")
+       for d, where, pair, family, src, tgt, flag, rounds in (
+           ("s2l", _GATE, "small_to_large", "family", "small", "large", "", 7),
+           ("l2s", _GATE, "large_to_small", "family", "large", "small", "", 7),
+           ("deep", _DEEP, "source_to_target", "family_deep", "source", "target", "--family examples/family_deep ", 5))
        for kind, name, ext, command in (
-           ("fit", "fit", "log", "hf-kvtransfer fit -v --source examples/family/{s} --target examples/family/{t} "
-                                 "--dataset examples/family/calibration.txt --output DIR"),
+           ("fit", "fit", "log", "hf-kvtransfer fit -v --source examples/{f}/{s} --target examples/{f}/{t} "
+                                 "--dataset examples/{f}/calibration.txt --output DIR"),
            ("mapper", "mapper_config", "json", "(DIR/config.json of that fit)"),
-           ("eval", "eval", "json", "hf-kvtransfer eval --source examples/family/{s} --target examples/family/{t} "
-                                   "--mapper DIR --text examples/family/heldout.txt --tasks recall,handoff,agreement "
+           ("eval", "eval", "json", "hf-kvtransfer eval --source examples/{f}/{s} --target examples/{f}/{t} "
+                                   "--mapper DIR --text examples/{f}/heldout.txt --tasks recall,handoff,agreement "
                                    "--items 600 --json FILE"),
-           ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py --source {{s}} --target {{t}} "
-                                           "--mapper DIR --rounds 7 --output FILE"),
+           ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py {{x}}--source {{s}} "
+                                           f"--target {{t}} --mapper DIR --rounds {rounds} --output FILE"),
        ) if (d, kind) != ("l2s", "eval")},  # fmt: skip (large -> small maps nothing: no eval)
-    **{f"gate_{kind}_deep": Result(f"{_DEEP}/{name}_source_to_target.{ext}", command, "2026-12-04")
-       for kind, name, ext, command in (
-           ("fit", "fit", "log", "hf-kvtransfer fit -v --source examples/family_deep/source --target "
-                                 "examples/family_deep/target --dataset examples/family_deep/calibration.txt --output DIR"),
-           ("mapper", "mapper_config", "json", "(DIR/config.json of that fit)"),
-           ("eval", "eval", "json", "hf-kvtransfer eval --source examples/family_deep/source --target "
-                                   "examples/family_deep/target --mapper DIR --text examples/family_deep/heldout.txt "
-                                   "--tasks recall,handoff,agreement --items 600 --json FILE"),
-           ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py --family examples/family_deep "
-                                           "--source source --target target --mapper DIR --rounds 5 --output FILE"),
-       )},  # fmt: skip
     "l2s_three_exact": Result(
         f"{_CAS}/results/large_to_small_three_exact.json",
         f"python {_CAS}/content_at_speed.py --source large --target small --variants kv:3 res:2 res:2:-:-:none "

@@ -97,8 +97,6 @@ def passes(scores: torch.Tensor, gate: QualityGateConfig | None) -> torch.Tensor
     return scores >= gate.threshold
 
 
-
-
 @dataclass
 class PendingGate:
     """What a `TransferredCache` keeps until its gate runs (on the first conversion): the source cache (for the
@@ -124,9 +122,8 @@ def run_gate(cache, pending: PendingGate, model, like: torch.Tensor) -> Transfer
     and replace the rows below the threshold with the target's own prefill of the transferred tokens."""
     from transformers import DynamicCache
 
-    prompt, held = cache.prompt_ids, cache.num_recompute_tokens
-    length = pending.position_ids.shape[-1]
-    held = length - held
+    prompt = cache.prompt_ids
+    held = pending.position_ids.shape[-1] - cache.num_recompute_tokens  # the transferred tokens
     # The mapper's prediction for every prompt token, the recomputed ones included: a transfer that recomputes none.
     full = type(cache)(pending.source_cache, cache.mapper, pending.attention_mask, 0, input_ids=prompt,
                        num_exact_layers=cache.num_exact_layers, model=model, gate=False)  # fmt: skip
