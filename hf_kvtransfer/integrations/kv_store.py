@@ -452,8 +452,9 @@ def build_lmcache_store(name: str, num_layers: int, num_kv_heads: int, head_dim:
             connectors must give the same.
         num_layers, num_kv_heads, head_dim: the source model's KV shape.
         config: LMCache engine settings (`LMCacheEngineConfig` keys), over `chunk_size=256`, `local_cpu=True`,
-            `max_local_cpu_size=5` (GiB). Engines on different machines share entries through a remote backend,
-            e.g. `{"remote_url": "lm://host:65432", "remote_serde": "naive"}`.
+            `max_local_cpu_size=5` (GiB), `pre_caching_hash_algorithm="sha256_cbor"` (keys equal in every
+            process). Engines in other processes or on other machines share entries through a remote backend,
+            e.g. `{"remote_url": "lm://host:65432", "remote_serde": "naive"}` (an `lmcache.v1.server`).
 
     KV is stored in float32 whatever the source's dtype (the source and target must agree on LMCache's metadata).
     """
@@ -466,7 +467,11 @@ def build_lmcache_store(name: str, num_layers: int, num_kv_heads: int, head_dim:
         raise ImportError(
             f"store_backend='lmcache' needs LMCache (tested with 0.5.6 on CPU): {LMCACHE_INSTALL}"
         ) from exc
-    settings = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 5.0, **(config or {})}
+    # LMCache keys chunks with Python's `hash` by default ("builtin"), which differs between processes unless
+    # PYTHONHASHSEED is set: engines in other processes sharing a remote backend would never find each other's
+    # entries. vLLM's sha256_cbor is the same everywhere.
+    settings = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 5.0,
+                "pre_caching_hash_algorithm": "sha256_cbor", **(config or {})}  # fmt: skip
     metadata = LMCacheMetadata(
         model_name=name, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0, kv_dtype=torch.float32,
         kv_shape=(num_layers, 2, int(settings["chunk_size"]), num_kv_heads, head_dim), use_mla=False, role="worker",
