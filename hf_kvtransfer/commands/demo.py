@@ -127,7 +127,6 @@ def run_demo(
                         # the target layer whose input (residual stream) the maps read: the last exact layer it needs
                         "residual_layer": exact_layers_needed(kv_mapper.config)[0] - 1 if kv_mapper.needs_target_residual else None,
                         "source_free_layers": sum(not sel for sel in kv_mapper.config.selected_layers),
-                        "token_readers": kv_mapper.tokens.layers if kv_mapper.tokens is not None else None,
                         "exact_layers_probe_retention": (
                             kv_mapper.report.get("exact_layers", {}).get("min_retention")
                             if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
@@ -243,8 +242,6 @@ def format_demo(result: dict[str, Any]) -> str:
             "(computed in the exact layers)"
             + (f"; {free} of them read no source layer (that residual alone)" if free else "")
         )
-    if m.get("token_readers"):
-        lines.append(f"maps: {len(m['token_readers'])} mapped layers also add token tables of the prompt's ids (a look-up)")
     lines.append("")
     answers = result["answers"]
     if "answer" in result:  # a passage-recall question: the answer is in the passage only

@@ -274,7 +274,7 @@ class KVMapper(nn.Module):
     @property
     def needs_prompt_ids(self) -> bool:
         """Whether applying the maps needs the prompt's token ids: an input of theirs comes from the ids (the target's
-        residual stream, computed from them in the exact layers, or token tables)."""
+        residual stream, computed from them in the exact layers, or rows looked up by id)."""
         return any(inp.needs_prompt_ids for inp in self.map_inputs)
 
     @cached_property

@@ -299,7 +299,7 @@ def _timing_row(times: dict[str, list[float]], own: dict[str, list[float]], cloc
 def configuration_cost(target: PreTrainedModel, mapper: KVMapper, num_exact: int, seq_len: int) -> dict[str, int]:
     """Multiply-adds per prompt token to the first token of a `seq_len`-token prompt at a configuration: the exact
     layers' weights and attention (a causal prefill's average context, `seq_len / 2`) and the maps of the other
-    layers (their weights; token tables are look-ups and cost none). A count from the shapes alone, the same on
+    layers (their weights; a table of rows by token id is a look-up and costs none). A count from the shapes alone, the same on
     every machine and under any load: what the fit orders the configurations that keep the content by.
 
     Returns:
@@ -390,8 +390,8 @@ def choose_configuration(
     `timing_tokens` probe tokens, medians of `TIMING_ROUNDS` interleaved rounds, process CPU time on CPU).
 
     `refine`, when given, turns each residual candidate into the one that is probed, timed and possibly chosen,
-    just before it is probed (the fit adds token tables fit on what its maps miss: `fitting/token_tables.py`);
-    skipped candidates are never refined.
+    just before it is probed (the caller's: `fit_mapper(..., refine=...)`, e.g. more map inputs fit on what its
+    maps miss); skipped candidates are never refined.
 
     Returns:
         `(mapper, report)`: the chosen mapper with its `num_exact_layers` recorded, and the probe's report with
