@@ -227,6 +227,6 @@ def test_no_module_names_the_inputs_that_moved_to_research():
     data (it nests them; the plug-in, once imported, reads them)."""
     import re
 
-    pattern = re.compile(r"token.table|first.layer.table|TokenTable|FirstLayerTable|fold_residual|tabulate_first", re.I)
+    pattern = re.compile(r"token.table|first.layer.table|TokenTable|FirstLayerTable|fold_residual|tabulate_first", re.IGNORECASE)
     named = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py") if pattern.search(path.read_text())}
     assert named == {"core/config_migration.py"}, f"modules naming the research plug-in's inputs: {sorted(named)}"
