@@ -392,8 +392,9 @@ def choose_configuration(
 ) -> tuple[KVMapper, dict[str, Any]]:
     """The cheapest configuration (exact layers x map inputs) that keeps what `eval` measures of the content.
 
-    `options` (`ProbeOptions`; any of its fields may be given as a keyword instead, `gate=...`) are named below
-    by their fields.
+    `options` (`ProbeOptions`, in `hf_kvtransfer.fitting.exact_layers`; each field may be given as a keyword instead,
+    `gate=...`): `min_retention`, `num_items`, `prefix_len`, `seed` and `progress` as in `choose_num_exact_layers`,
+    and `timing_tokens`, `refine` and `gate` as below.
 
     Candidates: `mapper` (source K/V only) with the exact layers `choose_num_exact_layers` finds, and each of
     `residual_mappers` (mappers whose maps also read the target's residual entering their `residual_layer` J, from
