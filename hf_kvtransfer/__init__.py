@@ -34,9 +34,6 @@ _EXPORTS = {
     "ContentGate": "fitting.content_gate",
     "residual_input_features": "core.residual",
     "solve_residual_mapper": "fitting.residual_stats",
-    "fit_token_tables": "fitting.token_tables",
-    "fold_residual_into_tables": "fitting.token_tables",
-    "tabulate_first_layer": "fitting.token_tables",
     "fit_mapper": "fitting.fit",
     "fit_mappers": "fitting.fit",
     "fit_mlp_mapper": "fitting.fit",
@@ -59,7 +56,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORT
     from .fitting.exact_layers import choose_configuration, choose_num_exact_layers
     from .fitting.fit import fit_mapper, fit_mappers, fit_mlp_mapper, solve_mapper
     from .fitting.residual_stats import solve_residual_mapper
-    from .fitting.token_tables import fit_token_tables, fold_residual_into_tables, tabulate_first_layer
 
 
 def __getattr__(name: str):

@@ -95,6 +95,21 @@ ARCHITECTURES = {
 }
 
 
+# The token tables and the first-layer table: map inputs defined outside the library, in research/token_tables/ as a
+# plug-in that registers them when imported (issue 36: inputs the default fit never chooses live beside their study).
+TABLES_PLUGIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "research", "token_tables")
+
+
+def tables_plugin():
+    """The research plug-in `token_tables_plugin`, imported (its inputs registered, for the rest of the session)."""
+    import importlib
+    import sys
+
+    if TABLES_PLUGIN_DIR not in sys.path:
+        sys.path.append(TABLES_PLUGIN_DIR)
+    return importlib.import_module("token_tables_plugin")
+
+
 def tiny_model(arch: str = "qwen3", num_hidden_layers: int = 2, seed: int = 0, **overrides) -> torch.nn.Module:
     config_cls, model_cls, extra = ARCHITECTURES[arch]
     kwargs = {**COMMON, **extra, "num_hidden_layers": num_hidden_layers, **overrides}
@@ -169,7 +184,7 @@ def exact_identity_mapper(model, mode: str = "per_layer"):
     """A mapper from `model` to itself whose weights are the identity by construction (no fit). `mode`:
     "per_layer" (target layer t reads source layer t), "grouped" (every layer reads all source layers, zero weights
     on the others), "low_rank" (per layer, stored as full-rank factors `up @ down`) or "token_table" (per layer, but
-    layer 0's map is zero and its keys and values come from token tables alone: layer 0's K/V depend only on each
+    layer 0's map is zero and its keys and values come from token tables alone (the research plug-in, `tables_plugin`): layer 0's K/V depend only on each
     token, so a lag-0 table of the model's own layer-0 K/V per id is exact, and a constant moved from the lag-0 rows to
     every lag-1 row checks one look-up per lag and position; a misplaced id changes the answer)."""
     from hf_kvtransfer import KVMapper, MapperConfig
@@ -181,6 +196,7 @@ def exact_identity_mapper(model, mode: str = "per_layer"):
     if mode == "low_rank":
         config = replace(config, mapper_type="lowrank", rank=[[width, width]] * num_layers)
     if mode == "token_table":
+        tables_plugin()  # registers the token tables
         config = replace(config, map_inputs={"token_tables": {"lags": [0, 1], "readers": [0]}})
     mapper = KVMapper(config)
     with torch.no_grad():

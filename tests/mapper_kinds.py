@@ -1,7 +1,9 @@
 """Every mapper kind the fit saves, made by the fit's own functions on a tiny pair whose target has another KV layout
-than its source (source: 2 layers, 2 KV heads of 16; target: 3 layers, 1 KV head of 8). Used by the surface matrix
-(`test_surfaces.py`) and to write the saved-mapper fixtures (`python tests/mapper_kinds.py`; `--nested`: the same
-mappers saved again with the running version's nested input configs)."""
+than its source (source: 2 layers, 2 KV heads of 16; target: 3 layers, 1 KV head of 8), and the two kinds of the
+research plug-in (`PLUGIN_KINDS`: token tables and the first-layer table, research/token_tables/token_tables_plugin,
+imported here so that they load). Used by the surface matrix (`test_surfaces.py`) and to write the saved-mapper
+fixtures (`python tests/mapper_kinds.py`; `--nested`: the same mappers saved again with the running version's nested
+input configs)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ from pathlib import Path
 
 import torch
 
-KINDS = ["source-only", "k1", "low-rank", "mlp", "residual", "residual-alone", "token-tables", "first-layer-table"]
+from conftest import tables_plugin
+
+# The plug-in's inputs registered (for the rest of the session): its kinds load, transfer and serve as the library's do.
+plugin = tables_plugin()
+
+# The kinds of map inputs defined outside the library (the research plug-in's).
+PLUGIN_KINDS = ["token-tables", "first-layer-table"]
+KINDS = ["source-only", "k1", "low-rank", "mlp", "residual", "residual-alone", *PLUGIN_KINDS]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "saved_mappers"
 # The same mappers saved with their inputs' settings nested (`MapperConfig.map_inputs`): the kinds that have inputs.
 NESTED_KINDS = ["residual", "residual-alone", "token-tables", "first-layer-table"]
@@ -26,7 +35,6 @@ def make_kinds(source, target, ids: torch.Tensor) -> dict:
     from hf_kvtransfer import fit_mapper
     from hf_kvtransfer.fitting.calibration_pass import calibration_pass
     from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
-    from hf_kvtransfer.fitting.token_tables import fit_token_tables, tabulate_first_layer
 
     fit = dict(num_exact_layers=1, heldout_fraction=0, progress=False)
     base = fit_mapper(source, target, ids, top_k=2, **fit)
@@ -41,8 +49,8 @@ def make_kinds(source, target, ids: torch.Tensor) -> dict:
                           **{**fit, "heldout_fraction": 0.25}),
         "residual": residual,
         "residual-alone": solve_residual_mapper(base, stats, residual_layer=1, sources={2: []}),
-        "token-tables": fit_token_tables(source, target, residual, ids, readers=[2], lags=(0, 1), pseudo_count=1.0),
-        "first-layer-table": tabulate_first_layer(base, target),
+        "token-tables": plugin.fit_token_tables(source, target, residual, ids, readers=[2], lags=(0, 1), pseudo_count=1.0),
+        "first-layer-table": plugin.tabulate_first_layer(base, target),
     }
 
 

@@ -165,7 +165,7 @@ def test_the_checker_catches_an_upward_import(layer, tmp_path, monkeypatch):
 
 # Ways of reaching an input's settings: the nested configs by name, each input's config class and accessor, and the
 # flat fields the settings were before they were nested (read as attributes of a config).
-_INPUT_CONFIG_ACCESS = r"map_inputs\[|map_inputs\.get\(|\b(?:{classes})\b|\b(?:residual_config|token_table_config)\("
+_INPUT_CONFIG_ACCESS = r"map_inputs\[|map_inputs\.get\(|\b(?:{classes})\b|\b(?:residual_config)\("
 _FLAT_FIELDS = ("residual_layer", "residual_lags", "residual_rank", "residual_readers", "key_before_norm",
                 "residual_in_tables", "first_layer_table", "token_lags", "token_readers")  # fmt: skip
 _FLAT_ACCESS = r"\bconfig\.(?:{names})\b"
@@ -175,15 +175,12 @@ _INPUT_MODULES = {
     "core/map_inputs.py": "*",  # the registry and the generic `MapperConfig.map_inputs` helpers
     "core/config_migration.py": "*",  # the flat fields of older config.json files, once
     "core/residual.py": "*",
-    "core/token_tables.py": "*",
     "core/key_norm.py": "*",  # reads the residual's readers (its layers)
-    "core/first_layer_table.py": "*",
     "fitting/residual_stats.py": "*",  # the residual input's statistics and solve
-    "fitting/token_tables.py": "*",  # the token tables' fit, the first-layer table, the residual folded into them
     "fitting/exact_layers.py": "*",  # the probe's search over residual candidates (the residual input's fit side)
     # FitConfig's own options of these names (`hf-kvtransfer fit --residual-lags ...`): the fit builds the inputs' configs
-    "fitting/config.py": {"residual_lags", "residual_rank", "token_lags"},
-    "fitting/fit.py": {"residual_lags", "residual_rank", "token_lags"},
+    "fitting/config.py": {"residual_lags", "residual_rank"},
+    "fitting/fit.py": {"residual_lags", "residual_rank"},
 }
 
 
@@ -219,3 +216,17 @@ def test_the_input_config_check_sees_each_way_of_naming_one():
             "c = ResidualConfig(0, [0])\nd = mapper.config.token_readers\ne = residual_config(cfg)\n")  # fmt: skip
     assert _input_config_uses(text) == {"map_inputs[", "map_inputs.get(", "ResidualConfig", "token_readers", "residual_config("}
     assert _input_config_uses("plan.first_layer_table_bytes; mapper.map_inputs; row['residual_layer']") == set()
+
+
+# -- features earn their place: the inputs that moved out stay out -------------------------------------------------
+
+
+def test_no_module_names_the_inputs_that_moved_to_research():
+    """The token tables and the first-layer table live in research/token_tables as a plug-in (issue 36, item 5): no
+    module of the package names them, but the one migration of older config.json files, whose flat keys are saved
+    data (it nests them; the plug-in, once imported, reads them)."""
+    import re
+
+    pattern = re.compile(r"token.table|first.layer.table|TokenTable|FirstLayerTable|fold_residual|tabulate_first", re.IGNORECASE)
+    named = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py") if pattern.search(path.read_text())}
+    assert named == {"core/config_migration.py"}, f"modules naming the research plug-in's inputs: {sorted(named)}"

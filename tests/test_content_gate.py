@@ -183,3 +183,18 @@ def test_the_default_fit_keeps_evals_passage_recall_within_the_tolerance(tokeniz
         r = passage_recall(source, target, mapper, items, progress=False)
     d = np.asarray(r["correct_per_item"]["transfer"]) - np.asarray(r["correct_per_item"]["own"])
     assert d.mean() > -tolerance, (d.mean(), mapper.config.num_exact_layers, mapper.config.map_inputs.get("residual"))
+
+
+def test_gate_refuses_to_judge_when_the_target_does_not_read_its_context(tokenizer):
+    # A target that answers the items no better with their passage than without (here: the bundled model's shape
+    # with random weights) cannot show a loss of content: a transfer that drops the whole context would be
+    # "accepted at +0.0". The gate refuses with one line instead; the trained model (test above) is judged.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(FAMILY / "small")).eval()
+    gate = ContentGate(model, model, tokenizer, None, tolerance=0.05, num_items=12, max_items=12)
+    with torch.no_grad(), pytest.raises(content_gate.ContextUnusedError) as err:
+        gate.judge(exact_identity_mapper(model), 1)
+    message = str(err.value)
+    assert "\n" not in message and "without the context" in message and "--exact-layers" in message

@@ -306,25 +306,3 @@ def test_solve_from_kept_statistics_without_models(pair, tmp_path, monkeypatch, 
     # Statistics that are not there: one line saying how to get them, nothing written.
     assert main(["solve", "--stats-dir", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")]) != 0
     assert "--stats-dir" in capsys.readouterr().err and not (tmp_path / "x").exists()
-
-
-def test_token_table_sequences_reach_the_fit_from_the_cli(pair, tmp_path, monkeypatch):
-    from hf_kvtransfer.commands import workflow
-
-    seen = {}
-    real = workflow.fit_mappers
-
-    def record(*args, token_table_input_ids=None, **kwargs):
-        seen.update(ids=args[2], extra=token_table_input_ids)
-        return real(*args, token_table_input_ids=token_table_input_ids, **kwargs)
-
-    monkeypatch.setattr(workflow, "fit_mappers", record)
-    out = tmp_path / "tables"
-    assert main(_args(pair, out, "--exact-layers", "1", "--token-tables", "auto", "--token-table-sequences", "30")) == 0
-    # 24 sequences for the maps (the last 2 held out): 22 training ones, then 8 more read for the tables alone.
-    tok = make_tokenizer()
-    maps, _ = build_calibration(tok, str(pair[2]), num_sequences=NUM_SEQUENCES, seq_len=SEQ_LEN)
-    longer, _ = build_calibration(tok, str(pair[2]), num_sequences=NUM_SEQUENCES + 8, seq_len=SEQ_LEN)
-    assert torch.equal(seen["ids"], maps) and torch.equal(seen["extra"], longer[NUM_SEQUENCES:])
-    calibration = KVMapper.from_pretrained(out).config.calibration
-    assert calibration["sample_sha256"] == sample_hash(maps) and calibration["token_table_extra_sequences"] == 8

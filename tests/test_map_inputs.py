@@ -77,6 +77,8 @@ def test_a_registered_input_is_applied_without_any_other_change(qwen3_model, mon
 
 
 def test_the_library_inputs_apply_additions_before_the_key_norm():
+    # The library's own inputs; the research plug-in's (imported by mapper_kinds) fall in between by their `order`.
+    assert map_inputs.BUILT_IN_MAP_INPUTS == ("residual", "key_norm")
     order = [cls.name for cls in map_inputs.registered_map_inputs()]
     assert order == ["residual", "token_tables", "key_norm", "first_layer_table"]
 
@@ -92,13 +94,15 @@ def _tampered(tmp_path, source, change) -> str:
 
 
 # (what is wrong, the saved mapper, the edit, the one line expected): the target has 3 layers; these mappers read the
-# residual entering layer 1 with 2 exact layers and add token tables on layer 2.
+# residual entering layer 1 with 2 exact layers and add token tables on layer 2 (the research plug-in's input,
+# registered by mapper_kinds).
 NESTED, FLAT = NESTED_FIXTURES / "token-tables", FIXTURES / "token-tables"
 REFUSALS = {
     "an input this version does not know": (
         NESTED, lambda c: c["map_inputs"].update(gated_cross_attention={"layers": [2]}),
         r"map_inputs.gated_cross_attention: unknown map input \(this version knows \['first_layer_table', 'key_norm', "
-        r"'residual', 'token_tables'\]\); upgrade hf-kvtransfer"),
+        r"'residual', 'token_tables'\]\); a map input defined outside the library registers itself when its module "
+        r"is imported \(register_map_input\): import that module first; else upgrade hf-kvtransfer"),
     "a setting an input does not know": (
         NESTED, lambda c: c["map_inputs"]["residual"].update(window=8),
         r"map_inputs.residual.window: unknown setting of this input"),

@@ -61,6 +61,10 @@ def test_passes_thresholds_rows_and_lets_all_through_without_gate():
 def test_status_names_fallback_rows():
     status = TransferStatus(applied=(True, False), scores=(0.99, 0.2), threshold=0.9)
     assert status.reason == "quality gate" and status.fallback_rows == [1]
+    # the vLLM connector's words for a request's status, one vocabulary for both
+    from hf_kvtransfer.integrations.transfer_status import APPLIED, FALLBACK
+
+    assert status.statuses == (APPLIED, FALLBACK) == ("applied", "fallback")
     assert TransferStatus(applied=(True, True)).reason is None
 
 

@@ -1,7 +1,8 @@
 """Mappers saved by an earlier version load unchanged and transfer the same keys and values.
 
-`tests/fixtures/saved_mappers/` holds one mapper of each kind the fit saves (written by `python tests/mapper_kinds.py`
-with the version named in each config), and the K/V each transferred then for a fixed prompt. A change of the saved
+`tests/fixtures/saved_mappers/` holds one mapper of each kind the fit saves, and of the research plug-in's kinds
+(token tables, the first-layer table: registered by `mapper_kinds`; written by `python tests/mapper_kinds.py` with the
+version named in each config), and the K/V each transferred then for a fixed prompt. A change of the saved
 format must keep loading them, and a change of the conversion must keep their numbers.
 """
 

@@ -1,5 +1,7 @@
-"""Token tables (`core/token_tables.py`, `fitting/token_tables.py`): the table rows of the prompt's ids, the
-closed-form solve, what the cache adds, refusals, persistence, and the search's refine step."""
+"""Token tables and the first-layer table, a research plug-in (research/token_tables/token_tables_plugin: `tables.py`,
+`first_layer.py`, `fit.py`) registered with the library's map inputs when imported: the table rows of the prompt's
+ids, the closed-form solve, what the cache adds, refusals, persistence, and the refine step the plug-in hands the fit
+(`fit_mapper(..., refine=...)`)."""
 
 from dataclasses import replace
 
@@ -9,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, random_ids, residual_pair, steady_timings, tiny_model
+from conftest import VOCAB, random_ids, residual_pair, steady_timings, tables_plugin, tiny_model
 from rope_reference import apply_rope
 from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.core.capture import capture_kv
@@ -17,16 +19,21 @@ from hf_kvtransfer.core.rope import rotary_cos_sin
 from hf_kvtransfer.core.key_norm import KeyNormConfig
 from hf_kvtransfer.core.map_inputs import with_input
 from hf_kvtransfer.core.residual import ResidualConfig
-from hf_kvtransfer.core.token_tables import TokenTableConfig, lagged_token_ids, token_table_parameters
 from hf_kvtransfer.fitting import exact_layers
-from hf_kvtransfer.fitting.config import FitConfig
-from hf_kvtransfer.fitting.token_tables import (
+
+tables_plugin()  # registers the plug-in's inputs
+from token_tables_plugin import (  # noqa: E402
+    TokenTableConfig,
     capture_table_inputs,
     fit_token_tables,
     fold_residual_into_tables,
+    lagged_token_ids,
     solve_token_tables,
+    table_refiner,
+    table_rows,
     tabulate_first_layer,
     token_residuals,
+    token_table_parameters,
     with_token_tables,
 )
 
@@ -123,7 +130,7 @@ def test_generate_gives_the_tables_the_prompt_and_refusals_say_why(pair):
     ids = random_ids(1, 20, seed=3)
     src_cache = prefill(source, ids)
     legacy = tuple((layer.keys, layer.values) for layer in src_cache.layers)  # no prompt ids
-    with pytest.raises(ValueError, match="token tables.*input_ids="):
+    with pytest.raises(ValueError, match="token_tables.*input_ids="):
         with torch.no_grad():
             target(ids[:, -1:], cache=TransferredCache(legacy, mapper, num_recompute_tokens=1))
     # generate's own sequence starts with the prompt: the same answer as with the ids given.
@@ -216,10 +223,6 @@ def test_the_search_probes_each_candidate_with_its_tables(pair, monkeypatch):
                                                       refine=refine)  # fmt: skip
     assert refined == [residual] and chosen.tokens is not None and chosen.config.num_exact_layers == 1
     assert "token tables (t, t-1, t-2) on layers 1, 2" in report["chosen_inputs"]
-    with pytest.raises(ValueError, match="token_tables must be 'auto' or 'off'"):
-        FitConfig(token_tables="yes")
-    with pytest.raises(ValueError, match="token_lags must be distinct"):
-        FitConfig(token_lags="1,1")
 
 
 def test_an_undecided_cued_comparison_is_decided_on_more_items(pair, monkeypatch, caplog):
@@ -277,16 +280,12 @@ def test_tables_move_to_another_candidate_of_the_same_layer(pair):
     deeper = KVMapper(replace(residual.config, num_exact_layers=2), layer_maps=residual.layers)
     deeper.residual = residual.residual
     assert with_token_tables(deeper, fitted.tokens).config.map_inputs["token_tables"].readers == [2]
-    assert FitConfig().token_tables == "off"  # opt-in
 
 
-def test_the_fit_fits_tables_once_per_residual_layer_and_says_their_memory(pair):
-    from hf_kvtransfer.fitting import fit
-
+def test_the_refiner_fits_tables_once_per_residual_layer_and_says_their_memory(pair):
     source, target, ids, base, residual = pair
     lines = []
-    config = FitConfig(token_tables="auto", token_lags="0,1")
-    refine = fit._token_tables_step(source, target, *fit._table_rows(ids, None, 1, None, config), config, lines.append)
+    refine = table_refiner(source, target, *table_rows(ids, None, 1), lags=(0, 1), log=lines.append)
     first = refine(residual)
     other = KVMapper(replace(residual.config, selected_layers=[[0], [1], [1]]), layer_maps=residual.layers)
     other.residual = residual.residual
@@ -302,82 +301,48 @@ def test_the_fit_fits_tables_once_per_residual_layer_and_says_their_memory(pair)
     assert not direct.config.map_inputs["residual"].in_tables
     for name, tensor in fold_residual_into_tables(direct, target).tokens.state_dict().items():
         torch.testing.assert_close(first.tokens.state_dict()[name], tensor)
-    assert fit._token_tables_step(source, target, ids, None, FitConfig(), lines.append) is None  # off by default
 
 
 def test_tables_fit_on_more_sequences_than_the_maps(pair):
-    from hf_kvtransfer.fitting import fit
-
     source, target, ids, _, residual = pair
     extra = random_ids(3, ids.shape[1], seed=9)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # a padded training row keeps its mask; the extra rows are whole
-    config = FitConfig(token_tables="auto", token_lags="0,1", token_table_sequences=7)
-    rows, rows_mask = fit._table_rows(ids, mask, 1, extra, config)
+    rows, rows_mask = table_rows(ids, mask, 1, extra, 7)
     # The 5 training rows (the last of 6 is the probe's), then the first 2 extra rows: 7 in all.
     assert torch.equal(rows, torch.cat([ids[:5], extra[:2]]))
     assert torch.equal(rows_mask, torch.cat([mask[:5], torch.ones(2, ids.shape[1], dtype=mask.dtype)]))
     lines = []
-    fitted = fit._token_tables_step(source, target, rows, rows_mask, config, lines.append)(residual)
+    fitted = table_refiner(source, target, rows, rows_mask, lags=(0, 1), log=lines.append)(residual)
     assert "on 7 sequences" in lines[0]
     direct = fit_token_tables(source, target, residual, torch.cat([ids[:5], extra[:2]]), rows_mask, readers=[1, 2],
                               lags=(0, 1))  # fmt: skip
     for name, tensor in fold_residual_into_tables(direct, target).tokens.state_dict().items():
         torch.testing.assert_close(fitted.tokens.state_dict()[name], tensor)
     # Fewer than the training rows: the first of them.
-    fewer, _ = fit._table_rows(ids, None, 1, extra, config.replace(token_table_sequences=2))
+    fewer, _ = table_rows(ids, None, 1, extra, 2)
     assert torch.equal(fewer, ids[:2])
     with pytest.raises(ValueError, match=r"must be \[sequences, 40\]"):
-        fit._table_rows(ids, None, 1, extra[:, :10], config)
+        table_rows(ids, None, 1, extra[:, :10])
 
 
-def test_table_sequences_are_read_after_the_maps_and_the_maps_see_the_same_sample(tmp_path, monkeypatch):
-    from fit_fixtures import make_tokenizer, write_corpus
+def test_the_fit_hands_the_callers_refiner_to_the_probe(pair, monkeypatch):
+    # The library's hook (`fit_mapper(..., refine=...)`): the plug-in's refiner reaches the configuration probe
+    # unchanged; without one the probe refines nothing (the default fit).
     from hf_kvtransfer.fitting import fit
-    from hf_kvtransfer.fitting.calibration import build_calibration, sample_hash
 
-    corpus = write_corpus(tmp_path / "corpus.txt", num_paragraphs=200)
-    tok = make_tokenizer()
-    source = tiny_model("qwen3", num_hidden_layers=2, seed=0)
-    target = tiny_model("qwen3", num_hidden_layers=3, seed=1)
-    seen = {}
+    source, target, ids, _, _ = pair
+    seen = []
 
-    def record(source, target, mapper, ids, mask, config, log=None, residual=None, token_table_input_ids=None, tokenizer=None):
-        seen.update(ids=ids, extra=token_table_input_ids)
+    def record(source, target, mapper, ids, mask, config, log=None, residual=None, refine=None, tokenizer=None):
+        seen.append(refine)
         return mapper
 
     monkeypatch.setattr(fit, "with_exact_layers", record)
-    kwargs = dict(tokenizer=tok, num_sequences=10, seq_len=16, top_k=1, token_tables="auto", progress=False)
-    mapper = fit_mapper(source, target, str(corpus), token_table_sequences=15, **kwargs)
-    # The maps' sample is the one a fit without the option reads; the tables' 6 more sequences follow it.
-    alone, _ = build_calibration(tok, str(corpus), num_sequences=10, seq_len=16)
-    longer, _ = build_calibration(tok, str(corpus), num_sequences=16, seq_len=16)
-    assert torch.equal(seen["ids"], alone) and torch.equal(seen["extra"], longer[10:])
-    calibration = mapper.config.calibration
-    assert calibration["num_sequences"] == 10 and calibration["sample_sha256"] == sample_hash(alone)
-    assert calibration["token_table_extra_sequences"] == 6
-    # Token ids: the extra sequences are passed as they are.
-    extra = random_ids(2, 16, seed=3)
-    fit_mapper(source, target, alone, token_table_input_ids=extra, **kwargs)
-    assert torch.equal(seen["ids"], alone) and torch.equal(seen["extra"], extra)
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"token_table_sequences": 5}, "add --token-tables auto"),
-    ({"token_tables": "auto", "token_table_sequences": 0}, "integer >= 1"),
-])  # fmt: skip
-def test_table_sequences_are_refused_where_they_would_do_nothing(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        FitConfig(**kwargs)
-    config = FitConfig(token_tables="auto", num_sequences=10, token_table_sequences=15)
-    assert config.token_table_extra_sequences == 15 - 9  # 9 training sequences, one held out
-    assert config.replace(token_table_sequences=4).token_table_extra_sequences == 0
-
-
-def test_table_ids_without_tables_are_refused(pair):
-    source, target, ids, _, _ = pair
-    with pytest.raises(ValueError, match="token tables, which are off"):
-        fit_mapper(source, target, ids, token_table_input_ids=ids, top_k=1, progress=False)
+    refine = table_refiner(source, target, *table_rows(ids, None, 1), lags=(0, 1))
+    fit_mapper(source, target, ids, top_k=1, progress=False, refine=refine)
+    fit_mapper(source, target, ids, top_k=1, progress=False)
+    assert seen == [refine, None]
 
 
 def random_residual_mapper(base, lags, readers, rank, token_lags, seed):
@@ -450,7 +415,7 @@ def test_folding_refuses_what_it_cannot_hold_and_survives_a_round_trip(pair, tmp
     folded.save_pretrained(tmp_path / "m")
     loaded = KVMapper.from_pretrained(tmp_path / "m")
     assert loaded.config.map_inputs["residual"].in_tables
-    assert "held in the token tables" in (tmp_path / "m" / "README.md").read_text()  # the card says so
+    assert "held in rows per token id" in (tmp_path / "m" / "README.md").read_text()  # the card says so
     assert mapper.num_parameters() - loaded.num_parameters() == sum(p.numel() for p in mapper.residual.parameters())
     ids = random_ids(1, 16, seed=8)
     kw = dict(max_new_tokens=3, do_sample=False)
@@ -520,3 +485,69 @@ def test_a_first_layer_that_is_not_a_look_up_is_refused_and_the_table_survives_a
     got = cache.compute_exact_layers(half).convert_all().layers[0]
     torch.testing.assert_close(got.keys.float(), own.keys.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.values.float(), own.values.float(), rtol=2e-2, atol=2e-2)
+
+
+# -- plan: the plug-in's costs, once it is imported (`MapInput.cost`) ----------------------------------------------
+
+
+def test_plan_costs_the_tables_a_mapper_holds():
+    # Independent: the parameters of a real mapper with tables and a layer-0 table, built from the tiny target.
+    from transformers import Qwen3Config
+
+    from hf_kvtransfer import MapperConfig
+    from hf_kvtransfer.commands.plan import format_plan, plan_transfer
+
+    def tiny(layers, kv_heads, head_dim, heads=4):
+        return Qwen3Config(num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=head_dim,
+                           num_attention_heads=heads, hidden_size=64, intermediate_size=128, vocab_size=96,
+                           max_position_embeddings=256)  # fmt: skip
+
+    source, target = tiny(3, 2, 16), tiny(5, 4, 8, heads=8)
+    base = MapperConfig(source_config=source.to_dict(), target_config=target.to_dict(), selected_layers=[[0]] * 5)
+    with_tables = KVMapper(replace(base, map_inputs={"token_tables": {"lags": [0, 1, 2], "readers": [2]}}))
+    looked_up = KVMapper(replace(base, map_inputs={"first_layer_table": {}}))
+    plain = KVMapper(base).num_parameters()
+    plan = plan_transfer(source, target, top_k=1, input_positions={"token_positions": 3}, dtype="float32",
+                         use_hub=False, available_memory=2**40, num_exact_layers=4)  # fmt: skip
+    # One mapped layer (4 of 5 exact): the tables of one layer.
+    assert plan.map_inputs["token_tables"]["parameters"] == with_tables.num_parameters() - plain
+    assert plan.map_inputs["token_tables"]["bytes"] == 4 * plan.map_inputs["token_tables"]["parameters"]
+    assert plan.map_inputs["first_layer_table"]["bytes"] == 4 * (looked_up.num_parameters() - plain)
+    assert "  layer 0's keys and values per token id: 24.00 KiB, no FLOPs (a look-up)" in format_plan(plan)  # 2 x 96 x 32 x 4 B
+
+
+def test_plan_says_the_tables_are_not_practical_at_real_shapes():
+    # Qwen3 14B -> 32B, 1 exact layer: tables on the 63 mapped layers at 4 positions (the plug-in's default), keys and
+    # values, one row per id (151,936 + "no token") of 8 KV heads x 128, in bfloat16; the target's own weights from its
+    # config (meta device).
+    from hf_kvtransfer.commands.plan import format_plan, plan_transfer
+
+    plan = plan_transfer("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", top_k=8, seq_len=4096, use_hub=False, num_exact_layers=1,
+                         available_memory=2**40)  # fmt: skip
+    tables = 63 * 2 * 4 * (151936 + 1) * 8 * 128 * 2
+    assert plan.map_inputs["token_tables"]["bytes"] == tables and round(tables / 2**30) == 146
+    target_bytes = 2 * plan.model_parameters["target"]
+    assert tables > target_bytes > 60 * 2**30  # more than the model itself: not practical
+    text = format_plan(plan)
+    assert f"  token tables (4 positions): 146.06 GiB, no FLOPs (a look-up); {tables / target_bytes:.2f}x the target's own " \
+           "weights (61.02 GiB): not practical at this shape" in text
+
+
+# -- loading: the plug-in is what makes its mappers load -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, name", [("token-tables", "token_tables"), ("first-layer-table", "first_layer_table")])
+def test_without_the_plugin_a_mapper_with_its_inputs_is_refused_in_one_line(kind, name, monkeypatch):
+    from hf_kvtransfer.core import map_inputs
+    from mapper_kinds import FIXTURES, NESTED_FIXTURES
+
+    for root in (FIXTURES, NESTED_FIXTURES):  # an older flat config, migrated, and the nested one
+        assert KVMapper.from_pretrained(root / kind).config.map_inputs[name] is not None  # with the plug-in
+        # Registration is global: the plug-in's inputs taken out of the registry for this test only.
+        library = {k: v for k, v in map_inputs.MAP_INPUTS.items() if k not in ("token_tables", "first_layer_table")}
+        monkeypatch.setattr(map_inputs, "MAP_INPUTS", library)
+        with pytest.raises(ValueError, match=rf"^map_inputs\.{name}: unknown map input .*registers itself when its "
+                           r"module is imported \(register_map_input\)") as refused:  # fmt: skip
+            KVMapper.from_pretrained(root / kind)
+        assert "\n" not in str(refused.value)
+        monkeypatch.undo()

@@ -616,11 +616,13 @@ def test_residual_mapper_is_served_as_transformers_applies_it(tmp_path):
 
 
 def test_token_table_mapper_is_served_as_transformers_applies_it(tmp_path):
-    """A mapper that adds token tables of the prompt's ids (and reads the target's residual): the worker's transfer
-    equals transformers' TransferredCache on the same ids."""
+    """A mapper that adds token tables of the prompt's ids (and reads the target's residual; the research plug-in's
+    input, registered in this process): the worker's transfer equals transformers' TransferredCache on the same ids."""
     _need_vllm()
-    from hf_kvtransfer import fit_token_tables
+    from conftest import tables_plugin
     from hf_kvtransfer.fitting.residual_stats import solve_residual_mapper
+
+    fit_token_tables = tables_plugin().fit_token_tables
 
     small, large, ids, (base, stats) = _family_residual_statistics()
     mapper = fit_token_tables(small, large, solve_residual_mapper(base, stats, residual_layer=1), ids)
@@ -633,8 +635,12 @@ def test_embedding_residual_held_in_tables_is_served_as_transformers_applies_it(
     looked up: the worker's transfer equals transformers' TransferredCache with the residual product and the
     target's own projections (the mapper before folding)."""
     _need_vllm()
-    from hf_kvtransfer import fit_token_tables, fold_residual_into_tables, tabulate_first_layer
+    from conftest import tables_plugin
     from hf_kvtransfer.fitting.residual_stats import solve_residual_mapper
+
+    plugin = tables_plugin()  # the research plug-in's inputs, registered in this process
+    fit_token_tables, fold_residual_into_tables, tabulate_first_layer = (
+        plugin.fit_token_tables, plugin.fold_residual_into_tables, plugin.tabulate_first_layer)
 
     small, large, ids, (base, stats) = _family_residual_statistics(layer=0)
     unfolded = fit_token_tables(small, large, solve_residual_mapper(base, stats, residual_layer=0), ids)

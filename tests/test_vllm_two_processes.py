@@ -38,8 +38,7 @@ HANDED_OFF = 8  # recall items the producer prefills; one more is never stored
 CHUNK = 64  # LMCache's chunk size here: prefixes match in whole chunks
 # The quick fit (about 30 s on 2 cores): the fit's defaults on a smaller calibration set, source-only maps and 4 of
 # 8 target layers exact (what the fit chose with source-only maps on this family: docs/changelog.md).
-QUICK_FIT = ["--num-sequences", "64", "--seq-len", "256", "--residual-inputs", "off", "--token-tables", "off",
-             "--exact-layers", "4"]  # fmt: skip
+QUICK_FIT = ["--num-sequences", "64", "--seq-len", "256", "--residual-inputs", "off", "--exact-layers", "4"]
 
 
 # -- the engines' side: one engine per process ---------------------------------------------------------------------

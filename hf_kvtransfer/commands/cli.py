@@ -703,9 +703,6 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--residual-positions", type=int, default=2, metavar="P",
                    help="also cost maps that read P positions (t, t-1, ...) of the target's residual stream after the "
                    "exact layers: mapper size and FLOPs (default %(default)s; 0 leaves it out)")
-    p.add_argument("--token-positions", type=int, default=4, metavar="P",
-                   help="also cost token tables reading the ids at P positions (t, t-1, ...): their size per target "
-                   "layer (default %(default)s; 0 leaves it out)")
     p.add_argument("--offline", action="store_true", help="never ask the Hub: local paths and the shipped configs only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_plan)
@@ -720,7 +717,6 @@ def _run_plan(args) -> int:
         args.source, args.target, top_k=args.top_k, rank=args.rank, seq_len=args.seq_len, dtype=args.dtype,
         batch_size=args.batch_size, use_hub=not args.offline, num_exact_layers=args.exact_layers,
         num_recompute_tokens=args.recompute_tokens, residual_positions=args.residual_positions,
-        token_positions=args.token_positions,
         available_memory=int(args.available_memory * 2**30) if args.available_memory else None,
     )  # fmt: skip
     print(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if args.json else format_plan(plan))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..core.capture import cache_argument, prefill
 from ..core.loading import load_pair
 from ..core.map_inputs import exact_layers_needed
 from ..core.mapper import KVMapper
+from ..core.options import with_options
 from ..evaluation.content import passage_recall
 from ..evaluation.evaluate import split_documents
 from ..evaluation.tasks import passage_recall_items
@@ -54,25 +56,51 @@ def find_family(path: str | os.PathLike | None = None) -> Path:
     )
 
 
+@dataclass(frozen=True)
+class DemoConfig:
+    """The options of `run_demo` (each one also accepted as a keyword of `run_demo`).
+
+    Attributes:
+        family: the model family directory used without model ids (`find_family`).
+        prompt: the prompt whose cache is transferred; default a held-out passage-recall question drawn from `text`.
+        max_new_tokens: tokens the target answers with (default: a recall answer and its closing quotes, else 32).
+        calibration: the text a mapper is fitted on when none is given (the family's `calibration.txt`).
+        num_sequences, seq_len: the fit's calibration sample.
+        top_k: the fit's `top_k` (default `FitConfig`'s).
+        num_exact_layers: `TransferredCache`'s: the target's first layers computed from the prompt's ids (default:
+            the mapper's, which the fit chose with its content probe, `exact_layers.py`).
+        text: held-out text the recall questions' distractors and the timing context are drawn from (the family's
+            `heldout.txt`).
+        recall_items: passage-recall questions behind the retention number (0 = skip).
+        timing_tokens: context tokens of the time-to-first-token measurement.
+        device: where the models run.
+        progress: progress bars.
+        exact_layers_items: the fit's option of that name (items per content probe; default `FitConfig`'s, 64):
+            fewer make the fit faster and its choice less sure.
+    """
+
+    family: str | os.PathLike | None = None
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    calibration: str | os.PathLike | None = None
+    num_sequences: int = 64
+    seq_len: int = 256
+    top_k: int | str | None = None
+    num_exact_layers: int | None = None
+    text: str | os.PathLike | None = None
+    recall_items: int = DEFAULT_RECALL_ITEMS
+    timing_tokens: int = 512
+    device: str | torch.device = "cpu"
+    progress: bool = True
+    exact_layers_items: int | None = None
+
+
 def run_demo(
     source: str | None = None,
     target: str | None = None,
     mapper: str | KVMapper | None = None,
-    *,
-    family: str | os.PathLike | None = None,
-    prompt: str | None = None,
-    max_new_tokens: int | None = None,
-    calibration: str | os.PathLike | None = None,
-    num_sequences: int = 64,
-    seq_len: int = 256,
-    top_k: int | str | None = None,
-    num_exact_layers: int | None = None,
-    text: str | os.PathLike | None = None,
-    recall_items: int = DEFAULT_RECALL_ITEMS,
-    timing_tokens: int = 512,
-    device: str | torch.device = "cpu",
-    progress: bool = True,
-    exact_layers_items: int | None = None,
+    config: DemoConfig | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Transfer a prompt's cache source -> target, let the target answer through it, and compare with its own run.
 
@@ -85,79 +113,121 @@ def run_demo(
     option of that name (items per content probe; default `FitConfig`'s, 64): fewer make the fit faster and its
     choice less sure.
 
+    Args:
+        config: the options (`DemoConfig`); any of its fields may be given as a keyword instead (`prompt=...`).
+
     Returns:
         A dict with `prompt`, `answers` (`own`, `transfer`, `no_context` text; with the expected `answer` for a
         recall question), `recall` (`content_eval.passage_recall`'s result, or None without text), `timing`,
         `fit_seconds`.
     """
-    if (source is None) != (target is None):
-        raise ValueError("pass both --source and --target (or neither, for the bundled family)")
-    if source is None:
-        root = find_family(family)
-        source, target = str(root / "small"), str(root / "large")
-        calibration = calibration or root / "calibration.txt"
-        text = text or root / "heldout.txt"
-    src_model, tgt_model, tokenizer = load_pair(source, target, device)
+    cfg = with_options(DemoConfig, config, options, "run_demo")
+    source, target, cfg = _resolve_pair(source, target, cfg)
+    src_model, tgt_model, tokenizer = load_pair(source, target, cfg.device)
     result: dict[str, Any] = {"source": source, "target": target}
 
     start = time.perf_counter()
-    if isinstance(mapper, KVMapper):
-        kv_mapper = mapper
-    elif mapper is not None:
-        kv_mapper = KVMapper.from_pretrained(mapper)
-    else:
-        if calibration is None:
-            raise ValueError("with --source/--target, pass --mapper (a fitted mapper) or --calibration FILE to fit one")
-        # all sequences fit the mapper (no held-out shard: the retention below is measured on other text)
-        given = {"top_k": top_k, "exact_layers_items": exact_layers_items}
-        fit_options = {name: value for name, value in given.items() if value is not None}  # else FitConfig's
-        kv_mapper = fit_mapper(
-            src_model, tgt_model, calibration, tokenizer=tokenizer, num_sequences=num_sequences, seq_len=seq_len,
-            heldout_fraction=0, progress=progress, **fit_options,
-        )  # fmt: skip
+    kv_mapper = _demo_mapper(mapper, src_model, tgt_model, tokenizer, cfg)
     kv_mapper.check_compatible(src_model.config, tgt_model.config)
     result["fit_seconds"] = time.perf_counter() - start
-    result["mapper"] = {"top_k": kv_mapper.config.top_k, "ridge_lambda": kv_mapper.config.ridge_lambda,
-                        "calibration_tokens": kv_mapper.config.calibration.get("num_tokens"),
-                        # what the fit's progress bar counts: every token of every sequence, through both models
-                        "calibration_tokens_read": _tokens_read(kv_mapper.config.calibration),
-                        "calibration_stride": kv_mapper.config.calibration.get("stride"),
-                        "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
-                        "target_layers": kv_mapper.target_layout.num_layers,
-                        # the target layer whose input (residual stream) the maps read: the last exact layer it needs
-                        "residual_layer": exact_layers_needed(kv_mapper.config)[0] - 1 if kv_mapper.needs_target_residual else None,
-                        "source_free_layers": sum(not sel for sel in kv_mapper.config.selected_layers),
-                        "token_readers": kv_mapper.tokens.layers if kv_mapper.tokens is not None else None,
-                        "exact_layers_probe_retention": (
-                            kv_mapper.report.get("exact_layers", {}).get("min_retention")
-                            if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
-                        ),
-                        "exact_layers_probe_items": kv_mapper.report.get("exact_layers", {}).get("num_items"),
-                        "exact_layers_gate_tolerance": (kv_mapper.report.get("exact_layers", {}).get("gate") or {}).get("tolerance")}
+    result["mapper"] = _mapper_summary(kv_mapper, cfg.num_exact_layers)
 
-    docs = split_documents(Path(text).read_text(encoding="utf-8"), tokenizer.eos_token) if text else []
+    docs = split_documents(Path(cfg.text).read_text(encoding="utf-8"), tokenizer.eos_token) if cfg.text else []
     items = (
-        passage_recall_items(tokenizer, recall_items, seed=0, distractor_texts=docs)
-        if docs and recall_items > 0 else []
+        passage_recall_items(tokenizer, cfg.recall_items, seed=0, distractor_texts=docs)
+        if docs and cfg.recall_items > 0 else []
     )  # fmt: skip
-    if prompt is None:
-        if not items:
-            raise ValueError("pass --prompt TEXT, or --text FILE to draw passage-recall questions from")
-        item = items[0]
-        prompt_ids, no_context_ids = item.prompt_ids, item.no_passage_prompt_ids
-        result["answer"] = tokenizer.decode(item.answer_ids)
-        # Up to the closing quotes of the answer (a few tokens), unless asked for more.
-        max_new_tokens = max_new_tokens or len(item.answer_ids) + 2
-    else:
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        no_context_ids = None
-        max_new_tokens = max_new_tokens or 32
+    prompt_ids, no_context_ids, answer, max_new_tokens = _demo_prompt(tokenizer, items, cfg)
+    if answer is not None:
+        result["answer"] = answer
     result["prompt"] = tokenizer.decode(prompt_ids)
     result["prompt_tokens"] = len(prompt_ids)
 
-    input_ids = torch.tensor([prompt_ids], device=device)
-    gen = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-               pad_token_id=tokenizer.eos_token_id)
+    tokens = _target_answers(src_model, tgt_model, kv_mapper, tokenizer, prompt_ids, no_context_ids, max_new_tokens, cfg)
+    result["answers"] = {name: tokenizer.decode(t) for name, t in tokens.items()}
+    result["same_tokens"] = {"prefix": _common_prefix(tokens["own"], tokens["transfer"]), "of": len(tokens["own"])}
+
+    result["recall"] = (
+        passage_recall(src_model, tgt_model, kv_mapper, items, num_exact_layers=cfg.num_exact_layers, num_bootstrap=1000,
+                       progress=cfg.progress)
+        if items else None
+    )  # fmt: skip
+    result["timing"] = _demo_timing(src_model, tgt_model, kv_mapper, tokenizer, docs, prompt_ids, cfg)
+    result["torch_threads"] = torch.get_num_threads()
+    return result
+
+
+def _resolve_pair(source: str | None, target: str | None, cfg: DemoConfig) -> tuple[str, str, DemoConfig]:
+    """The model ids, and without them the bundled family's (with its calibration and held-out text as defaults)."""
+    if (source is None) != (target is None):
+        raise ValueError("pass both --source and --target (or neither, for the bundled family)")
+    if source is None:
+        root = find_family(cfg.family)
+        source, target = str(root / "small"), str(root / "large")
+        cfg = replace(cfg, calibration=cfg.calibration or root / "calibration.txt", text=cfg.text or root / "heldout.txt")
+    return source, target, cfg
+
+
+def _demo_mapper(mapper: str | KVMapper | None, src_model, tgt_model, tokenizer, cfg: DemoConfig) -> KVMapper:
+    """The mapper given (loaded when a path or id), else one fitted on `cfg.calibration`."""
+    if isinstance(mapper, KVMapper):
+        return mapper
+    if mapper is not None:
+        return KVMapper.from_pretrained(mapper)
+    if cfg.calibration is None:
+        raise ValueError("with --source/--target, pass --mapper (a fitted mapper) or --calibration FILE to fit one")
+    # all sequences fit the mapper (no held-out shard: the retention below is measured on other text)
+    given = {"top_k": cfg.top_k, "exact_layers_items": cfg.exact_layers_items}
+    fit_options = {name: value for name, value in given.items() if value is not None}  # else FitConfig's
+    return fit_mapper(
+        src_model, tgt_model, cfg.calibration, tokenizer=tokenizer, num_sequences=cfg.num_sequences,
+        seq_len=cfg.seq_len, heldout_fraction=0, progress=cfg.progress, **fit_options,
+    )  # fmt: skip
+
+
+def _mapper_summary(kv_mapper: KVMapper, num_exact_layers: int | None) -> dict[str, Any]:
+    """The mapper as the report describes it: its fit, its exact layers (and what chose them) and its inputs."""
+    exact_report = kv_mapper.report.get("exact_layers", {})
+    return {"top_k": kv_mapper.config.top_k, "ridge_lambda": kv_mapper.config.ridge_lambda,
+            "calibration_tokens": kv_mapper.config.calibration.get("num_tokens"),
+            # what the fit's progress bar counts: every token of every sequence, through both models
+            "calibration_tokens_read": _tokens_read(kv_mapper.config.calibration),
+            "calibration_stride": kv_mapper.config.calibration.get("stride"),
+            "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
+            "target_layers": kv_mapper.target_layout.num_layers,
+            # the target layer whose input (residual stream) the maps read: the last exact layer it needs
+            "residual_layer": exact_layers_needed(kv_mapper.config)[0] - 1 if kv_mapper.needs_target_residual else None,
+            "source_free_layers": sum(not sel for sel in kv_mapper.config.selected_layers),
+            "exact_layers_probe_retention": (
+                exact_report.get("min_retention")
+                if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
+            ),
+            "exact_layers_probe_items": exact_report.get("num_items"),
+            "exact_layers_gate_tolerance": (exact_report.get("gate") or {}).get("tolerance")}  # fmt: skip
+
+
+def _demo_prompt(tokenizer, items: list, cfg: DemoConfig) -> tuple[list[int], list[int] | None, str | None, int]:
+    """`(prompt ids, the prompt's ids without its passage or None, the expected answer or None, max_new_tokens)`:
+    `cfg.prompt`, else the first recall question."""
+    if cfg.prompt is not None:
+        return tokenizer(cfg.prompt, add_special_tokens=False)["input_ids"], None, None, cfg.max_new_tokens or 32
+    if not items:
+        raise ValueError("pass --prompt TEXT, or --text FILE to draw passage-recall questions from")
+    item = items[0]
+    # Up to the closing quotes of the answer (a few tokens), unless asked for more.
+    max_new_tokens = cfg.max_new_tokens or len(item.answer_ids) + 2
+    return item.prompt_ids, item.no_passage_prompt_ids, tokenizer.decode(item.answer_ids), max_new_tokens
+
+
+def _target_answers(
+    src_model, tgt_model, kv_mapper: KVMapper, tokenizer, prompt_ids: list[int], no_context_ids: list[int] | None,
+    max_new_tokens: int, cfg: DemoConfig,
+) -> dict[str, list[int]]:
+    """The target's greedy answer tokens: `own` (its own prefill), `transfer` (the transferred cache) and, for a
+    recall question, `no_context` (without the passage)."""
+    input_ids = torch.tensor([prompt_ids], device=cfg.device)
+    gen = {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "do_sample": False,
+           "pad_token_id": tokenizer.eos_token_id}  # fmt: skip
 
     def answer(ids: torch.Tensor, **cache) -> list[int]:
         mask = torch.ones_like(ids)
@@ -165,29 +235,29 @@ def run_demo(
 
     with torch.no_grad():
         transferred = TransferredCache(
-            prefill(src_model, input_ids), kv_mapper, num_exact_layers=num_exact_layers, model=tgt_model
+            prefill(src_model, input_ids), kv_mapper, num_exact_layers=cfg.num_exact_layers, model=tgt_model
         )
         tokens = {"own": answer(input_ids), "transfer": answer(input_ids, **{cache_argument(tgt_model): transferred})}
         if no_context_ids is not None:
-            tokens["no_context"] = answer(torch.tensor([no_context_ids], device=device))
-    result["answers"] = {name: tokenizer.decode(t) for name, t in tokens.items()}
-    same = 0
-    while same < min(len(tokens["own"]), len(tokens["transfer"])) and tokens["own"][same] == tokens["transfer"][same]:
-        same += 1
-    result["same_tokens"] = {"prefix": same, "of": len(tokens["own"])}
+            tokens["no_context"] = answer(torch.tensor([no_context_ids], device=cfg.device))
+    return tokens
 
-    result["recall"] = (
-        passage_recall(src_model, tgt_model, kv_mapper, items, num_exact_layers=num_exact_layers, num_bootstrap=1000,
-                       progress=progress)
-        if items else None
-    )  # fmt: skip
-    # Timing on a longer context than the prompt, where prefill cost dominates fixed overheads.
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens `a` and `b` share."""
+    same = 0
+    while same < min(len(a), len(b)) and a[same] == b[same]:
+        same += 1
+    return same
+
+
+def _demo_timing(src_model, tgt_model, kv_mapper: KVMapper, tokenizer, docs: list[str], prompt_ids: list[int],
+                 cfg: DemoConfig) -> dict[str, Any]:  # fmt: skip
+    """Time to the first token on a longer context than the prompt, where prefill cost dominates fixed overheads."""
     token_docs = [tokenizer(d, add_special_tokens=False, verbose=False)["input_ids"] for d in docs[:8]]
     stream = [t for d in token_docs for t in d] or prompt_ids
-    timing_ids = torch.tensor([(stream * (timing_tokens // len(stream) + 1))[:timing_tokens]])
-    result["timing"] = time_to_first_token(src_model, tgt_model, kv_mapper, timing_ids, num_exact_layers=num_exact_layers)
-    result["torch_threads"] = torch.get_num_threads()
-    return result
+    timing_ids = torch.tensor([(stream * (cfg.timing_tokens // len(stream) + 1))[: cfg.timing_tokens]])
+    return time_to_first_token(src_model, tgt_model, kv_mapper, timing_ids, num_exact_layers=cfg.num_exact_layers)
 
 
 def _tokens_read(calibration: dict) -> int | None:
@@ -222,10 +292,19 @@ def _calibration_tokens(m: dict[str, Any]) -> str:
 
 def format_demo(result: dict[str, Any]) -> str:
     """The demo's report as text (the CLI prints it)."""
-    def tail(text: str, n: int = 300) -> str:
-        text = text.replace("\n", " / ")
-        return text if len(text) <= n else "..." + text[-n:]
+    lines = [*_mapper_lines(result), "", *_answer_lines(result), "", _recall_line(result.get("recall"))]
+    t = result["timing"]
+    lines.append(
+        f"time to the first token on {t['num_tokens']} context tokens: {t['transfer_ms']:.1f} ms from the transferred "
+        f"cache (mapping, {t['num_exact_layers']} exact layer(s), {t['num_recompute_tokens']} recomputed tokens) "
+        f"instead of {t['target_prefill_ms']:.1f} ms for the target's own prefill ({t['speedup']:.1f}x faster; median, "
+        f"{result['torch_threads']} CPU thread{'' if result['torch_threads'] == 1 else 's'})"
+    )
+    return "\n".join(lines)
 
+
+def _mapper_lines(result: dict[str, Any]) -> list[str]:
+    """The report's head: the models, the mapper, its exact layers and what its maps read."""
     m = result["mapper"]
     lines = [
         f"source: {result['source']}",
@@ -243,63 +322,62 @@ def format_demo(result: dict[str, Any]) -> str:
             "(computed in the exact layers)"
             + (f"; {free} of them read no source layer (that residual alone)" if free else "")
         )
-    if m.get("token_readers"):
-        lines.append(f"maps: {len(m['token_readers'])} mapped layers also add token tables of the prompt's ids (a look-up)")
-    lines.append("")
+    return lines
+
+
+def _answer_lines(result: dict[str, Any]) -> list[str]:
+    """The prompt and the target's answers: for a recall question, the fact asked about and which answers are right."""
+    def tail(text: str, n: int = 300) -> str:
+        text = text.replace("\n", " / ")
+        return text if len(text) <= n else "..." + text[-n:]
+
     answers = result["answers"]
-    if "answer" in result:  # a passage-recall question: the answer is in the passage only
-        prompt = result["prompt"]
-        question = prompt[prompt.rindex("Q: "):] if "Q: " in prompt else prompt
-        fact = next((ln for ln in prompt.split("\n") if f"``{result['answer']}``" in ln), "")
-        lines += [
-            f"context ({result['prompt_tokens']} tokens, read by the source only): a passage of made-up API facts, "
-            "unrelated text, then a question. The fact asked about:",
-            f"  {fact.strip()}",
-            f"question: {question.replace(chr(10), ' / ')}",
-            "",
-        ]
-        for name, label in (("own", "target reading the context itself"),
-                            ("transfer", "target on the transferred cache "),
-                            ("no_context", "target without the passage     ")):
-            got = _short(answers[name])
-            lines.append(f"  {label}: {got}  ({'right' if got == result['answer'] else 'wrong'})")
-    else:
-        lines += [
+    if "answer" not in result:
+        return [
             f"prompt ({result['prompt_tokens']} tokens): {tail(result['prompt'])}",
             "",
             f"target, own prefill        : {answers['own'].replace(chr(10), ' / ')}",
             f"target, transferred cache  : {answers['transfer'].replace(chr(10), ' / ')}",
             f"  first {result['same_tokens']['prefix']} of {result['same_tokens']['of']} greedy tokens identical",
         ]
-    lines.append("")
-    rec = result.get("recall")
-    if rec:
-        acc = {name: 100 * rec["accuracy"][name]["mean"] for name in ("own", "transfer", "no_context")}
-        n = rec["num_items"]
-        if rec["retention"] is None:
-            lines.append(
-                f"recall over {n} held-out questions: {acc['own']:.0f}% right reading the context, {acc['transfer']:.0f}% "
-                f"from the transferred cache, {acc['no_context']:.0f}% without the passage; no retention: "
-                f"{rec['retention_undefined']}"
-            )
-        else:
-            lo, hi = rec["retention_ci"]
-            # The ratio of the counts of right answers (not of the rounded percentages): the printed arithmetic holds.
-            right = {name: round(rec["accuracy"][name]["mean"] * n) for name in acc}
-            lines.append(
-                f"recall retention {100 * rec['retention']:.0f}% (95% CI [{100 * lo:.0f}, {100 * hi:.0f}]): over {n} "
-                f"held-out questions the target answered {acc['own']:.0f}% right reading the context itself, "
-                f"{acc['transfer']:.0f}% from the transferred cache and {acc['no_context']:.0f}% without the passage; "
-                f"retention = ({right['transfer']} - {right['no_context']}) / ({right['own']} - {right['no_context']}) "
-                f"right answers of {n}"
-            )
-    else:
-        lines.append("recall retention: not measured (pass --text FILE to draw questions from)")
-    t = result["timing"]
-    lines.append(
-        f"time to the first token on {t['num_tokens']} context tokens: {t['transfer_ms']:.1f} ms from the transferred "
-        f"cache (mapping, {t['num_exact_layers']} exact layer(s), {t['num_recompute_tokens']} recomputed tokens) "
-        f"instead of {t['target_prefill_ms']:.1f} ms for the target's own prefill ({t['speedup']:.1f}x faster; median, "
-        f"{result['torch_threads']} CPU thread{'' if result['torch_threads'] == 1 else 's'})"
+    # A passage-recall question: the answer is in the passage only.
+    prompt = result["prompt"]
+    question = prompt[prompt.rindex("Q: "):] if "Q: " in prompt else prompt
+    fact = next((ln for ln in prompt.split("\n") if f"``{result['answer']}``" in ln), "")
+    lines = [
+        f"context ({result['prompt_tokens']} tokens, read by the source only): a passage of made-up API facts, "
+        "unrelated text, then a question. The fact asked about:",
+        f"  {fact.strip()}",
+        f"question: {question.replace(chr(10), ' / ')}",
+        "",
+    ]
+    for name, label in (("own", "target reading the context itself"),
+                        ("transfer", "target on the transferred cache "),
+                        ("no_context", "target without the passage     ")):
+        got = _short(answers[name])
+        lines.append(f"  {label}: {got}  ({'right' if got == result['answer'] else 'wrong'})")
+    return lines
+
+
+def _recall_line(rec: dict[str, Any] | None) -> str:
+    """The recall retention beside the counts of right answers it is computed from."""
+    if not rec:
+        return "recall retention: not measured (pass --text FILE to draw questions from)"
+    acc = {name: 100 * rec["accuracy"][name]["mean"] for name in ("own", "transfer", "no_context")}
+    n = rec["num_items"]
+    if rec["retention"] is None:
+        return (
+            f"recall over {n} held-out questions: {acc['own']:.0f}% right reading the context, {acc['transfer']:.0f}% "
+            f"from the transferred cache, {acc['no_context']:.0f}% without the passage; no retention: "
+            f"{rec['retention_undefined']}"
+        )
+    lo, hi = rec["retention_ci"]
+    # The ratio of the counts of right answers (not of the rounded percentages): the printed arithmetic holds.
+    right = {name: round(rec["accuracy"][name]["mean"] * n) for name in acc}
+    return (
+        f"recall retention {100 * rec['retention']:.0f}% (95% CI [{100 * lo:.0f}, {100 * hi:.0f}]): over {n} "
+        f"held-out questions the target answered {acc['own']:.0f}% right reading the context itself, "
+        f"{acc['transfer']:.0f}% from the transferred cache and {acc['no_context']:.0f}% without the passage; "
+        f"retention = ({right['transfer']} - {right['no_context']}) / ({right['own']} - {right['no_context']}) "
+        f"right answers of {n}"
     )
-    return "\n".join(lines)

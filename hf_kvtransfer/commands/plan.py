@@ -41,7 +41,6 @@ __all__ = [
     "map_input_costs",
     "plan_transfer",
     "residual_inputs_cost",
-    "token_tables_cost",
 ]
 
 # `hf-kvtransfer fit` defaults (FitConfig: the paper's 500 x 1024 tokens, 10% held out; two-stage probe size).
@@ -115,10 +114,6 @@ class TransferPlan:
     first_token_flop_ratio_residual: float
     first_token_flops_residual_alone: dict[str, int]  # maps reading the residual only, no source K/V
     first_token_flop_ratio_residual_alone: float
-    token_positions: int  # positions the token tables read (t, t-1, ...)
-    token_table_parameters_per_layer: int  # keys and values of one target layer with tables
-    token_table_bytes_per_layer: int  # at `dtype`
-    first_layer_table_bytes: int  # layer 0's keys and values per token id (one exact layer, looked up), at `dtype`
     # each map input at this shape, by name (`map_input_rows`): label, positions, parameters, bytes, flops, and bytes
     # against the target's own weights at `dtype`
     map_inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -182,10 +177,11 @@ def map_input_costs(
 ) -> dict[str, InputCost]:
     """What each registered map input would add to a mapper whose `num_mapped_layers` layers read it over `num_tokens`
     transferred tokens (`MapInput.cost`), by input name. `positions` maps an input's `plan_positions` option (e.g.
-    "token_positions") to how many positions it reads; an input read at 0 positions is left out."""
+    "residual_positions") to how many positions it reads (an input not named: its `plan_default_positions`); an input
+    read at 0 positions is left out."""
     costs = {}
     for cls in registered_map_inputs():
-        count = positions.get(cls.plan_positions, 0) if cls.plan_positions else 1
+        count = positions.get(cls.plan_positions, cls.plan_default_positions) if cls.plan_positions else 1
         if count < 0:
             raise ValueError(f"{cls.plan_positions} must be >= 0, got {count}")
         shape = PlanShape(text_config(target_config), num_mapped_layers, num_tokens, count, rank, _itemsize(_dtype(dtype)))
@@ -212,20 +208,6 @@ def residual_inputs_cost(
     return {"input_features": found.features, "parameters": found.parameters, "flops": found.flops}
 
 
-def token_tables_cost(target_config: PreTrainedConfig, token_positions: int, dtype: str | torch.dtype = "bfloat16") -> dict[str, int]:
-    """What token tables at `token_positions` positions add per target layer that has them
-    (`token_tables.TokenTableInput.cost`), and the table of layer 0's own keys and values per token id
-    (`first_layer_table.FirstLayerTableInput.cost`), which replaces one exact layer's projections by a look-up.
-
-    Returns:
-        `{"parameters": per layer, "bytes": per layer at `dtype`, "first_layer_bytes": layer 0's table at `dtype`}`.
-    """
-    costs = map_input_costs(target_config, 1, 0, {"token_positions": token_positions}, dtype=dtype)
-    item = _itemsize(_dtype(dtype))
-    parameters = costs["token_tables"].parameters if "token_tables" in costs else 0
-    return {"parameters": parameters, "bytes": parameters * item, "first_layer_bytes": costs["first_layer_table"].parameters * item}
-
-
 def map_input_rows(
     target_config: PreTrainedConfig,
     num_mapped_layers: int,
@@ -243,7 +225,7 @@ def map_input_rows(
     for name, cost in map_input_costs(target_config, num_mapped_layers, num_tokens, positions, rank, dtype).items():
         cls = classes[name]
         rows[name] = {
-            "label": cls.plan_label, "positions": positions.get(cls.plan_positions) if cls.plan_positions else None,
+            "label": cls.plan_label, "positions": positions.get(cls.plan_positions, cls.plan_default_positions) if cls.plan_positions else None,
             "parameters": cost.parameters, "bytes": cost.parameters * item, "flops": cost.flops,
             "target_weights_ratio": cost.parameters / target_parameters if target_parameters else None,
         }  # fmt: skip
@@ -314,7 +296,8 @@ class PlanOptions:
         residual_positions: positions (t, t-1, ...) of the target's residual stream entering the last exact layer
             that each mapped layer's maps would also read, for the costs of that option (`residual_inputs_cost`);
             0: none.
-        token_positions: positions the token tables of that option read (`token_tables_cost`); 0: none.
+        input_positions: positions each other registered map input is costed at, by its `plan_positions` option
+            (`MapInput.plan_positions`; an input not named here: its `plan_default_positions`); 0 leaves it out.
         use_hub: False never touches the network.
     """
 
@@ -330,7 +313,7 @@ class PlanOptions:
     num_exact_layers: int | None = None
     num_recompute_tokens: int | None = None
     residual_positions: int = 2
-    token_positions: int = 4
+    input_positions: dict[str, int] | None = None
     use_hub: bool = True
 
 
@@ -427,10 +410,9 @@ def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[s
     first_residual = first_token_flops(target_config, mapper, seq_len, residual_positions=positions, **at)
     alone = first_token_flops(target_config, mapper, seq_len, residual_positions=positions, source_inputs=False, **at)
     residual = residual_inputs_cost(target_config, positions, tgt.num_layers - exact, seq_len, rank)
-    tables = token_tables_cost(target_config, o.token_positions, o.dtype)
     model_parameters = {"source": _model_parameters(source_config), "target": _model_parameters(target_config)}
     inputs = map_input_rows(target_config, tgt.num_layers - exact, seq_len - recompute,
-                            {"residual_positions": positions, "token_positions": o.token_positions}, rank, o.dtype,
+                            {**(o.input_positions or {}), "residual_positions": positions}, rank, o.dtype,
                             model_parameters["target"])  # fmt: skip
     return dict(
         model_parameters=model_parameters,
@@ -449,10 +431,6 @@ def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[s
         first_token_flop_ratio_residual=first_residual["own_prefill"] / first_residual["total"],
         first_token_flops_residual_alone=alone,
         first_token_flop_ratio_residual_alone=alone["own_prefill"] / alone["total"],
-        token_positions=o.token_positions,
-        token_table_parameters_per_layer=tables["parameters"],
-        token_table_bytes_per_layer=tables["bytes"],
-        first_layer_table_bytes=tables["first_layer_bytes"],
         map_inputs=inputs,
     )
 

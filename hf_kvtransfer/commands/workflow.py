@@ -22,7 +22,7 @@ from ..core.mapper_types import MLP, RIDGE
 from ..core.stats import KVStatistics
 from ..fitting.calibration_pass import check_pair, check_tokenizers, remove_checkpoints
 from ..fitting.config import FitConfig, heldout_count, resolve_config
-from ..fitting.fit import calibration_samples, fit_mappers, solve_mappers
+from ..fitting.fit import calibration_sample, fit_mappers, solve_mappers
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def fit_and_save(
         src_tok = load_tokenizer(str(source), "source", source_revision, trust_remote_code)
         tgt_tok = load_tokenizer(str(target), "target", target_revision, trust_remote_code)
         check_tokenizers(src_tok, tgt_tok)
-        input_ids, info, table_ids = calibration_samples(src_tok, config)
+        input_ids, info = calibration_sample(src_tok, config)
         num_heldout = heldout_count(input_ids.shape[0], config.heldout_fraction)
         models = [
             load_model(str(name), which, revision=rev, dtype=torch_dtype, device_map=device_map,
@@ -214,12 +214,11 @@ def fit_and_save(
             log(
                 f"calibration: {input_ids.shape[0]} x {config.seq_len} tokens from {info['dataset']} "
                 f"({num_heldout} held out; every {config.stride}th token used; {world} process{'es' if world > 1 else ''})"
-                + (f"; {table_ids.shape[0]} more for the token tables alone" if table_ids is not None else "")
             )
         mappers = fit_mappers(
             *models, input_ids, config, source_model_id=str(source), target_model_id=str(target),
             source_revision=source_revision, target_revision=target_revision, calibration=info, log=log,
-            token_table_input_ids=table_ids, tokenizer=src_tok,
+            tokenizer=src_tok,
         )  # fmt: skip
         del models
         results: list[tuple[Path, KVMapper]] = []

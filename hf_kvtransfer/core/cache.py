@@ -24,7 +24,7 @@ from .conversion import PendingTransfer, RopeTables, SourceLayer
 from .exact import own_prefix
 from .defaults import resolve_transfer
 from .mapper import KVMapper
-from .map_inputs import ExactPass
+from .map_inputs import ExactPass, first_layer_rows
 from .quality_gate import PendingGate, QualityGateConfig, TransferStatus, run_gate
 from .rope import position_ids_from_mask
 
@@ -409,15 +409,16 @@ class TransferredCache(DynamicCache):
             )
         prompt = self.prompt_ids if self.prompt_ids is not None else self._exact_prompt
         if prompt is None or prompt.shape[-1] < held:
+            reads = ", ".join(inp.name for inp in self.mapper.map_inputs if inp.needs_prompt_ids)
             raise ValueError(
                 f"this cache computes the target's first {n} layer(s) from the prompt's ids (the residual stream and "
-                "token tables its maps read come from there too), and it does not know them: build the source cache "
-                f"with `prefill` or pass input_ids= to TransferredCache, {undo}"
+                f"other inputs its maps read come from there too{': ' + reads if reads else ''}), and it does not know "
+                f"them: build the source cache with `prefill` or pass input_ids= to TransferredCache, {undo}"
             )
         self.compute_exact_layers(self._exact_model, prompt)
 
     def _give_ids(self, prompt: torch.Tensor) -> None:
-        """Hand the map inputs that read the prompt's ids (token tables) their state for the transferred tokens."""
+        """Hand the map inputs that read the prompt's ids (rows looked up by id) their state for the transferred tokens."""
         transfer = self._transfer
         waiting = [inp for inp in self.mapper.map_inputs if transfer is not None and inp.name not in transfer.inputs]
         if not waiting:
@@ -463,9 +464,11 @@ class TransferredCache(DynamicCache):
         # The residual stream an input reads, captured on the way (at most one layer: `MapInput.hidden_layer`).
         layer = next((inp.hidden_layer() for inp in inputs if inp.hidden_layer() is not None), None)
         hidden = None
-        if len(exact) == 1 and layer is None and self.mapper.first_layer is not None:
-            # Layer 0's K/V depend on the ids alone: looked up (the target's own numbers), not projected.
-            own = [transfer.first_layer(ids, model.get_input_embeddings().weight)]
+        # Layer 0's K/V depend on the ids alone: an input holding them per id has them looked up (the target's own
+        # numbers), not projected.
+        looked_up = first_layer_rows(self.mapper, ids) if len(exact) == 1 and layer is None else None
+        if looked_up is not None:
+            own = [transfer.own_first_layer(looked_up, model.get_input_embeddings().weight)]
         else:
             own = own_prefix(model, ids, transfer.attention_mask, transfer.rope.position_ids, len(exact), hidden_of=layer)
             own, hidden = own if layer is not None else (own, None)

@@ -11,7 +11,9 @@ from .mapper_types import LOWRANK, RIDGE
 REPORT_FIELDS = ("eval_results", "model_selection")
 
 # Configs written before the inputs were nested (no `map_inputs` key) held their settings as flat fields:
-# {old field: (input, its field)}.
+# {old field: (input, its field)}. These names are saved data, read once here: the only place the package names the
+# inputs that have since moved out of it (the research plug-in registers them when imported; without it the nested
+# dict written here is refused by `map_inputs.map_input_class`, in one line naming the input).
 _FLAT_INPUT_FIELDS = {
     "residual_layer": ("residual", "layer"),
     "residual_lags": ("residual", "lags"),

@@ -144,7 +144,7 @@ class PendingTransfer:
     # Non-finite flags of stripped source layers on accelerators, checked once after the last layer (no host sync).
     nonfinite: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # Each map input's state for this transfer, by name (`map_inputs.py`): a tensor that follows the batch and length
-    # operations (the residual features `[B, T, F]`, the token tables' rows `[B, T, lags]`) or the target's modules.
+    # operations (the residual features `[B, T, F]`, rows of ids `[B, T, lags]`) or the target's modules.
     inputs: dict[str, Any] = field(default_factory=dict)
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -329,10 +329,11 @@ class PendingTransfer:
         return keys, values
 
     @torch.no_grad()
-    def first_layer(self, input_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's own layer-0 keys and values `[B, n_kv, T, d]` looked up from the mapper's table
-        (`exact.FirstLayerTable`) for the prompt's ids `[B, T]`, the target's RoPE applied; in `like`'s dtype."""
-        keys, values = self._finish(*self.mapper.first_layer.lookup(input_ids), 1, like)
+    def own_first_layer(self, rows: tuple[torch.Tensor, torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's own layer-0 keys and values `[B, n_kv, T, d]` from their RoPE-free rows `[B, T, n_kv * d]`
+        (looked up per token id by a map input: `MapInput.first_layer_rows`), the target's RoPE applied; in `like`'s
+        dtype."""
+        keys, values = self._finish(*rows, 1, like)
         return keys[0], values[0]
 
     def mapped(self, layer_idx: int, like: torch.Tensor, pending: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,16 +2,13 @@
 exact layers): a forward of the target's body that stops as soon as the last layer asked for has stored its K/V.
 
 Layer 0's keys and values depend on each token's id alone (its embedding through the layer's norm and
-projections; RoPE comes after), so a mapper may hold them as one table row per id (`FirstLayerTable`): with one
-exact layer the cache then looks them up and applies the target's RoPE, the same numbers without the projections.
+projections; RoPE comes after), so a map input may hold them as one row per id (`MapInput.first_layer_rows`): with
+one exact layer the cache then looks them up and applies the target's RoPE, the same numbers without the projections.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from .capture import cache_argument
@@ -81,20 +78,3 @@ def own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids, 
             hook.remove()
     kv = [(layer.keys, layer.values) for layer in cache.layers[:num_layers]]
     return (kv, captured["hidden"]) if hidden_of is not None else kv
-
-
-class FirstLayerTable(nn.Module):
-    """The target's own layer-0 keys (RoPE-free, after its key norm) and values for every token id: `key` and
-    `value`, each `[vocab_size, n_kv * d]` (`first_layer_table.FirstLayerTableInput`; made by
-    `fitting.tabulate_first_layer`)."""
-
-    def __init__(self, config: Any):
-        super().__init__()
-        shape = (config.target_fingerprint["vocab_size"], config.target_layout.layer_dim)
-        self.key = nn.Parameter(torch.zeros(shape))
-        self.value = nn.Parameter(torch.zeros(shape))
-
-    def lookup(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE-free keys and values `[batch, seq, n_kv * d]` of the ids `[batch, seq]`."""
-        ids = input_ids.to(self.key.device)
-        return nn.functional.embedding(ids, self.key), nn.functional.embedding(ids, self.value)

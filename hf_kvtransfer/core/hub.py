@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,33 @@ def resolve_mapper_dir(
         ```
     """
     name = os.fspath(pretrained)
+    local = _local_mapper_dir(name, revision)
+    if local is not None:
+        return local
+    repo_id = name
+    offline = local_files_only or _offline_mode()
+    download = dict(
+        repo_id=repo_id,
+        cache_dir=cache_dir,
+        token=token,
+        local_files_only=offline,
+        force_download=force_download,
+        library_name=LIBRARY_NAME,
+        library_version=__version__,
+    )
+    try:
+        with _hub_errors(repo_id, revision, token=token, offline=offline):
+            snapshot, hint = _download_mapper(download, revision)
+    except (MapperNotFoundError, MapperOfflineError) as exc:
+        # Not on the Hub (or no Hub): the name was perhaps a local path with a typo; say that there is none either.
+        raise type(exc)(f"{missing_local_path_message(name, bare=True)}, and {exc}") from exc.__cause__
+    _check_mapper_folder(snapshot, _describe(repo_id, revision), hint)
+    return snapshot
+
+
+def _local_mapper_dir(name: str, revision: str | None) -> Path | None:
+    """`name` as a local mapper directory (checked), None when it is a Hub repo id; raises when it is a file or a
+    path that does not exist."""
     path = Path(name).expanduser()
     if path.is_dir():
         if revision is not None:
@@ -153,35 +181,23 @@ def resolve_mapper_dir(
         )
     if _looks_like_path(name):
         raise MapperNotFoundError(missing_local_path_message(name))
+    return None
 
-    repo_id = name
-    offline = local_files_only or _offline_mode()
-    where = _describe(repo_id, revision)
-    download = dict(
-        repo_id=repo_id,
-        cache_dir=cache_dir,
-        token=token,
-        local_files_only=offline,
-        force_download=force_download,
-        library_name=LIBRARY_NAME,
-        library_version=__version__,
-    )
-    try:
-        with _hub_errors(repo_id, revision, token=token, offline=offline):
-            # config.json alone first: a mistyped id that names a model must not start a multi-GB download.
-            snapshot = Path(snapshot_download(revision=revision, allow_patterns=[CONFIG_NAME], **download))
-            hint = lambda: _repo_files_hint(repo_id, snapshot.name, cache_dir)  # noqa: E731
-            _check_mapper_config(snapshot / CONFIG_NAME, where, hint)
-            # The rest from the commit the config came from (a push in between cannot pair it with other weights).
-            pinned = snapshot.name if _COMMIT_HASH.match(snapshot.name) else revision
-            # Weights: model.safetensors, or the shard index and every shard (checkpoint.WEIGHT_PATTERNS).
-            patterns = [*WEIGHT_PATTERNS, CARD_NAME, REPORT_NAME]
-            snapshot = Path(snapshot_download(revision=pinned, allow_patterns=patterns, **download))
-    except (MapperNotFoundError, MapperOfflineError) as exc:
-        # Not on the Hub (or no Hub): the name was perhaps a local path with a typo; say that there is none either.
-        raise type(exc)(f"{missing_local_path_message(name, bare=True)}, and {exc}") from exc.__cause__
-    _check_mapper_folder(snapshot, where, hint)
-    return snapshot
+
+def _download_mapper(download: dict[str, Any], revision: str | None) -> tuple[Path, Callable[[], str]]:
+    """The snapshot of a mapper repo (`snapshot_download` keywords `download`), its config checked before the
+    weights are fetched, and the hint on what the repo holds for the messages of a folder that is no mapper."""
+    repo_id, cache_dir = download["repo_id"], download["cache_dir"]
+    # config.json alone first: a mistyped id that names a model must not start a multi-GB download.
+    snapshot = Path(snapshot_download(revision=revision, allow_patterns=[CONFIG_NAME], **download))
+    hint = lambda: _repo_files_hint(repo_id, snapshot.name, cache_dir)  # noqa: E731
+    _check_mapper_config(snapshot / CONFIG_NAME, _describe(repo_id, revision), hint)
+    # The rest from the commit the config came from (a push in between cannot pair it with other weights).
+    pinned = snapshot.name if _COMMIT_HASH.match(snapshot.name) else revision
+    # Weights: model.safetensors, or the shard index and every shard (checkpoint.WEIGHT_PATTERNS).
+    patterns = [*WEIGHT_PATTERNS, CARD_NAME, REPORT_NAME]
+    snapshot = Path(snapshot_download(revision=pinned, allow_patterns=patterns, **download))
+    return snapshot, hint
 
 
 def _check_mapper_folder(path: Path, where: str, hint: Callable[[], str] = str) -> None:
@@ -327,21 +343,7 @@ def push_mapper_dir(
             f"cannot push to Hub repo '{repo_id}': offline mode is on (HF_HUB_OFFLINE=1); unset it to publish"
         )
     write_token = _write_token(token, repo_id)
-    card, report = folder / CARD_NAME, folder / REPORT_NAME
-    report_data = json.loads(report.read_text(encoding="utf-8")) if report.is_file() else None
-    card_content: str | bytes = (
-        str(card)
-        if card.is_file()
-        else str(render_model_card(config, repo_id, report=report_data, checkpoint=checkpoint_info(folder))).encode()
-    )
-    weights = [f.name for f in weight_files(folder)] + ([INDEX_NAME] if (folder / INDEX_NAME).is_file() else [])
-    operations = [
-        CommitOperationAdd(path_in_repo=CONFIG_NAME, path_or_fileobj=str(folder / CONFIG_NAME)),
-        *(CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in weights),
-        CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_content),
-    ]
-    if report.is_file():
-        operations.append(CommitOperationAdd(path_in_repo=REPORT_NAME, path_or_fileobj=str(report)))
+    operations, weights = _upload_operations(folder, config, repo_id)
     api = HfApi(token=write_token, library_name=LIBRARY_NAME, library_version=__version__)
     with _hub_errors(repo_id, revision, token=write_token, pushing=True):
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -359,6 +361,27 @@ def push_mapper_dir(
         )
     logger.info("pushed mapper to %s (%s)", repo_id, info.pr_url or info.commit_url)
     return info
+
+
+def _upload_operations(folder: Path, config: dict, repo_id: str) -> tuple[list[CommitOperationAdd], list[str]]:
+    """The files a push adds (config, weights, the model card, rendered when the folder has none, and the run
+    report if any), and the names of the weight files among them."""
+    card, report = folder / CARD_NAME, folder / REPORT_NAME
+    report_data = json.loads(report.read_text(encoding="utf-8")) if report.is_file() else None
+    card_content: str | bytes = (
+        str(card)
+        if card.is_file()
+        else str(render_model_card(config, repo_id, report=report_data, checkpoint=checkpoint_info(folder))).encode()
+    )
+    weights = [f.name for f in weight_files(folder)] + ([INDEX_NAME] if (folder / INDEX_NAME).is_file() else [])
+    operations = [
+        CommitOperationAdd(path_in_repo=CONFIG_NAME, path_or_fileobj=str(folder / CONFIG_NAME)),
+        *(CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in weights),
+        CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_content),
+    ]
+    if report.is_file():
+        operations.append(CommitOperationAdd(path_in_repo=REPORT_NAME, path_or_fileobj=str(report)))
+    return operations, weights
 
 
 def _is_weight_file(name: str) -> bool:
@@ -425,89 +448,131 @@ def _refs_hint(repo_id: str, token: str | bool | None) -> str:
     return f" (branches: {branches}; tags: {tags})"
 
 
+_LOGIN = "pass token= or run `hf auth login`"
+_CACHE_HINT = "once downloaded, a mapper loads offline with local_files_only=True or HF_HUB_OFFLINE=1"
+
+
+@dataclass(frozen=True)
+class _HubCall:
+    """What an error's message names: the repo (`where`: with its revision), the Hub endpoint, and what the call
+    was doing (reading offline, pushing)."""
+
+    repo_id: str
+    revision: str | None
+    token: Any
+    offline: bool
+    pushing: bool
+    where: str
+    endpoint: str
+
+
 @contextmanager
 def _hub_errors(repo_id: str, revision: str | None, *, token=None, offline: bool = False, pushing: bool = False):
     """Re-raise huggingface_hub errors as MapperHubError subclasses with a one-line, actionable message."""
-    where = _describe(repo_id, revision)
-    endpoint = constants.ENDPOINT
-    login = "pass token= or run `hf auth login`"
-    cache_hint = "once downloaded, a mapper loads offline with local_files_only=True or HF_HUB_OFFLINE=1"
+    call = _HubCall(repo_id, revision, token, offline, pushing, _describe(repo_id, revision), constants.ENDPOINT)
     try:
         yield
     except MapperHubError:
         raise
-    except GatedRepoError as exc:
-        raise MapperGatedError(
-            f"{where} is gated: accept its conditions at {endpoint}/{repo_id} while logged in, then {login}"
-        ) from exc
-    except RepositoryNotFoundError as exc:
-        if pushing:
-            raise MapperAuthError(
-                f"cannot write to {where}: the Hub says it does not exist for this token; check the repo id and "
-                f"that the token has write access to the '{repo_id.split('/')[0]}' namespace"
-            ) from exc
-        raise MapperNotFoundError(
-            f"{where} was not found on the Hub ({endpoint}): check the repo id for typos; if the repo is private, "
-            f"{login} with an account that can read it"
-        ) from exc
-    except RevisionNotFoundError as exc:
-        raise MapperRevisionNotFoundError(
-            f"revision '{revision}' does not exist in Hub repo '{repo_id}'{_refs_hint(repo_id, token)}: pass an "
-            f"existing branch, tag or commit hash (list them with HfApi().list_repo_refs('{repo_id}'))"
-        ) from exc
-    except LocalEntryNotFoundError as exc:  # nothing usable in the cache, and the Hub was not asked or not reached
-        http_error = next((e for e in _causes(exc) if isinstance(e, HfHubHTTPError)), None)
-        if offline or any(isinstance(e, OfflineModeIsEnabled) for e in _causes(exc)):
-            partial = " completely" if isinstance(exc, IncompleteSnapshotError) else ""
-            raise MapperOfflineError(
-                f"{where} is not{partial} in the local cache and offline mode is on (local_files_only=True or "
-                "HF_HUB_OFFLINE=1): download it once with network access, or pass a local mapper directory"
-            ) from exc
-        if http_error is not None:
-            status = http_error.response.status_code if http_error.response is not None else "?"
-            raise MapperHubError(
-                f"the Hub ({endpoint}) answered HTTP {status} for {where} and it is not in the local cache: "
-                f"try again later ({_one_line(http_error.server_message or '')})"
-            ) from exc
-        raise MapperOfflineError(
-            f"could not reach the Hub at {endpoint} to fetch {where}, and it is not in the local cache: check your "
-            f"network connection (or HF_ENDPOINT); {cache_hint}"
-        ) from exc
-    except EntryNotFoundError as exc:
-        raise NotAMapperError(
+    except Exception as exc:
+        error = _translated(exc, call)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def _translated(exc: Exception, call: _HubCall) -> MapperHubError | None:
+    """`exc` as the MapperHubError that says what to do (None: not a Hub error; it is re-raised as is)."""
+    where, repo_id = call.where, call.repo_id
+    if isinstance(exc, (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError)):
+        return _repo_error(exc, call)
+    # Nothing usable in the cache, and the Hub was not asked or not reached.
+    if isinstance(exc, LocalEntryNotFoundError):
+        return _cache_miss_error(exc, call)
+    if isinstance(exc, EntryNotFoundError):
+        return NotAMapperError(
             f"{where} lacks a file a mapper needs ({CONFIG_NAME} and {WEIGHTS_NAME}): it is not a hf-kvtransfer "
             "mapper repo"
-        ) from exc
-    except HFValidationError as exc:
-        raise MapperNotFoundError(
+        )
+    if isinstance(exc, HFValidationError):
+        return MapperNotFoundError(
             f"'{repo_id}' is neither a local directory nor a valid Hub repo id ('namespace/name'): {_one_line(exc)}"
-        ) from exc
-    except OfflineModeIsEnabled as exc:
-        raise MapperOfflineError(f"cannot reach {where}: offline mode is on (HF_HUB_OFFLINE=1); unset it") from exc
-    except HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else None
-        detail = _one_line(exc.server_message or exc)
-        if status in (401, 403):
-            action = "write to" if pushing else "read"
-            raise MapperAuthError(
-                f"the Hub refused the token to {action} {where} (HTTP {status}: {detail}): check that the token is "
-                f"valid and has {'write' if pushing else 'read'} access, then {login}"
-            ) from exc
-        if isinstance(exc, BadRequestError):
-            raise MapperHubError(f"the Hub rejected the request for {where}: {detail}") from exc
-        raise MapperHubError(
-            f"the Hub ({endpoint}) answered HTTP {status} for {where}: {detail}; try again later"
-        ) from exc
-    except ValueError as exc:
-        if pushing and str(exc).startswith("Invalid metadata in README.md"):
-            raise MapperHubError(
+        )
+    if isinstance(exc, OfflineModeIsEnabled):
+        return MapperOfflineError(f"cannot reach {where}: offline mode is on (HF_HUB_OFFLINE=1); unset it")
+    if isinstance(exc, HfHubHTTPError):
+        return _http_error(exc, call)
+    if isinstance(exc, ValueError):
+        if call.pushing and str(exc).startswith("Invalid metadata in README.md"):
+            return MapperHubError(
                 f"the Hub rejected the model card metadata of {where}: {_one_line(exc)}; fix README.md"
-            ) from exc
-        raise
-    except _transport_errors() as exc:
-        action = f"push to {where}" if pushing else f"fetch {where}"
-        raise MapperOfflineError(
-            f"could not reach the Hub at {endpoint} to {action} ({type(exc).__name__}): check your network "
-            f"connection (or HF_ENDPOINT)" + ("" if pushing else f"; {cache_hint}")
-        ) from exc
+            )
+        return None
+    if isinstance(exc, _transport_errors()):
+        action = f"push to {where}" if call.pushing else f"fetch {where}"
+        return MapperOfflineError(
+            f"could not reach the Hub at {call.endpoint} to {action} ({type(exc).__name__}): check your network "
+            f"connection (or HF_ENDPOINT)" + ("" if call.pushing else f"; {_CACHE_HINT}")
+        )
+    return None
 
+
+def _repo_error(exc: HfHubHTTPError, call: _HubCall) -> MapperHubError:
+    """A gated repo, a repo that does not exist (for this token), or a revision that does not exist in it."""
+    where, repo_id = call.where, call.repo_id
+    if isinstance(exc, GatedRepoError):
+        return MapperGatedError(
+            f"{where} is gated: accept its conditions at {call.endpoint}/{repo_id} while logged in, then {_LOGIN}"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        if call.pushing:
+            return MapperAuthError(
+                f"cannot write to {where}: the Hub says it does not exist for this token; check the repo id and "
+                f"that the token has write access to the '{repo_id.split('/')[0]}' namespace"
+            )
+        return MapperNotFoundError(
+            f"{where} was not found on the Hub ({call.endpoint}): check the repo id for typos; if the repo is private, "
+            f"{_LOGIN} with an account that can read it"
+        )
+    return MapperRevisionNotFoundError(
+        f"revision '{call.revision}' does not exist in Hub repo '{repo_id}'{_refs_hint(repo_id, call.token)}: pass an "
+        f"existing branch, tag or commit hash (list them with HfApi().list_repo_refs('{repo_id}'))"
+    )
+
+
+def _cache_miss_error(exc: LocalEntryNotFoundError, call: _HubCall) -> MapperHubError:
+    """Not in the cache: offline mode on, the Hub answering an HTTP error, or the Hub not reached."""
+    http_error = next((e for e in _causes(exc) if isinstance(e, HfHubHTTPError)), None)
+    if call.offline or any(isinstance(e, OfflineModeIsEnabled) for e in _causes(exc)):
+        partial = " completely" if isinstance(exc, IncompleteSnapshotError) else ""
+        return MapperOfflineError(
+            f"{call.where} is not{partial} in the local cache and offline mode is on (local_files_only=True or "
+            "HF_HUB_OFFLINE=1): download it once with network access, or pass a local mapper directory"
+        )
+    if http_error is not None:
+        status = http_error.response.status_code if http_error.response is not None else "?"
+        return MapperHubError(
+            f"the Hub ({call.endpoint}) answered HTTP {status} for {call.where} and it is not in the local cache: "
+            f"try again later ({_one_line(http_error.server_message or '')})"
+        )
+    return MapperOfflineError(
+        f"could not reach the Hub at {call.endpoint} to fetch {call.where}, and it is not in the local cache: check "
+        f"your network connection (or HF_ENDPOINT); {_CACHE_HINT}"
+    )
+
+
+def _http_error(exc: HfHubHTTPError, call: _HubCall) -> MapperHubError:
+    """Any other HTTP error: the token refused (401, 403), a bad request, or the Hub failing."""
+    status = exc.response.status_code if exc.response is not None else None
+    detail = _one_line(exc.server_message or exc)
+    if status in (401, 403):
+        action = "write to" if call.pushing else "read"
+        return MapperAuthError(
+            f"the Hub refused the token to {action} {call.where} (HTTP {status}: {detail}): check that the token is "
+            f"valid and has {'write' if call.pushing else 'read'} access, then {_LOGIN}"
+        )
+    if isinstance(exc, BadRequestError):
+        return MapperHubError(f"the Hub rejected the request for {call.where}: {detail}")
+    return MapperHubError(
+        f"the Hub ({call.endpoint}) answered HTTP {status} for {call.where}: {detail}; try again later"
+    )

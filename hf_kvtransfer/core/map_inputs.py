@@ -5,16 +5,18 @@ An input is used by a mapper when its config asks for it (`used_by`). For each t
 or a dict of the target's modules): from the prompt's ids (`from_ids`), or from the cache's exact pass (`from_exact_pass`,
 which hands it the target model, the ids and, for an input that reads the residual stream, the residual entering
 `hidden_layer`). When the cache maps a group of target layers it hands each input, in registry order, the group's
-mapped rows to add its part to (`apply`). The mapper, the conversion, the exact pass, the cache, the card, `plan` and
-the vLLM connector loop over the inputs; no module outside an input's own files names it.
+mapped rows to add its part to (`apply`). An input may also hold the target's own layer-0 keys and values per token
+id, which a cache computing one exact layer then looks up (`first_layer_rows`). The mapper, the conversion, the exact
+pass, the cache, the card, `plan` and the vLLM connector loop over the inputs; no module outside an input's own files
+names it.
 
-The inputs: `residual.ResidualInput` (the target's residual stream after its exact layers), `token_tables.TokenTableInput`
-(table rows of the prompt's ids), `key_norm.KeyNormInput` (the target's own key norm on keys predicted before it),
-`first_layer_table.FirstLayerTableInput` (the target's layer-0 K/V per id, looked up by the exact pass).
-Each input has its own config dataclass (a `MapInputConfig`, `config_class`), nested in `MapperConfig.map_inputs` under
-the input's name and validated by itself against the whole mapper config (`MapInputConfig.validate`): a mapper reads an
-input when its config holds one (`used_by`). Add one: a subclass and its config in its own module,
-`@register_map_input`, its module named in `BUILT_IN_MAP_INPUTS`.
+The library's inputs: `residual.ResidualInput` (the target's residual stream after its exact layers) and
+`key_norm.KeyNormInput` (the target's own key norm on keys predicted before it). Each input has its own config
+dataclass (a `MapInputConfig`, `config_class`), nested in `MapperConfig.map_inputs` under the input's name and
+validated by itself against the whole mapper config (`MapInputConfig.validate`): a mapper reads an input when its
+config holds one (`used_by`). Add one: a subclass and its config in its own module, `@register_map_input`; a module of
+the library is named in `BUILT_IN_MAP_INPUTS`, one defined outside it registers itself when its module is imported
+(import it before loading a mapper that uses it; docs/guides/map-inputs.md has a worked example).
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class MapInputConfig:
 
     def maps_layer_without_source(self, config: MapperConfig, layer_idx: int) -> bool:
         """Whether a map of `layer_idx` may read no source layer at all (it then reads this input, or nothing)."""
+        return False
+
+    def holds_per_id_rows(self, config: MapperConfig, layers: list[int], lags: list[int]) -> bool:
+        """Whether this input adds one row per token id, at each position `t - lag` for `lags`, to the maps of every
+        layer of `layers`: a part of those maps that is a function of the ids alone may then be held in its rows
+        (`ResidualConfig.in_tables`)."""
         return False
 
     @classmethod
@@ -128,6 +136,8 @@ class MapInput:
     # reads (None: it reads no positions).
     plan_label: ClassVar[str] = ""
     plan_positions: ClassVar[str | None] = None
+    # The positions `plan` costs it at when the caller names none for its `plan_positions` option.
+    plan_default_positions: ClassVar[int] = 0
 
     @classmethod
     def cost(cls, shape: PlanShape) -> InputCost | None:
@@ -174,6 +184,12 @@ class MapInput:
         """Its state once the exact pass ran (None: nothing from there)."""
         return None
 
+    def first_layer_rows(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The target's own layer-0 keys and values, RoPE-free, `[B, T, n_kv * d]` each, for the ids `[B, T]`, when
+        this input holds them per token id (they depend on the id alone): a cache computing exactly one layer then
+        looks them up instead of running the target's projections. None: it does not hold them."""
+        return None
+
     def apply(self, state: Any, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """The group's mapped `[key_rows, value_rows]` (`[B, T, len(group) * n_kv * d]`, stripped) with its part."""
         raise NotImplementedError
@@ -196,8 +212,9 @@ class MapInput:
 
 MAP_INPUTS: dict[str, type[MapInput]] = {}
 
-# The modules of the library's own inputs (each registers its class when imported): the one line a new input adds.
-BUILT_IN_MAP_INPUTS = ("residual", "token_tables", "key_norm", "first_layer_table")
+# The modules of the library's own inputs (each registers its class when imported): the one line a new one adds. An
+# input defined outside the library registers itself when its own module is imported.
+BUILT_IN_MAP_INPUTS = ("residual", "key_norm")
 
 
 def register_map_input(cls: type[MapInput]) -> type[MapInput]:
@@ -220,8 +237,10 @@ def map_input_class(name: str) -> type[MapInput]:
     registered_map_inputs()
     if name not in MAP_INPUTS:
         raise ValueError(
-            f"map_inputs.{name}: unknown map input (this version knows {sorted(MAP_INPUTS)}); upgrade hf-kvtransfer to "
-            "the version that saved this mapper, or load a mapper made without it"
+            f"map_inputs.{name}: unknown map input (this version knows {sorted(MAP_INPUTS)}); a map input defined "
+            "outside the library registers itself when its module is imported (register_map_input): import that "
+            "module first; else upgrade hf-kvtransfer to the version that saved this mapper, or load a mapper made "
+            "without it"
         )
     return MAP_INPUTS[name]
 
@@ -265,6 +284,17 @@ def map_inputs_of(mapper: KVMapper) -> list[MapInput]:
     return [cls(mapper) for cls in registered_map_inputs() if cls.used_by(mapper.config)]
 
 
+def first_layer_rows(mapper: KVMapper, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer 0's RoPE-free keys and values for `input_ids`, looked up by an input of `mapper`'s config that holds
+    them per token id (`MapInput.first_layer_rows`), or None when none does."""
+    for cls in registered_map_inputs():
+        if cls.name in mapper.config.map_inputs:
+            rows = cls(mapper).first_layer_rows(input_ids)
+            if rows is not None:
+                return rows
+    return None
+
+
 def layer_span(layers: list[int]) -> str:
     """`[2, 3, 4, 5]` -> "2-5"; other lists comma-separated (for labels)."""
     if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)):
@@ -290,6 +320,7 @@ __all__ = [
     "MapInputConfig",
     "PlanShape",
     "exact_layers_needed",
+    "first_layer_rows",
     "input_configs",
     "layer_span",
     "map_input_class",

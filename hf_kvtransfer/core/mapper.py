@@ -232,7 +232,7 @@ class KVMapper(nn.Module):
         super().__init__()
         self.config = config
         self.layers = layer_maps if layer_maps is not None else build_layer_maps(config)
-        # Each input's parameters, as the attribute it names (`residual`, `tokens`, `first_layer`), None without.
+        # Each input's parameters, as the attribute it names (the residual's: `residual`), None without.
         for inp in registered_map_inputs():
             if inp.attribute is not None:
                 setattr(self, inp.attribute, inp.build_module(config))
@@ -274,7 +274,7 @@ class KVMapper(nn.Module):
     @property
     def needs_prompt_ids(self) -> bool:
         """Whether applying the maps needs the prompt's token ids: an input of theirs comes from the ids (the target's
-        residual stream, computed from them in the exact layers, or token tables)."""
+        residual stream, computed from them in the exact layers, or rows looked up by id)."""
         return any(inp.needs_prompt_ids for inp in self.map_inputs)
 
     @cached_property

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .status import APPLIED, FALLBACK
+
 FALLBACK_REASON = "quality gate"
 
 
@@ -46,7 +48,7 @@ class QualityGateConfig:
         return asdict(self)
 
     @classmethod
-    def from_value(cls, value: "QualityGateConfig | dict | None") -> "QualityGateConfig | None":
+    def from_value(cls, value: QualityGateConfig | dict | None) -> QualityGateConfig | None:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
@@ -70,6 +72,11 @@ class TransferStatus:
     @property
     def reason(self) -> str | None:
         return None if all(self.applied) else FALLBACK_REASON
+
+    @property
+    def statuses(self) -> tuple[str, ...]:
+        """Each row's status in the connector's words: "applied" or "fallback" (`core/status.py`)."""
+        return tuple(APPLIED if ok else FALLBACK for ok in self.applied)
 
     @property
     def fallback_rows(self) -> list[int]:

@@ -10,8 +10,8 @@ map of the source's features, where `r` is the RMS-normalised residual (no weigh
 config's `lags` (zeros before a row's first token), optionally through one shared reduced-rank projection (`rank`).
 
 With `layer = 0` the residual is the token embedding: `W_res[t] @ r` is then a function of the ids at `t - lag`
-alone, one row per id, and a mapper with token tables may hold it there (`in_tables`): the same maps, applied as a
-gather instead of a product.
+alone, one row per id, and a mapper with another input that adds rows per id may hold it there (`in_tables`): the
+same maps, applied as a gather instead of a product.
 
 The maps of the readers may predict keys *before* the target's per-head key norm, which the cache then applies with
 the target's own module (`key_norm.py`).
@@ -71,9 +71,9 @@ class ResidualConfig(MapInputConfig):
         rank: the rank of one projection of the residual features shared by every layer (None: full).
         readers: the target layers whose maps read the residual (None: every layer after `layer`); the others keep
             source-only maps.
-        in_tables: the residual part of the maps is held in the token tables, not as weights: with `layer = 0` the
-            residual is the token embedding, a function of the id alone, so its product with each reader's weights is
-            one table row per id (`fitting.fold_residual_into_tables`).
+        in_tables: the residual part of the maps is held in the per-id rows of another input
+            (`MapInputConfig.holds_per_id_rows`), not as weights: with `layer = 0` the residual is the token
+            embedding, a function of the id alone, so its product with each reader's weights is one row per id.
     """
 
     layer: int
@@ -103,12 +103,12 @@ class ResidualConfig(MapInputConfig):
             raise ValueError(f"{name}.lags must be distinct non-negative token offsets (e.g. [0, 1, 2]), got {self.lags}")
         if self.rank is not None and not (_is_int(self.rank) and 1 <= self.rank <= len(self.lags) * hidden):
             raise ValueError(f"{name}.rank must be in [1, {len(self.lags) * hidden}] (lags x hidden size), got {self.rank}")
-        tables = config.map_inputs.get("token_tables")
-        if self.in_tables and not (self.layer == 0 and tables is not None and set(self.reader_layers(num_layers)) <= set(tables.readers)
-                                   and set(self.lags) <= set(tables.lags)):  # fmt: skip
+        if self.in_tables and not (self.layer == 0 and any(
+                other.holds_per_id_rows(config, self.reader_layers(num_layers), self.lags)
+                for other in config.map_inputs.values() if other is not self)):  # fmt: skip
             raise ValueError(
                 f"{name}.in_tables needs layer 0 (the residual is then the token embedding, a function of the id) and "
-                "token tables on every reader at every lag (they hold the residual part)"
+                "an input adding rows per token id on every reader at every lag (they hold the residual part)"
             )
         if config.num_exact_layers is not None and config.num_exact_layers < self.layer + 1:
             raise ValueError(
@@ -142,7 +142,7 @@ def residual_config(config: MapperConfig) -> ResidualConfig | None:
 
 def residual_input_features(config: MapperConfig) -> list[int]:
     """Extra input features each target layer's key and value maps read beyond the source's K/V (0 for layers that
-    read none, and for a mapper whose residual part is in its token tables): `len(lags) * hidden_size`, or
+    read none, and for a mapper whose residual part is held in per-id rows: `in_tables`): `len(lags) * hidden_size`, or
     `rank` after the shared projection (which itself is `rank x len(lags) * hidden_size`, applied once per token;
     see `residual_projection_shape`).
     """
@@ -173,7 +173,7 @@ def residual_projection_shape(config: MapperConfig) -> tuple[int, int] | None:
 class ResidualMaps(nn.Module):
     """The residual part of the maps of the layers after the residual's `layer`: `key.<t>` / `value.<t>` weights
     `[n_kv * d, F]` (F: `residual_input_features`), and the shared projection `down` `[rank, len(lags) * hidden]`
-    of a reduced-rank one. None of them when the residual part is in the token tables (`in_tables`): the readers
+    of a reduced-rank one. None of them when the residual part is held in per-id rows (`in_tables`): the readers
     are then kept for their key norms only."""
 
     def __init__(self, config: MapperConfig):
@@ -201,8 +201,8 @@ class ResidualMaps(nn.Module):
 @register_map_input
 class ResidualInput(MapInput):
     """The target's residual stream entering `ResidualConfig.layer`, captured by the exact pass: each reader layer adds
-    `W_res[t] @ r` to its map of the source's features (`ResidualMaps`). Not used when the residual part is in the
-    token tables (`in_tables`)."""
+    `W_res[t] @ r` to its map of the source's features (`ResidualMaps`). Not used when the residual part is held in
+    per-id rows (`in_tables`)."""
 
     name, order, config_class, attribute = "residual", 10, ResidualConfig, "residual"
     missing = (
@@ -235,7 +235,7 @@ class ResidualInput(MapInput):
 
     @classmethod
     def build_module(cls, config: MapperConfig) -> nn.Module | None:
-        # Built with the residual in the tables too: its readers are those the key norm acts on.
+        # Built with the residual held in per-id rows too: its readers are those the key norm acts on.
         return ResidualMaps(config) if residual_config(config) is not None else None
 
     @property
@@ -250,7 +250,7 @@ class ResidualInput(MapInput):
         res = (config.get("map_inputs") or {}).get("residual")
         if res is None:
             return []
-        held = "; held in the token tables, a look-up of the ids" if res.get("in_tables") else ""
+        held = "; held in rows per token id, a look-up of the ids" if res.get("in_tables") else ""
         readers = ", ".join(map(str, res.get("readers") or ["every mapped layer"]))
         return [("Maps also read", f"the target's residual stream entering layer {res['layer']} "
                  f"(readers: {readers}{held})")]  # fmt: skip

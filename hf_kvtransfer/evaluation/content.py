@@ -28,7 +28,8 @@ With `source=None, mapper=None`, `repeated_span_retention`, `passage_recall` and
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -95,20 +96,68 @@ def _recorded(used: set[int]) -> int | list[int]:
     return next(iter(used)) if len(used) == 1 else sorted(used)
 
 
-def _exact_layers(mapper: KVMapper | None, num_exact_layers: int | None) -> int | None:
-    """The exact layers a result reports: the ones its transferred caches computed (None: no transfer)."""
-    return mapper.resolve_num_exact_layers(num_exact_layers) if mapper is not None else None
+@dataclass(frozen=True)
+class _Scorer:
+    """What a content evaluation scores with: the target, the transfer (`source` and `mapper`; both None: the
+    target alone) and the transfer's options as the caller gave them."""
+
+    source: PreTrainedModel | None
+    target: PreTrainedModel
+    mapper: KVMapper | None
+    num_recompute_tokens: int | None
+    num_exact_layers: int | None
+
+    def recompute(self, num_tokens: int) -> int:
+        """The tokens the target recomputes of a `num_tokens`-token context (`resolve_num_recompute_tokens`)."""
+        return resolve_num_recompute_tokens(self.num_recompute_tokens, num_tokens, self.mapper, self.num_exact_layers)
+
+    def exact_layers(self) -> int | None:
+        """The exact layers a result reports: the ones its transferred caches computed (None: no transfer)."""
+        return self.mapper.resolve_num_exact_layers(self.num_exact_layers) if self.mapper is not None else None
+
+    def transferred(self, ids: torch.Tensor, num_recompute_tokens: int) -> TransferredCache:
+        """What a hand-off gives the target: the source's prefill of `ids`, mapped, its last tokens left to the
+        target."""
+        return TransferredCache(
+            prefill(self.source, ids.to(model_device(self.source))), self.mapper,
+            num_recompute_tokens=num_recompute_tokens, num_exact_layers=self.num_exact_layers, model=self.target,
+        )  # fmt: skip
+
+    def answer_runs(
+        self, head: torch.Tensor, r: int, feed: list[int], no_context: Callable[[], tuple]
+    ) -> dict[str, Callable[[], tuple]]:
+        """How each setting of recall and hand-off reads a prompt: `(model, tokens fed, cache)`, the cache holding
+        `head` but its last `r` tokens (`feed` starts with them); `no_context` is the task's own."""
+        target, source = self.target, self.source
+        return {
+            "own": lambda: (target, feed, _own_cache(target, head, r)),
+            "no_context": no_context,
+            "transfer": lambda: (target, feed, self.transferred(head, r)),
+            "source_alone": lambda: (source, feed, _own_cache(source, head.to(model_device(source)), r)),
+        }
 
 
-def _transferred(
-    source: PreTrainedModel, target: PreTrainedModel, mapper: KVMapper, ids: torch.Tensor, num_recompute_tokens: int,
-    num_exact_layers: int | None,
-) -> TransferredCache:
-    """What a hand-off gives the target: the source's prefill of `ids`, mapped, its last tokens left to the target."""
-    return TransferredCache(
-        prefill(source, ids.to(model_device(source))), mapper,
-        num_recompute_tokens=num_recompute_tokens, num_exact_layers=num_exact_layers, model=target,
-    )  # fmt: skip
+def _progress(
+    chunks: Iterable[Sequence[int]], total: int, desc: str, progress: bool, unit: str = "item"
+) -> Iterator[Sequence[int]]:
+    """`chunks` (sequences of item indices), counted by a progress bar of `total` `unit`s."""
+    bar = tqdm(total=total, desc=desc, unit=unit, disable=not progress)
+    for chunk in chunks:
+        yield chunk
+        bar.update(len(chunk))
+    bar.close()
+
+
+def _chunks(num_items: int, size: int) -> Iterator[range]:
+    """`range(num_items)` in chunks of `size`."""
+    for start in range(0, num_items, size):
+        yield range(start, min(start + size, num_items))
+
+
+def _each_item(num_items: int, desc: str, progress: bool) -> Iterator[int]:
+    """`range(num_items)`, counted by a progress bar."""
+    for [i] in _progress(([i] for i in range(num_items)), num_items, desc, progress):
+        yield i
 
 
 def _logits(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
@@ -168,12 +217,15 @@ def _answer_result(
 _PER_ITEM = {"correct": "correct_per_item", "nll": "answer_nll_per_item", "value": "value_per_item"}
 
 
-def _reused(reference: dict[str, Any] | None, scores: dict[str, dict[str, np.ndarray]], keys: Sequence[str],
-            num_items: int) -> set[str]:
-    """Copies a `reference` result's per-item scores of the settings that do not depend on the transfer (own, no
-    context, the source alone where both have it) into `scores`; returns the settings copied (none: no reference)."""
+def _score_arrays(
+    settings: Sequence[str], keys: Sequence[str], num_items: int, reference: dict[str, Any] | None
+) -> tuple[dict[str, dict[str, np.ndarray]], set[str]]:
+    """`(scores, reused)`: per-item scores `{key: {setting: array}}`, zero but for the settings that do not depend
+    on the transfer (own, no context, the source alone where both have it), copied from a `reference` result;
+    `reused` names those (none without a reference)."""
+    scores = {key: {name: np.zeros(num_items) for name in settings} for key in keys}
     if reference is None:
-        return set()
+        return scores, set()
     names = {"own", "no_context"} | ({"source_alone"} & set(scores[keys[0]]) & set(reference[_PER_ITEM[keys[0]]]))
     for key in keys:
         for name in names:
@@ -181,7 +233,19 @@ def _reused(reference: dict[str, Any] | None, scores: dict[str, dict[str, np.nda
             if values.shape != (num_items,):
                 raise ValueError(f"reference has {values.shape[0]} items, got {num_items}: it must be a result on the same items")
             scores[key][name] = values
-    return names
+    return scores, names
+
+
+def _score_answers(runs: dict[str, Callable[[], tuple]], names: Sequence[str], answer: list[int],
+                   others: list[list[int]], scores: dict[str, dict[str, np.ndarray]], i: int) -> None:
+    """Item `i`'s answer scores in the settings `names` (`runs`: each one's model, feed and cache) into `scores`
+    (its `value` too where `scores` keeps it)."""
+    for name in names:
+        model, feed, cache = runs[name]()
+        nll, correct, value = _answer_scores(model, feed, answer, others, cache)
+        scores["nll"][name][i], scores["correct"][name][i] = nll, correct
+        if "value" in scores:
+            scores["value"][name][i] = value
 
 
 def _greedy_tokens(model: PreTrainedModel, ids: Sequence[int], num_tokens: int) -> list[int]:
@@ -248,9 +312,45 @@ def repeated_span_retention(
     """
     settings = _settings(source, mapper)
     items = _check_items(items, RepeatedSpanItem, "repeated_span_retention")
-    used = {resolve_num_recompute_tokens(num_recompute_tokens, len(item.prefix_ids), mapper, num_exact_layers) for item in items}
+    scorer = _Scorer(source, target, mapper, num_recompute_tokens, num_exact_layers)
+    used = _check_span_items(items, scorer)
+    nll = {name: np.zeros(len(items)) for name in settings}
+    reused = _reused_span_nll(reference, nll, len(items), _recorded(used))
+    names = [name for name in settings if name not in reused]
+    groups = _groups([(len(it.prefix_ids), len(it.continuation_ids)) for it in items], batch_size)
+    for rows in _progress(groups, len(items), desc, progress):
+        for name, values in _span_nll(scorer, [items[i] for i in rows], names).items():
+            nll[name][rows] = values
+    return _span_result(items, nll, _recorded(used), scorer.exact_layers(), num_bootstrap, seed)
+
+
+def _span_result(
+    items: list[RepeatedSpanItem], nll: dict[str, np.ndarray], num_recompute_tokens: int | list[int],
+    num_exact_layers: int | None, num_bootstrap: int, seed: int,
+) -> dict[str, Any]:
+    """What `repeated_span_retention` reports of the per-item NLLs: summaries, the items, the retention."""
+    prefix_lens = sorted({len(it.prefix_ids) for it in items})
+    result: dict[str, Any] = {
+        "num_items": len(items),
+        "kinds": sorted({it.kind for it in items}),
+        "prefix_len": prefix_lens[0] if len(prefix_lens) == 1 else prefix_lens,
+        "scored_tokens_per_item": float(np.mean([sum(it.repeat_mask) for it in items])),
+        "num_recompute_tokens": num_recompute_tokens,
+        "num_exact_layers": num_exact_layers,
+        "nll": _summaries(nll, num_bootstrap, seed),
+        "nll_per_item": _lists(nll),
+    }
+    result.update(retention_over_items(
+        nll["own"], nll.get("transfer"), nll["no_context"], higher_is_better=False, num_bootstrap=num_bootstrap, seed=seed,
+    ))  # fmt: skip
+    return result
+
+
+def _check_span_items(items: list[RepeatedSpanItem], scorer: _Scorer) -> set[int]:
+    """The recomputed-token counts the items' prefixes take; raises on an item that cannot be scored with them."""
+    used = {scorer.recompute(len(item.prefix_ids)) for item in items}
     for i, item in enumerate(items):
-        r = resolve_num_recompute_tokens(num_recompute_tokens, len(item.prefix_ids), mapper, num_exact_layers)
+        r = scorer.recompute(len(item.prefix_ids))
         if not 0 <= r < len(item.prefix_ids):
             raise ValueError(f"num_recompute_tokens must be in [0, {len(item.prefix_ids)}) (item {i}'s prefix), got {r}")
         if not any(item.repeat_mask) or len(item.repeat_mask) != len(item.continuation_ids):
@@ -260,53 +360,47 @@ def repeated_span_retention(
                 f"item {i} scores its first continuation token, which only the prefix's last position predicts; "
                 "use num_recompute_tokens >= 1"
             )
-    nll = {name: np.zeros(len(items)) for name in settings}
+    return used
+
+
+def _reused_span_nll(
+    reference: dict[str, Any] | None, nll: dict[str, np.ndarray], num_items: int, recorded: int | list[int]
+) -> tuple[str, ...]:
+    """Copies a `reference` result's own and no-context NLLs into `nll`; the settings copied (none: no reference)."""
     reused = ("own", "no_context") if reference is not None else ()
     for name in reused:
         nll[name] = np.asarray(reference["nll_per_item"][name], dtype=np.float64)
-        if nll[name].shape != (len(items),) or reference.get("num_recompute_tokens") != _recorded(used):
+        if nll[name].shape != (num_items,) or reference.get("num_recompute_tokens") != recorded:
             raise ValueError("reference must be a result of repeated_span_retention on the same items and num_recompute_tokens")
-    bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
-    for rows in _groups([(len(it.prefix_ids), len(it.continuation_ids)) for it in items], batch_size):
-        batch = [items[i] for i in rows]
-        prefix = _ids([it.prefix_ids for it in batch], target)  # (B, T)
-        control = _ids([it.control_prefix_ids for it in batch], target)
-        cont = _ids([it.continuation_ids for it in batch], target)  # (B, C)
-        mask = torch.tensor([it.repeat_mask for it in batch], device=cont.device)
-        t = prefix.shape[1]
-        r = resolve_num_recompute_tokens(num_recompute_tokens, t, mapper, num_exact_layers)
-        # Fed token k sits at position t - r + k and predicts position t - r + k + 1: continuation token j is
-        # predicted at k = r + j - 1, so with r = 0 token 0 is not scored (never in a repeat: validated above).
-        first = max(0, 1 - r)
-        caches = {
-            name: (ids, _own_cache(target, ids, r))
-            for name, ids in (("own", prefix), ("no_context", control)) if name not in reused
-        }  # fmt: skip
-        if "transfer" in settings:
-            caches["transfer"] = (prefix, _transferred(source, target, mapper, prefix, r, num_exact_layers))
-        for name, (context, cache) in caches.items():
-            feed = torch.cat([context[:, t - r :], cont[:, :-1]], dim=1)
-            logits = _logits(target, feed, cache)[:, r + first - 1 :]  # (B, C - first, V)
-            token_nll = F.cross_entropy(logits.transpose(1, 2), cont[:, first:], reduction="none")
-            m = mask[:, first:].to(token_nll.dtype)
-            nll[name][rows] = ((token_nll * m).sum(-1) / m.sum(-1)).double().cpu().numpy()
-        bar.update(len(rows))
-    bar.close()
-    prefix_lens = sorted({len(it.prefix_ids) for it in items})
-    result: dict[str, Any] = {
-        "num_items": len(items),
-        "kinds": sorted({it.kind for it in items}),
-        "prefix_len": prefix_lens[0] if len(prefix_lens) == 1 else prefix_lens,
-        "scored_tokens_per_item": float(np.mean([sum(it.repeat_mask) for it in items])),
-        "num_recompute_tokens": _recorded(used),
-        "num_exact_layers": _exact_layers(mapper, num_exact_layers),
-        "nll": _summaries(nll, num_bootstrap, seed),
-        "nll_per_item": _lists(nll),
-    }
-    result.update(retention_over_items(
-        nll["own"], nll.get("transfer"), nll["no_context"], higher_is_better=False, num_bootstrap=num_bootstrap, seed=seed,
-    ))  # fmt: skip
-    return result
+    return reused
+
+
+def _span_nll(scorer: _Scorer, batch: list[RepeatedSpanItem], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Mean NLL per repeated token of each item of `batch` (equal prefix and continuation lengths) in the settings
+    `names`: the target fed the last prefix tokens and the continuation on top of each setting's cache."""
+    target = scorer.target
+    prefix = _ids([it.prefix_ids for it in batch], target)  # (B, T)
+    control = _ids([it.control_prefix_ids for it in batch], target)
+    cont = _ids([it.continuation_ids for it in batch], target)  # (B, C)
+    mask = torch.tensor([it.repeat_mask for it in batch], device=cont.device)
+    t = prefix.shape[1]
+    r = scorer.recompute(t)
+    # Fed token k sits at position t - r + k and predicts position t - r + k + 1: continuation token j is
+    # predicted at k = r + j - 1, so with r = 0 token 0 is not scored (never in a repeat: validated above).
+    first = max(0, 1 - r)
+    caches = {
+        name: (ids, _own_cache(target, ids, r)) for name, ids in (("own", prefix), ("no_context", control)) if name in names
+    }  # fmt: skip
+    if "transfer" in names:
+        caches["transfer"] = (prefix, scorer.transferred(prefix, r))
+    nll = {}
+    for name, (context, cache) in caches.items():
+        feed = torch.cat([context[:, t - r :], cont[:, :-1]], dim=1)
+        logits = _logits(target, feed, cache)[:, r + first - 1 :]  # (B, C - first, V)
+        token_nll = F.cross_entropy(logits.transpose(1, 2), cont[:, first:], reduction="none")
+        m = mask[:, first:].to(token_nll.dtype)
+        nll[name] = ((token_nll * m).sum(-1) / m.sum(-1)).double().cpu().numpy()
+    return nll
 
 
 # -- passage recall: looking a fact up -------------------------------------------------------------------
@@ -381,36 +475,34 @@ def passage_recall(
             f"passage_recall needs num_recompute_tokens >= 1 (the target must read the prompt's last token to predict "
             f"the answer), got {num_recompute_tokens}"
         )
-    scores = {key: {name: np.zeros(len(items)) for name in settings} for key in ("correct", "nll", "value")}
-    reused = _reused(reference, scores, ("correct", "nll", "value"), len(items))
-    used = set()
-    bar = tqdm(total=len(items), desc="passage recall", unit="item", disable=not progress)
-    for i, item in enumerate(items):
-        if not item.answer_ids or not item.prompt_ids or not item.no_passage_prompt_ids:
-            raise ValueError(f"item {i} has an empty prompt, no-passage prompt or answer")
-        prompt, alone = _ids(item.prompt_ids, target), _ids(item.no_passage_prompt_ids, target)
-        r = min(resolve_num_recompute_tokens(num_recompute_tokens, prompt.shape[1], mapper, num_exact_layers), prompt.shape[1])
-        r_alone = min(resolve_num_recompute_tokens(num_recompute_tokens, alone.shape[1], mapper, num_exact_layers), alone.shape[1])
-        used.add(r)
-        # Every setting reads its prompt into a cache once, then its model scores the candidates on top of it.
-        runs = {
-            "own": lambda: (target, item.prompt_ids[-r:], _own_cache(target, prompt, r)),
-            "no_context": lambda: (target, item.no_passage_prompt_ids[-r_alone:], _own_cache(target, alone, r_alone)),
-            "transfer": lambda: (target, item.prompt_ids[-r:],
-                                 _transferred(source, target, mapper, prompt, r, num_exact_layers)),
-            "source_alone": lambda: (source, item.prompt_ids[-r:], _own_cache(source, prompt.to(model_device(source)), r)),
-        }  # fmt: skip
-        for name in (n for n in settings if n not in reused):
-            model, feed, cache = runs[name]()
-            nll, correct, value = _answer_scores(model, feed, item.answer_ids, item.passage_values, cache)
-            scores["nll"][name][i], scores["correct"][name][i], scores["value"][name][i] = nll, correct, value
-        bar.update(1)
-    bar.close()
-    result = _answer_result(scores, _recorded(used), _exact_layers(mapper, num_exact_layers), num_bootstrap, seed)
+    scorer = _Scorer(source, target, mapper, num_recompute_tokens, num_exact_layers)
+    scores, reused = _score_arrays(settings, ("correct", "nll", "value"), len(items), reference)
+    names = [name for name in settings if name not in reused]
+    used = {_score_recall_item(scorer, items[i], i, names, scores) for i in _each_item(len(items), "passage recall", progress)}
+    result = _answer_result(scores, _recorded(used), scorer.exact_layers(), num_bootstrap, seed)
     result["value_per_item"] = _lists(scores["value"])
     result["passage_value_chance"] = float(np.mean([1 / max(1, len(it.passage_values)) for it in items]))
     result["passage_value_rate"] = _summaries(scores["value"], num_bootstrap, seed)
     return result
+
+
+def _score_recall_item(
+    scorer: _Scorer, item: PassageRecallItem, i: int, names: Sequence[str], scores: dict[str, dict[str, np.ndarray]]
+) -> int:
+    """Scores item `i` in the settings `names` into `scores`; the prompt tokens the target recomputed."""
+    if not item.answer_ids or not item.prompt_ids or not item.no_passage_prompt_ids:
+        raise ValueError(f"item {i} has an empty prompt, no-passage prompt or answer")
+    target = scorer.target
+    prompt, alone = _ids(item.prompt_ids, target), _ids(item.no_passage_prompt_ids, target)
+    r = min(scorer.recompute(prompt.shape[1]), prompt.shape[1])
+    r_alone = min(scorer.recompute(alone.shape[1]), alone.shape[1])
+    # Every setting reads its prompt into a cache once, then its model scores the candidates on top of it.
+    def no_passage() -> tuple:
+        return target, item.no_passage_prompt_ids[-r_alone:], _own_cache(target, alone, r_alone)
+
+    runs = scorer.answer_runs(prompt, r, item.prompt_ids[-r:], no_passage)
+    _score_answers(runs, names, item.answer_ids, item.passage_values, scores, i)
+    return r
 
 
 def recall_by_depth(
@@ -497,45 +589,44 @@ def handoff(
     items = _check_items(items, HandoffItem, "handoff")
     if num_recompute_tokens is not None and num_recompute_tokens < 0:
         raise ValueError(f"num_recompute_tokens must be >= 0, got {num_recompute_tokens}")
+    scorer = _Scorer(source, target, mapper, num_recompute_tokens, num_exact_layers)
     answerer = source if source is not None else target
     q1 = np.zeros(len(items))
-    scores = {key: {name: np.zeros(len(items)) for name in settings} for key in ("correct", "nll")}
-    reused = _reused(reference, scores, ("correct", "nll"), len(items))
+    scores, reused = _score_arrays(settings, ("correct", "nll"), len(items), reference)
+    names = [name for name in settings if name not in reused]
     answers: list[list[int]] = []
     used = set()
-    bar = tqdm(total=len(items), desc="hand-off", unit="item", disable=not progress)
-    for i, item in enumerate(items):
-        if not (item.prompt_ids and item.answer1_ids and item.followup_ids and item.answer2_ids):
-            raise ValueError(f"item {i} has an empty prompt, answer or followup")
-        if reused:
-            answer1 = list(reference["answer1_per_item"][i])
-        else:
-            answer1 = _greedy_tokens(answerer, item.prompt_ids, len(item.answer1_ids))
+    for i in _each_item(len(items), "hand-off", progress):
+        answer1, r = _score_handoff_item(scorer, answerer, items[i], i, reference if reused else None, names, scores)
         answers.append(answer1)
-        q1[i] = answer1 == list(item.answer1_ids)
-        dialogue = item.prompt_ids + answer1  # what was said before the hand-off, the answerer's answer included
-        r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(dialogue), mapper, num_exact_layers), len(dialogue))
+        q1[i] = answer1 == list(items[i].answer1_ids)
         used.add(r)
-        feed = dialogue[len(dialogue) - r :] + item.followup_ids
-        head = _ids(dialogue, target)
-        runs = {
-            "own": lambda: (target, feed, _own_cache(target, head, r)),
-            "no_context": lambda: (target, item.followup_ids, None),
-            "transfer": lambda: (target, feed, _transferred(source, target, mapper, head, r, num_exact_layers)),
-            "source_alone": lambda: (source, feed, _own_cache(source, head.to(model_device(source)), r)),
-        }  # fmt: skip
-        for name in (n for n in settings if n not in reused):
-            model, fed, cache = runs[name]()
-            nll, correct, _ = _answer_scores(model, fed, item.answer2_ids, [], cache)
-            scores["nll"][name][i], scores["correct"][name][i] = nll, correct
-        bar.update(1)
-    bar.close()
-    result = _answer_result(scores, _recorded(used), _exact_layers(mapper, num_exact_layers), num_bootstrap, seed)
+    result = _answer_result(scores, _recorded(used), scorer.exact_layers(), num_bootstrap, seed)
     result["answerer"] = "source" if source is not None else "target"
     result["q1_accuracy"] = mean_and_ci(q1, num_bootstrap, seed)
     result["q1_correct_per_item"] = q1.tolist()
     result["answer1_per_item"] = answers
     return result
+
+
+def _score_handoff_item(
+    scorer: _Scorer, answerer: PreTrainedModel, item: HandoffItem, i: int, reference: dict[str, Any] | None,
+    names: Sequence[str], scores: dict[str, dict[str, np.ndarray]],
+) -> tuple[list[int], int]:
+    """Item `i`: the answerer's answer to question 1 (`reference`'s, when reused), then question 2 scored in the
+    settings `names` into `scores`; returns `(answer 1, the dialogue tokens the target recomputed)`."""
+    if not (item.prompt_ids and item.answer1_ids and item.followup_ids and item.answer2_ids):
+        raise ValueError(f"item {i} has an empty prompt, answer or followup")
+    if reference is not None:
+        answer1 = list(reference["answer1_per_item"][i])
+    else:
+        answer1 = _greedy_tokens(answerer, item.prompt_ids, len(item.answer1_ids))
+    dialogue = item.prompt_ids + answer1  # what was said before the hand-off, the answerer's answer included
+    r = min(scorer.recompute(len(dialogue)), len(dialogue))
+    feed = dialogue[len(dialogue) - r :] + item.followup_ids
+    runs = scorer.answer_runs(_ids(dialogue, scorer.target), r, feed, lambda: (scorer.target, item.followup_ids, None))
+    _score_answers(runs, names, item.answer2_ids, [], scores, i)
+    return answer1, r
 
 
 # -- greedy generation: same tokens as the target's own prefill? -----------------------------------------
@@ -587,11 +678,45 @@ def greedy_agreement(
         res["first_token_agreement"]["mean"], res["all_tokens_agreement"]["mean"]
         ```
     """
+    scorer = _Scorer(source, target, mapper, num_recompute_tokens, num_exact_layers)
+    input_ids, num_recompute_tokens = _agreement_prompts(scorer, input_ids, max_new_tokens)
+    skipped = _rounding_skipped(target, reference_dtype)
+    rounded = reference_dtype if skipped is None else None
+    same, reference = _agreeing_tokens(scorer, input_ids, num_recompute_tokens, max_new_tokens, rounded, batch_size, progress)
+    result: dict[str, Any] = {
+        "num_prompts": input_ids.shape[0],
+        "prompt_len": input_ids.shape[1],
+        "max_new_tokens": max_new_tokens,
+        "num_recompute_tokens": num_recompute_tokens,
+        "num_exact_layers": scorer.exact_layers(),
+        **_agreement(same, num_bootstrap, seed),
+    }
+    if reference_dtype is not None:
+        result["reference"] = {"dtype": dtype_name(reference_dtype)}
+        if skipped:
+            result["reference"]["skipped"] = skipped
+        else:
+            result["reference"].update(_agreement(reference, num_bootstrap, seed))
+    return result
+
+
+def _rounding_skipped(target: PreTrainedModel, reference_dtype: torch.dtype | None) -> str | None:
+    """Why rounding the target's cache to `reference_dtype` is no reference (it computes its cache in it), or None."""
+    cache_dtype = target.get_input_embeddings().weight.dtype
+    if reference_dtype is not None and reference_dtype == cache_dtype:
+        return f"the target's cache is already {dtype_name(cache_dtype)}: rounding to it changes nothing"
+    return None
+
+
+def _agreement_prompts(
+    scorer: _Scorer, input_ids: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int
+) -> tuple[torch.Tensor, int]:
+    """`(the prompts as one tensor, the prompt tokens the target recomputes)`; raises on what `generate` cannot run."""
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
     if input_ids.ndim != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be [num_prompts, prompt_len] with >= 1 prompt, got shape {list(input_ids.shape)}")
-    num_prompts, prompt_len = input_ids.shape
-    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prompt_len, mapper, num_exact_layers)
+    prompt_len = input_ids.shape[1]
+    num_recompute_tokens = scorer.recompute(prompt_len)
     if not 1 <= num_recompute_tokens <= prompt_len:
         raise ValueError(
             f"num_recompute_tokens must be in [1, {prompt_len}] (generate feeds the target at least one prompt token), "
@@ -599,19 +724,24 @@ def greedy_agreement(
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return input_ids, num_recompute_tokens
+
+
+def _agreeing_tokens(
+    scorer: _Scorer, input_ids: torch.Tensor, num_recompute_tokens: int, max_new_tokens: int,
+    rounded: torch.dtype | None, batch_size: int, progress: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[num_prompts, max_new_tokens]` token equality of the target's greedy generations from its own prefill and
+    from the transferred cache, and (with `rounded`, else None) from its own cache rounded to that dtype."""
+    target, prompt_len = scorer.target, input_ids.shape[1]
     pad = target.generation_config.pad_token_id
     pad = pad if pad is not None else target.config.eos_token_id
     pad = pad[0] if isinstance(pad, (list, tuple)) else pad
     gen = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    cache_dtype = target.get_input_embeddings().weight.dtype
-    skipped = None
-    if reference_dtype is not None and reference_dtype == cache_dtype:
-        skipped = f"the target's cache is already {dtype_name(cache_dtype)}: rounding to it changes nothing"
-    rounded = reference_dtype is not None and skipped is None
     same_rows, reference_rows = [], []
-    bar = tqdm(total=num_prompts, desc="greedy agreement", unit="prompt", disable=not progress)
-    for start in range(0, num_prompts, batch_size):
-        ids = input_ids[start : start + batch_size].to(model_device(target))
+    for rows in _progress(_chunks(input_ids.shape[0], batch_size), input_ids.shape[0], "greedy agreement", progress,
+                          unit="prompt"):  # fmt: skip
+        ids = input_ids[rows.start : rows.stop].to(model_device(target))
         mask = torch.ones_like(ids)
 
         def generate(cache: DynamicCache | None) -> torch.Tensor:
@@ -619,28 +749,12 @@ def greedy_agreement(
             return target.generate(ids, attention_mask=mask, **caches, **gen)[:, prompt_len:]
 
         own = generate(None)
-        transferred = generate(_transferred(source, target, mapper, ids, num_recompute_tokens, num_exact_layers))
+        transferred = generate(scorer.transferred(ids, num_recompute_tokens))
         same_rows.append((own == transferred).cpu())  # (B, max_new_tokens)
-        if rounded:
-            reference = generate(_rounded(_own_cache(target, ids, num_recompute_tokens), reference_dtype))
+        if rounded is not None:
+            reference = generate(_rounded(_own_cache(target, ids, num_recompute_tokens), rounded))
             reference_rows.append((own == reference).cpu())
-        bar.update(ids.shape[0])
-    bar.close()
-    result: dict[str, Any] = {
-        "num_prompts": num_prompts,
-        "prompt_len": prompt_len,
-        "max_new_tokens": max_new_tokens,
-        "num_recompute_tokens": num_recompute_tokens,
-        "num_exact_layers": _exact_layers(mapper, num_exact_layers),
-        **_agreement(torch.cat(same_rows), num_bootstrap, seed),
-    }
-    if reference_dtype is not None:
-        result["reference"] = {"dtype": dtype_name(reference_dtype)}
-        if skipped:
-            result["reference"]["skipped"] = skipped
-        else:
-            result["reference"].update(_agreement(torch.cat(reference_rows), num_bootstrap, seed))
-    return result
+    return torch.cat(same_rows), torch.cat(reference_rows) if rounded is not None else None
 
 
 def _agreement(same: torch.Tensor, num_bootstrap: int, seed: int) -> dict[str, Any]:

@@ -169,64 +169,10 @@ def prefix_perplexity(
         A dict with `nll` / `perplexity` per setting, `retention`, `normalized_retention` and their `*_ci`,
         and with diagnostics `logit_kl`, `top1_agreement`, `attention_cosine` (one value per target layer).
     """
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be [num_windows, 2 * prefix_len], got shape {list(input_ids.shape)}")
+    t, r = _prefix_and_recompute(input_ids, prefix_len, num_recompute_tokens, mapper, num_exact_layers)
+    run = _PerplexityRun(source, target, mapper, t, r, num_exact_layers)
+    per_window, sums = run.score(input_ids, batch_size, diagnostics, progress)
     num_windows, window = input_ids.shape
-    prefix_len = prefix_len if prefix_len is not None else window // 2
-    if not 1 <= prefix_len <= window - 2:
-        raise ValueError(f"prefix_len must leave >= 2 tokens to score in a {window}-token window, got {prefix_len}")
-    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prefix_len, mapper, num_exact_layers)
-    if not 0 <= num_recompute_tokens < prefix_len:
-        raise ValueError(f"num_recompute_tokens must be in [0, {prefix_len}), got {num_recompute_tokens}")
-    r, t = num_recompute_tokens, prefix_len
-    src_device, tgt_device = model_device(source), model_device(target)
-    nll = {"target": [], "transfer": [], "floor": []}
-    kl_sum, agree_sum, num_tokens = 0.0, 0.0, 0
-    cos_sum: torch.Tensor | None = None
-    recorder = _AttentionRecorder(target) if diagnostics else None
-    bar = tqdm(total=num_windows, desc="prefix perplexity", unit="window", disable=not progress)
-    try:
-        for start in range(0, num_windows, batch_size):
-            ids = input_ids[start : start + batch_size].to(tgt_device)
-            feed, labels = ids[:, t - r :], ids[:, t + 1 :]
-            # Feed position r + j predicts token t + j + 1.
-            own_cache = prefill(target, ids[:, : t - r]) if t - r > 0 else DynamicCache()
-            own_logits = target(feed, cache=own_cache, use_cache=True).logits[:, r:-1].float()
-            own_attn = recorder.take() if recorder else None
-
-            src_cache = prefill(source, ids[:, :t].to(src_device))
-            cache = TransferredCache(
-                src_cache, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers, model=target
-            )
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=REFEED_WARNING)
-                trans_logits = target(feed, cache=cache, use_cache=True).logits[:, r:-1].float()
-            trans_attn = recorder.take() if recorder else None
-
-            floor_logits = target(ids[:, t:], use_cache=False).logits[:, :-1].float()
-            if recorder:
-                recorder.take()
-
-            for name, logits in (("target", own_logits), ("transfer", trans_logits), ("floor", floor_logits)):
-                token_nll = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # (B, T-1)
-                nll[name].append(token_nll.mean(-1).double().cpu())
-            if diagnostics:
-                own_logp, trans_logp = own_logits.log_softmax(-1), trans_logits.log_softmax(-1)
-                kl_sum += float((own_logp.exp() * (own_logp - trans_logp)).sum(-1).sum())
-                agree_sum += float((own_logits.argmax(-1) == trans_logits.argmax(-1)).sum())
-                num_tokens += labels.numel()
-                # Cosine per token over the fed positions, summed per layer.
-                cos = torch.stack(
-                    [F.cosine_similarity(a[:, r:], b[:, r:], dim=-1).sum() for a, b in zip(own_attn, trans_attn)]
-                ).double().cpu()
-                cos_sum = cos if cos_sum is None else cos_sum + cos
-            bar.update(ids.shape[0])
-    finally:
-        bar.close()
-        if recorder:
-            recorder.remove()
-
-    per_window = {name: torch.cat(v).numpy() for name, v in nll.items()}
     result: dict[str, Any] = {
         "num_windows": num_windows,
         "prefix_len": t,
@@ -239,11 +185,116 @@ def prefix_perplexity(
         "nll_per_window": {name: v.tolist() for name, v in per_window.items()},
     }
     result.update(_perplexity_retention(per_window, num_bootstrap, seed))
-    if diagnostics:
-        result["logit_kl"] = kl_sum / num_tokens
-        result["top1_agreement"] = agree_sum / num_tokens
-        result["attention_cosine"] = (cos_sum / (num_windows * (window - t))).tolist()
+    if sums is not None:
+        result.update(sums.result(num_windows * (window - t)))
     return result
+
+
+def _prefix_and_recompute(
+    input_ids: torch.Tensor, prefix_len: int | None, num_recompute_tokens: int | None, mapper: KVMapper,
+    num_exact_layers: int | None,
+) -> tuple[int, int]:
+    """`(prefix_len, num_recompute_tokens)` of `prefix_perplexity`'s windows, defaults resolved; raises on windows
+    or values it cannot score."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [num_windows, 2 * prefix_len], got shape {list(input_ids.shape)}")
+    window = input_ids.shape[1]
+    prefix_len = prefix_len if prefix_len is not None else window // 2
+    if not 1 <= prefix_len <= window - 2:
+        raise ValueError(f"prefix_len must leave >= 2 tokens to score in a {window}-token window, got {prefix_len}")
+    num_recompute_tokens = resolve_num_recompute_tokens(num_recompute_tokens, prefix_len, mapper, num_exact_layers)
+    if not 0 <= num_recompute_tokens < prefix_len:
+        raise ValueError(f"num_recompute_tokens must be in [0, {prefix_len}), got {num_recompute_tokens}")
+    return prefix_len, num_recompute_tokens
+
+
+class _Diagnostics:
+    """The diagnostics of `prefix_perplexity`, summed over batches: logit KL and top-1 agreement of the transfer
+    against the target's own prefill, and the per-layer cosine of the target's attention outputs."""
+
+    def __init__(self):
+        self.kl_sum, self.agree_sum, self.num_tokens = 0.0, 0.0, 0
+        self.cos_sum: torch.Tensor | None = None
+
+    def add(self, own_logits: torch.Tensor, trans_logits: torch.Tensor, own_attn, trans_attn, r: int, num_labels: int):
+        own_logp, trans_logp = own_logits.log_softmax(-1), trans_logits.log_softmax(-1)
+        self.kl_sum += float((own_logp.exp() * (own_logp - trans_logp)).sum(-1).sum())
+        self.agree_sum += float((own_logits.argmax(-1) == trans_logits.argmax(-1)).sum())
+        self.num_tokens += num_labels
+        # Cosine per token over the fed positions, summed per layer.
+        cos = torch.stack(
+            [F.cosine_similarity(a[:, r:], b[:, r:], dim=-1).sum() for a, b in zip(own_attn, trans_attn)]
+        ).double().cpu()
+        self.cos_sum = cos if self.cos_sum is None else self.cos_sum + cos
+
+    def result(self, num_positions: int) -> dict[str, Any]:
+        """`logit_kl`, `top1_agreement` (per scored token) and `attention_cosine` (over `num_positions` fed ones)."""
+        return {
+            "logit_kl": self.kl_sum / self.num_tokens,
+            "top1_agreement": self.agree_sum / self.num_tokens,
+            "attention_cosine": (self.cos_sum / num_positions).tolist(),
+        }
+
+
+@dataclass(frozen=True)
+class _PerplexityRun:
+    """`prefix_perplexity` on windows with a prefix of `t` tokens, the last `r` of them recomputed by the target."""
+
+    source: PreTrainedModel
+    target: PreTrainedModel
+    mapper: KVMapper
+    t: int
+    r: int
+    num_exact_layers: int | None
+
+    def score(
+        self, input_ids: torch.Tensor, batch_size: int, diagnostics: bool, progress: bool
+    ) -> tuple[dict[str, np.ndarray], _Diagnostics | None]:
+        """Mean NLL per window of each setting (`target`, `transfer`, `floor`), and the diagnostics if asked for."""
+        nll = {"target": [], "transfer": [], "floor": []}
+        sums = _Diagnostics() if diagnostics else None
+        recorder = _AttentionRecorder(self.target) if diagnostics else None
+        bar = tqdm(total=input_ids.shape[0], desc="prefix perplexity", unit="window", disable=not progress)
+        try:
+            for start in range(0, input_ids.shape[0], batch_size):
+                ids = input_ids[start : start + batch_size].to(model_device(self.target))
+                logits, attention = self.logits(ids, recorder)
+                labels = ids[:, self.t + 1 :]
+                for name, value in logits.items():
+                    token_nll = F.cross_entropy(value.transpose(1, 2), labels, reduction="none")  # (B, T-1)
+                    nll[name].append(token_nll.mean(-1).double().cpu())
+                if sums is not None:
+                    sums.add(logits["target"], logits["transfer"], *attention, self.r, labels.numel())
+                bar.update(ids.shape[0])
+        finally:
+            bar.close()
+            if recorder:
+                recorder.remove()
+        return {name: torch.cat(v).numpy() for name, v in nll.items()}, sums
+
+    def logits(self, ids: torch.Tensor, recorder: _AttentionRecorder | None) -> tuple[dict[str, torch.Tensor], tuple]:
+        """The target's logits at the scored positions of a batch of windows in each setting, and its attention
+        outputs `(own, transfer)` (None without `recorder`)."""
+        target, t, r = self.target, self.t, self.r
+        feed = ids[:, t - r :]
+        # Feed position r + j predicts token t + j + 1.
+        own_cache = prefill(target, ids[:, : t - r]) if t - r > 0 else DynamicCache()
+        own_logits = target(feed, cache=own_cache, use_cache=True).logits[:, r:-1].float()
+        own_attn = recorder.take() if recorder else None
+
+        src_cache = prefill(self.source, ids[:, :t].to(model_device(self.source)))
+        cache = TransferredCache(
+            src_cache, self.mapper, num_recompute_tokens=r, num_exact_layers=self.num_exact_layers, model=target
+        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=REFEED_WARNING)
+            trans_logits = target(feed, cache=cache, use_cache=True).logits[:, r:-1].float()
+        trans_attn = recorder.take() if recorder else None
+
+        floor_logits = target(ids[:, t:], use_cache=False).logits[:, :-1].float()
+        if recorder:
+            recorder.take()
+        return {"target": own_logits, "transfer": trans_logits, "floor": floor_logits}, (own_attn, trans_attn)
 
 
 def _perplexity_retention(per_window: dict[str, np.ndarray], num_bootstrap: int, seed: int) -> dict[str, Any]:
@@ -363,38 +414,7 @@ def multi_turn_drift(
     bar = tqdm(total=num_rows, desc="multi-turn", unit="conversation", disable=not progress)
     for start in range(0, num_rows, batch_size):
         ids = input_ids[start : start + batch_size, : turn_len * num_turns]
-        # Standalone: each model over the whole conversation; causal, so its slice for turn i is what it
-        # would compute with its own prefill of turns 0..i-1.
-        standalone = {
-            role: model(ids.to(model_device(model)), use_cache=False).logits.float().cpu()
-            for role, model in models.items()
-            if role in roles
-        }
-        cache, prev = DynamicCache(), None
-        for i, role in enumerate(roles):
-            model = models[role]
-            if prev is not None and prev != role:
-                # the conversation so far, so the new model computes its exact layers from the ids
-                cache = TransferredCache(
-                    cache, mappers[(prev, role)], num_recompute_tokens=0,
-                    input_ids=ids[:, : i * turn_len].to(model_device(model)), model=model,
-                )
-            chunk = ids[:, i * turn_len : (i + 1) * turn_len].to(model_device(model))
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=REFEED_WARNING)
-                logits = model(chunk, cache=cache, use_cache=True).logits.float().cpu()
-            ref = standalone[role][:, i * turn_len : (i + 1) * turn_len]
-            logp, ref_logp = logits.log_softmax(-1), ref.log_softmax(-1)
-            sums[i]["kl"] += float((ref_logp.exp() * (ref_logp - logp)).sum(-1).sum())
-            sums[i]["agree"] += float((logits.argmax(-1) == ref.argmax(-1)).sum())
-            # Next-token loss inside the turn (the last position's label is the next turn's first token).
-            labels = ids[:, i * turn_len + 1 : (i + 1) * turn_len + 1]
-            width = labels.shape[1]
-            sums[i]["nll"] += float(F.cross_entropy(logits[:, :width].transpose(1, 2), labels, reduction="sum"))
-            sums[i]["nll_standalone"] += float(F.cross_entropy(ref[:, :width].transpose(1, 2), labels, reduction="sum"))
-            sums[i]["tokens"] += chunk.numel()
-            sums[i]["scored"] = sums[i].get("scored", 0) + labels.numel()
-            prev = role
+        _conversation_turns(models, mappers, roles, ids, turn_len, sums)
         bar.update(ids.shape[0])
     bar.close()
     turns = [
@@ -409,6 +429,50 @@ def multi_turn_drift(
         for i, s in enumerate(sums)
     ]
     return {"num_conversations": num_rows, "num_turns": num_turns, "turn_len": turn_len, "turns": turns}
+
+
+def _conversation_turns(
+    models: dict[str, PreTrainedModel], mappers: dict[tuple[str, str], KVMapper], roles: list[str], ids: torch.Tensor,
+    turn_len: int, sums: list[dict[str, float]],
+) -> None:
+    """A batch of conversations, turn `i` read by `models[roles[i]]` on the cache carried over (mapped at each
+    switch): each turn's scores against the model's standalone prefill added to `sums[i]`."""
+    # Standalone: each model over the whole conversation; causal, so its slice for turn i is what it
+    # would compute with its own prefill of turns 0..i-1.
+    standalone = {
+        role: model(ids.to(model_device(model)), use_cache=False).logits.float().cpu()
+        for role, model in models.items()
+        if role in roles
+    }
+    cache, prev = DynamicCache(), None
+    for i, role in enumerate(roles):
+        model = models[role]
+        if prev is not None and prev != role:
+            # the conversation so far, so the new model computes its exact layers from the ids
+            cache = TransferredCache(
+                cache, mappers[(prev, role)], num_recompute_tokens=0,
+                input_ids=ids[:, : i * turn_len].to(model_device(model)), model=model,
+            )
+        chunk = ids[:, i * turn_len : (i + 1) * turn_len].to(model_device(model))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=REFEED_WARNING)
+            logits = model(chunk, cache=cache, use_cache=True).logits.float().cpu()
+        # Next-token loss inside the turn (the last position's label is the next turn's first token).
+        labels = ids[:, i * turn_len + 1 : (i + 1) * turn_len + 1]
+        _add_turn_scores(sums[i], logits, standalone[role][:, i * turn_len : (i + 1) * turn_len], labels)
+        sums[i]["tokens"] += chunk.numel()
+        prev = role
+
+
+def _add_turn_scores(sums: dict[str, float], logits: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor) -> None:
+    """Adds a turn's logit KL and top-1 agreement against the standalone logits `ref`, and both next-token losses."""
+    logp, ref_logp = logits.log_softmax(-1), ref.log_softmax(-1)
+    sums["kl"] += float((ref_logp.exp() * (ref_logp - logp)).sum(-1).sum())
+    sums["agree"] += float((logits.argmax(-1) == ref.argmax(-1)).sum())
+    width = labels.shape[1]
+    sums["nll"] += float(F.cross_entropy(logits[:, :width].transpose(1, 2), labels, reduction="sum"))
+    sums["nll_standalone"] += float(F.cross_entropy(ref[:, :width].transpose(1, 2), labels, reduction="sum"))
+    sums["scored"] = sums.get("scored", 0) + labels.numel()
 
 
 # -- everything at once ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -254,28 +254,14 @@ def calibration_pass(
         stride: recorded in the run key (consumers choose their own tokens).
     """
     check_pair(source, target)
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be [num_sequences, seq_len], got shape {list(input_ids.shape)}")
-    if stride < 1 or batch_size < 1 or checkpoint_every < 1:
-        raise ValueError(f"stride, batch_size and checkpoint_every must be >= 1, got {stride}, {batch_size}, {checkpoint_every}")
-    num_sequences = input_ids.shape[0]
-    if not 0 <= num_heldout < num_sequences:
-        raise ValueError(f"num_heldout must be in [0, {num_sequences}) (the number of sequences), got {num_heldout}")
+    _check_pass_arguments(input_ids, stride, batch_size, checkpoint_every, num_heldout)
     saving = [c for c in consumers if getattr(c, "checkpointable", False)]
     if checkpoint_dir is not None and len(saving) != len(consumers):
         names = [getattr(c, "name", type(c).__name__) for c in consumers if c not in saving]
         raise ValueError(f"checkpoints cannot hold the state of {names}: drop checkpoint_dir (and stats_dir) for this fit")
     rank, world = dist_info(group)
-    digest = sample_hash(input_ids)
-    if world > 1:
-        import torch.distributed as dist
-
-        digests = [None] * world
-        dist.all_gather_object(digests, digest, group=group)
-        if len(set(digests)) != 1:
-            raise ValueError(f"ranks built different calibration samples ({digests}); every rank must read the same data")
     run = {
-        "sample_sha256": digest,
+        "sample_sha256": _sample_hash_of_all_ranks(input_ids, world, group),
         "mask_sha256": sample_hash(attention_mask.long()) if attention_mask is not None else None,
         "stride": stride,
         "num_heldout": num_heldout,
@@ -286,91 +272,172 @@ def calibration_pass(
     for c in saving:
         run.update(c.run_key())
     path = checkpoint_path(checkpoint_dir, group) if checkpoint_dir is not None else None
-    done = 0
-    if path is not None and path.is_file():
-        meta, tensors = read_checkpoint_state(path)
-        if meta["run"] != _json_roundtrip(run):
-            expected = _json_roundtrip(run)
-            diffs = sorted(k for k in set(expected) | set(meta["run"]) if expected.get(k) != meta["run"].get(k))
-            raise ValueError(
-                f"checkpoint {path} belongs to a different fit (differs in: {', '.join(diffs)}); rerun with the same "
-                "models, data and options to resume it, or delete it (or choose another --stats-dir) to start over"
-            )
-        for c in saving:
-            prefix = f"{c.name}/"
-            state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-            c.load_checkpoint_state(state, meta["consumers"][c.name], str(path))
-        done = int(meta["done"])
-        logger.warning("resuming from %s: %d sequences of this rank already done", path, done)
-
-    num_train = num_sequences - num_heldout
-    order = [("train", i) for i in range(rank, num_train, world)]
-    order += [("heldout", i) for i in range(num_train + rank, num_sequences, world)]
-    batches: list[tuple[str, list[int]]] = []
-    for part, i in order[done:]:
-        if batches and batches[-1][0] == part and len(batches[-1][1]) < batch_size:
-            batches[-1][1].append(i)
-        else:
-            batches.append((part, [i]))
-
-    def ready() -> bool:
-        return all(getattr(c, "ready", True) for c in saving)
-
-    def checkpoint() -> None:
-        _save_checkpoint(path, saving, done, run)
-
-    # What consumers need of the target beyond its K/V (the residual-input statistics: `residual_stats.py`).
-    hidden_layers = tuple(sorted({j for c in consumers for j in getattr(c, "target_hidden_layers", ())}))
-    key_projections = any(getattr(c, "target_key_projections", False) for c in consumers)
+    done = _resume(path, run, saving) if path is not None and path.is_file() else 0
+    order = _sequence_order(input_ids.shape[0], num_heldout, rank, world)
+    state = _PassState(source, target, input_ids, attention_mask, consumers, saving, path, run, len(order), done)
     seq_len = input_ids.shape[1]
     bar = tqdm(
         total=len(order) * seq_len, initial=done * seq_len, desc="calibration", unit="tok", unit_scale=True,
         disable=not progress or rank != 0,
     )  # fmt: skip
-    saved = done
-    with _GracefulInterrupt() as interrupt:
-        for part, rows in batches:
-            ids = input_ids[rows]
-            mask = attention_mask[rows] if attention_mask is not None else None
-            was_ready = ready()
-            try:
-                src_k, src_v = capture_kv(source, ids, mask)
-                if hidden_layers or key_projections:
-                    tgt_k, tgt_v, tgt_h, tgt_p = capture_kv_and_inputs(
-                        target, ids, mask, hidden_layers=hidden_layers, key_projections=key_projections
-                    )
-                else:
-                    (tgt_k, tgt_v), tgt_h, tgt_p = capture_kv(target, ids, mask), None, None
-            except BaseException:
-                # Sums are untouched by this batch: keep what is done (OOM, Ctrl-C twice, a bad batch, ...).
-                if path is not None and done > saved and was_ready:
-                    checkpoint()
-                raise
-            batch = CalibrationBatch(part, rows, mask, src_k, src_v, tgt_k, tgt_v, tgt_h, tgt_p)
-            for c in consumers:
-                c.update(batch)
-            done += len(rows)
-            bar.update(len(rows) * seq_len)
-            if not ready():
-                if interrupt.requested:
-                    raise KeyboardInterrupt("interrupted during the two-stage probe (no checkpoint yet: it restarts)")
-                continue
-            due = not was_ready or done - saved >= checkpoint_every or done == len(order)
-            if path is not None and (interrupt.requested or due):
-                checkpoint()
-                saved = done
-            if interrupt.requested:
-                bar.close()
-                raise KeyboardInterrupt(f"interrupted after {done} of {len(order)} sequences; checkpoint in {path}")
+    state.run_batches(_batches(order[done:], batch_size), checkpoint_every, bar)
     bar.close()
-    for c in consumers:
-        if hasattr(c, "end_of_data"):
-            c.end_of_data()
-    if path is not None and (done > saved or done == 0):
-        checkpoint()
-    for c in consumers:
-        if hasattr(c, "finish"):
-            c.finish()
+    state.finish()
+
+
+def _check_pass_arguments(
+    input_ids: torch.Tensor, stride: int, batch_size: int, checkpoint_every: int, num_heldout: int
+) -> None:
+    """Raise on a sample that is not `[num_sequences, seq_len]` or an option out of its range."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [num_sequences, seq_len], got shape {list(input_ids.shape)}")
+    if stride < 1 or batch_size < 1 or checkpoint_every < 1:
+        raise ValueError(f"stride, batch_size and checkpoint_every must be >= 1, got {stride}, {batch_size}, {checkpoint_every}")
+    num_sequences = input_ids.shape[0]
+    if not 0 <= num_heldout < num_sequences:
+        raise ValueError(f"num_heldout must be in [0, {num_sequences}) (the number of sequences), got {num_heldout}")
+
+
+def _sample_hash_of_all_ranks(input_ids: torch.Tensor, world: int, group) -> str:
+    """`sample_hash(input_ids)`, checked to be the same on every one of `world` ranks."""
+    digest = sample_hash(input_ids)
+    if world > 1:
+        import torch.distributed as dist
+
+        digests = [None] * world
+        dist.all_gather_object(digests, digest, group=group)
+        if len(set(digests)) != 1:
+            raise ValueError(f"ranks built different calibration samples ({digests}); every rank must read the same data")
+    return digest
+
+
+def _resume(path: Path, run: dict, saving: Sequence[CalibrationConsumer]) -> int:
+    """Load the checkpoint at `path` into the checkpointable consumers `saving`; the sequences it has done.
+    Raises if it belongs to another `run` (models, data or options)."""
+    meta, tensors = read_checkpoint_state(path)
+    if meta["run"] != _json_roundtrip(run):
+        expected = _json_roundtrip(run)
+        diffs = sorted(k for k in set(expected) | set(meta["run"]) if expected.get(k) != meta["run"].get(k))
+        raise ValueError(
+            f"checkpoint {path} belongs to a different fit (differs in: {', '.join(diffs)}); rerun with the same "
+            "models, data and options to resume it, or delete it (or choose another --stats-dir) to start over"
+        )
+    for c in saving:
+        prefix = f"{c.name}/"
+        state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        c.load_checkpoint_state(state, meta["consumers"][c.name], str(path))
+    done = int(meta["done"])
+    logger.warning("resuming from %s: %d sequences of this rank already done", path, done)
+    return done
+
+
+def _sequence_order(num_sequences: int, num_heldout: int, rank: int, world: int) -> list[tuple[str, int]]:
+    """This rank's `(shard, sequence)` in pass order: its fit sequences, then its held-out ones (the last
+    `num_heldout`)."""
+    num_train = num_sequences - num_heldout
+    order = [("train", i) for i in range(rank, num_train, world)]
+    order += [("heldout", i) for i in range(num_train + rank, num_sequences, world)]
+    return order
+
+
+def _batches(order: Sequence[tuple[str, int]], batch_size: int) -> list[tuple[str, list[int]]]:
+    """`order` as batches `(shard, rows)` of at most `batch_size` sequences, none across two shards."""
+    batches: list[tuple[str, list[int]]] = []
+    for part, i in order:
+        if batches and batches[-1][0] == part and len(batches[-1][1]) < batch_size:
+            batches[-1][1].append(i)
+        else:
+            batches.append((part, [i]))
+    return batches
+
+
+@dataclass
+class _PassState:
+    """One rank's pass: the models, the sample, the consumers (`saving`: the checkpointable ones), the checkpoint
+    file (`path`, None without checkpoints) with the `run` key it belongs to, and the progress: `done` of this
+    rank's `total` sequences through the pass, `saved` of them in the checkpoint."""
+
+    source: PreTrainedModel
+    target: PreTrainedModel
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    consumers: Sequence[CalibrationConsumer]
+    saving: list[CalibrationConsumer]
+    path: Path | None
+    run: dict
+    total: int
+    done: int = 0
+    saved: int = field(init=False)
+    # What consumers need of the target beyond its K/V (the residual-input statistics: `residual_stats.py`).
+    hidden_layers: tuple[int, ...] = field(init=False)
+    key_projections: bool = field(init=False)
+
+    def __post_init__(self):
+        self.saved = self.done
+        self.hidden_layers = tuple(sorted({j for c in self.consumers for j in getattr(c, "target_hidden_layers", ())}))
+        self.key_projections = any(getattr(c, "target_key_projections", False) for c in self.consumers)
+
+    def ready(self) -> bool:
+        return all(getattr(c, "ready", True) for c in self.saving)
+
+    def checkpoint(self) -> None:
+        _save_checkpoint(self.path, self.saving, self.done, self.run)
+
+    def capture(self, part: str, rows: list[int]) -> CalibrationBatch:
+        """Both models' stripped states of the sequences `rows` (and the target's inputs the consumers need)."""
+        ids = self.input_ids[rows]
+        mask = self.attention_mask[rows] if self.attention_mask is not None else None
+        src_k, src_v = capture_kv(self.source, ids, mask)
+        if self.hidden_layers or self.key_projections:
+            tgt_k, tgt_v, tgt_h, tgt_p = capture_kv_and_inputs(
+                self.target, ids, mask, hidden_layers=self.hidden_layers, key_projections=self.key_projections
+            )
+        else:
+            (tgt_k, tgt_v), tgt_h, tgt_p = capture_kv(self.target, ids, mask), None, None
+        return CalibrationBatch(part, rows, mask, src_k, src_v, tgt_k, tgt_v, tgt_h, tgt_p)
+
+    def run_batches(self, batches: list[tuple[str, list[int]]], checkpoint_every: int, bar) -> None:
+        """Hand every batch to the consumers, checkpointing every `checkpoint_every` sequences, on errors and on
+        Ctrl-C (then raising `KeyboardInterrupt`)."""
+        seq_len = self.input_ids.shape[1]
+        with _GracefulInterrupt() as interrupt:
+            for part, rows in batches:
+                was_ready = self.ready()
+                try:
+                    batch = self.capture(part, rows)
+                except BaseException:
+                    # Sums are untouched by this batch: keep what is done (OOM, Ctrl-C twice, a bad batch, ...).
+                    if self.path is not None and self.done > self.saved and was_ready:
+                        self.checkpoint()
+                    raise
+                for c in self.consumers:
+                    c.update(batch)
+                self.done += len(rows)
+                bar.update(len(rows) * seq_len)
+                if not self.ready():
+                    if interrupt.requested:
+                        raise KeyboardInterrupt("interrupted during the two-stage probe (no checkpoint yet: it restarts)")
+                    continue
+                due = not was_ready or self.done - self.saved >= checkpoint_every or self.done == self.total
+                if self.path is not None and (interrupt.requested or due):
+                    self.checkpoint()
+                    self.saved = self.done
+                if interrupt.requested:
+                    bar.close()
+                    raise KeyboardInterrupt(
+                        f"interrupted after {self.done} of {self.total} sequences; checkpoint in {self.path}"
+                    )
+
+    def finish(self) -> None:
+        """After the last batch: the consumers' `end_of_data`, the last checkpoint, their `finish`."""
+        for c in self.consumers:
+            if hasattr(c, "end_of_data"):
+                c.end_of_data()
+        if self.path is not None and (self.done > self.saved or self.done == 0):
+            self.checkpoint()
+        for c in self.consumers:
+            if hasattr(c, "finish"):
+                c.finish()
 
 
 __all__ = [

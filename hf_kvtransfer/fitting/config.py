@@ -123,7 +123,7 @@ def parse_rank_spec(spec: str) -> dict[str, Any]:
 
 
 def parse_residual_lags(value, name: str = "residual_lags") -> tuple[int, ...]:
-    """Token lags (residual features, token tables) from "0,1,2" or a sequence: distinct integers >= 0."""
+    """Token lags (residual features) from "0,1,2" or a sequence: distinct integers >= 0."""
     items = value.split(",") if isinstance(value, str) else list(value)
     try:
         lags = tuple(int(str(v).strip()) for v in items)
@@ -220,19 +220,6 @@ class FitConfig:
         "calibration samples", group="exact", metavar="N"))  # fmt: skip
     residual_lambda: float = field(default=0.01, metadata=_opt(
         "ridge penalty of the residual-input maps on standardised inputs (default 0.01)", group="exact"))
-    token_tables: str = field(default="off", metadata=_opt(
-        "with --residual-inputs auto, 'auto' adds token tables to the residual-input candidates the probe tries "
-        "(token_tables.py: one row per token id at positions t .. t-3, fit on what the maps miss, one fit per "
-        "residual layer; a look-up at transfer time) where they fit in 2 GiB; 'off' (default): the maps alone. "
-        "Tables want many calibration tokens and add a pass and a solve per residual layer tried", group="exact",
-        choices=("auto", "off")))  # fmt: skip
-    token_table_sequences: int | None = field(default=None, metadata=_opt(
-        "calibration sequences the token tables are fit on, with --token-tables auto: the maps' training sequences "
-        "and, past them, the dataset's next sequences after the maps' own (never the held-out ones the probe "
-        "scores); default: the maps' training sequences. Tables gain from more text than the maps need",
-        group="exact", metavar="N"))  # fmt: skip
-    token_lags: str = field(default="0,1,2,3", metadata=_opt(
-        "token offsets the token tables read (default 0,1,2,3: positions t .. t-3)", group="exact", metavar="LAGS"))
     exact_layers_timing_tokens: int = field(default=512, metadata=_opt(
         "prompt tokens the probe times each candidate's first token on (one thread; default 512)", group="exact",
         metavar="N"))  # fmt: skip
@@ -315,15 +302,6 @@ class FitConfig:
         if self.residual_inputs not in ("auto", "off"):
             raise ValueError(f"residual_inputs must be 'auto' or 'off', got {self.residual_inputs!r}")
         set_(self, "residual_lags", parse_residual_lags(self.residual_lags))
-        if self.token_tables not in ("auto", "off"):
-            raise ValueError(f"token_tables must be 'auto' or 'off', got {self.token_tables!r}")
-        if self.token_table_sequences is not None:
-            if isinstance(self.token_table_sequences, bool) or not isinstance(self.token_table_sequences, int) or self.token_table_sequences < 1:
-                raise ValueError(f"token_table_sequences must be an integer >= 1, got {self.token_table_sequences!r}")
-            if self.token_tables != "auto":
-                raise ValueError("token_table_sequences sizes the token tables, which are off: add --token-tables auto "
-                                 "(token_tables='auto') or drop it")  # fmt: skip
-        set_(self, "token_lags", parse_residual_lags(self.token_lags, "token_lags"))
         if self.residual_rank is not None and (isinstance(self.residual_rank, bool) or not isinstance(self.residual_rank, int) or self.residual_rank < 1):
             raise ValueError(f"residual_rank must be an integer >= 1 or None, got {self.residual_rank!r}")
         if self.residual_stride is not None and (isinstance(self.residual_stride, bool) or not isinstance(self.residual_stride, int) or self.residual_stride < 1):
@@ -422,14 +400,6 @@ class FitConfig:
     @property
     def num_heldout(self) -> int:
         return heldout_count(self.num_sequences, self.heldout_fraction)
-
-    @property
-    def token_table_extra_sequences(self) -> int:
-        """Sequences a fit from a dataset reads after its `num_sequences` for the token tables alone: what
-        `token_table_sequences` asks for beyond the maps' training sequences."""
-        if self.token_table_sequences is None:
-            return 0
-        return max(0, self.token_table_sequences - (self.num_sequences - self.num_heldout))
 
     def replace(self, **changes: Any) -> "FitConfig":
         """A copy with some fields changed (validated again)."""

@@ -132,6 +132,21 @@ class ContentGate:
                 "gap_recovered_ci": gap.get("gap_recovered_ci"), "decision": decided,
                 "required_items": required_items(d, self.tolerance)}  # fmt: skip
 
+    def _check_context_matters(self, task: str, verdict: dict[str, Any]) -> None:
+        """Refuse to judge when the target's own accuracy is within the tolerance of its accuracy without the
+        context: a transfer that loses the whole context would then pass (a broken model run, e.g. a dtype or device
+        the models do not run correctly on, or a pair that does not read its context)."""
+        own, blind = verdict["own_accuracy"], verdict["no_context_accuracy"]
+        if own - blind > self.tolerance:
+            return
+        name = "hand-off" if task == "handoff" else "passage recall"
+        raise ContextUnusedError(
+            f"content gate: the target's own {name} on {verdict['num_items']} probe items ({own:.1%}) is not "
+            f"{self.tolerance:.0%} above its answer without the context ({blind:.1%}), so the gate cannot tell a "
+            "transfer that keeps the content from one that loses it; check that both models run correctly with this "
+            "device and dtype (e.g. --dtype float32), or fix the exact layers (--exact-layers N) to fit without it"
+        )
+
     def judge(self, mapper: KVMapper, num_exact_layers: int, *, every_task: bool = False) -> dict[str, Any]:
         """The gate's verdict on `mapper` with `num_exact_layers` exact layers (`every_task`: score both tasks even
         when the first rejects, as a calibration study wants).
@@ -146,6 +161,7 @@ class ContentGate:
         for task in GATE_TASKS:
             stops = [self.num_items]
             verdict = self._task_verdict(self._per_item(task, mapper, num_exact_layers, stops))
+            self._check_context_matters(task, verdict)
             if verdict["decision"] == "undecided" and self.max_items > self.num_items:
                 # Sized from this candidate's measured spread, with a fifth more for the estimate's own noise.
                 want = min(self.max_items, math.ceil(1.2 * (verdict["required_items"] or self.max_items)))
@@ -159,6 +175,10 @@ class ContentGate:
                 break  # one task that loses the content rejects the candidate: the other need not be scored
         return {"accepted": all(tasks.get(t, {}).get("decision") == "accepted" for t in GATE_TASKS),
                 "tolerance": self.tolerance, "tasks": tasks}  # fmt: skip
+
+
+class ContextUnusedError(ValueError):
+    """The target answers the gate's items no better with their context than without: the gate cannot judge."""
 
 
 def heldout_texts(tokenizer, input_ids, attention_mask=None) -> list[str]:
@@ -184,5 +204,5 @@ def gate_line(verdict: dict[str, Any] | None) -> str:
     return ", ".join(parts) + (": accepted" if verdict["accepted"] else ": rejected")
 
 
-__all__ = ["DEFAULT_GATE_ITEMS", "DEFAULT_TOLERANCE", "GATE_TASKS", "ContentGate", "gate_line", "heldout_texts",
-           "required_items"]
+__all__ = ["DEFAULT_GATE_ITEMS", "DEFAULT_TOLERANCE", "GATE_TASKS", "ContentGate", "ContextUnusedError", "gate_line",
+           "heldout_texts", "required_items"]

@@ -42,6 +42,7 @@ from transformers import PreTrainedModel
 from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
 from ..core.mapper import KVMapper
 from ..core.map_inputs import exact_layers_needed
+from ..core.options import with_options
 from ..core.residual import residual_config, residual_readers
 from ..evaluation.content import repeated_span_retention
 from ..evaluation.metrics import retention_difference
@@ -134,7 +135,35 @@ def choose_num_exact_layers(
     )  # fmt: skip
     report["prefix_len"] = prefix_len
 
-    baseline: dict[str, Any] | None = None  # the target's own and no-context scores do not depend on k
+    hi = _probe_bisection(source, target, mapper, items, num_layers, min_retention, report, progress)
+    if hi is None:
+        return None, report
+    report["chosen"] = hi
+    report["tried"].sort(key=lambda row: row["num_exact_layers"])
+    report["reason"] = _num_exact_reason(hi, num_layers, min_retention)
+    return hi, report
+
+
+def _num_exact_reason(num_exact: int, num_layers: int, min_retention: float) -> str:
+    """Why the probe chose `num_exact` exact layers (logged as a warning when it is all of them)."""
+    if num_exact != num_layers:
+        return f"the fewest exact layers with retention >= {min_retention:.0%}"
+    reason = (
+        f"no mapped layer keeps {min_retention:.0%} of the copying short of computing all {num_layers}: the "
+        "target computes its whole cache itself (no prefill saved; pass num_exact_layers to TransferredCache to "
+        "trade content for speed)"
+    )
+    logger.warning("exact layers: %s", reason)
+    return reason
+
+
+def _probe_bisection(
+    source: PreTrainedModel, target: PreTrainedModel, mapper: KVMapper, items: list, num_layers: int,
+    min_retention: float, report: dict[str, Any], progress: bool,
+) -> int | None:
+    """`_bisect` over the exact layers, each candidate scored on the repeated-span `items` (the target's own and
+    no-context scores once: they do not depend on k) and added to `report["tried"]`, under one progress bar."""
+    baseline: dict[str, Any] | None = None
     # One bar for the stage, one step per candidate (what each scored goes to the log at INFO).
     bar = tqdm(total=_bisection_steps(num_layers), desc="exact-layers probe", unit="candidate", disable=not progress)
 
@@ -157,20 +186,7 @@ def choose_num_exact_layers(
         hi = _bisect(retention, num_layers, min_retention, report)
         bar.total = bar.n  # the bisection may stop before its most steps: the bar ends full
         bar.refresh()
-    if hi is None:
-        return None, report
-    report["chosen"] = hi
-    report["tried"].sort(key=lambda row: row["num_exact_layers"])
-    if hi == num_layers:
-        report["reason"] = (
-            f"no mapped layer keeps {min_retention:.0%} of the copying short of computing all {num_layers}: the "
-            "target computes its whole cache itself (no prefill saved; pass num_exact_layers to TransferredCache to "
-            "trade content for speed)"
-        )
-        logger.warning("exact layers: %s", report["reason"])
-    else:
-        report["reason"] = f"the fewest exact layers with retention >= {min_retention:.0%}"
-    return hi, report
+    return hi
 
 
 def _bisection_steps(num_layers: int) -> int:
@@ -299,7 +315,7 @@ def _timing_row(times: dict[str, list[float]], own: dict[str, list[float]], cloc
 def configuration_cost(target: PreTrainedModel, mapper: KVMapper, num_exact: int, seq_len: int) -> dict[str, int]:
     """Multiply-adds per prompt token to the first token of a `seq_len`-token prompt at a configuration: the exact
     layers' weights and attention (a causal prefill's average context, `seq_len / 2`) and the maps of the other
-    layers (their weights; token tables are look-ups and cost none). A count from the shapes alone, the same on
+    layers (their weights; a table of rows by token id is a look-up and costs none). A count from the shapes alone, the same on
     every machine and under any load: what the fit orders the configurations that keep the content by.
 
     Returns:
@@ -342,23 +358,43 @@ def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | N
     return num_layers
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeOptions:
+    """The options of `choose_configuration` (each one also accepted as a keyword of `choose_configuration`).
+
+    Attributes:
+        min_retention, num_items, prefix_len, seed, progress: the repeated-span screen's, as in
+            `choose_num_exact_layers`.
+        timing_tokens: the probe tokens each tried candidate is timed on (for the report).
+        refine: turns each residual candidate into the one that is probed (see `choose_configuration`).
+        gate: the `content_gate.ContentGate` that decides (None: the screen decides).
+    """
+
+    min_retention: float = 0.95
+    num_items: int = 64
+    prefix_len: int | None = None
+    timing_tokens: int = 512
+    refine: Callable[[KVMapper], KVMapper] | None = None
+    gate: ContentGate | None = None
+    seed: int = 0
+    progress: bool = False
+
+
 def choose_configuration(
     source: PreTrainedModel,
     target: PreTrainedModel,
     mapper: KVMapper,
     token_ids: list[int] | torch.Tensor,
+    options: ProbeOptions | None = None,
     *,
     residual_mappers: Mapping[int, KVMapper] | Sequence[KVMapper] | None = None,
-    min_retention: float = 0.95,
-    num_items: int = 64,
-    prefix_len: int | None = None,
-    timing_tokens: int = 512,
-    refine: Callable[[KVMapper], KVMapper] | None = None,
-    gate: ContentGate | None = None,
-    seed: int = 0,
-    progress: bool = False,
+    **keywords: Any,
 ) -> tuple[KVMapper, dict[str, Any]]:
     """The cheapest configuration (exact layers x map inputs) that keeps what `eval` measures of the content.
+
+    `options` (`ProbeOptions`, in `hf_kvtransfer.fitting.exact_layers`; each field may be given as a keyword instead,
+    `gate=...`): `min_retention`, `num_items`, `prefix_len`, `seed` and `progress` as in `choose_num_exact_layers`,
+    and `timing_tokens`, `refine` and `gate` as below.
 
     Candidates: `mapper` (source K/V only) with the exact layers `choose_num_exact_layers` finds, and each of
     `residual_mappers` (mappers whose maps also read the target's residual entering their `residual_layer` J, from
@@ -390,8 +426,8 @@ def choose_configuration(
     `timing_tokens` probe tokens, medians of `TIMING_ROUNDS` interleaved rounds, process CPU time on CPU).
 
     `refine`, when given, turns each residual candidate into the one that is probed, timed and possibly chosen,
-    just before it is probed (the fit adds token tables fit on what its maps miss: `fitting/token_tables.py`);
-    skipped candidates are never refined.
+    just before it is probed (the caller's: `fit_mapper(..., refine=...)`, e.g. more map inputs fit on what its
+    maps miss); skipped candidates are never refined.
 
     Returns:
         `(mapper, report)`: the chosen mapper with its `num_exact_layers` recorded, and the probe's report with
@@ -399,51 +435,71 @@ def choose_configuration(
         95% intervals, the gate's verdict, whether it passes, its cost, transfer and prefill milliseconds, speed-up,
         chosen) besides `choose_num_exact_layers`' keys.
     """
+    o = with_options(ProbeOptions, options, keywords, "choose_configuration")
     stream = probe_stream(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
     chosen_kv, report = choose_num_exact_layers(
-        source, target, mapper, stream, min_retention=min_retention, num_items=num_items, prefix_len=prefix_len,
-        seed=seed, progress=progress,
+        source, target, mapper, stream, min_retention=o.min_retention, num_items=o.num_items, prefix_len=o.prefix_len,
+        seed=o.seed, progress=o.progress,
     )  # fmt: skip
     num_layers = mapper.target_layout.num_layers
     if report.get("prefix_len") is None or report.get("copy_gain") is None or "barely copies" in report.get("reason", ""):
         return _with_num_exact(mapper, chosen_kv), report  # nothing to compare on: the source-only answer
-    report["gate"] = _gate_settings(gate)
-    source_rows = [{"inputs": _inputs_label(mapper), "residual_layer": None, **row,
-                    "passes": row["retention"] is not None and row["retention"] >= min_retention}
-                   for row in report["tried"]]  # fmt: skip
-    faithful_kv = _gate_source_only(gate, mapper, chosen_kv, num_layers, source_rows)
-    if faithful_kv != chosen_kv:
-        report["screen_chosen"] = chosen_kv
-    source_rows.sort(key=lambda row: row["num_exact_layers"])
-    search = _ResidualSearch(source, target, mapper, stream, report, gate=gate, min_retention=min_retention,
-                             num_items=num_items, refine=refine, seed=seed)  # fmt: skip
-    rows, candidates = search.run(residual_mappers, faithful_kv, num_layers, progress)
+    report["gate"] = _gate_settings(o.gate)
+    source_rows, faithful_kv = _source_only_rows(mapper, chosen_kv, num_layers, o, report)
+    rows, candidates = _ResidualSearch(source, target, mapper, stream, report, o).run(
+        residual_mappers, faithful_kv, num_layers, o.progress
+    )
     rows[:0] = source_rows
     candidates[:0] = [(mapper, row["num_exact_layers"]) for row in source_rows]
-    ids = torch.tensor(stream[: min(timing_tokens, len(stream))]).unsqueeze(0)
-    best = _pick_cheapest(target, rows, candidates, faithful_kv, num_layers, int(ids.shape[-1]), gate is not None, report)
+    ids = torch.tensor(stream[: min(o.timing_tokens, len(stream))]).unsqueeze(0)
+    best = _pick_cheapest(target, rows, candidates, faithful_kv, num_layers, int(ids.shape[-1]), o.gate is not None, report)
     _time_rows(source, target, rows, candidates, ids, num_layers, report)
     report["candidates"] = rows
     if best is None:
         report["chosen"] = faithful_kv
-        if any(row.get("not_cheaper_than_own_prefill") for row in rows):
-            report["reason"] = ("the candidates that keep the content cost no less than the target's own prefill: the "
-                                f"target computes its whole cache itself (all {num_layers} layers exact)")
-        elif gate is not None and faithful_kv is not None and faithful_kv >= num_layers:
-            report["reason"] = (f"no mapped configuration keeps passage recall and hand-off within {gate.tolerance:.0%} of "
-                                f"the target's own answers: the target computes its whole cache itself (all {num_layers} "
-                                "layers exact)")  # fmt: skip
-        elif gate is not None and faithful_kv is not None:
-            report["reason"] = (f"the fewest exact layers whose source-only transfer keeps passage recall and hand-off "
-                                f"within {gate.tolerance:.0%} of the target's own answers (paired 95% interval)")  # fmt: skip
+        reason = _source_only_reason(rows, o.gate, faithful_kv, num_layers)
+        if reason is not None:
+            report["reason"] = reason
         return _with_num_exact(mapper, faithful_kv), report
     chosen_mapper, num_exact = candidates[best]
     report["chosen"] = num_exact
     report["chosen_inputs"] = rows[best]["inputs"]
-    kept = (f"passage recall and hand-off within {gate.tolerance:.0%} of the target's own answers (paired 95% "
-            "interval, probe items)") if gate is not None else f"repeated-span retention >= {min_retention:.0%}"  # fmt: skip
+    kept = (f"passage recall and hand-off within {o.gate.tolerance:.0%} of the target's own answers (paired 95% "
+            "interval, probe items)") if o.gate is not None else f"repeated-span retention >= {o.min_retention:.0%}"  # fmt: skip
     report["reason"] = f"the cheapest configuration (multiply-adds per token to the first token) that keeps {kept}"
     return _with_num_exact(chosen_mapper, num_exact), report
+
+
+def _source_only_rows(
+    mapper: KVMapper, chosen_kv: int | None, num_layers: int, o: ProbeOptions, report: dict[str, Any]
+) -> tuple[list[dict[str, Any]], int | None]:
+    """The source-only answer's rows (each exact-layer count the screen tried, and those the gate judged) and its
+    exact layers: the screen's `chosen_kv`, or with a gate the fewest from there on that it accepts."""
+    source_rows = [{"inputs": _inputs_label(mapper), "residual_layer": None, **row,
+                    "passes": row["retention"] is not None and row["retention"] >= o.min_retention}
+                   for row in report["tried"]]  # fmt: skip
+    faithful_kv = _gate_source_only(o.gate, mapper, chosen_kv, num_layers, source_rows)
+    if faithful_kv != chosen_kv:
+        report["screen_chosen"] = chosen_kv
+    source_rows.sort(key=lambda row: row["num_exact_layers"])
+    return source_rows, faithful_kv
+
+
+def _source_only_reason(
+    rows: list[dict[str, Any]], gate: ContentGate | None, faithful_kv: int | None, num_layers: int
+) -> str | None:
+    """Why the source-only answer stays when no candidate is chosen (None: the screen's reason stands)."""
+    if any(row.get("not_cheaper_than_own_prefill") for row in rows):
+        return ("the candidates that keep the content cost no less than the target's own prefill: the "
+                f"target computes its whole cache itself (all {num_layers} layers exact)")  # fmt: skip
+    if gate is not None and faithful_kv is not None and faithful_kv >= num_layers:
+        return (f"no mapped configuration keeps passage recall and hand-off within {gate.tolerance:.0%} of "
+                f"the target's own answers: the target computes its whole cache itself (all {num_layers} "
+                "layers exact)")  # fmt: skip
+    if gate is not None and faithful_kv is not None:
+        return (f"the fewest exact layers whose source-only transfer keeps passage recall and hand-off "
+                f"within {gate.tolerance:.0%} of the target's own answers (paired 95% interval)")  # fmt: skip
+    return None
 
 
 def _gate_settings(gate: ContentGate | None) -> dict[str, Any]:
@@ -502,9 +558,10 @@ def _time_rows(source, target, rows, candidates, ids, num_layers, report) -> Non
 class _ResidualSearch:
     """The residual candidates' screen (repeated spans, then cued recall against the source-only answer) and gate."""
 
-    def __init__(self, source, target, mapper, stream, report, *, gate, min_retention, num_items, refine, seed):
+    def __init__(self, source, target, mapper, stream, report, options: ProbeOptions):
         self.source, self.target, self.mapper, self.stream, self.report = source, target, mapper, stream, report
-        self.gate, self.min_retention, self.num_items, self.refine, self.seed = gate, min_retention, num_items, refine, seed
+        self.gate, self.min_retention, self.num_items = options.gate, options.min_retention, options.num_items
+        self.refine, self.seed = options.refine, options.seed
         self.references: dict[str, Any] = {}
         self.more_cued = self.more_reference = self.cued_reference = None
 
@@ -642,5 +699,5 @@ def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
     return chosen
 
 
-__all__ = ["MIN_COPY_GAIN", "TIMING_ROUNDS", "choose_configuration", "choose_num_exact_layers", "configuration_cost",
-           "probe_stream", "residual_candidates"]
+__all__ = ["MIN_COPY_GAIN", "TIMING_ROUNDS", "ProbeOptions", "choose_configuration", "choose_num_exact_layers",
+           "configuration_cost", "probe_stream", "residual_candidates"]

@@ -21,14 +21,13 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.lowrank import lowrank_mapper, reduced_rank_heldout_r2
-from ..core.map_inputs import exact_layers_needed
 from ..core.mapper import KVMapper, MapperConfig
 from ..core.mapper_types import MLP, RIDGE
 from ..core.ridge import effective_top_k, heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
 from ..core.rope import text_config
 from ..core.stats import KINDS, BlockStatistics, KVLayout, KVStatistics
 from .accumulate import run_fit_pass
-from .calibration import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, build_calibration, sample_hash
+from .calibration import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, build_calibration
 from .calibration_pass import as_token_tensor
 from .config import (
     PAPER_TOP_K_CANDIDATES,
@@ -45,18 +44,6 @@ from .quality_gate import calibrate_quality_gate
 from .exact_layers import choose_configuration, probe_stream, residual_candidates
 from .mlp import fit_mlp
 from .residual_stats import ResidualStatistics, residual_statistics_nbytes, residual_variants
-from .token_tables import (
-    TableInputs,
-    can_fold_residual,
-    capture_table_inputs,
-    fit_token_tables,
-    fold_residual_into_tables,
-    tabulate_first_layer,
-    table_inputs_nbytes,
-    token_table_rows_nbytes,
-    token_tables_nbytes,
-    with_token_tables,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -287,22 +274,6 @@ def calibration_sample(
     return ids, info
 
 
-def calibration_samples(
-    tokenizer, config: FitConfig, dataset: str | os.PathLike | None = None
-) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor | None]:
-    """`calibration_sample` and the sequences for the token tables alone that `config.token_table_sequences` asks
-    for beyond the maps' training sequences (None when it asks for none): read after the maps' sequences, so the maps'
-    sample, and its hash in the description, are the same with or without them."""
-    extra = config.token_table_extra_sequences
-    ids, info = calibration_sample(tokenizer, config.replace(num_sequences=config.num_sequences + extra), dataset)
-    if not extra:
-        return ids, info, None
-    ids, more = ids[: config.num_sequences], ids[config.num_sequences :]
-    info = {**info, "num_sequences": int(ids.shape[0]), "sample_sha256": sample_hash(ids),
-            "token_table_extra_sequences": int(more.shape[0]), "token_table_extra_sha256": sample_hash(more)}  # fmt: skip
-    return ids, info, more
-
-
 def model_ids(source: PreTrainedModel, target: PreTrainedModel) -> dict[str, str]:
     """`{"source_model_id": ..., "target_model_id": ...}` from the models' `name_or_path`, where known."""
     out = {}
@@ -339,7 +310,7 @@ def fit_mapper(
     attention_mask: torch.Tensor | None = None,
     tokenizer=None,
     log: Callable[[str], None] | None = None,
-    token_table_input_ids: torch.Tensor | None = None,
+    refine: Callable[[KVMapper], KVMapper] | None = None,
     **overrides: Any,
 ) -> KVMapper:
     """Fit a mapper from `source`'s KV cache to `target`'s: one calibration pass, then a closed-form ridge solve
@@ -359,8 +330,9 @@ def fit_mapper(
             sequences held out and the weights refit on all of them).
         attention_mask: `[num_sequences, seq_len]` mask for padded token ids.
         log: where the few lines a person should see go (statistics memory, two-stage); default `logger.info`.
-        token_table_input_ids: `[n, seq_len]` token ids the token tables (`token_tables="auto"`) are fit on besides
-            the maps' training sequences, never the probe's (from a dataset, `token_table_sequences` reads them).
+        refine: what the content probe does to each candidate reading the target's residual before it scores it
+            (`exact_layers.choose_configuration`): a function from a candidate mapper to the one probed, timed and
+            possibly chosen (say, the candidate with more map inputs, fit on what its maps miss). Default: none.
         overrides: `FitConfig` fields applied on top of `config` (`top_k=4`, `ridge_lambda="auto"`,
             `heldout_fraction=0`, `mapper_type="mlp"`, `mlp_epochs=10`, ...; the MLP's short names `hidden_size`,
             `epochs`, `lr`, `residual`, ... and `statistics_dir` are accepted too), and provenance for the mapper
@@ -384,7 +356,7 @@ def fit_mapper(
             "one mapper per k from one calibration pass, or give one k"
         )
     return next(iter(fit_mappers(source, target, calibration_input_ids, config, attention_mask=attention_mask,
-                                 tokenizer=tokenizer, log=log, token_table_input_ids=token_table_input_ids,
+                                 tokenizer=tokenizer, log=log, refine=refine,
                                  **overrides).values()))  # fmt: skip
 
 
@@ -397,7 +369,7 @@ def fit_mappers(
     attention_mask: torch.Tensor | None = None,
     tokenizer=None,
     log: Callable[[str], None] | None = None,
-    token_table_input_ids: torch.Tensor | None = None,
+    refine: Callable[[KVMapper], KVMapper] | None = None,
     **overrides: Any,
 ) -> dict[str, KVMapper]:
     """`fit_mapper` for several `top_k` from one calibration pass: `{name: KVMapper}`, names from `mapper_name`
@@ -425,14 +397,10 @@ def fit_mappers(
     if calibration_input_ids is None or isinstance(calibration_input_ids, (str, os.PathLike)):
         if tokenizer is None:
             raise ValueError("fitting from a dataset needs the models' tokenizer: pass tokenizer=")
-        ids, info, more = calibration_samples(tokenizer, config, calibration_input_ids)
+        ids, info = calibration_sample(tokenizer, config, calibration_input_ids)
         mask = None
-        if more is not None:
-            token_table_input_ids = more if token_table_input_ids is None else torch.cat([more, token_table_input_ids])
     else:
         ids, mask = as_token_tensor(calibration_input_ids, attention_mask)
-    if token_table_input_ids is not None and config.token_tables != "auto":
-        raise ValueError("token_table_input_ids are for the token tables, which are off: pass token_tables='auto' or drop them")
     heldout_count(ids.shape[0], config.heldout_fraction)  # a fraction that leaves nothing to fit on fails here
     _warn_beyond_positions(source, target, ids.shape[1])
     if info:
@@ -452,8 +420,8 @@ def fit_mappers(
         dtype=config.torch_mapper_dtype, **config.rank_kwargs, **mapper_kwargs,
     )  # fmt: skip
     return {name: _with_quality_gate(source, target, with_exact_layers(
-                source, target, m, ids, mask, config, log, residual=residual,
-                token_table_input_ids=token_table_input_ids, tokenizer=tokenizer), ids, mask, config)
+                source, target, m, ids, mask, config, log, residual=residual, refine=refine,
+                tokenizer=tokenizer), ids, mask, config)
             for name, m in mappers.items()}  # fmt: skip
 
 
@@ -500,75 +468,6 @@ def _residual_statistics(source: PreTrainedModel, target: PreTrainedModel, confi
     return stats
 
 
-# Token tables a fit adds to one candidate stay under this size (float32): the bundled family's are tens of MiB;
-# a 150K-token vocabulary's are ~5 GiB per target layer of 1024 KV features, where the fit keeps to the maps alone.
-TOKEN_TABLE_BYTES = 2 * 2**30
-# The fit runs both models over its training sequences once for every candidate's tables when their states fit in
-# this many bytes (float32; the bundled family: about 1 GiB), else once per candidate.
-TABLE_INPUTS_BYTES = 4 * 2**30
-
-
-def _table_rows(input_ids, attention_mask, num_heldout: int, extra_ids, config: FitConfig):
-    """The sequences the token tables are fit on: the maps' training sequences (not the held-out ones the probe
-    scores), then `extra_ids` (sequences for the tables alone), the first `config.token_table_sequences` of them."""
-    train = slice(None, -num_heldout) if num_heldout else slice(None)
-    ids, mask = input_ids[train], attention_mask[train] if attention_mask is not None else None
-    if extra_ids is not None and len(extra_ids):
-        if extra_ids.ndim != 2 or extra_ids.shape[1] != ids.shape[1]:
-            raise ValueError(f"token_table_input_ids must be [sequences, {ids.shape[1]}] (the calibration sequences' "
-                             f"length), got {list(extra_ids.shape)}")  # fmt: skip
-        mask = None if mask is None else torch.cat([mask, torch.ones_like(extra_ids, dtype=mask.dtype)])
-        ids = torch.cat([ids, extra_ids.to(ids.device)])
-    if config.token_table_sequences is not None:
-        ids, mask = ids[: config.token_table_sequences], None if mask is None else mask[: config.token_table_sequences]
-    return ids, mask
-
-
-def _token_tables_step(source, target, ids, mask, config: FitConfig, log):
-    """What the probe does to each residual candidate before it probes it: token tables on every mapped layer
-    (`token_tables.py`), fit on `ids` (`_table_rows`: sequences the probe does not score), where they fit
-    `TOKEN_TABLE_BYTES`; None when the fit does not add them. The tables are fit once per residual layer, on what
-    the first candidate of that layer tried (its fullest maps) misses, and shared by its other candidates: a solve
-    per candidate would cost the fit minutes each, for tables that differ little between maps of one layer."""
-    if config.token_tables != "auto":
-        return None
-    # Both models' states of these sequences, captured once for every candidate's tables where they fit in memory.
-    shared: list[TableInputs] = []
-    keep = table_inputs_nbytes(source, target, ids.numel()) <= TABLE_INPUTS_BYTES
-    fitted: dict[int, KVMapper] = {}  # residual layer -> its first candidate with tables
-
-    def refine(candidate: KVMapper) -> KVMapper:
-        readers = list(range(candidate.num_exact_layers, candidate.target_layout.num_layers))
-        nbytes = token_tables_nbytes(candidate, readers, config.token_lags)
-        if nbytes > TOKEN_TABLE_BYTES:
-            (log or logger.info)(f"token tables: not added, {nbytes / 2**30:,.1f} GiB for layers {readers} (over {TOKEN_TABLE_BYTES / 2**30:.0f} GiB)")
-            return candidate
-        layer = exact_layers_needed(candidate.config)[0] - 1  # the residual it reads enters its last needed exact layer
-        if layer not in fitted:
-            fitted[layer] = fit_tables(candidate, readers, layer)
-        with_tables = with_token_tables(candidate, fitted[layer].tokens)
-        # The residual entering layer 0 is the token embedding: its part of the maps is one more table row per id
-        # and lag, a gather at transfer time instead of a product (the same maps); and the one exact layer's K/V
-        # are the target's own per id, looked up instead of projected.
-        if can_fold_residual(with_tables):
-            return tabulate_first_layer(fold_residual_into_tables(with_tables, target), target)
-        return with_tables
-
-    def fit_tables(candidate: KVMapper, readers: list[int], layer: int) -> KVMapper:
-        kept = token_table_rows_nbytes(int(mask.sum()) if mask is not None else ids.numel(), len(readers),
-                                       candidate.target_layout.layer_dim)  # fmt: skip
-        (log or logger.info)(f"token tables for layers {readers} (residual layer {layer}) on {ids.shape[0]} sequences "
-                             f"({ids.numel():,} tokens): {kept / 2**20:,.0f} MiB of rows kept while they are fit "
-                             f"(float32)")  # fmt: skip
-        if keep and not shared:
-            shared.append(capture_table_inputs(source, target, ids, mask, batch_size=config.batch_size))
-        return fit_token_tables(source, target, candidate, ids, mask, readers=readers, lags=config.token_lags,
-                                batch_size=config.batch_size, inputs=shared[0] if shared else None,
-                                progress=config.progress)  # fmt: skip
-
-    return refine
-
-
 def with_exact_layers(
     source: PreTrainedModel,
     target: PreTrainedModel,
@@ -578,15 +477,14 @@ def with_exact_layers(
     config: FitConfig,
     log: Callable[[str], None] | None = None,
     residual: ResidualStatistics | None = None,
-    token_table_input_ids: torch.Tensor | None = None,
+    refine: Callable[[KVMapper], KVMapper] | None = None,
     tokenizer=None,
 ) -> KVMapper:
     """`mapper` with `config.num_exact_layers` recorded: a given number as is, "auto" from the content probe
     (`exact_layers.choose_configuration`) on the held-out calibration sequences (all of them without a
     held-out shard), its table in `mapper.report["exact_layers"]`. With `residual` statistics the probe also tries
-    maps reading the target's residual after each candidate residual layer and may return such a mapper; with
-    `config.token_tables == "auto"` those candidates get token tables, fit on the training sequences and
-    `token_table_input_ids` (sequences for the tables alone). With the models' `tokenizer` the choice is made by the
+    maps reading the target's residual after each candidate residual layer and may return such a mapper; `refine`
+    (the caller's) turns each of those candidates into the one probed (`fit_mapper`). With the models' `tokenizer` the choice is made by the
     content gate (`content_gate.py`: passage recall and hand-off on probe items, paired against the target's own
     answers, `config.exact_layers_tolerance`); without one the screen decides (a warning says so)."""
     if config.num_exact_layers != "auto":
@@ -603,10 +501,6 @@ def with_exact_layers(
             for variant in residual_variants(mapper, residual, layer, residual_lambda=config.residual_lambda,
                                              residual_rank=config.residual_rank)
         ]  # fmt: skip
-    refine = None
-    if residual_mappers and config.token_tables == "auto":
-        table_ids, table_mask = _table_rows(input_ids, attention_mask, num_heldout, token_table_input_ids, config)
-        refine = _token_tables_step(source, target, table_ids, table_mask, config, log)
     gate = _content_gate(source, target, tokenizer, input_ids[rows], mask, config)
     with torch.no_grad():
         mapper, report = choose_configuration(
@@ -615,8 +509,6 @@ def with_exact_layers(
             timing_tokens=config.exact_layers_timing_tokens, refine=refine, gate=gate, progress=config.progress,
         )  # fmt: skip
     report["probe_sequences"] = "held-out" if num_heldout else "all calibration sequences (no held-out shard)"
-    if refine is not None:
-        report["token_table_sequences"] = int(table_ids.shape[0])
     mapper.report = {**mapper.report, "exact_layers": report}
     (log or logger.info)(
         f"exact layers: {mapper.num_exact_layers} of {mapper.target_layout.num_layers} ({report['reason']}; "
@@ -684,7 +576,6 @@ def fit_mlp_mapper(
 
 __all__ = [
     "calibration_sample",
-    "calibration_samples",
     "fit_mapper",
     "fit_mlp_mapper",
     "model_ids",

@@ -22,7 +22,7 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-APPLIED, FALLBACK, UNSUPPORTED, FAILED = "applied", "fallback", "unsupported", "failed"
+from ..core.status import APPLIED, FAILED, FALLBACK, UNSUPPORTED
 
 NO_STORED_PREFIX = "no stored prefix"
 PREFIX_GONE = "the stored prefix was removed before the request was scheduled"

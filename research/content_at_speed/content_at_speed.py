@@ -69,8 +69,20 @@ def load_pair(source: str, target: str, family: Path = FAMILY) -> FamilyPair:
     return FamilyPair(tok, src, tgt, calibration, heldout, split_documents(heldout, tok.eos_token or "<|endoftext|>"))
 
 
+def _tables_plugin() -> None:
+    """Register research/token_tables's map inputs (token tables, the first-layer table), which the library no longer
+    holds, so that mappers saved with them load."""
+    import sys
+
+    folder = str(Path(__file__).resolve().parents[1] / "token_tables")
+    if folder not in sys.path:
+        sys.path.append(folder)
+    import token_tables_plugin  # noqa: F401
+
+
 def build(variant: str, base, stats):
     if variant.startswith("dir:"):  # a saved mapper at its own defaults (what `hf-kvtransfer fit` chose)
+        _tables_plugin()  # a mapper with token tables (research/token_tables's plug-in) loads too
         mapper = KVMapper.from_pretrained(variant[4:])
         return mapper, mapper.num_exact_layers
     kind, *rest = variant.split(":")

@@ -25,7 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "content_at_speed"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "token_tables"))
 from content_at_speed import load_pair  # noqa: E402
+
+import token_tables_plugin  # noqa: E402, F401  (research/token_tables's plug-in: the mappers with tables load)
 
 from hf_kvtransfer import KVMapper  # noqa: E402
 from hf_kvtransfer.evaluation.timing import time_to_first_token  # noqa: E402

@@ -46,7 +46,7 @@ def candidates_of(source, target, tok):
 
     fit_module.choose_configuration = record
     config = FitConfig(dataset=str(FAMILY / "calibration.txt"), progress=False)
-    ids, _, _ = fit_module.calibration_samples(tok, config)
+    ids, _ = fit_module.calibration_sample(tok, config)
     fit_module.fit_mappers(source, target, ids, config)
     num_heldout = heldout_count(ids.shape[0], config.heldout_fraction)
     texts = heldout_texts(tok, ids[-num_heldout:])

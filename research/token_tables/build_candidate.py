@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "content_at_speed"))
 from content_at_speed import load_pair  # noqa: E402
 
-from hf_kvtransfer import fit_mapper, fit_token_tables, fold_residual_into_tables, tabulate_first_layer  # noqa: E402
+from hf_kvtransfer import fit_mapper  # noqa: E402
+from token_tables_plugin import fit_token_tables, fold_residual_into_tables, tabulate_first_layer  # noqa: E402  (this folder's plug-in)
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass  # noqa: E402
 from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper  # noqa: E402
 

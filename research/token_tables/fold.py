@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "content_at_speed"))
 from content_at_speed import load_pair  # noqa: E402
 
-from hf_kvtransfer import KVMapper, TransferredCache, fold_residual_into_tables, prefill, tabulate_first_layer  # noqa: E402
+from hf_kvtransfer import KVMapper, TransferredCache, prefill  # noqa: E402
+from token_tables_plugin import fold_residual_into_tables, tabulate_first_layer  # noqa: E402  (this folder's plug-in)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from hf_kvtransfer.evaluation.tasks import cued_recall_items, repeated_span_item
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass  # noqa: E402
 from hf_kvtransfer.fitting.exact_layers import probe_stream  # noqa: E402
 from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper  # noqa: E402
-from hf_kvtransfer.fitting.token_tables import fit_token_tables  # noqa: E402
+from token_tables_plugin import fit_token_tables  # noqa: E402  (this folder's plug-in)
 
 
 def main() -> None:

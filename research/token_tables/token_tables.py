@@ -4,7 +4,7 @@ A mapped layer's stripped keys and values get a correction `sum_a T_a[ids[t - a]
 `vocab x (kv_heads * head_dim)` per lag, kind and layer), fit to what the map misses (the target's own stripped K/V
 minus the map's; for the keys of a map that predicts them before the target's k_norm, before it) by ridge on one-hot
 features, solved by backfitting (each lag's table is the shrunk per-token mean of what the other lags leave; a
-standalone prototype of what the library now does in `hf_kvtransfer/fitting/token_tables.py`). At transfer time that is a gather and an add: no multiply-add. Passage recall (greedy
+standalone prototype of what `token_tables_plugin/fit.py` in this folder does). At transfer time that is a gather and an add: no multiply-add. Passage recall (greedy
 first answer token, the cache's 32 recomputed tokens) is scored with the library's map, with the tables added on
 the chosen layers, and with the target's own K/V of those layers (the bound). One thread.
 

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "content_at_speed"))
 from content_at_speed import load_pair  # noqa: E402
 
+import token_tables_plugin  # noqa: E402, F401  (this folder's plug-in: mappers with tables load)
 from hf_kvtransfer import KVMapper, TransferredCache, prefill  # noqa: E402
 from hf_kvtransfer.evaluation.timing import time_call  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Token tables for a mapper, fit in closed form on what its maps miss (`core/token_tables.py`).
+"""Token tables for a mapper, fit in closed form on what its maps miss (`tables.py`), and the fit's step that adds
+them to the content probe's candidates (`table_refiner`, handed to `fit_mapper(..., refine=...)`).
 
 One pass over calibration sequences: each sequence's source cache goes through `TransferredCache` with the mapper
 (its exact layers computed, the other layers mapped; keys taken before the key norm where the mapper predicts them
@@ -33,18 +34,35 @@ import torch
 from huggingface_hub.utils import tqdm
 from transformers import PreTrainedModel
 
-from ..core.cache import TransferredCache
-from ..core.capture import capture_kv_and_inputs, prefill
-from ..core.exact import own_prefix
-from ..core.first_layer_table import FirstLayerTableConfig, FirstLayerTableInput
-from ..core.key_norm import KeyNormInput
-from ..core.map_inputs import with_input
-from ..core.mapper import KVMapper
-from ..core.residual import ResidualInput, residual_config, residual_features, residual_readers
-from ..core.rope import position_ids_from_mask, rotary_cos_sin, strip_rope, text_config
-from ..core.stats import KVLayout
-from ..core.token_tables import TokenTableConfig, TokenTableInput, TokenTables, lagged_token_ids, token_table_parameters
-from .residual_stats import has_key_norm
+from hf_kvtransfer.core.cache import TransferredCache
+from hf_kvtransfer.core.capture import capture_kv_and_inputs, prefill
+from hf_kvtransfer.core.exact import own_prefix
+from hf_kvtransfer.core.key_norm import KeyNormInput
+from hf_kvtransfer.core.map_inputs import exact_layers_needed, with_input
+from hf_kvtransfer.core.mapper import KVMapper
+from hf_kvtransfer.core.residual import (
+    ResidualInput,
+    residual_config,
+    residual_features,
+    residual_readers,
+)
+from hf_kvtransfer.core.rope import (
+    position_ids_from_mask,
+    rotary_cos_sin,
+    strip_rope,
+    text_config,
+)
+from hf_kvtransfer.core.stats import KVLayout
+from hf_kvtransfer.fitting.residual_stats import has_key_norm
+
+from .first_layer import FirstLayerTableConfig, FirstLayerTableInput
+from .tables import (
+    TokenTableConfig,
+    TokenTableInput,
+    TokenTables,
+    lagged_token_ids,
+    token_table_parameters,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +234,7 @@ def token_residuals(target: PreTrainedModel, *, batch_size: int = 4096, check_to
 
 @torch.no_grad()
 def tabulate_first_layer(mapper: KVMapper, target: PreTrainedModel, *, batch_size: int = 4096, check_tokens: int = 64) -> KVMapper:
-    """`mapper` with the target's own layer-0 keys and values per token id (`first_layer_table.FirstLayerTableInput`): a
+    """`mapper` with the target's own layer-0 keys and values per token id (`first_layer.FirstLayerTableInput`): a
     cache computing exactly one layer then looks them up instead of running the target's projections.
 
     Each id's keys and values are the target's own of a one-token sequence, RoPE stripped (keys after the key norm).
@@ -401,18 +419,96 @@ def fit_token_tables(
     return new
 
 
+# Token tables the fit's step adds to one candidate stay under this size (float32): the bundled family's are tens of
+# MiB; a 150K-token vocabulary's are ~5 GiB per target layer of 1024 KV features, where the step keeps to the maps.
+TOKEN_TABLE_BYTES = 2 * 2**30
+# The step runs both models over its sequences once for every candidate's tables when their states fit in this many
+# bytes (float32; the bundled family: about 1 GiB), else once per candidate.
+TABLE_INPUTS_BYTES = 4 * 2**30
+
+
+def table_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, num_heldout: int, extra_ids: torch.Tensor | None = None,
+    sequences: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sequences the token tables are fit on: the maps' training sequences (not the `num_heldout` last ones the
+    probe scores), then `extra_ids` (sequences for the tables alone), the first `sequences` of them (None: all)."""
+    train = slice(None, -num_heldout) if num_heldout else slice(None)
+    ids, mask = input_ids[train], attention_mask[train] if attention_mask is not None else None
+    if extra_ids is not None and len(extra_ids):
+        if extra_ids.ndim != 2 or extra_ids.shape[1] != ids.shape[1]:
+            raise ValueError(f"the tables' extra sequences must be [sequences, {ids.shape[1]}] (the calibration "
+                             f"sequences' length), got {list(extra_ids.shape)}")  # fmt: skip
+        mask = None if mask is None else torch.cat([mask, torch.ones_like(extra_ids, dtype=mask.dtype)])
+        ids = torch.cat([ids, extra_ids.to(ids.device)])
+    if sequences is not None:
+        ids, mask = ids[:sequences], None if mask is None else mask[:sequences]
+    return ids, mask
+
+
+def table_refiner(
+    source: PreTrainedModel, target: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None = None, *,
+    lags: Sequence[int] = DEFAULT_TOKEN_LAGS, batch_size: int = 8, log=None, progress: bool = False,
+):
+    """What the content probe does to each residual candidate before it probes it (`fit_mapper(..., refine=...)`):
+    token tables on every mapped layer, fit on `ids` (`table_rows`: sequences the probe does not score), where they
+    fit `TOKEN_TABLE_BYTES`. The tables are fit once per residual layer, on what the first candidate of that layer
+    tried (its fullest maps) misses, and shared by its other candidates: a solve per candidate would cost the fit
+    minutes each, for tables that differ little between maps of one layer. A candidate reading the residual entering
+    layer 0 gets that residual folded into its tables and layer 0 looked up (`fold_residual_into_tables`,
+    `tabulate_first_layer`)."""
+    lags = list(lags)
+    say = log or logger.info
+    # Both models' states of these sequences, captured once for every candidate's tables where they fit in memory.
+    shared: list[TableInputs] = []
+    keep = table_inputs_nbytes(source, target, ids.numel()) <= TABLE_INPUTS_BYTES
+    fitted: dict[int, KVMapper] = {}  # residual layer -> its first candidate with tables
+
+    def refine(candidate: KVMapper) -> KVMapper:
+        readers = list(range(candidate.num_exact_layers, candidate.target_layout.num_layers))
+        nbytes = token_tables_nbytes(candidate, readers, lags)
+        if nbytes > TOKEN_TABLE_BYTES:
+            say(f"token tables: not added, {nbytes / 2**30:,.1f} GiB for layers {readers} (over {TOKEN_TABLE_BYTES / 2**30:.0f} GiB)")
+            return candidate
+        layer = exact_layers_needed(candidate.config)[0] - 1  # the residual it reads enters its last needed exact layer
+        if layer not in fitted:
+            fitted[layer] = fit_tables(candidate, readers, layer)
+        with_tables = with_token_tables(candidate, fitted[layer].tokens)
+        # The residual entering layer 0 is the token embedding: its part of the maps is one more table row per id
+        # and lag, a gather at transfer time instead of a product (the same maps); and the one exact layer's K/V
+        # are the target's own per id, looked up instead of projected.
+        if can_fold_residual(with_tables):
+            return tabulate_first_layer(fold_residual_into_tables(with_tables, target), target)
+        return with_tables
+
+    def fit_tables(candidate: KVMapper, readers: list[int], layer: int) -> KVMapper:
+        kept = token_table_rows_nbytes(int(mask.sum()) if mask is not None else ids.numel(), len(readers),
+                                       candidate.target_layout.layer_dim)  # fmt: skip
+        say(f"token tables for layers {readers} (residual layer {layer}) on {ids.shape[0]} sequences "
+            f"({ids.numel():,} tokens): {kept / 2**20:,.0f} MiB of rows kept while they are fit (float32)")  # fmt: skip
+        if keep and not shared:
+            shared.append(capture_table_inputs(source, target, ids, mask, batch_size=batch_size))
+        return fit_token_tables(source, target, candidate, ids, mask, readers=readers, lags=lags,
+                                batch_size=batch_size, inputs=shared[0] if shared else None,
+                                progress=progress)  # fmt: skip
+
+    return refine
+
+
 __all__ = [
     "DEFAULT_TOKEN_LAGS",
     "DEFAULT_TOKEN_PSEUDO_COUNT",
-    "TableInputs",
-    "capture_table_inputs",
     "TOKEN_TABLE_MAX_ITERATIONS",
     "TOKEN_TABLE_TOLERANCE",
+    "TableInputs",
+    "capture_table_inputs",
     "fit_token_tables",
     "fold_residual_into_tables",
     "solve_token_tables",
-    "tabulate_first_layer",
     "table_inputs_nbytes",
+    "table_refiner",
+    "table_rows",
+    "tabulate_first_layer",
     "token_residuals",
     "token_table_rows_nbytes",
     "with_token_tables",

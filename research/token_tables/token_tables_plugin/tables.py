@@ -1,4 +1,5 @@
-"""Map inputs read from the prompt itself: one table row per token id, at a few positions back.
+"""The token tables, a map input defined outside the library: one table row per token id, at a few positions back.
+Importing this module registers it (`register_map_input`) under the name `token_tables`.
 
 The layers that copy from the context ("induction" heads) have keys that say which tokens came just before each
 position. A linear map of the source's K/V, or of the target's residual stream, gives that only as far as it is
@@ -8,7 +9,7 @@ a mapper with tables adds `sum_a T_a[ids[t - a]]` to the RoPE-stripped keys and 
 layers in its `readers` (after the key norm the cache applies to a residual reader). At transfer time that is a
 gather and an add per layer, no multiply-add; the price is memory: `2 * len(lags) * (vocab_size + 1) *
 kv_heads * head_dim` numbers per layer. Row `vocab_size` stands for "no token": positions before a row's first token
-and padding. The tables are fit in closed form on what the maps miss (`fitting/token_tables.py`).
+and padding. The tables are fit in closed form on what the maps miss (`fit.py` beside this module).
 
 Example:
     ```python
@@ -25,11 +26,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .map_inputs import InputCost, MapInput, MapInputConfig, PlanShape, layer_span, positions_label, register_map_input
-from .rope import text_config
-from .stats import KVLayout
+from hf_kvtransfer.core.map_inputs import (
+    InputCost,
+    MapInput,
+    MapInputConfig,
+    PlanShape,
+    layer_span,
+    positions_label,
+    register_map_input,
+)
+from hf_kvtransfer.core.rope import text_config
+from hf_kvtransfer.core.stats import KVLayout
 
-# `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
+# `MapperConfig` (hf_kvtransfer.core.mapper): annotations name it as a string only.
 MapperConfig = Any
 
 
@@ -71,6 +80,11 @@ class TokenTableConfig(MapInputConfig):
             raise ValueError(f"{name}.readers must be ascending distinct target layers in [0, {num_layers}), got {readers}")
         if not config.target_fingerprint.get("vocab_size"):
             raise ValueError(f"{name}: token tables need the target's vocab_size in its config fingerprint")
+
+    def holds_per_id_rows(self, config: MapperConfig, layers: list[int], lags: list[int]) -> bool:
+        # One row per id at each of its lags on each of its readers: the residual entering layer 0 (the token
+        # embedding) can be held there (`ResidualConfig.in_tables`, `fit.fold_residual_into_tables`).
+        return set(layers) <= set(self.readers) and set(lags) <= set(self.lags)
 
     def label(self, config: MapperConfig) -> str:
         many = "s" if len(self.readers) > 1 else ""
@@ -136,7 +150,8 @@ class TokenTableInput(MapInput):
         "cache with `prefill` or pass input_ids= to TransferredCache"
     )
 
-    plan_label, plan_positions = "token tables", "token_positions"
+    # `plan` costs them at 4 positions (t .. t-3, `fit.DEFAULT_TOKEN_LAGS`) unless `input_positions` names others.
+    plan_label, plan_positions, plan_default_positions = "token tables", "token_positions", 4
 
     @classmethod
     def cost(cls, shape: PlanShape) -> InputCost | None:
