@@ -46,6 +46,21 @@ def test_past_key_values_name_still_works(qwen3_model, identity_mapper):
     assert torch.equal(out, ref)
 
 
+def test_options_object_and_keywords_are_the_same_transfer(qwen3_model, identity_mapper):
+    """`TransferOptions` or its fields as keywords (which override it); an unknown option is one line."""
+    from hf_kvtransfer.core.cache import TransferOptions
+
+    ids = random_ids(1, 16, seed=3)
+    source_cache = prefill(qwen3_model, ids)
+    caches = [TransferredCache(source_cache, identity_mapper, options=TransferOptions(num_exact_layers=2, gate=False)),
+              TransferredCache(source_cache, identity_mapper, num_exact_layers=2, gate=False),
+              TransferredCache(source_cache, identity_mapper, options=TransferOptions(num_exact_layers=0), num_exact_layers=2)]
+    for cache in caches:
+        assert cache.num_exact_layers == 2 and cache.transfer_status.threshold is None
+    with pytest.raises(TypeError, match=r"TransferredCache\(\) got unknown option\(s\) num_exact_layer\b"):
+        TransferredCache(source_cache, identity_mapper, num_exact_layer=2)
+
+
 def test_left_padded_batch(qwen3_model, mapper):
     ids, mask = left_pad(random_ids(3, 28, seed=4), [28, 19, 9])
     ref = qwen3_model.generate(ids, attention_mask=mask, do_sample=False, **GEN)

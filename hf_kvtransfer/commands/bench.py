@@ -263,6 +263,25 @@ class BenchTiming:
 
 
 @torch.no_grad()
+def _variants(mappers: dict[str, KVMapper], compile_rope: bool | str) -> list[tuple[str, KVMapper, bool]]:
+    """The transfers `run_benchmark` times, `(name, mapper, compile_rope)`: each mapper with `compile_rope`, or for
+    "both" each without and then each with (named `<name> +compile`)."""
+    if compile_rope == "both":
+        return [(name, m, False) for name, m in mappers.items()] + [(f"{n} +compile", m, True) for n, m in mappers.items()]
+    return [(name, mapper, bool(compile_rope)) for name, mapper in mappers.items()]
+
+
+def _stage_bar(stages: int, progress: bool) -> tuple[tqdm, Callable[[str, int], None]]:
+    """A progress bar over `stages` stages and `step(name, seq_len)`, which names a stage and advances the bar."""
+    bar = tqdm(total=stages, desc="bench", unit="stage", disable=not progress)
+
+    def step(name: str, seq_len: int):
+        bar.set_postfix_str(f"T={seq_len} {name}")
+        bar.update(1)
+
+    return bar, step
+
+
 def run_benchmark(
     source: torch.nn.Module,
     target: torch.nn.Module,
@@ -289,21 +308,14 @@ def run_benchmark(
     o = with_options(BenchTiming, timing, keywords, "run_benchmark")
     if isinstance(mappers, KVMapper):
         mappers = {"mapper": mappers}
-    variants = [(name, mapper, bool(o.compile_rope)) for name, mapper in mappers.items()]
-    if o.compile_rope == "both":
-        variants = [(name, m, False) for name, m in mappers.items()] + [(f"{n} +compile", m, True) for n, m in mappers.items()]
+    variants = _variants(mappers, o.compile_rope)
     device = next(target.parameters()).device
     vocab = text_config(target.config).vocab_size
     generator = torch.Generator().manual_seed(o.seed)
     first = next(iter(mappers))
     mappers[first].resolve_num_exact_layers(o.num_exact_layers)  # a count the target cannot take: refused before timing
     stages = len(seq_lens) * (3 + len(variants) + 2 * o.measure_ttft + o.measure_decode)
-    bar = tqdm(total=stages, desc="bench", unit="stage", disable=not o.progress)
-
-    def step(name: str, seq_len: int):
-        bar.set_postfix_str(f"T={seq_len} {name}")
-        bar.update(1)
-
+    bar, step = _stage_bar(stages, o.progress)
     results = []
     for seq_len in seq_lens:
         ids = torch.randint(4, vocab, (1, seq_len), generator=generator).to(device)
@@ -615,16 +627,8 @@ class BenchConfig:
         return cls(source, target, **{**quick, **overrides})
 
 
-def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Build the models and mappers `config` names, time them (`run_benchmark`) and return the report.
-
-    `announce` receives one line before the timing starts: the exact layers and recomputed tokens the time to first
-    token uses (the command line prints it). The command line writes the report with `reporting.save_bench_report`.
-    """
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    device = check_device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+def _bench_models(config: BenchConfig, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """`run`'s source and target (random weights or loaded in float32), on `device`: calibration runs there."""
     if config.random_weights:
         positions = max(config.seq_lens)
         source = random_weight_model(config.source, seed=0, min_positions=positions)
@@ -632,8 +636,12 @@ def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> d
     else:
         source = load_model(config.source, "source", dtype=torch.float32, device="cpu")
         target = load_model(config.target, "target", dtype=torch.float32, device="cpu")
-    source, target = source.to(device), target.to(device)  # calibrate where the models run
-    tokenizer_from = config.target  # its tokenizer, for calibration or held-out text
+    return source.to(device), target.to(device)
+
+
+def _bench_mappers(config: BenchConfig, source, target) -> tuple[dict[str, KVMapper], str | None]:
+    """`run`'s mappers by name, loaded (`config.mappers`: `[name=]path`) or solved here (`build_mappers`), and where
+    their exact layers come from when that is not what the first one records (None then)."""
     origin = None
     if config.mappers:
         mappers = {}
@@ -647,7 +655,7 @@ def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> d
         ids = None
         if statistics is None:
             vocab = text_config(target.config).vocab_size
-            ids = _calibration_ids(tokenizer_from, config.calibration_text, config.calibration_tokens, 512, vocab, seed=1)
+            ids = _calibration_ids(config.target, config.calibration_text, config.calibration_tokens, 512, vocab, seed=1)
         mappers, _ = build_mappers(source, target, config.ranks, top_k=config.top_k, statistics=statistics, calibration_ids=ids)
         if config.exact_layers is None:
             # A fit chooses the exact layers with its content probe; a solve here has none to run.
@@ -655,6 +663,21 @@ def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> d
                 "solved here without a content probe, so TransferredCache's default for a mapper that records none; "
                 "a fitted mapper records its own (--mapper), or set --exact-layers"
             )
+    return mappers, origin
+
+
+def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Build the models and mappers `config` names, time them (`run_benchmark`) and return the report.
+
+    `announce` receives one line before the timing starts: the exact layers and recomputed tokens the time to first
+    token uses (the command line prints it). The command line writes the report with `reporting.save_bench_report`.
+    """
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = check_device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    source, target = _bench_models(config, device)
+    mappers, origin = _bench_mappers(config, source, target)
     first = next(iter(mappers.values()))
     if config.exact_layers is not None and config.exact_layers > len(first.layers):
         raise ValueError(
@@ -665,7 +688,7 @@ def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> d
     quality = None
     if config.heldout_tokens:
         vocab = text_config(target.config).vocab_size
-        heldout = _calibration_ids(tokenizer_from, config.heldout_text, config.heldout_tokens, 512, vocab, seed=2)
+        heldout = _calibration_ids(config.target, config.heldout_text, config.heldout_tokens, 512, vocab, seed=2)
         quality = mapper_quality(source, target, mappers, heldout.to(device))
     source, target = source.to(device, dtype), target.to(device, dtype)
     # The mapper computes in the cache dtype on accelerators (bf16 GEMMs accumulate in fp32), in fp32 on CPU,

@@ -102,6 +102,45 @@ def _offline() -> bool:
     return constants.is_offline_mode() or env.upper() in constants.ENV_VARS_TRUE_VALUES
 
 
+def _local_config(name: str) -> PreTrainedConfig | None:
+    """`load_model_config`'s config from a local folder or JSON file named `name`; None when `name` names neither
+    and may be a Hub id."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"local directory {path} has no config.json: pass a model folder or a Hub id")
+        path = config_path
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} does not hold a JSON object (a model config.json)")
+        config = _config_from_dict(data, str(path))
+        config._name_or_path = name
+        return config
+    if name.startswith(("./", "../", "/", "~")) or name.endswith(".json"):
+        raise FileNotFoundError(f"{name} does not exist (and it is not a Hub id): check the path")
+    return None
+
+
+def _hub_config(
+    name: str, known: bool, revision: str | None, token: str | bool | None, use_hub: bool
+) -> tuple[PreTrainedConfig | None, Exception | None]:
+    """`(config, None)` from the Hub, else `(None, why not)`: skipped in offline mode, with `use_hub=False`, or when
+    the Hub endpoint does not answer for a `known` id (one shipped with this package)."""
+    if not use_hub or _offline():
+        return None, OSError("offline mode" if use_hub else "use_hub=False")
+    if known and not _hub_reachable():
+        return None, OSError("the Hub endpoint does not answer")
+    try:
+        return AutoConfig.from_pretrained(name, revision=revision, token=token), None
+    except (OSError, ValueError) as exc:  # not found, gated, network down, not a transformers repo
+        return None, exc
+
+
 def load_model_config(
     name_or_path: str | os.PathLike,
     *,
@@ -136,36 +175,13 @@ def load_model_config(
         ```
     """
     name = os.fspath(name_or_path)
-    path = Path(name).expanduser()
-    if path.is_dir():
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"local directory {path} has no config.json: pass a model folder or a Hub id")
-        path = config_path
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path} is not valid JSON ({exc})") from exc
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} does not hold a JSON object (a model config.json)")
-        config = _config_from_dict(data, str(path))
-        config._name_or_path = name
-        return config
-    if name.startswith(("./", "../", "/", "~")) or name.endswith(".json"):
-        raise FileNotFoundError(f"{name} does not exist (and it is not a Hub id): check the path")
-
+    local = _local_config(name)
+    if local is not None:
+        return local
     known = known_config_dict(name)
-    hub_error: Exception | None = None
-    if not use_hub or _offline():
-        hub_error = OSError("offline mode" if use_hub else "use_hub=False")
-    elif known is not None and not _hub_reachable():
-        hub_error = OSError("the Hub endpoint does not answer")
-    else:
-        try:
-            return AutoConfig.from_pretrained(name, revision=revision, token=token)
-        except (OSError, ValueError) as exc:  # not found, gated, network down, not a transformers repo
-            hub_error = exc
+    config, hub_error = _hub_config(name, known is not None, revision, token, use_hub)
+    if config is not None:
+        return config
     if known is not None:
         # A warning, not info: the plan's numbers then come from the architecture shipped here, not from the Hub.
         logger.warning(

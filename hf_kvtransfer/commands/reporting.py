@@ -98,6 +98,28 @@ def evaluation_markdown(results: dict[str, Any]) -> str:
     lines = [f"{title} (top_k={cfg.get('top_k')}, lambda={cfg.get('ridge_lambda')})", ""]
     if cfg.get("num_exact_layers") is not None:
         lines[-1:-1] = ["", f"Every transfer: {eval_settings(cfg)}."]
+    ppl = results.get("prefix_perplexity")
+    rows = _score_rows(results)
+    if rows:
+        lines += [
+            "| metric | target (own prefill) | transfer | floor | retention | floor-normalized retention [95% CI] |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    content = _content_markdown(results)
+    lines += content[1:] if content and lines[-1] == "" else content  # one blank line between sections
+    if ppl and "logit_kl" in ppl:
+        lines += _diagnostics_markdown(ppl, results.get("kv_r2", {}))
+    lines += _depth_markdown(results.get("recall_by_depth"))
+    turns = results.get("multi_turn")
+    if turns:
+        lines += _multi_turn_markdown(turns)
+    return "\n".join(lines) + "\n"
+
+
+def _score_rows(results: dict[str, Any]) -> list[str]:
+    """`evaluation_markdown`'s score table rows: prefix-conditioned perplexity, then the continuation task and
+    multiple choice, those that ran."""
     rows: list[str] = []
     ppl = results.get("prefix_perplexity")
     if ppl:
@@ -116,44 +138,42 @@ def evaluation_markdown(results: dict[str, Any]) -> str:
                 f"| {_pct(mc['chance'])} (chance; no context: {_pct(a['no_context'])}) | {_pct(mc['retention'])} "
                 f"| {_pct(mc['normalized_retention'])}{_ci(mc['normalized_retention_ci'])} |"
             )
-    if rows:
-        lines += [
-            "| metric | target (own prefill) | transfer | floor | retention | floor-normalized retention [95% CI] |",
-            "|---|---|---|---|---|---|",
-            *rows,
-        ]
-    content = _content_markdown(results)
-    lines += content[1:] if content and lines[-1] == "" else content  # one blank line between sections
-    if ppl and "logit_kl" in ppl:
-        lines += [
-            "",
-            f"Against the target's own prefill: logit KL {ppl['logit_kl']:.4f} nats/token, top-1 agreement "
-            f"{_pct(ppl['top1_agreement'])}; context worth {ppl['context_gain_nats']:.4f} nats/token to the target.",
-            "",
-            "| target layer | attention-output cosine | K R^2 | V R^2 |",
-            "|---|---|---|---|",
-        ]
-        r2 = results.get("kv_r2", {})
-        for t, cos in enumerate(ppl["attention_cosine"]):
-            k = r2.get("key", [float("nan")] * (t + 1))[t]
-            v = r2.get("value", [float("nan")] * (t + 1))[t]
-            lines.append(f"| {t} | {cos:.4f} | {k:.3f} | {v:.3f} |")
-    lines += _depth_markdown(results.get("recall_by_depth"))
-    turns = results.get("multi_turn")
-    if turns:
-        lines += [
-            "",
-            f"Multi-turn handoff ({turns['num_conversations']} conversations, {turns['turn_len']} tokens per turn):",
-            "",
-            "| turn | model | logit KL vs standalone | top-1 agreement | nll | nll standalone |",
-            "|---|---|---|---|---|---|",
-        ]
-        for t in turns["turns"]:
-            lines.append(
-                f"| {t['turn']} | {t['model']} | {t['logit_kl']:.4f} | {_pct(t['top1_agreement'])} | {t['nll']:.4f} "
-                f"| {t['nll_standalone']:.4f} |"
-            )
-    return "\n".join(lines) + "\n"
+    return rows
+
+
+def _diagnostics_markdown(ppl: dict[str, Any], r2: dict[str, list[float]]) -> list[str]:
+    """`evaluation_markdown`'s diagnostics against the target's own prefill, and per target layer the attention
+    output's cosine and the K/V R^2 (`r2`, NaN where missing)."""
+    lines = [
+        "",
+        f"Against the target's own prefill: logit KL {ppl['logit_kl']:.4f} nats/token, top-1 agreement "
+        f"{_pct(ppl['top1_agreement'])}; context worth {ppl['context_gain_nats']:.4f} nats/token to the target.",
+        "",
+        "| target layer | attention-output cosine | K R^2 | V R^2 |",
+        "|---|---|---|---|",
+    ]
+    for t, cos in enumerate(ppl["attention_cosine"]):
+        k = r2.get("key", [float("nan")] * (t + 1))[t]
+        v = r2.get("value", [float("nan")] * (t + 1))[t]
+        lines.append(f"| {t} | {cos:.4f} | {k:.3f} | {v:.3f} |")
+    return lines
+
+
+def _multi_turn_markdown(turns: dict[str, Any]) -> list[str]:
+    """`evaluation_markdown`'s multi-turn handoff table (`multi_turn_drift`)."""
+    lines = [
+        "",
+        f"Multi-turn handoff ({turns['num_conversations']} conversations, {turns['turn_len']} tokens per turn):",
+        "",
+        "| turn | model | logit KL vs standalone | top-1 agreement | nll | nll standalone |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in turns["turns"]:
+        lines.append(
+            f"| {t['turn']} | {t['model']} | {t['logit_kl']:.4f} | {_pct(t['top1_agreement'])} | {t['nll']:.4f} "
+            f"| {t['nll_standalone']:.4f} |"
+        )
+    return lines
 
 
 def eval_settings(config: dict[str, Any]) -> str:
@@ -408,33 +428,12 @@ def bench_markdown(report: dict[str, Any]) -> str:
         "| mapper | parameters | bytes | dtype | rank (key/value per layer) | fit R^2 K/V | held-out R^2 K/V | "
         "held-out R^2 K/V, bf16 weights |",
         "|---|---:|---:|---|---|---|---|---|",
+        *(_mapper_row(name, size) for name, size in report["mappers"].items()),
     ]
-
-    def pair(values) -> str:
-        return "-" if not values or values[0] is None else f"{values[0]:.4f} / {values[1]:.4f}"
-
-    for name, size in report["mappers"].items():
-        ranks = "full" if size["rank"] is None else ", ".join(f"{k}/{v}" for k, v in size["rank"])
-        lines.append(
-            f"| {name} | {size['parameters']:,} | {_fmt_bytes(size['bytes'])} | {size['dtype']} | {ranks} | "
-            f"{pair(size.get('fit_r2'))} | {pair(size.get('heldout_r2'))} | {pair(size.get('heldout_r2_bf16'))} |"
-        )
     names = list(report["mappers"])
     ttft = "ttft_defaults" in settings
     if ttft:
-        defaults = settings["ttft_defaults"]
-        used = sorted({row["ttft_defaults_num_recompute_tokens"] for row in report["results"]})
-        default = defaults["num_recompute_tokens"] is None
-        recompute = (used[0] if len(used) == 1 else used) if default else defaults["num_recompute_tokens"]
-        at_defaults = transfer_settings(
-            defaults["num_exact_layers"], settings.get("num_target_layers"), defaults["exact_layers_origin"], recompute,
-            default,
-        )
-        lines += [
-            "",
-            f"Time to first token ({settings['ttft_mapper']}; the target's own prefill vs the transfer, logits of the "
-            f"last position): **at the mapper's defaults**, {at_defaults}; beside it, {ALL_MAPPED}.",
-        ]
+        lines += ["", _ttft_line(settings, report["results"])]
     header = ["T", "prefill body ms", "full fwd ms"]
     header += [f"transfer {n} ms, all layers mapped (x faster wall, CPU time; FLOP ratio)" for n in names]
     if ttft:
@@ -442,28 +441,63 @@ def bench_markdown(report: dict[str, Any]) -> str:
     header += ["decode own / transfer ms (overhead)", "peak prefill / transfer"]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for row in report["results"]:
-        cells = [str(row["seq_len"]), f"{row['prefill_body_ms']:.1f}", f"{row.get('prefill_full_ms', float('nan')):.1f}"]
-        for n in names:
-            t = row["transfer"][n]
-            cells.append(
-                f"{t['ms']:.2f} ({t['speedup_vs_body']:.1f}x, CPU {t['cpu_speedup_vs_body']:.1f}x; {t['flop_ratio']:.0f}x)"
-            )
-        if ttft:
-            cells += [
-                f"{row['ttft_own_ms']:.1f}",
-                f"{row['ttft_defaults_ms']:.1f} ({row['ttft_defaults_speedup']:.2f}x)",
-                f"{row['ttft_all_mapped_ms']:.1f} ({row['ttft_all_mapped_speedup']:.2f}x)"
-                if row["ttft_all_mapped_ms"] is not None else "- (maps read the residual)",
-            ]
-        cells.append(
-            f"{row['decode_own_ms']:.2f} / {row['decode_transfer_ms']:.2f} ({row['decode_overhead_pct']:+.1f}%, "
-            f"CPU {row['decode_overhead_pct_cpu']:+.1f}%)"
-            if "decode_own_ms" in row else "-"
-        )  # fmt: skip
-        first = row["transfer"][names[0]]
-        cells.append(f"{_fmt_bytes(row.get('prefill_body_peak_bytes'))} / {_fmt_bytes(first.get('peak_bytes'))}")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_result_cells(row, names, ttft)) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _mapper_row(name: str, size: dict[str, Any]) -> str:
+    """`bench_markdown`'s table row of one mapper (`mapper_size` and its R^2)."""
+
+    def pair(values) -> str:
+        return "-" if not values or values[0] is None else f"{values[0]:.4f} / {values[1]:.4f}"
+
+    ranks = "full" if size["rank"] is None else ", ".join(f"{k}/{v}" for k, v in size["rank"])
+    return (
+        f"| {name} | {size['parameters']:,} | {_fmt_bytes(size['bytes'])} | {size['dtype']} | {ranks} | "
+        f"{pair(size.get('fit_r2'))} | {pair(size.get('heldout_r2'))} | {pair(size.get('heldout_r2_bf16'))} |"
+    )
+
+
+def _ttft_line(settings: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    """`bench_markdown`'s line on what the time to first token compares: the settings at the mapper's defaults
+    (the recomputed tokens each row used when they were the default)."""
+    defaults = settings["ttft_defaults"]
+    used = sorted({row["ttft_defaults_num_recompute_tokens"] for row in results})
+    default = defaults["num_recompute_tokens"] is None
+    recompute = (used[0] if len(used) == 1 else used) if default else defaults["num_recompute_tokens"]
+    at_defaults = transfer_settings(
+        defaults["num_exact_layers"], settings.get("num_target_layers"), defaults["exact_layers_origin"], recompute,
+        default,
+    )
+    return (
+        f"Time to first token ({settings['ttft_mapper']}; the target's own prefill vs the transfer, logits of the "
+        f"last position): **at the mapper's defaults**, {at_defaults}; beside it, {ALL_MAPPED}."
+    )
+
+
+def _result_cells(row: dict[str, Any], names: list[str], ttft: bool) -> list[str]:
+    """`bench_markdown`'s cells of one sequence length's results."""
+    cells = [str(row["seq_len"]), f"{row['prefill_body_ms']:.1f}", f"{row.get('prefill_full_ms', float('nan')):.1f}"]
+    for n in names:
+        t = row["transfer"][n]
+        cells.append(
+            f"{t['ms']:.2f} ({t['speedup_vs_body']:.1f}x, CPU {t['cpu_speedup_vs_body']:.1f}x; {t['flop_ratio']:.0f}x)"
+        )
+    if ttft:
+        cells += [
+            f"{row['ttft_own_ms']:.1f}",
+            f"{row['ttft_defaults_ms']:.1f} ({row['ttft_defaults_speedup']:.2f}x)",
+            f"{row['ttft_all_mapped_ms']:.1f} ({row['ttft_all_mapped_speedup']:.2f}x)"
+            if row["ttft_all_mapped_ms"] is not None else "- (maps read the residual)",
+        ]
+    cells.append(
+        f"{row['decode_own_ms']:.2f} / {row['decode_transfer_ms']:.2f} ({row['decode_overhead_pct']:+.1f}%, "
+        f"CPU {row['decode_overhead_pct_cpu']:+.1f}%)"
+        if "decode_own_ms" in row else "-"
+    )  # fmt: skip
+    first = row["transfer"][names[0]]
+    cells.append(f"{_fmt_bytes(row.get('prefill_body_peak_bytes'))} / {_fmt_bytes(first.get('peak_bytes'))}")
+    return cells
 
 
 def plot_bench(report: dict[str, Any], path: str | os.PathLike) -> None:

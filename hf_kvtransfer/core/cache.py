@@ -13,6 +13,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from .exact import own_prefix
 from .defaults import resolve_transfer
 from .mapper import KVMapper
 from .map_inputs import ExactPass, first_layer_rows
+from .options import with_options
 from .quality_gate import PendingGate, QualityGateConfig, TransferStatus, run_gate
 from .rope import position_ids_from_mask
 
@@ -32,6 +34,26 @@ from .rope import position_ids_from_mask
 def _load_mapper(name_or_path: str, revision: str | None, token: str | bool | None) -> KVMapper:
     # One load per process: a cache is built per request, the mapper is shared.
     return KVMapper.from_pretrained(name_or_path, revision=revision, token=token)
+
+
+def _as_mapper(mapper: KVMapper | str | os.PathLike, revision: str | None, token: str | bool | None) -> KVMapper:
+    """`mapper` itself, or the one its repo id / path names (loaded once per process)."""
+    if isinstance(mapper, KVMapper):
+        return mapper
+    if not isinstance(mapper, (str, os.PathLike)):
+        raise TypeError(f"mapper must be a KVMapper or a repo id / path, got {type(mapper).__name__}")
+    return _load_mapper(os.fspath(mapper), revision, token)
+
+
+def _prompt_ids(given: torch.Tensor | None, source_cache, batch_size: int, length: int) -> torch.Tensor | None:
+    """The ids of the source cache's prompt: the ones given, else the ones `prefill` recorded (`prompt_ids`)."""
+    prompt_ids = given if given is not None else getattr(source_cache, "prompt_ids", None)
+    if prompt_ids is not None and tuple(prompt_ids.shape) != (batch_size, length):
+        raise ValueError(
+            f"input_ids has shape {list(prompt_ids.shape)} but the source cache holds {length} tokens x batch "
+            f"{batch_size}; pass the ids the source cache was built from"
+        )
+    return prompt_ids
 
 
 def _source_layers(source_cache: Cache | tuple) -> list[tuple[torch.Tensor | None, torch.Tensor | None, Any]]:
@@ -91,6 +113,19 @@ prompt_operations: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+@dataclass(frozen=True)
+class TransferOptions:
+    """How a `TransferredCache` converts its source cache; each field is also accepted as a keyword of
+    `TransferredCache` (`strict=True`), where they are described."""
+
+    strict: bool = False
+    num_exact_layers: int | None = None
+    compile_rope: bool = False
+    gate: bool | QualityGateConfig | None = None
+    revision: str | None = None
+    token: str | bool | None = None
+
+
 class TransferredCache(DynamicCache):
     """The target model's KV cache, converted from the source model's cache one layer at a time.
 
@@ -118,6 +153,9 @@ class TransferredCache(DynamicCache):
             number, else 32 (1 when every layer is exact and the prompt's ids are known); at most half the prompt,
             at least 1. 1 is the
             fastest under `generate`; 0 only suits a direct forward of new tokens.
+        options: `TransferOptions` (in `hf_kvtransfer.core.cache`): `strict`, `num_exact_layers`, `compile_rope`,
+            `gate`, `revision` and `token` below; each may be given as a keyword instead (`strict=True`), which
+            overrides it.
         strict: when the source cache comes from `prefill`, its model's config is compared with the one the
             mapper was fit for; a difference beyond KV shapes warns, or raises with `strict=True`.
         input_ids: `[batch, seq]` ids of the prompt the source cache holds. Recorded by `prefill` on its cache and
@@ -156,32 +194,26 @@ class TransferredCache(DynamicCache):
         attention_mask: torch.Tensor | None = None,
         num_recompute_tokens: int | None = None,
         *,
-        strict: bool = False,
+        options: TransferOptions | None = None,
         input_ids: torch.Tensor | None = None,
-        num_exact_layers: int | None = None,
-        compile_rope: bool = False,
         model: PreTrainedModel | None = None,
-        gate: bool | QualityGateConfig | None = None,
-        revision: str | None = None,
-        token: str | bool | None = None,
+        **keywords: Any,
     ):
-        if not isinstance(mapper, KVMapper):
-            if not isinstance(mapper, (str, os.PathLike)):
-                raise TypeError(f"mapper must be a KVMapper or a repo id / path, got {type(mapper).__name__}")
-            mapper = _load_mapper(os.fspath(mapper), revision, token)
+        o = with_options(TransferOptions, options, keywords, "TransferredCache")
+        mapper = _as_mapper(mapper, o.revision, o.token)
         super().__init__(config=mapper.target_model_config)
         self.mapper = mapper
-        self.compile_rope = compile_rope
+        self.compile_rope = o.compile_rope
 
         source_config = getattr(source_cache, "source_model_config", None)
         if source_config is not None:
-            mapper.check_compatible(source_config=source_config, strict=strict)
+            mapper.check_compatible(source_config=source_config, strict=o.strict)
         sources, length, batch_size = self._read_source(source_cache)
         attention_mask = _prompt_mask(attention_mask, source_cache, batch_size, length)
-        settings = resolve_transfer(mapper, length, num_exact_layers, num_recompute_tokens)
+        settings = resolve_transfer(mapper, length, o.num_exact_layers, num_recompute_tokens)
         self.num_exact_layers, self.num_recompute_tokens = settings.num_exact_layers, settings.num_recompute_tokens
         transferred = length - self.num_recompute_tokens
-        gate = mapper.config.quality_gate if gate is None or gate is True else (gate or None)
+        gate = mapper.config.quality_gate if o.gate is None or o.gate is True else (o.gate or None)
         self.transfer_status = TransferStatus((True,) * batch_size, None, gate.threshold if gate else None)
         self._gate = None
         if gate is not None and self.num_recompute_tokens > 0 and transferred > 0:
@@ -193,19 +225,13 @@ class TransferredCache(DynamicCache):
         position_ids = position_ids_from_mask(attention_mask, batch_size, length, device)[:, :transferred]
         rope = RopeTables(mapper.rotary, position_ids)
         mask = attention_mask[:, :transferred] if attention_mask is not None else None
-        self._transfer: PendingTransfer | None = PendingTransfer(mapper, sources, rope, transferred, batch_size, mask, compile_rope)
+        self._transfer: PendingTransfer | None = PendingTransfer(mapper, sources, rope, transferred, batch_size, mask, o.compile_rope)
         self._pending = set(range(len(self.layers)))
         self._transferred_tokens = transferred
-        prompt_ids = input_ids if input_ids is not None else getattr(source_cache, "prompt_ids", None)
-        if prompt_ids is not None and tuple(prompt_ids.shape) != (batch_size, length):
-            raise ValueError(
-                f"input_ids has shape {list(prompt_ids.shape)} but the source cache holds {length} tokens x batch "
-                f"{batch_size}; pass the ids the source cache was built from"
-            )
         # The ids of the prompt the source read (None when unknown): the target's input must continue them.
-        self.prompt_ids = prompt_ids
-        if prompt_ids is not None:
-            self._give_ids(prompt_ids)
+        self.prompt_ids = _prompt_ids(input_ids, source_cache, batch_size, length)
+        if self.prompt_ids is not None:
+            self._give_ids(self.prompt_ids)
         if model is not None:
             mapper.check_compatible(target_config=model.config)
         # What the exact layers are computed with: the target model (given, else the forward that first runs on the

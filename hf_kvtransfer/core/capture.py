@@ -16,6 +16,29 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _record_prompt(
+    cache: DynamicCache, model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: int
+) -> None:
+    """What `prefill` records on its `cache` after `past` tokens and the new `input_ids` (on the model's device)."""
+    device, (batch_size, seq_len) = input_ids.device, input_ids.shape
+    # Lets TransferredCache check that the mapper was fit for this source model (a config is small) and that the
+    # target is later given the same prompt.
+    cache.source_model_config = model.config
+    # The mask of every token held (None: no padding), which TransferredCache reads when it is given none.
+    previous_mask = getattr(cache, "prompt_attention_mask", None)
+    if attention_mask is not None or past == 0 or previous_mask is None:
+        cache.prompt_attention_mask = attention_mask
+    else:  # continued without a mask: the new tokens are real
+        cache.prompt_attention_mask = torch.cat([previous_mask.to(device), previous_mask.new_ones(batch_size, seq_len)], -1)
+    previous = getattr(cache, "prompt_ids", None)
+    if past == 0:
+        cache.prompt_ids = input_ids
+    elif previous is not None and previous.shape == (batch_size, past):
+        cache.prompt_ids = torch.cat([previous.to(device), input_ids], dim=-1)
+    else:  # extended a cache whose earlier tokens are unknown here
+        cache.prompt_ids = None
+
+
 @torch.no_grad()
 def prefill(
     model: PreTrainedModel,
@@ -68,22 +91,7 @@ def prefill(
         use_cache=True,
         **{cache_argument(body): cache},
     )
-    # Lets TransferredCache check that the mapper was fit for this source model (a config is small) and that the
-    # target is later given the same prompt.
-    cache.source_model_config = model.config
-    # The mask of every token held (None: no padding), which TransferredCache reads when it is given none.
-    previous_mask = getattr(cache, "prompt_attention_mask", None)
-    if attention_mask is not None or past == 0 or previous_mask is None:
-        cache.prompt_attention_mask = attention_mask
-    else:  # continued without a mask: the new tokens are real
-        cache.prompt_attention_mask = torch.cat([previous_mask.to(device), previous_mask.new_ones(batch_size, seq_len)], -1)
-    previous = getattr(cache, "prompt_ids", None)
-    if past == 0:
-        cache.prompt_ids = input_ids
-    elif previous is not None and previous.shape == (batch_size, past):
-        cache.prompt_ids = torch.cat([previous.to(device), input_ids], dim=-1)
-    else:  # extended a cache whose earlier tokens are unknown here
-        cache.prompt_ids = None
+    _record_prompt(cache, model, input_ids, attention_mask, past)
     return cache
 
 

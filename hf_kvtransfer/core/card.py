@@ -27,6 +27,24 @@ _DATA_FILE_SUFFIXES = {".json", ".jsonl", ".txt", ".csv", ".tsv", ".parquet", ".
 # -- rendering --------------------------------------------------------------------------------------------------
 
 
+def _card_data(
+    config: dict, model_ids: tuple[str | None, str | None], fingerprints: tuple[dict, dict], calibration: dict
+) -> ModelCardData:
+    """The card's metadata (`render_model_card`) from the migrated `config`, its source and target ids and
+    fingerprints, and its calibration record."""
+    base_models = list(dict.fromkeys(m for m in model_ids if _is_hub_id(m)))
+    dataset = calibration.get("dataset")
+    families = [fp.get("model_type") for fp in fingerprints if isinstance(fp.get("model_type"), str)]
+    return ModelCardData(
+        library_name=LIBRARY_NAME,
+        license=config.get("license") or DEFAULT_LICENSE,
+        tags=["kv-cache", "kv-cache-transfer", *families],
+        base_model=base_models or None,
+        base_model_relation="adapter" if base_models else None,
+        datasets=[dataset] if _is_hub_id(dataset) and not _is_data_file(dataset) else None,
+    )
+
+
 def render_model_card(
     config: dict, repo_id: str | None = None, report: dict | None = None, checkpoint: dict | None = None
 ) -> ModelCard:
@@ -57,19 +75,8 @@ def render_model_card(
     source_id, target_id = config.get("source_model_id"), config.get("target_model_id")
     source_fp, target_fp = config.get("source_fingerprint") or {}, config.get("target_fingerprint") or {}
     calibration = config.get("calibration") or {}
-    base_models = list(dict.fromkeys(m for m in (source_id, target_id) if _is_hub_id(m)))
-    dataset = calibration.get("dataset")
-    families = [fp.get("model_type") for fp in (source_fp, target_fp) if isinstance(fp.get("model_type"), str)]
-    card_data = ModelCardData(
-        library_name=LIBRARY_NAME,
-        license=config.get("license") or DEFAULT_LICENSE,
-        tags=["kv-cache", "kv-cache-transfer", *families],
-        base_model=base_models or None,
-        base_model_relation="adapter" if base_models else None,
-        datasets=[dataset] if _is_hub_id(dataset) and not _is_data_file(dataset) else None,
-    )
     return ModelCard.from_template(
-        card_data,
+        _card_data(config, (source_id, target_id), (source_fp, target_fp), calibration),
         template_str=_template_text(),
         repo_ref=repo_id or "path/to/this/mapper",
         repo_id=repo_id,

@@ -179,6 +179,56 @@ def checkpoint_info(directory: str | os.PathLike) -> dict[str, Any]:
     }
 
 
+def _read_file(
+    file: Path, device: torch.device | str, weight_map: dict[str, str] | None,
+    expected: Mapping[str, tuple[int, ...] | torch.Size] | None, state: dict[str, torch.Tensor], origin: dict[str, str],
+) -> None:
+    """`load_weights`' reading of one file: its tensors into `state` (and their file's name into `origin`), checked
+    against the index's `weight_map`, the tensors already read and the `expected` shapes."""
+    try:
+        with safe_open(str(file), framework="pt", device=str(device)) as handle:
+            names = list(handle.keys())
+            if weight_map is not None:
+                listed = {k for k, f in weight_map.items() if f == file.name}
+                if set(names) != listed:
+                    raise ValueError(
+                        f"{file} does not hold the tensors {INDEX_NAME} assigns to it (missing "
+                        f"{sorted(listed - set(names))[:5]}, not listed {sorted(set(names) - listed)[:5]}); "
+                        "the shards come from different saves: re-save or re-download the mapper"
+                    )
+            for name in names:
+                if name in state:
+                    raise ValueError(f"tensor {name} is in both {origin[name]} and {file.name}; re-save the mapper")
+                if expected is not None and name in expected:
+                    shape = tuple(handle.get_slice(name).get_shape())
+                    if shape != tuple(expected[name]):
+                        raise ValueError(
+                            f"weights in {file}: {name} has shape {list(shape)}, config implies "
+                            f"{list(expected[name])} (config.json and weights do not match)"
+                        )
+                state[name] = handle.get_tensor(name)
+                origin[name] = file.name
+    except SafetensorError as exc:
+        raise ValueError(
+            f"{file} is truncated or not a valid safetensors file ({exc}); re-download the mapper "
+            "(force_download=True) or re-save it"
+        ) from exc
+
+
+def _check_complete(
+    path: Path, files: list[Path], expected: Mapping[str, tuple[int, ...] | torch.Size], state: dict[str, torch.Tensor],
+    origin: dict[str, str],
+) -> None:
+    """`load_weights`' last check: the `files` of `path` held every `expected` tensor and no other."""
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        where = ", ".join(f.name for f in files)
+        parts = [f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}"] if missing else []
+        parts += [f"unexpected tensors {[f'{k} (in {origin[k]})' for k in extra[:5]]}"] if extra else []
+        raise ValueError(f"weights in {path} ({where}) do not match its config.json: " + "; ".join(parts))
+
+
 def load_weights(
     directory: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -213,40 +263,7 @@ def load_weights(
                 f"shard {file.name} named by {INDEX_NAME} is missing from {path}; re-download the mapper "
                 "(force_download=True) or re-save it"
             )
-        try:
-            with safe_open(str(file), framework="pt", device=str(device)) as handle:
-                names = list(handle.keys())
-                if weight_map is not None:
-                    listed = {k for k, f in weight_map.items() if f == file.name}
-                    if set(names) != listed:
-                        raise ValueError(
-                            f"{file} does not hold the tensors {INDEX_NAME} assigns to it (missing "
-                            f"{sorted(listed - set(names))[:5]}, not listed {sorted(set(names) - listed)[:5]}); "
-                            "the shards come from different saves: re-save or re-download the mapper"
-                        )
-                for name in names:
-                    if name in state:
-                        raise ValueError(f"tensor {name} is in both {origin[name]} and {file.name}; re-save the mapper")
-                    if expected is not None and name in expected:
-                        shape = tuple(handle.get_slice(name).get_shape())
-                        if shape != tuple(expected[name]):
-                            raise ValueError(
-                                f"weights in {file}: {name} has shape {list(shape)}, config implies "
-                                f"{list(expected[name])} (config.json and weights do not match)"
-                            )
-                    state[name] = handle.get_tensor(name)
-                    origin[name] = file.name
-        except SafetensorError as exc:
-            raise ValueError(
-                f"{file} is truncated or not a valid safetensors file ({exc}); re-download the mapper "
-                "(force_download=True) or re-save it"
-            ) from exc
+        _read_file(file, device, weight_map, expected, state, origin)
     if expected is not None:
-        missing = sorted(set(expected) - set(state))
-        extra = sorted(set(state) - set(expected))
-        if missing or extra:
-            where = ", ".join(f.name for f in files)
-            parts = [f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}"] if missing else []
-            parts += [f"unexpected tensors {[f'{k} (in {origin[k]})' for k in extra[:5]]}"] if extra else []
-            raise ValueError(f"weights in {path} ({where}) do not match its config.json: " + "; ".join(parts))
+        _check_complete(path, files, expected, state, origin)
     return state

@@ -149,26 +149,7 @@ def solve_reduced_rank(
             gram = c["gram"].index_select(0, idx).index_select(1, idx)
             decompositions[t, kind] = (idx, gram, *reduced_rank(solutions[kind][t][0], gram, ridge_lambda))
 
-    if isinstance(rank, int):
-        if rank < 1:
-            raise ValueError(f"rank must be >= 1, got {rank}")
-        ranks = {(t, kind): min(rank, tgt.layer_dim) for t in range(num_target) for kind in KINDS}
-    elif rank is not None:
-        if len(rank) != num_target or any(len(r) != 2 or min(r) < 1 for r in rank):
-            raise ValueError(f"rank must be an int or one [key_rank, value_rank] (each >= 1) per target layer, got {rank}")
-        ranks = {(t, kind): min(int(rank[t][i]), tgt.layer_dim) for t in range(num_target) for i, kind in enumerate(KINDS)}
-    elif energy is not None:
-        ranks = {key: rank_for_energy(d[2], energy) for key, d in decompositions.items()}
-    else:
-        costs = {(t, kind): len(selected_layers[t]) * src.layer_dim + tgt.layer_dim for t in range(num_target) for kind in KINDS}
-        full = sum(len(selected_layers[t]) * src.layer_dim * tgt.layer_dim for t in range(num_target)) * len(KINDS)
-        budget = int(size_budget * full) if size_budget <= 1 else int(size_budget)
-        gains = {}
-        for (t, kind), d in decompositions.items():
-            total = float(centered[kind]["var_y"][layer_slice(t, tgt.layer_dim)].sum())
-            gains[t, kind] = d[2] / max(total, 1e-30)
-        ranks = allocate_ranks(gains, costs, budget)
-
+    ranks = _chosen_ranks(statistics, selected_layers, decompositions, centered, rank, energy, size_budget)
     factors: dict[str, dict[int, tuple]] = {kind: {} for kind in KINDS}
     for (t, kind), (idx, gram, _, vectors) in decompositions.items():
         c, r = centered[kind], ranks[t, kind]
@@ -188,6 +169,40 @@ def solve_reduced_rank(
         rank_list, 100 * low_params / max(full_params, 1), f"{full_params:,}", f"{low_params:,}",
     )
     return factors, rank_list
+
+
+def _chosen_ranks(
+    statistics: KVStatistics,
+    selected_layers: list[list[int]],
+    decompositions: dict[tuple[int, str], tuple],
+    centered: dict[str, dict[str, torch.Tensor]],
+    rank: int | list[list[int]] | None,
+    energy: float | None,
+    size_budget: float | int | None,
+) -> dict[tuple[int, str], int]:
+    """`solve_reduced_rank`'s rank of each map `(t, kind)`, by whichever of `rank`, `energy` or `size_budget` is
+    given, from the maps' `decompositions` (`(idx, gram, eigenvalues, eigenvectors)`, as `reduced_rank` gives
+    them after the index and Gram matrix)."""
+    src, tgt = statistics.source_layout, statistics.target_layout
+    num_target = len(selected_layers)
+    if isinstance(rank, int):
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        return {(t, kind): min(rank, tgt.layer_dim) for t in range(num_target) for kind in KINDS}
+    if rank is not None:
+        if len(rank) != num_target or any(len(r) != 2 or min(r) < 1 for r in rank):
+            raise ValueError(f"rank must be an int or one [key_rank, value_rank] (each >= 1) per target layer, got {rank}")
+        return {(t, kind): min(int(rank[t][i]), tgt.layer_dim) for t in range(num_target) for i, kind in enumerate(KINDS)}
+    if energy is not None:
+        return {key: rank_for_energy(d[2], energy) for key, d in decompositions.items()}
+    costs = {(t, kind): len(selected_layers[t]) * src.layer_dim + tgt.layer_dim for t in range(num_target) for kind in KINDS}
+    full = sum(len(selected_layers[t]) * src.layer_dim * tgt.layer_dim for t in range(num_target)) * len(KINDS)
+    budget = int(size_budget * full) if size_budget <= 1 else int(size_budget)
+    gains = {}
+    for (t, kind), d in decompositions.items():
+        total = float(centered[kind]["var_y"][layer_slice(t, tgt.layer_dim)].sum())
+        gains[t, kind] = d[2] / max(total, 1e-30)
+    return allocate_ranks(gains, costs, budget)
 
 
 @torch.no_grad()

@@ -178,6 +178,9 @@ def score_continuations(
     return scores, greedy
 
 
+_MODES = ("target", "transfer", "no_context")  # the caches the choices are scored on
+
+
 @torch.no_grad()
 def multiple_choice(
     source: PreTrainedModel,
@@ -210,30 +213,16 @@ def multiple_choice(
     """
     if num_recompute_tokens is not None and num_recompute_tokens < 1:
         raise ValueError("multiple choice needs num_recompute_tokens >= 1 (the target predicts the first choice token)")
-    pad_id = 0
-    modes = ("target", "transfer", "no_context")
-    correct = {m: [] for m in modes}
-    correct_norm = {m: [] for m in modes}
+    correct = {m: [] for m in _MODES}
+    correct_norm = {m: [] for m in _MODES}
     used = set()
     bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
     for item in items:
         r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(item.context_ids), mapper, num_exact_layers), len(item.context_ids))
         used.add(r)
-        ctx = torch.tensor([item.context_ids])
-        n = len(item.choice_ids)
-        lengths = torch.tensor([len(c) for c in item.choice_ids], dtype=torch.float64)
-        head = item.context_ids[-r:]
-        caches: dict[str, Any] = {"no_context": None}
-        own = prefill(target, ctx[:, :-r].to(model_device(target))) if len(item.context_ids) > r else DynamicCache()
-        own.batch_repeat_interleave(n)
-        caches["target"] = own
-        src = prefill(source, ctx.to(model_device(source)))
-        caches["transfer"] = TransferredCache(src, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers,
-                                              model=target)
-        for mode in modes:
-            scores, _ = score_continuations(target, head, item.choice_ids, caches[mode], pad_id)
-            correct[mode].append(int(scores.argmax()) == item.label)
-            correct_norm[mode].append(int((scores / lengths).argmax()) == item.label)
+        for mode, (right, right_norm) in _score_item(source, target, mapper, item, r, num_exact_layers).items():
+            correct[mode].append(right)
+            correct_norm[mode].append(right_norm)
         bar.update(1)
     bar.close()
     chance = float(np.mean([1 / len(item.choice_ids) for item in items]))
@@ -246,6 +235,39 @@ def multiple_choice(
         "acc": {m: float(v.mean()) for m, v in acc.items()},
         "acc_norm": {m: float(np.mean(v)) for m, v in correct_norm.items()},
     }
+    result.update(_retentions(acc, chance, num_bootstrap, seed))
+    return result
+
+
+def _score_item(
+    source: PreTrainedModel, target: PreTrainedModel, mapper: KVMapper, item: MultipleChoiceItem, r: int,
+    num_exact_layers: int | None,
+) -> dict[str, tuple[bool, bool]]:
+    """Per mode (`_MODES`), whether the highest total and the highest per-token log-likelihood pick `item`'s label,
+    the target fed the last `r` context tokens and each choice on top of that mode's cache of the rest."""
+    pad_id = 0
+    ctx = torch.tensor([item.context_ids])
+    n = len(item.choice_ids)
+    lengths = torch.tensor([len(c) for c in item.choice_ids], dtype=torch.float64)
+    head = item.context_ids[-r:]
+    caches: dict[str, Any] = {"no_context": None}
+    own = prefill(target, ctx[:, :-r].to(model_device(target))) if len(item.context_ids) > r else DynamicCache()
+    own.batch_repeat_interleave(n)
+    caches["target"] = own
+    src = prefill(source, ctx.to(model_device(source)))
+    caches["transfer"] = TransferredCache(src, mapper, num_recompute_tokens=r, num_exact_layers=num_exact_layers,
+                                          model=target)
+    picks = {}
+    for mode in _MODES:
+        scores, _ = score_continuations(target, head, item.choice_ids, caches[mode], pad_id)
+        picks[mode] = (int(scores.argmax()) == item.label, int((scores / lengths).argmax()) == item.label)
+    return picks
+
+
+def _retentions(acc: dict[str, np.ndarray], chance: float, num_bootstrap: int, seed: int) -> dict[str, Any]:
+    """The transfer's accuracy over the target's own (`retention`) and over it above `chance`
+    (`normalized_retention`), each with its bootstrap interval (`_ci`) over the items."""
+    num_items = len(acc["target"])
 
     def retention(idx):
         own = acc["target"][idx].mean()
@@ -254,14 +276,13 @@ def multiple_choice(
     def normalized(idx):
         return normalized_retention(acc["transfer"][idx].mean(), acc["target"][idx].mean(), chance)
 
-    every = np.arange(len(items))
-    result.update(
-        retention=retention(every),
-        retention_ci=bootstrap_ci(retention, len(items), num_bootstrap, seed),
-        normalized_retention=normalized(every),
-        normalized_retention_ci=bootstrap_ci(normalized, len(items), num_bootstrap, seed),
-    )
-    return result
+    every = np.arange(num_items)
+    return {
+        "retention": retention(every),
+        "retention_ci": bootstrap_ci(retention, num_items, num_bootstrap, seed),
+        "normalized_retention": normalized(every),
+        "normalized_retention_ci": bootstrap_ci(normalized, num_items, num_bootstrap, seed),
+    }
 
 
 __all__ = [

@@ -35,11 +35,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 __all__ = [
     "Fact",
@@ -678,23 +679,10 @@ def repeated_span_items(
         list of :class:`RepeatedSpanItem`; ``repeat_mask`` marks continuation positions
         ``repeat_offset + 1 .. repeat_offset + span_len - 1``.
     """
-    if kind not in ("random", "text"):
-        raise ValueError(f"kind must be 'random' or 'text', got {kind!r}")
-    if span_len >= prefix_len or repeat_offset + span_len > continuation_len or span_len < 2:
-        raise ValueError(
-            f"span_len={span_len} must be in [2, prefix_len) and fit the continuation "
-            f"(repeat_offset={repeat_offset}, continuation_len={continuation_len})"
-        )
-    if isinstance(tokenizer_or_vocab_size, int):
-        vocab, specials = tokenizer_or_vocab_size, set(special_ids)
-    else:
-        vocab = len(tokenizer_or_vocab_size)
-        specials = set(special_ids) | set(getattr(tokenizer_or_vocab_size, "all_special_ids", []) or [])
-    allowed = [t for t in range(vocab) if t not in specials]
-    text_ids = list(text_ids)
+    _check_span(kind, span_len, prefix_len, continuation_len, repeat_offset)
+    allowed = _drawable_ids(tokenizer_or_vocab_size, special_ids)
     W = prefix_len + continuation_len
-    if len(text_ids) < 2 * W + span_len:
-        raise ValueError(f"text_ids has {len(text_ids)} tokens; need at least {2 * W + span_len}")
+    text_ids = _token_stream(text_ids, W, span_len)
     rng = random.Random(f"hf_kvtransfer.evaluation.tasks.repeat:{kind}:{seed}")
 
     def draw_span(avoid: tuple[int, int]) -> list[int]:
@@ -703,25 +691,60 @@ def repeated_span_items(
         return _text_passage(rng, text_ids, span_len, avoid)
 
     items = []
-    for i in range(n):
-        w0 = rng.randrange(len(text_ids) - W)
-        window = text_ids[w0 : w0 + W]
+    for i, (w0, window) in enumerate(_windows(rng, text_ids, W, n)):
         span = draw_span((w0, w0 + W))
         other = draw_span((w0, w0 + W))
         first = rng.randrange(0, prefix_len - span_len)
-        prefix = window[:prefix_len]
-        prefix[first : first + span_len] = span
-        control = window[:prefix_len]
-        control[first : first + span_len] = other
-        cont = window[prefix_len:]
-        cont[repeat_offset : repeat_offset + span_len] = span
         mask = [repeat_offset < j < repeat_offset + span_len for j in range(continuation_len)]
         items.append(RepeatedSpanItem(
-            prefix_ids=prefix, continuation_ids=cont, repeat_mask=mask, control_prefix_ids=control,
-            kind=kind, first_start=first, span_len=span_len,
-            meta=dict(index=i, seed=seed, window_start=w0, distance=prefix_len - first + repeat_offset),
+            prefix_ids=_spliced(window[:prefix_len], first, span),
+            continuation_ids=_spliced(window[prefix_len:], repeat_offset, span), repeat_mask=mask,
+            control_prefix_ids=_spliced(window[:prefix_len], first, other), kind=kind, first_start=first,
+            span_len=span_len, meta=dict(index=i, seed=seed, window_start=w0, distance=prefix_len - first + repeat_offset),
         ))
     return items
+
+
+def _check_span(kind: str, span_len: int, prefix_len: int, continuation_len: int, repeat_offset: int) -> None:
+    """`repeated_span_items`' span: of a known kind, in the prefix and in the continuation after `repeat_offset`."""
+    if kind not in ("random", "text"):
+        raise ValueError(f"kind must be 'random' or 'text', got {kind!r}")
+    if span_len >= prefix_len or repeat_offset + span_len > continuation_len or span_len < 2:
+        raise ValueError(
+            f"span_len={span_len} must be in [2, prefix_len) and fit the continuation "
+            f"(repeat_offset={repeat_offset}, continuation_len={continuation_len})"
+        )
+
+
+def _drawable_ids(tokenizer_or_vocab_size, special_ids: Sequence[int]) -> list[int]:
+    """The vocabulary's ids (a tokenizer's length, or the int given) but `special_ids` and a tokenizer's own."""
+    if isinstance(tokenizer_or_vocab_size, int):
+        vocab, specials = tokenizer_or_vocab_size, set(special_ids)
+    else:
+        vocab = len(tokenizer_or_vocab_size)
+        specials = set(special_ids) | set(getattr(tokenizer_or_vocab_size, "all_special_ids", []) or [])
+    return [t for t in range(vocab) if t not in specials]
+
+
+def _token_stream(text_ids: Sequence[int], window: int, span: int) -> list[int]:
+    """`text_ids` as a list, checked to hold two windows of `window` tokens and a passage of `span`."""
+    text_ids = list(text_ids)
+    if len(text_ids) < 2 * window + span:
+        raise ValueError(f"text_ids has {len(text_ids)} tokens; need at least {2 * window + span}")
+    return text_ids
+
+
+def _windows(rng: random.Random, text_ids: list[int], size: int, n: int) -> Iterator[tuple[int, list[int]]]:
+    """`n` windows of `size` tokens at random starts in `text_ids`, as `(start, tokens)`, drawn one at a time."""
+    for _ in range(n):
+        w0 = rng.randrange(len(text_ids) - size)
+        yield w0, text_ids[w0 : w0 + size]
+
+
+def _spliced(tokens: list[int], start: int, span: list[int]) -> list[int]:
+    """`tokens` with `span` written over them from `start` (in place; returned)."""
+    tokens[start : start + len(span)] = span
+    return tokens
 
 
 def cued_recall_items(
@@ -756,20 +779,14 @@ def cued_recall_items(
             f"{num_records} records of {record_len} tokens must fit the prefix ({prefix_len}) and one the "
             f"continuation after repeat_offset={repeat_offset} ({continuation_len})"
         )
-    text_ids = list(text_ids)
     W = prefix_len + continuation_len
-    if len(text_ids) < 2 * W + record_len:
-        raise ValueError(f"text_ids has {len(text_ids)} tokens; need at least {2 * W + record_len}")
+    text_ids = _token_stream(text_ids, W, record_len)
     rng = random.Random(f"hf_kvtransfer.evaluation.tasks.cued:{seed}")
-
-    def passage(length: int, avoid: tuple[int, int]) -> list[int]:
-        return _text_passage(rng, text_ids, length, avoid)
+    passage = functools.partial(_text_passage, rng, text_ids)  # (length, avoid)
 
     items = []
-    for i in range(n):
-        w0 = rng.randrange(len(text_ids) - W)
+    for i, (w0, window) in enumerate(_windows(rng, text_ids, W, n)):
         avoid = (w0, w0 + W)
-        window = text_ids[w0:w0 + W]
         cue = passage(cue_len, avoid)
         records = [passage(key_len, avoid) + cue + passage(value_len, avoid) for _ in range(num_records)]
         # Non-overlapping record slots spread over the prefix, in random order.
@@ -778,12 +795,10 @@ def cued_recall_items(
         asked = rng.randrange(num_records)
         prefix = window[:prefix_len]
         for start, record in zip(starts, records):
-            prefix[start:start + record_len] = record
-        control = list(prefix)
+            _spliced(prefix, start, record)
         value_at = starts[asked] + key_len + cue_len
-        control[value_at:value_at + value_len] = passage(value_len, avoid)
-        cont = window[prefix_len:]
-        cont[repeat_offset:repeat_offset + record_len] = records[asked]
+        control = _spliced(list(prefix), value_at, passage(value_len, avoid))
+        cont = _spliced(window[prefix_len:], repeat_offset, records[asked])
         scored = repeat_offset + key_len + cue_len
         items.append(RepeatedSpanItem(
             prefix_ids=prefix, continuation_ids=cont, repeat_mask=[j == scored for j in range(continuation_len)],

@@ -33,7 +33,7 @@ from ..core.loading import DTYPES, model_device
 from ..core.mapper import KVMapper, MapperConfig
 from ..core.mapper_types import MLP
 from ..core.ridge import cholesky_solve, effective_top_k, feature_index, layer_scores, select_layers, solve_layers
-from ..core.stats import KINDS, KVLayout, flatten_layers, statistics_nbytes, token_selection
+from ..core.stats import KINDS, KVLayout, KVStatistics, flatten_layers, statistics_nbytes, token_selection
 from .accumulate import run_fit_pass
 from .calibration_pass import CalibrationBatch
 from .config import FitConfig, heldout_count
@@ -269,20 +269,34 @@ def train_mlp_map(
     del x32, y32
     has_heldout = x_heldout is not None and len(x_heldout) > 0
     heldout = prepare(x_heldout, y_heldout) if has_heldout else None
-    groups = num_kv_heads if training.per_head else 1
-    core = MLPKindMap(xn.shape[1], rn.shape[1], training.hidden_size, training.num_hidden_layers, groups=groups, residual=False)
-    generator = torch.Generator().manual_seed(training.seed)
-    for i, layer in enumerate(core.mlp):
-        layer.reset_parameters(generator, zero=training.residual and i == len(core.mlp) - 1)
+    core, generator = _new_core(xn.shape[1], rn.shape[1], num_kv_heads, training)
     report = _train_core(core.to(device), xn, rn, heldout, training, generator, _Progress(progress_bar, description))
     module = _fold(core, scaling, training, ridge)
     report["train_mse"], report["train_r2"] = _errors(_apply_batched(module, x_train, device), y_train.to(device), num_kv_heads)
     report.update(ridge_mse=None, ridge_r2=None, mlp_mse=None, mlp_r2=None)
     if has_heldout:
-        y_h = y_heldout.to(device)
-        report["ridge_mse"], report["ridge_r2"] = _errors(_apply_batched(ridge_map, x_heldout, device), y_h, num_kv_heads)
-        report["mlp_mse"], report["mlp_r2"] = _errors(_apply_batched(module, x_heldout, device), y_h, num_kv_heads)
+        report.update(_heldout_errors({"ridge": ridge_map, "mlp": module}, x_heldout, y_heldout, device, num_kv_heads))
     return module.cpu(), report
+
+
+def _new_core(f_in: int, f_out: int, num_kv_heads: int, training: MLPTraining) -> tuple[MLPKindMap, torch.Generator]:
+    """`train_mlp_map`'s MLP on standardised features, initialised from `training.seed` (its last layer zero for a
+    residual map), and the generator that then shuffles its batches."""
+    groups = num_kv_heads if training.per_head else 1
+    core = MLPKindMap(f_in, f_out, training.hidden_size, training.num_hidden_layers, groups=groups, residual=False)
+    generator = torch.Generator().manual_seed(training.seed)
+    for i, layer in enumerate(core.mlp):
+        layer.reset_parameters(generator, zero=training.residual and i == len(core.mlp) - 1)
+    return core, generator
+
+
+def _heldout_errors(maps: dict[str, Any], x: torch.Tensor, y: torch.Tensor, device, num_kv_heads: int) -> dict[str, float]:
+    """`{name}_mse` and `{name}_r2` of each of `maps` on the held-out features `x` and targets `y`."""
+    y = y.to(device)
+    errors = {}
+    for name, fn in maps.items():
+        errors[f"{name}_mse"], errors[f"{name}_r2"] = _errors(_apply_batched(fn, x, device), y, num_kv_heads)
+    return errors
 
 
 # -- fitting a whole mapper from a model pair ------------------------------------------------------------
@@ -381,7 +395,12 @@ def _token_counts(input_ids, attention_mask, config: FitConfig) -> tuple[dict[st
     return counts, num_heldout
 
 
-def _log_memory(memory: dict[str, int], num_tokens: dict[str, int], config: FitConfig, device) -> None:
+def _fit_memory(layouts, num_tokens: dict[str, int], top_k: int | None, config: FitConfig, device) -> dict[str, int]:
+    """`mlp_fit_nbytes` of this fit, logged."""
+    memory = mlp_fit_nbytes(
+        *layouts, num_tokens["train"], num_tokens["heldout"], top_k, config.mlp_hidden_size,
+        config.mlp_num_hidden_layers, config.mlp_per_head, config.mlp_batch_size, DTYPES[config.mlp_feature_dtype],
+    )  # fmt: skip
     logger.info(
         "MLP fit needs ~%.1f MiB: features %.1f MiB (%d train + %d held-out tokens, stride %d, %s), statistics "
         "%.1f MiB, training one map %.1f MiB on %s, mapper %.1f MiB",
@@ -389,6 +408,7 @@ def _log_memory(memory: dict[str, int], num_tokens: dict[str, int], config: FitC
         config.mlp_feature_stride or config.stride, DTYPES[config.mlp_feature_dtype], memory["statistics"] / 2**20,
         memory["training"] / 2**20, device, memory["mapper"] / 2**20,
     )  # fmt: skip
+    return memory
 
 
 def _refuse_distributed() -> None:
@@ -441,6 +461,33 @@ def _training_report(config: FitConfig, num_tokens, heldout_rows: list[int], mem
     }
 
 
+def _record_calibration(
+    calibration: dict[str, Any], num_rows: int, num_heldout: int, config: FitConfig, train: KVStatistics
+) -> None:
+    """Complete the mapper's calibration record: sequences, stride, the ridge base's training tokens (the MLP's are
+    in `mapper.report["mlp"]`: `train_tokens`, ...) and held-out sequences."""
+    calibration.setdefault("num_sequences", num_rows)
+    calibration.update(stride=config.stride, num_tokens=train.count, num_heldout_sequences=num_heldout)
+
+
+def _mlp_mapper_config(
+    train: KVStatistics, selected: list[list[int]], top_k: int, ridge_lambda: float, config: FitConfig,
+    calibration: dict[str, Any], **mapper_kwargs: Any,
+) -> MapperConfig:
+    """The MLP mapper's config: `config`'s architecture on the `selected` layers of the fit statistics' pair
+    (`top_k`: as recorded, the source's depth for every layer). Made before training: a bad setting is refused
+    before the work."""
+    architecture = {
+        **DEFAULT_MLP_CONFIG, "hidden_size": config.mlp_hidden_size, "num_hidden_layers": config.mlp_num_hidden_layers,
+        "residual": config.mlp_residual, "per_head": config.mlp_per_head,
+    }  # fmt: skip
+    return MapperConfig(
+        source_config=train.source_config, target_config=train.target_config, selected_layers=selected,
+        mapper_type=MLP, top_k=top_k, ridge_lambda=ridge_lambda,
+        mlp=architecture, calibration=calibration, **mapper_kwargs,
+    )  # fmt: skip
+
+
 def _r2_fields(report, num_heldout: int, seconds: float) -> dict[str, list[float]]:
     r2 = {"fit_r2_key": report["key"]["train_r2"], "fit_r2_value": report["value"]["train_r2"]}
     if num_heldout:
@@ -483,11 +530,7 @@ def fit_mlp(
     num_tokens, num_heldout = _token_counts(input_ids, attention_mask, config)
     layouts = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
     top_k = effective_top_k(top_k, layouts[0].num_layers)  # as for ridge (`fit.solve_mappers`)
-    memory = mlp_fit_nbytes(
-        *layouts, num_tokens["train"], num_tokens["heldout"], top_k, config.mlp_hidden_size,
-        config.mlp_num_hidden_layers, config.mlp_per_head, config.mlp_batch_size, DTYPES[config.mlp_feature_dtype],
-    )  # fmt: skip
-    _log_memory(memory, num_tokens, config, device)
+    memory = _fit_memory(layouts, num_tokens, top_k, config, device)
     _refuse_distributed()
 
     # -- the one pass: ridge statistics (both shards) and the features of every sequence
@@ -503,27 +546,17 @@ def fit_mlp(
     selected = select_layers(layer_scores(train, ridge_lambda), top_k)
     solutions = {kind: solve_layers(train, kind, dict(enumerate(selected)), ridge_lambda) for kind in KINDS}
     num_rows = input_ids.shape[0]
-    calibration.setdefault("num_sequences", num_rows)
-    # num_tokens: the ridge base's training tokens; the MLP's are in mapper.report["mlp"] (train_tokens, ...).
-    calibration.update(stride=config.stride, num_tokens=train.count, num_heldout_sequences=num_heldout)
-    architecture = {
-        **DEFAULT_MLP_CONFIG, "hidden_size": config.mlp_hidden_size, "num_hidden_layers": config.mlp_num_hidden_layers,
-        "residual": config.mlp_residual, "per_head": config.mlp_per_head,
-    }  # fmt: skip
-    mapper_config = MapperConfig(  # before training: a bad setting is refused before the work
-        source_config=train.source_config, target_config=train.target_config, selected_layers=selected,
-        mapper_type=MLP, top_k=top_k if top_k is not None else layouts[0].num_layers, ridge_lambda=ridge_lambda,
-        mlp=architecture, calibration=calibration, **mapper_kwargs,
-    )  # fmt: skip
+    _record_calibration(calibration, num_rows, num_heldout, config, train)
+    recorded_top_k = top_k if top_k is not None else layouts[0].num_layers
+    mapper_config = _mlp_mapper_config(train, selected, recorded_top_k, ridge_lambda, config, calibration, **mapper_kwargs)
     state, report = _train_maps(collector, solutions, selected, layouts, config, device)
     del collector
 
     fit_seconds = round(time.perf_counter() - started, 3)
     mapper = KVMapper(dataclasses.replace(mapper_config, **_r2_fields(report, num_heldout, fit_seconds)))
     mapper.load_state_dict(state)
-    heldout_rows = list(range(num_rows - num_heldout, num_rows))
     mapper.report = {
-        "mlp": _training_report(config, num_tokens, heldout_rows, memory, report),
+        "mlp": _training_report(config, num_tokens, list(range(num_rows - num_heldout, num_rows)), memory, report),
         "timings": {"calibration_seconds": round(capture_seconds, 3), "fit_seconds": fit_seconds},
     }
     return mapper.float()

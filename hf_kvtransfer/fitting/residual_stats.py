@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from ..core.lowrank import rank_for_energy
 from ..core.key_norm import KeyNormConfig, KeyNormInput
 from ..core.map_inputs import with_input
-from ..core.mapper import KVMapper
+from ..core.mapper import KVMapper, MapperConfig
 from ..core.residual import ResidualConfig, ResidualInput, residual_config, residual_features, residual_readers
 from ..core.ridge import feature_index
 from ..core.rope import text_config
@@ -187,16 +187,7 @@ def solve_residual_mapper(
             layers are solved again from `stats`): `[]` = no source input, so a reader's map is the residual alone
             and another layer's the calibration mean of its keys and values.
     """
-    if mapper.config.mapper_type != "ridge" or mapper.needs_target_residual:
-        raise ValueError(f"solve_residual_mapper extends a source-only 'ridge' mapper, got {mapper.config.mapper_type!r}")
-    if residual_layer not in stats.count or stats.count[residual_layer] == 0:
-        raise ValueError(f"no residual statistics for layer {residual_layer} (collected: {sorted(stats.count)})")
-    tgt, fr = stats.target_layout, len(stats.lags) * stats.hidden_size
-    sources = dict(sources or {})
-    if any(t <= residual_layer for t in sources):
-        raise ValueError(f"sources may only name target layers after residual_layer={residual_layer}, got {sorted(sources)}")
-    if residual_rank is not None and residual_energy is not None:
-        raise ValueError("give residual_rank or residual_energy, not both")
+    sources = _checked_sources(mapper, stats, residual_layer, sources, residual_rank, residual_energy)
     selected = [list(sources.get(t, sel)) for t, sel in enumerate(mapper.config.selected_layers)]
     res = ResidualConfig(residual_layer, list(stats.lags), readers=list(readers) if readers is not None else None)
     inputs = {**mapper.config.map_inputs, ResidualInput.name: res}
@@ -215,11 +206,42 @@ def solve_residual_mapper(
         if t not in sources:
             layer.load_state_dict(mapper.layers[t].state_dict())
     new = new.to(mapper.dtype)
-    # In-sample R^2 of the new maps (of the keys before the norm for the key-norm input); where the source-only fit
-    # recorded none, the source-only layers get none either (JSON has no NaN).
-    r2 = {kind: list(getattr(config, f"fit_r2_{kind}") or [0.0] * tgt.num_layers) for kind in KINDS}
     if down is not None:
         new.residual.down.data.copy_(down.to(new.residual.down.dtype))
+    r2 = _solve_into(new, config, stats, residual_layer, sources, residual_lambda, down)
+    # Held-out R^2 was measured for the source-only maps: not these.
+    new.config = dataclasses.replace(new.config, fit_r2_key=r2["key"], fit_r2_value=r2["value"], heldout_r2_key=None,
+                                     heldout_r2_value=None)  # fmt: skip
+    return new
+
+
+def _checked_sources(
+    mapper: KVMapper, stats: ResidualStatistics, residual_layer: int, sources: dict[int, list[int]] | None,
+    residual_rank: int | None, residual_energy: float | None,
+) -> dict[int, list[int]]:
+    """`solve_residual_mapper`'s `sources` as a dict, once its request is checked: a source-only ridge `mapper`,
+    statistics of `residual_layer`, `sources` only after it, at most one of `residual_rank` and `residual_energy`."""
+    if mapper.config.mapper_type != "ridge" or mapper.needs_target_residual:
+        raise ValueError(f"solve_residual_mapper extends a source-only 'ridge' mapper, got {mapper.config.mapper_type!r}")
+    if residual_layer not in stats.count or stats.count[residual_layer] == 0:
+        raise ValueError(f"no residual statistics for layer {residual_layer} (collected: {sorted(stats.count)})")
+    sources = dict(sources or {})
+    if any(t <= residual_layer for t in sources):
+        raise ValueError(f"sources may only name target layers after residual_layer={residual_layer}, got {sorted(sources)}")
+    if residual_rank is not None and residual_energy is not None:
+        raise ValueError("give residual_rank or residual_energy, not both")
+    return sources
+
+
+def _solve_into(
+    new: KVMapper, config: MapperConfig, stats: ResidualStatistics, residual_layer: int, sources: dict[int, list[int]],
+    residual_lambda: float, down: torch.Tensor | None,
+) -> dict[str, list[float]]:
+    """Solve `new`'s layers that read the residual or whose `sources` were replaced, into its weights. Returns the
+    in-sample R^2 of the new maps per kind and target layer (of the keys before the norm for the key-norm input);
+    where the source-only fit recorded none, the source-only layers get none either (JSON has no NaN)."""
+    fr = len(stats.lags) * stats.hidden_size
+    r2 = {kind: list(getattr(config, f"fit_r2_{kind}") or [0.0] * stats.target_layout.num_layers) for kind in KINDS}
     for kind in KINDS:
         for t in sorted(set(new.residual.layers) | set(sources)):
             reads = t in new.residual.layers
@@ -231,10 +253,7 @@ def solve_residual_mapper(
             linear.bias.data.copy_(bias.to(linear.bias.dtype))
             if reads:
                 new.residual.weight(kind, t).data.copy_(weight[k:].T.to(new.residual.weight(kind, t).dtype))
-    # Held-out R^2 was measured for the source-only maps: not these.
-    new.config = dataclasses.replace(new.config, fit_r2_key=r2["key"], fit_r2_value=r2["value"], heldout_r2_key=None,
-                                     heldout_r2_value=None)  # fmt: skip
-    return new
+    return r2
 
 
 def _residual_covariance(stats: ResidualStatistics, residual_layer: int) -> torch.Tensor:
