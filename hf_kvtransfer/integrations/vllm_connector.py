@@ -212,7 +212,7 @@ def _recompute_option(extra: dict) -> int | None:
     if "recompute_tokens" in extra:
         message = ("kv_connector_extra_config 'recompute_tokens' is deprecated: use 'num_recompute_tokens' (the "
                    "library's name; None means the library's default)")  # fmt: skip
-        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        warnings.warn(message, DeprecationWarning, stacklevel=4)  # who built the connector (via _parse_settings)
         logger.warning("hf-kvtransfer: %s", message)
         if value is None:
             value = extra["recompute_tokens"]
@@ -288,6 +288,27 @@ class HFKVTransferConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._parse_settings(extra)
+        self._read_served_engine(vllm_config)
+        self._check_mapper(vllm_config, extra, role)
+        self._set_up_store(extra)
+        self._init_scheduler_state()
+        self._init_worker_state()
+        if role == KVConnectorRole.WORKER and self.serves:
+            self._load_mapper()
+            if self.num_exact_layers:
+                self._exact_model = self._load_exact_model(vllm_config)
+            self._self_test()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a later cache miss, never wrong output
+
+    # ==============================================================================================
+    # start-up: what the target needs, or a refusal that names the fix
+    # ==============================================================================================
+    def _parse_settings(self, extra: dict) -> None:
+        """`kv_connector_extra_config`'s keys, role and per-request settings (no mapper read yet)."""
         unknown = sorted(set(extra) - _KNOWN_KEYS)
         if unknown:
             raise ConnectorConfigError(
@@ -313,6 +334,9 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             raise ConnectorConfigError(
                 "the target role needs a mapper: kv_connector_extra_config={'mapper': 'path/or/hub-id', ...}"
             )
+
+    def _read_served_engine(self, vllm_config: "VllmConfig") -> None:
+        """What this engine serves: block size, model config, KV shape, tensor-parallel size (fp8 KV refused)."""
         self.block_size = vllm_config.cache_config.block_size
         self.model_config = vllm_config.model_config.hf_config
         self.kv_shape = config_fingerprint(self.model_config)  # what the stored KV depends on
@@ -320,29 +344,36 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         if "fp8" in str(vllm_config.cache_config.cache_dtype):
             raise NotImplementedError("hf-kvtransfer's vLLM connector does not handle fp8 KV caches")
 
+    def _check_mapper(self, vllm_config: "VllmConfig", extra: dict, role: KVConnectorRole) -> None:
+        """Target side: the mapper's config against the served model, its exact layers, and whether a hand-off
+        saves anything (`serves`); the start-up warning and the failure policy in the scheduler's log."""
         self.mapper_config: MapperConfig | None = None
         self.num_exact_layers = 0
         self.serves = self.loads_kv  # False: the target prefills every request itself
-        if self.loads_kv:
-            self.mapper_config = self._read_mapper_config()
-            self._check_target_shape()
-            self._check_served_model(vllm_config, extra, role)
-            self.num_exact_layers = self._resolve_num_exact_layers(extra.get("num_exact_layers"))
-            num_target = self.kv_shape["num_hidden_layers"]
-            if self.num_exact_layers >= num_target:
-                self.serves = False
-                if role == KVConnectorRole.SCHEDULER:
-                    logger.warning(
-                        "hf-kvtransfer: mapper %s computes all %d target layers exactly (its fit found that mapping "
-                        "any loses the context), so a hand-off saves nothing: this engine prefills every request "
-                        "itself (allow_lossy=True maps every layer instead)", self.mapper_id, num_target,
-                    )  # fmt: skip
-            if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy == "fail":
-                logger.info(
-                    "hf-kvtransfer: kv_load_failure_policy='fail' (vLLM's default): a request whose store entry is "
-                    "missing or corrupted when it is loaded fails; set kv_load_failure_policy='recompute' to have the "
-                    "engine compute those tokens instead"
+        if not self.loads_kv:
+            return
+        self.mapper_config = self._read_mapper_config()
+        self._check_target_shape()
+        self._check_served_model(vllm_config, extra, role)
+        self.num_exact_layers = self._resolve_num_exact_layers(extra.get("num_exact_layers"))
+        num_target = self.kv_shape["num_hidden_layers"]
+        if self.num_exact_layers >= num_target:
+            self.serves = False
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning(
+                    "hf-kvtransfer: mapper %s computes all %d target layers exactly (its fit found that mapping "
+                    "any loses the context), so a hand-off saves nothing: this engine prefills every request "
+                    "itself (allow_lossy=True maps every layer instead)", self.mapper_id, num_target,
                 )  # fmt: skip
+        if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy == "fail":
+            logger.info(
+                "hf-kvtransfer: kv_load_failure_policy='fail' (vLLM's default): a request whose store entry is "
+                "missing or corrupted when it is loaded fails; set kv_load_failure_policy='recompute' to have the "
+                "engine compute those tokens instead"
+            )  # fmt: skip
+
+    def _set_up_store(self, extra: dict) -> None:
+        """The store's settings, checked now; the store itself is built on first use (`store`)."""
         fingerprint = self.mapper_config.source_fingerprint if self.loads_kv else self.kv_shape
         if self.saves_kv and self.loads_kv and store_namespace(fingerprint) != store_namespace(self.kv_shape):
             raise ConnectorConfigError("role 'both' needs a mapper from this engine's model to itself")
@@ -351,7 +382,8 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         if extra.get("store_backend", "file") not in ("file", "lmcache"):
             raise ConnectorConfigError(f"store_backend must be 'file' or 'lmcache', got {extra['store_backend']!r}")
 
-        # scheduler side
+    def _init_scheduler_state(self) -> None:
+        """The scheduler side's per-request bookkeeping and the transfers' cache salt."""
         self.cache_salt = ts.transfer_salt(str(self.mapper_id), self.mapper_revision, self.num_exact_layers,
                                            self.num_recompute_tokens)  # fmt: skip
         self._transfers: dict[str, ts.RequestTransfer] = {}  # req_id -> what the connector does with it
@@ -363,7 +395,9 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         self._requests: dict[str, "Request"] = {}  # source side: requests whose reply may be stored
         self._reply_saved: set[str] = set()
         self._finish_saves: list[_Save] = []
-        # worker side
+
+    def _init_worker_state(self) -> None:
+        """The worker side's state; the mapper and exact layers are loaded after it, on a worker that serves."""
         self._mapper = None
         self._exact_model = None
         self._layouts: dict[str, _PagedLayout] = {}
@@ -371,19 +405,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         self._load_failures: dict[str, str] = {}  # req_id -> why its store entry was not used (for the scheduler)
         self._finished_sending: set[str] = set()
         self.last_load_seconds: float | None = None
-        if role == KVConnectorRole.WORKER and self.serves:
-            self._load_mapper()
-            if self.num_exact_layers:
-                self._exact_model = self._load_exact_model(vllm_config)
-            self._self_test()
 
-    @property
-    def requires_kv_delivery(self) -> bool:
-        return False  # a dropped save is a later cache miss, never wrong output
-
-    # ==============================================================================================
-    # start-up: what the target needs, or a refusal that names the fix
-    # ==============================================================================================
     @property
     def store(self) -> KVStore:
         """Built on first use: importing LMCache (numba) before vLLM's worker start-up breaks a later engine's
