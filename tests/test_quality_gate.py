@@ -119,6 +119,23 @@ def test_rows_below_the_threshold_get_the_targets_own_prefill(qwen3_model, scram
     torch.testing.assert_close(gated, own, rtol=1e-4, atol=1e-4)
 
 
+def test_gated_cache_serves_a_forward_of_more_rows_than_its_prompt(qwen3_model, scrambled):
+    # Several continuations of one prompt scored in one batch (eval's answer scoring, beams): the gated cache is
+    # repeated to the forward's rows like the maps' path. With every row falling back, each continuation's logits are
+    # the target's own on [prompt + continuation].
+    from hf_kvtransfer import TransferredCache, prefill
+
+    ids = random_ids(1, 24, seed=9)
+    conts = random_ids(3, 2, seed=10)
+    cache = TransferredCache(prefill(qwen3_model, ids), scrambled, num_recompute_tokens=8, gate=QualityGateConfig(0.999))
+    feed = torch.cat([ids[:, -8:].expand(3, -1), conts], dim=1)
+    with torch.no_grad():
+        gated = qwen3_model(feed, cache=cache).logits
+        own = qwen3_model(torch.cat([ids.expand(3, -1), conts], dim=1)).logits[:, -10:]
+    assert cache.transfer_status.applied == (False,)
+    torch.testing.assert_close(gated, own, rtol=1e-4, atol=1e-4)
+
+
 def test_rows_above_the_threshold_keep_the_transfer(qwen3_model, scrambled):
     ids = random_ids(2, 24, seed=8)
     ungated, _ = _transfer_logits(qwen3_model, scrambled, ids, num_recompute_tokens=8, gate=False)

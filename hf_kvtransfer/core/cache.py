@@ -552,9 +552,13 @@ class TransferredCache(DynamicCache):
             )
         self.transfer_status = run_gate(self, pending, self._exact_model, like)
 
-    def fill_converted(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Store finished target K/V for every pending layer at once (the gate's path) and drop the pending transfer."""
+    def fill_converted(self, layers: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int | None = None) -> None:
+        """Store finished target K/V for every pending layer at once (the gate's path) and drop the pending transfer;
+        with `batch_size` (the forward's rows), repeated to it as the maps' path does (several continuations of one
+        prompt, beams)."""
         for layer_idx, (keys, values) in enumerate(layers):
+            if batch_size is not None and batch_size != keys.shape[0]:
+                keys, values = self._expand_batch(keys, values, batch_size)
             self.layers[layer_idx].update(keys, values)
         self._pending.clear()
         self._transfer, self._exact_pending, self._exact_model, self._exact_prompt = None, False, None, None

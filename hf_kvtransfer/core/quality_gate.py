@@ -152,7 +152,7 @@ def run_gate(cache, pending: PendingGate, model, like: torch.Tensor) -> Transfer
         own = _own_kv(model, ids[bad, :held], rows_mask, positions[bad, :held])
         for (keys, values), layer in zip(layers, own.layers):
             keys[bad], values[bad] = layer.keys.to(keys.dtype), layer.values.to(values.dtype)
-    cache.fill_converted(layers)
+    cache.fill_converted(layers, like.shape[0])
     return TransferStatus(tuple(ok.tolist()), tuple(scores.tolist()), pending.gate.threshold)
 
 
