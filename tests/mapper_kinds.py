@@ -7,6 +7,7 @@ input configs)."""
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -23,6 +24,9 @@ KINDS = ["source-only", "k1", "low-rank", "mlp", "residual", "residual-alone", *
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "saved_mappers"
 # The same mappers saved with their inputs' settings nested (`MapperConfig.map_inputs`): the kinds that have inputs.
 NESTED_KINDS = ["residual", "residual-alone", "token-tables", "first-layer-table"]
+# Kinds the surface matrix runs besides the saved fixtures': the residual mapper with the per-request quality gate
+# the fit records with --quality-gate-quantile (its threshold a quantile of the score on calibration rows).
+SURFACE_KINDS = [*KINDS, "quality-gate"]
 NESTED_FIXTURES = FIXTURES.parent / "saved_mappers_nested"
 
 
@@ -34,6 +38,7 @@ def make_kinds(source, target, ids: torch.Tensor) -> dict:
     """`{kind: KVMapper}` for the pair, fit on `ids` `[16, 48]`."""
     from hf_kvtransfer import fit_mapper
     from hf_kvtransfer.fitting.calibration_pass import calibration_pass
+    from hf_kvtransfer.fitting.quality_gate import calibrate_quality_gate
     from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
 
     fit = dict(num_exact_layers=1, heldout_fraction=0, progress=False)
@@ -51,6 +56,7 @@ def make_kinds(source, target, ids: torch.Tensor) -> dict:
         "residual-alone": solve_residual_mapper(base, stats, residual_layer=1, sources={2: []}),
         "token-tables": plugin.fit_token_tables(source, target, residual, ids, readers=[2], lags=(0, 1), pseudo_count=1.0),
         "first-layer-table": plugin.tabulate_first_layer(base, target),
+        "quality-gate": calibrate_quality_gate(source, target, copy.deepcopy(residual), ids[-4:], quantile=0.5),
     }
 
 

@@ -19,7 +19,7 @@ from conftest import left_pad, random_ids
 from fit_fixtures import save_pair, write_corpus
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
 from hf_kvtransfer.commands.cli import main
-from mapper_kinds import KINDS, calibration_ids, make_kinds
+from mapper_kinds import SURFACE_KINDS, calibration_ids, make_kinds
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_every_kind_loads_as_saved(family):
         assert mapper.config.selected_layers and mapper.num_parameters() > 0, name
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SURFACE_KINDS)
 def test_commands(kind, family, tmp_path, capsys):
     path, source, target = str(family["dirs"][kind]), str(family["source"]), str(family["target"])
     runs = {
@@ -79,7 +79,7 @@ def _cache(family, mapper, ids, mask=None):
     return TransferredCache(prefill(source, ids, attention_mask=mask), mapper, attention_mask=mask)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SURFACE_KINDS)
 def test_generate_paths_agree(kind, family):
     """ids and inputs_embeds, one row and a left-padded batch: the same prompt, the same logits; sampling and beams
     run on the default cache."""
