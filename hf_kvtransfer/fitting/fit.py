@@ -414,16 +414,7 @@ def fit_mappers(
         )
     mapper_kwargs = {**model_ids(source, target), **mapper_kwargs}
     started = time.perf_counter()
-    info: dict[str, Any] = {}
-    if calibration_input_ids is None and config.dataset is None:
-        raise ValueError("pass calibration data: token ids [num_sequences, seq_len] or a dataset id / local path")
-    if calibration_input_ids is None or isinstance(calibration_input_ids, (str, os.PathLike)):
-        if tokenizer is None:
-            raise ValueError("fitting from a dataset needs the models' tokenizer: pass tokenizer=")
-        ids, info = calibration_sample(tokenizer, config, calibration_input_ids)
-        mask = None
-    else:
-        ids, mask = as_token_tensor(calibration_input_ids, attention_mask)
+    ids, mask, info = _calibration_inputs(calibration_input_ids, attention_mask, tokenizer, config)
     heldout_count(ids.shape[0], config.heldout_fraction)  # a fraction that leaves nothing to fit on fails here
     _warn_beyond_positions(source, target, ids.shape[1])
     if info:
@@ -446,6 +437,25 @@ def fit_mappers(
                 source, target, m, ids, mask, config, log, residual=residual, refine=refine,
                 tokenizer=tokenizer), ids, mask, config)
             for name, m in mappers.items()}  # fmt: skip
+
+
+def _calibration_inputs(
+    calibration_input_ids: torch.Tensor | Iterable | str | os.PathLike | None,
+    attention_mask: torch.Tensor | None,
+    tokenizer,
+    config: FitConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    """`fit_mappers`' calibration data as `(input_ids, attention_mask, info)`: token ids as given, or a dataset
+    (`calibration_input_ids` as id / path, else `config.dataset`) packed with `tokenizer` (`info` describes it)."""
+    if calibration_input_ids is None and config.dataset is None:
+        raise ValueError("pass calibration data: token ids [num_sequences, seq_len] or a dataset id / local path")
+    if calibration_input_ids is None or isinstance(calibration_input_ids, (str, os.PathLike)):
+        if tokenizer is None:
+            raise ValueError("fitting from a dataset needs the models' tokenizer: pass tokenizer=")
+        ids, info = calibration_sample(tokenizer, config, calibration_input_ids)
+        return ids, None, info
+    ids, mask = as_token_tensor(calibration_input_ids, attention_mask)
+    return ids, mask, {}
 
 
 def _with_quality_gate(source, target, mapper: KVMapper, ids, mask, config: FitConfig) -> KVMapper:
