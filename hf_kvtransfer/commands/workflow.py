@@ -195,7 +195,7 @@ def fit_and_save(
         # Cheap checks first (tokenizers, data), so a typo fails before two large models are loaded.
         src_tok, input_ids, info = _calibration_data(source, target, config, revisions, trust_remote_code)
         num_heldout = heldout_count(input_ids.shape[0], config.heldout_fraction)
-        models = _load_pair(source, target, revisions, trust_remote_code, torch_dtype, device_map)
+        models = _load_checked_models(source, target, revisions, trust_remote_code, torch_dtype, device_map)
         # A top_k at or above the source's depth means every source layer (`fit.solve_mappers` logs it), so the
         # default top_k=8 also fits shallow sources.
         if rank == 0:
@@ -261,7 +261,7 @@ def _calibration_data(
     return src_tok, input_ids, info
 
 
-def _load_pair(
+def _load_checked_models(
     source: str | os.PathLike, target: str | os.PathLike, revisions: dict, trust_remote_code: bool,
     torch_dtype: torch.dtype | str | None, device_map: str | dict | None,
 ) -> list:  # fmt: skip
