@@ -262,9 +262,13 @@ def _calibration_data(
 
 
 def _load_checked_models(
-    source: str | os.PathLike, target: str | os.PathLike, revisions: dict, trust_remote_code: bool,
-    torch_dtype: torch.dtype | str | None, device_map: str | dict | None,
-) -> list:  # fmt: skip
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    revisions: dict,
+    trust_remote_code: bool,
+    torch_dtype: torch.dtype | str | None,
+    device_map: str | dict | None,
+) -> list:
     """The source and target models, loaded as placed and checked to be a pair (`check_pair`)."""
     models = [
         load_model(str(name), which, revision=revisions[which], dtype=torch_dtype, device_map=device_map,

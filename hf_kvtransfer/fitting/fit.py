@@ -267,9 +267,14 @@ def _cached_rankings() -> Callable[[KVStatistics, float], torch.Tensor]:
 
 
 def _heldout_row(
-    statistics: KVStatistics, heldout: KVStatistics, k: int | None, lam: float, row: dict | None,
-    config_kwargs: dict[str, Any], ranking: Callable[[KVStatistics, float], torch.Tensor],
-) -> dict[str, Any]:  # fmt: skip
+    statistics: KVStatistics,
+    heldout: KVStatistics,
+    k: int | None,
+    lam: float,
+    row: dict | None,
+    config_kwargs: dict[str, Any],
+    ranking: Callable[[KVStatistics, float], torch.Tensor],
+) -> dict[str, Any]:
     """The held-out R^2 per target layer of the (k, lambda) mapper fit on `statistics`: the model selection's
     `row` when it scored this pair at full rank, else computed here (a reduced-rank mapper is scored as reduced)."""
     low_rank = {key: config_kwargs[key] for key in ("rank", "energy", "size_budget") if config_kwargs.get(key) is not None}
