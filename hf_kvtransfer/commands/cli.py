@@ -378,30 +378,14 @@ def _add_eval(subparsers) -> None:
 
 
 def _run_eval(args) -> int:
-    import json
     from pathlib import Path
 
     from ..core.mapper import KVMapper
-    from ..evaluation.evaluate import evaluate, resolve_tasks
+    from ..evaluation.evaluate import evaluate
     from ..evaluation.multiple_choice import load_multiple_choice
-    from .reporting import eval_settings, evaluation_markdown, origin_of_exact_layers, plot_evaluation, pyplot
+    from .reporting import eval_settings, origin_of_exact_layers
 
-    if args.plot:
-        try:
-            pyplot()  # a missing matplotlib fails before the run, not after it
-        except ImportError as exc:
-            raise CLIError(str(exc), "or leave out --plot: the results as JSON and markdown need no matplotlib") from exc
-    if args.items < 1:
-        raise CLIError(f"--items must be >= 1, got {args.items}", "the content tasks default to 600 items")
-    if args.depth_items < 1 or min(args.depth_lengths) < 64:
-        raise CLIError(f"--depth-items must be >= 1 and --depth-lengths >= 64 tokens, got {args.depth_items} and "
-                       f"{args.depth_lengths}", "the defaults are --depth-items 100 --depth-lengths 512 1024")
-    try:  # a mistyped task fails before anything loads
-        resolve_tasks(args.tasks, multiple_choice=bool(args.mc), multi_turn=bool(args.reverse_mapper),
-                      continuation=not args.no_continuation)
-    except ValueError as exc:
-        raise CLIError(str(exc), "e.g. --tasks perplexity,recall,handoff; `hf-kvtransfer eval --help` describes each") from exc
-    _require_files(args, "text", "mc")
+    _check_eval_args(args)
     # Mappers (small) before models (large): a broken or mistyped one fails at once.
     mapper = KVMapper.from_pretrained(args.mapper)
     reverse = KVMapper.from_pretrained(args.reverse_mapper) if args.reverse_mapper else None
@@ -431,6 +415,40 @@ def _run_eval(args) -> int:
     )
     results["config"].update(source=args.source, target=args.target, mapper=args.mapper, text=args.text)
     results["config"].update({k: settings[k] for k in ("exact_layers_origin", "num_target_layers")})
+    _write_eval_results(args, results)
+    return 0
+
+
+def _check_eval_args(args) -> None:
+    """`eval`'s cheap checks, before anything loads: --plot's matplotlib, the item counts, the tasks, the files."""
+    from ..evaluation.evaluate import resolve_tasks
+    from .reporting import pyplot
+
+    if args.plot:
+        try:
+            pyplot()  # a missing matplotlib fails before the run, not after it
+        except ImportError as exc:
+            raise CLIError(str(exc), "or leave out --plot: the results as JSON and markdown need no matplotlib") from exc
+    if args.items < 1:
+        raise CLIError(f"--items must be >= 1, got {args.items}", "the content tasks default to 600 items")
+    if args.depth_items < 1 or min(args.depth_lengths) < 64:
+        raise CLIError(f"--depth-items must be >= 1 and --depth-lengths >= 64 tokens, got {args.depth_items} and "
+                       f"{args.depth_lengths}", "the defaults are --depth-items 100 --depth-lengths 512 1024")
+    try:  # a mistyped task fails before anything loads
+        resolve_tasks(args.tasks, multiple_choice=bool(args.mc), multi_turn=bool(args.reverse_mapper),
+                      continuation=not args.no_continuation)
+    except ValueError as exc:
+        raise CLIError(str(exc), "e.g. --tasks perplexity,recall,handoff; `hf-kvtransfer eval --help` describes each") from exc
+    _require_files(args, "text", "mc")
+
+
+def _write_eval_results(args, results: dict) -> None:
+    """`eval`'s table on stdout, and the --json, --markdown and --plot files asked for."""
+    import json
+    from pathlib import Path
+
+    from .reporting import evaluation_markdown, plot_evaluation
+
     table = evaluation_markdown(results)
     print(table)
     if args.json:
@@ -441,7 +459,6 @@ def _run_eval(args) -> int:
     if args.plot:
         plot_evaluation(results, args.plot)
         print(f"wrote {args.plot}")
-    return 0
 
 
 def _add_demo(subparsers) -> None:
@@ -734,8 +751,6 @@ _BENCH_FAMILY = os.path.join("examples", "family")
 
 
 def _add_bench(subparsers) -> None:
-    from ..evaluation import timing  # the default lengths, without importing torch for `--help`
-
     p = _subparser(
         subparsers,
         "bench",
@@ -752,6 +767,14 @@ def _add_bench(subparsers) -> None:
     )
     # Defaults live in BenchConfig: an option not given is not set here (SUPPRESS), and BenchConfig's applies.
     unset = argparse.SUPPRESS
+    _add_bench_models(p, unset)
+    _add_bench_mappers(p, unset)
+    _add_bench_measurements(p, unset)
+    p.set_defaults(func=_run_bench)
+
+
+def _add_bench_models(p: argparse.ArgumentParser, unset: str) -> None:
+    """`bench`'s models and mappers to time, and the transfer settings of time to first token."""
     p.add_argument("--source", default=unset, help="source model dir / Hub id (with --random-weights, its config); "
                    f"default: the configs of {_BENCH_FAMILY}/small and large (or $HF_KVTRANSFER_FAMILY) with "
                    "random weights")  # fmt: skip
@@ -768,6 +791,10 @@ def _add_bench(subparsers) -> None:
     p.add_argument("--recompute-tokens", type=int, default=unset, metavar="N",
                    help="prompt tokens the target recomputes in time to first token at the defaults (default: "
                    "TransferredCache's, 32, at most half a shorter prompt)")
+
+
+def _add_bench_mappers(p: argparse.ArgumentParser, unset: str) -> None:
+    """`bench`'s mappers solved on the spot: their statistics, held-out scoring, top-k and ranks."""
     p.add_argument("--statistics", default=unset, help="saved KVStatistics to solve mappers from (else collected here)")
     p.add_argument("--calibration-text", default=unset, help="text file for the statistics (tokenized with --target's "
                    "tokenizer); default: random tokens, fine for timing")
@@ -781,6 +808,12 @@ def _add_bench(subparsers) -> None:
                    help="mappers to solve: full, an integer rank, energy=0.99, budget=0.25, each optionally with "
                    "another top-k as kN:SPEC (k1:full) and a weight/compute dtype as SPEC@bf16 (full@bf16); the "
                    "first one is also used for TTFT and decode (default: full 16 8)")
+
+
+def _add_bench_measurements(p: argparse.ArgumentParser, unset: str) -> None:
+    """`bench`'s measurements (lengths, repeats, device, what is timed) and where the results go."""
+    from ..evaluation import timing  # the default lengths, without importing torch for `--help`
+
     p.add_argument("--seq-lens", type=int, nargs="+", default=unset,
                    help=f"context lengths (default {' '.join(map(str, timing.DEFAULT_SEQ_LENS))})")
     p.add_argument("--repeats", type=int, default=unset, help="timed repeats per measurement (default 5, quick 3)")
@@ -801,7 +834,6 @@ def _add_bench(subparsers) -> None:
     p.add_argument("--output-dir", default="bench_results", help="where bench.json/.md/.png go (default %(default)s)")
     p.add_argument("--no-reexec", action="store_true",
                    help="do not re-execute with OMP_WAIT_POLICY=PASSIVE when it is unset (it is recorded either way)")
-    p.set_defaults(func=_run_bench)
 
 
 def _reexec_with_passive_omp(argv: list[str]) -> None:

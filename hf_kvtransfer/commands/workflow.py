@@ -7,10 +7,11 @@ statistics a fit kept. Both take one `FitConfig`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,28 +187,15 @@ def fit_and_save(
     own_checkpoints = config.checkpoint_dir is None and config.mapper_type == RIDGE
     if own_checkpoints:
         config = config.replace(checkpoint_dir=str(fit_checkpoint_dir(output, config)))
-    rank, world, local_rank, created = init_distributed()
-    try:
+    revisions = {"source": source_revision, "target": target_revision}
+    with _process_group() as (rank, world, local_rank):
         if world > 1 and config.mapper_type == MLP:
             raise ValueError("the MLP mapper trains in one process: run `fit --mapper mlp` without torchrun")
-        if device_map is None and torch.cuda.is_available():
-            device_map = {"": local_rank if world > 1 else torch.cuda.current_device()}
-        if torch_dtype == "auto" and device_map is None:
-            # On the CPU "auto" means float32: most CPUs have no bf16 matrix units and run bf16 matmuls several
-            # times slower than float32, and features in bf16 would lose precision in the statistics.
-            torch_dtype = torch.float32
+        device_map, torch_dtype = _placement(device_map, torch_dtype, world, local_rank)
         # Cheap checks first (tokenizers, data), so a typo fails before two large models are loaded.
-        src_tok = load_tokenizer(str(source), "source", source_revision, trust_remote_code)
-        tgt_tok = load_tokenizer(str(target), "target", target_revision, trust_remote_code)
-        check_tokenizers(src_tok, tgt_tok)
-        input_ids, info = calibration_sample(src_tok, config)
+        src_tok, input_ids, info = _calibration_data(source, target, config, revisions, trust_remote_code)
         num_heldout = heldout_count(input_ids.shape[0], config.heldout_fraction)
-        models = [
-            load_model(str(name), which, revision=rev, dtype=torch_dtype, device_map=device_map,
-                       trust_remote_code=trust_remote_code)  # fmt: skip
-            for name, which, rev in ((source, "source", source_revision), (target, "target", target_revision))
-        ]
-        check_pair(*models)
+        models = _load_checked_models(source, target, revisions, trust_remote_code, torch_dtype, device_map)
         # A top_k at or above the source's depth means every source layer (`fit.solve_mappers` logs it), so the
         # default top_k=8 also fits shallow sources.
         if rank == 0:
@@ -232,11 +220,63 @@ def fit_and_save(
 
             dist.barrier()
         return results
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[tuple[int, int, int]]:
+    """`init_distributed` for the length of a `with`: yields `(rank, world_size, local_rank)` and destroys the
+    process group on the way out if it made it."""
+    rank, world, local_rank, created = init_distributed()
+    try:
+        yield rank, world, local_rank
     finally:
         if created:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def _placement(
+    device_map: str | dict | None, torch_dtype: torch.dtype | str | None, world: int, local_rank: int
+) -> tuple[str | dict | None, torch.dtype | str | None]:
+    """Where and in which dtype `fit_and_save` loads the models: this rank's GPU when CUDA is there and no
+    `device_map` was given, and float32 for `"auto"` on the CPU."""
+    if device_map is None and torch.cuda.is_available():
+        device_map = {"": local_rank if world > 1 else torch.cuda.current_device()}
+    if torch_dtype == "auto" and device_map is None:
+        # On the CPU "auto" means float32: most CPUs have no bf16 matrix units and run bf16 matmuls several
+        # times slower than float32, and features in bf16 would lose precision in the statistics.
+        torch_dtype = torch.float32
+    return device_map, torch_dtype
+
+
+def _calibration_data(
+    source: str | os.PathLike, target: str | os.PathLike, config: FitConfig, revisions: dict, trust_remote_code: bool
+) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """Both tokenizers (checked to agree) and the packed calibration data: `(source tokenizer, input_ids, info)`."""
+    src_tok = load_tokenizer(str(source), "source", revisions["source"], trust_remote_code)
+    tgt_tok = load_tokenizer(str(target), "target", revisions["target"], trust_remote_code)
+    check_tokenizers(src_tok, tgt_tok)
+    input_ids, info = calibration_sample(src_tok, config)
+    return src_tok, input_ids, info
+
+
+def _load_checked_models(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    revisions: dict,
+    trust_remote_code: bool,
+    torch_dtype: torch.dtype | str | None,
+    device_map: str | dict | None,
+) -> list:
+    """The source and target models, loaded as placed and checked to be a pair (`check_pair`)."""
+    models = [
+        load_model(str(name), which, revision=revisions[which], dtype=torch_dtype, device_map=device_map,
+                   trust_remote_code=trust_remote_code)
+        for name, which in ((source, "source"), (target, "target"))
+    ]  # fmt: skip
+    check_pair(*models)
+    return models
 
 
 __all__ = ["fit_and_save", "fit_checkpoint_dir", "init_distributed", "solve_and_save", "write_mappers"]

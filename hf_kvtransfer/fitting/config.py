@@ -288,10 +288,29 @@ class FitConfig:
     seed: int = field(default=0, metadata=_opt("seed of the MLP's initialisation and shuffling (default 0)", group="mlp"))
 
     def __post_init__(self):
-        set_ = object.__setattr__  # frozen: normalise in place once
+        # Normalised in place once (the dataclass is frozen), then checked; the first failing check raises.
+        self._normalise_candidates()
+        self._check_gates()
+        self._check_residual_inputs()
+        self._check_counts()
+        self._check_mlp_training()
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in [0, 1) (the share of sequences held out), got {self.heldout_fraction}")
+        self._check_solver()
+        for name in ("dataset", "stats_dir", "checkpoint_dir"):
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        self._check_combinations()
+
+    def _normalise_candidates(self) -> None:
+        """`top_k`, `ridge_lambda` and `num_exact_layers` parsed from the option grammar."""
+        set_ = object.__setattr__
         set_(self, "top_k", tuple("all" if k is None else k for k in parse_top_k(self.top_k)))
         set_(self, "ridge_lambda", tuple(parse_ridge_lambda(self.ridge_lambda)))
         set_(self, "num_exact_layers", parse_num_exact_layers(self.num_exact_layers))
+
+    def _check_gates(self) -> None:
+        """The quality gate's quantile and the exact-layer search's fractions."""
         if self.quality_gate_quantile is not None and not 0 <= self.quality_gate_quantile < 1:
             raise ValueError(f"quality_gate_quantile must be in [0, 1), got {self.quality_gate_quantile}")
         if not 0 < self.exact_layers_retention <= 1:
@@ -299,15 +318,21 @@ class FitConfig:
         if not 0 < self.exact_layers_tolerance < 1:
             raise ValueError(f"exact_layers_tolerance must be a fraction of accuracy in (0, 1) (0.05 = 5 points), got "
                              f"{self.exact_layers_tolerance}")  # fmt: skip
+
+    def _check_residual_inputs(self) -> None:
+        """The residual-input options (`residual_lags` parsed)."""
         if self.residual_inputs not in ("auto", "off"):
             raise ValueError(f"residual_inputs must be 'auto' or 'off', got {self.residual_inputs!r}")
-        set_(self, "residual_lags", parse_residual_lags(self.residual_lags))
+        object.__setattr__(self, "residual_lags", parse_residual_lags(self.residual_lags))
         if self.residual_rank is not None and (isinstance(self.residual_rank, bool) or not isinstance(self.residual_rank, int) or self.residual_rank < 1):
             raise ValueError(f"residual_rank must be an integer >= 1 or None, got {self.residual_rank!r}")
         if self.residual_stride is not None and (isinstance(self.residual_stride, bool) or not isinstance(self.residual_stride, int) or self.residual_stride < 1):
             raise ValueError(f"residual_stride must be an integer >= 1 or None, got {self.residual_stride!r}")
         if not self.residual_lambda > 0:
             raise ValueError(f"residual_lambda must be > 0, got {self.residual_lambda}")
+
+    def _check_counts(self) -> None:
+        """The integer sizes: strides, batch sizes, counts (>= 1) and `seq_len` (>= 2)."""
         for name in ("stride", "batch_size", "num_sequences", "checkpoint_every", "probe_tokens", "mlp_hidden_size",
                      "mlp_num_hidden_layers", "mlp_batch_size", "exact_layers_items", "exact_layers_timing_tokens"):  # fmt: skip
             value = getattr(self, name)
@@ -315,6 +340,9 @@ class FitConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
             raise ValueError(f"seq_len must be an integer >= 2, got {self.seq_len!r}")
+
+    def _check_mlp_training(self) -> None:
+        """The MLP's training schedule: epochs, patience, feature stride, learning rate."""
         if not isinstance(self.mlp_epochs, int) or self.mlp_epochs < 0:
             raise ValueError(f"mlp_epochs must be an integer >= 0, got {self.mlp_epochs!r}")
         if self.mlp_patience is not None and self.mlp_patience < 1:
@@ -323,21 +351,22 @@ class FitConfig:
             raise ValueError(f"mlp_feature_stride must be >= 1, got {self.mlp_feature_stride}")
         if not self.mlp_lr > 0:
             raise ValueError(f"mlp_lr must be > 0, got {self.mlp_lr}")
-        if not 0 <= self.heldout_fraction < 1:
-            raise ValueError(f"heldout_fraction must be in [0, 1) (the share of sequences held out), got {self.heldout_fraction}")
+
+    def _check_solver(self) -> None:
+        """The mapper type, the dtypes (a `torch.dtype` becomes its name), the statistics' memory cap and `rank`."""
         if self.mapper_type not in MAPPER_TYPES:
             raise ValueError(f"mapper_type must be one of {MAPPER_TYPES}, got {self.mapper_type!r}")
         for name in ("mapper_dtype", "mlp_feature_dtype"):
             value = getattr(self, name)
             if not isinstance(value, str) and type(value).__name__ == "dtype":  # a torch.dtype (no torch import here)
                 value = str(value).removeprefix("torch.")
-                set_(self, name, value)
+                object.__setattr__(self, name, value)
             if value not in MAPPER_DTYPES:
                 raise ValueError(f"{name} must be one of {MAPPER_DTYPES}, got {value!r}")
         if self.max_statistics_memory is not None and not self.max_statistics_memory > 0:
             raise ValueError(f"max_statistics_memory must be > 0 GiB, got {self.max_statistics_memory}")
         if self.rank is not None:
-            set_(self, "rank", str(self.rank))
+            object.__setattr__(self, "rank", str(self.rank))
             kwargs = parse_rank_spec(self.rank)
             if "dtype" in kwargs or not kwargs:
                 raise ValueError(
@@ -345,9 +374,9 @@ class FitConfig:
                 )
             if self.mapper_type != RIDGE:
                 raise ValueError("a reduced rank applies to ridge mappers; drop rank or use mapper_type='ridge'")
-        for name in ("dataset", "stats_dir", "checkpoint_dir"):
-            if isinstance(getattr(self, name), os.PathLike):
-                set_(self, name, os.fspath(getattr(self, name)))
+
+    def _check_combinations(self) -> None:
+        """Options that exclude each other: the MLP's single (k, lambda) and held-out need, two_stage without 'all'."""
         if self.mapper_type == MLP:
             ks, lams = self.top_k_values, self.ridge_lambda
             if len(ks) != 1 or ks[0] == "auto" or len(lams) != 1 or lams[0] == "auto":

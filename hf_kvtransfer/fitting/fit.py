@@ -200,6 +200,42 @@ def solve_mappers(
         `{mapper_name(k): KVMapper}` in the order requested (one entry for "auto"); the selection curve is in
         `mapper.report["model_selection"]`.
     """
+    ks, lams, auto_k, auto_l, max_k = _requested_candidates(statistics, top_k, ridge_lambda)
+    selection, heldout_rows = None, {}
+    if auto_k or auto_l:
+        chosen, heldout_rows, selection = _model_selection(statistics, heldout, ks, lams, auto_k, auto_l, max_k)
+        selection["refit_on_all"] = refit
+    else:
+        if len(lams) != 1:
+            raise ValueError(f"give one ridge_lambda, or several with 'auto' among them to pick one; got {lams}")
+        chosen = [(k, lams[0]) for k in ks]
+    final = statistics + heldout if (heldout is not None and refit) else statistics
+    ranking = _cached_rankings()  # one ranking per statistics and lambda, shared by every k
+    mappers = {}
+    for k, lam in chosen:
+        extra = dict(config_kwargs)
+        if heldout is not None and heldout.count >= 2:
+            row = _heldout_row(statistics, heldout, k, lam, heldout_rows.get((k, lam)), config_kwargs, ranking)
+            extra.setdefault("heldout_r2_key", row["heldout_r2_key"])
+            extra.setdefault("heldout_r2_value", row["heldout_r2_value"])
+            calibration = dict(extra.get("calibration") or final.metadata.get("calibration", {}))
+            calibration.setdefault("stride", final.metadata.get("stride"))
+            calibration.update(
+                num_tokens=final.count, heldout_tokens=heldout.count, fit_tokens=statistics.count, refit_on_all=refit
+            )
+            extra["calibration"] = calibration
+        mapper = solve_mapper(final, top_k=k, ridge_lambda=lam, dtype=dtype, scores=ranking(final, lam), **extra)
+        if selection is not None:
+            mapper.report = {**getattr(mapper, "report", {}), "model_selection": selection}
+        mappers[mapper_name(k)] = mapper
+    return mappers
+
+
+def _requested_candidates(
+    statistics: KVStatistics, top_k: int | str | Sequence | None, ridge_lambda: float | str | Sequence
+) -> tuple[list, list, bool, bool, int]:
+    """`solve_mappers`' k and lambda candidates, checked against the statistics: `(ks, lambdas, auto_k, auto_lambda,
+    max_k)`, "auto" taken out of the lists; a k at or above the source's depth becomes every layer."""
     ks, lams = parse_top_k(top_k), parse_ridge_lambda(ridge_lambda)
     auto_k, auto_l = "auto" in ks, "auto" in lams
     ks, lams = [k for k in ks if k != "auto"], [v for v in lams if v != "auto"]
@@ -215,48 +251,40 @@ def solve_mappers(
                 f"top_k {'all' if k is None else k} needs blocks the two-stage fit did not keep (it kept the top "
                 f"{max_k}); rerun with a larger max top_k or without two_stage"
             )
-    selection, heldout_rows = None, {}
-    if auto_k or auto_l:
-        chosen, heldout_rows, selection = _model_selection(statistics, heldout, ks, lams, auto_k, auto_l, max_k)
-        selection["refit_on_all"] = refit
-    else:
-        if len(lams) != 1:
-            raise ValueError(f"give one ridge_lambda, or several with 'auto' among them to pick one; got {lams}")
-        chosen = [(k, lams[0]) for k in ks]
-    final = statistics + heldout if (heldout is not None and refit) else statistics
-    scores: dict[tuple[int, float], torch.Tensor] = {}  # one ranking per statistics and lambda, shared by every k
+    return ks, lams, auto_k, auto_l, max_k
+
+
+def _cached_rankings() -> Callable[[KVStatistics, float], torch.Tensor]:
+    """`layer_scores` memoised by statistics object and lambda."""
+    scores: dict[tuple[int, float], torch.Tensor] = {}
 
     def ranking(stats: KVStatistics, lam: float) -> torch.Tensor:
         if (id(stats), lam) not in scores:
             scores[id(stats), lam] = layer_scores(stats, lam)
         return scores[id(stats), lam]
 
-    mappers = {}
-    for k, lam in chosen:
-        extra = dict(config_kwargs)
-        if heldout is not None and heldout.count >= 2:
-            row = heldout_rows.get((k, lam))
-            low_rank = {key: config_kwargs[key] for key in ("rank", "energy", "size_budget") if config_kwargs.get(key) is not None}
-            if low_rank:  # the reduced maps' own score, not the full-rank one they were cut from
-                selected = select_layers(ranking(statistics, lam), k)
-                row = reduced_rank_heldout_r2(statistics, heldout, selected, lam, **low_rank)
-            elif row is None:
-                selections = dict(enumerate(select_layers(ranking(statistics, lam), k)))
-                row = {f"heldout_r2_{kind}": heldout_r2(statistics, heldout, kind, selections, lam) for kind in KINDS}
-            extra.setdefault("heldout_r2_key", row["heldout_r2_key"])
-            extra.setdefault("heldout_r2_value", row["heldout_r2_value"])
-            calibration = dict(extra.get("calibration") or final.metadata.get("calibration", {}))
-            calibration.setdefault("stride", final.metadata.get("stride"))
-            calibration.update(
-                num_tokens=final.count, heldout_tokens=heldout.count, fit_tokens=statistics.count, refit_on_all=refit
-            )
-            extra["calibration"] = calibration
-        mapper = solve_mapper(final, top_k=k, ridge_lambda=lam, dtype=dtype, scores=ranking(final, lam), **extra)
-        if selection is not None:
-            mapper.report = {**getattr(mapper, "report", {}), "model_selection": selection}
-        mappers[mapper_name(k)] = mapper
-    return mappers
+    return ranking
 
+
+def _heldout_row(
+    statistics: KVStatistics,
+    heldout: KVStatistics,
+    k: int | None,
+    lam: float,
+    row: dict | None,
+    config_kwargs: dict[str, Any],
+    ranking: Callable[[KVStatistics, float], torch.Tensor],
+) -> dict[str, Any]:
+    """The held-out R^2 per target layer of the (k, lambda) mapper fit on `statistics`: the model selection's
+    `row` when it scored this pair at full rank, else computed here (a reduced-rank mapper is scored as reduced)."""
+    low_rank = {key: config_kwargs[key] for key in ("rank", "energy", "size_budget") if config_kwargs.get(key) is not None}
+    if low_rank:  # the reduced maps' own score, not the full-rank one they were cut from
+        selected = select_layers(ranking(statistics, lam), k)
+        return reduced_rank_heldout_r2(statistics, heldout, selected, lam, **low_rank)
+    if row is None:
+        selections = dict(enumerate(select_layers(ranking(statistics, lam), k)))
+        row = {f"heldout_r2_{kind}": heldout_r2(statistics, heldout, kind, selections, lam) for kind in KINDS}
+    return row
 
 def calibration_sample(
     tokenizer, config: FitConfig, dataset: str | os.PathLike | None = None
@@ -391,16 +419,7 @@ def fit_mappers(
         )
     mapper_kwargs = {**model_ids(source, target), **mapper_kwargs}
     started = time.perf_counter()
-    info: dict[str, Any] = {}
-    if calibration_input_ids is None and config.dataset is None:
-        raise ValueError("pass calibration data: token ids [num_sequences, seq_len] or a dataset id / local path")
-    if calibration_input_ids is None or isinstance(calibration_input_ids, (str, os.PathLike)):
-        if tokenizer is None:
-            raise ValueError("fitting from a dataset needs the models' tokenizer: pass tokenizer=")
-        ids, info = calibration_sample(tokenizer, config, calibration_input_ids)
-        mask = None
-    else:
-        ids, mask = as_token_tensor(calibration_input_ids, attention_mask)
+    ids, mask, info = _calibration_inputs(calibration_input_ids, attention_mask, tokenizer, config)
     heldout_count(ids.shape[0], config.heldout_fraction)  # a fraction that leaves nothing to fit on fails here
     _warn_beyond_positions(source, target, ids.shape[1])
     if info:
@@ -423,6 +442,25 @@ def fit_mappers(
                 source, target, m, ids, mask, config, log, residual=residual, refine=refine,
                 tokenizer=tokenizer), ids, mask, config)
             for name, m in mappers.items()}  # fmt: skip
+
+
+def _calibration_inputs(
+    calibration_input_ids: torch.Tensor | Iterable | str | os.PathLike | None,
+    attention_mask: torch.Tensor | None,
+    tokenizer,
+    config: FitConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    """`fit_mappers`' calibration data as `(input_ids, attention_mask, info)`: token ids as given, or a dataset
+    (`calibration_input_ids` as id / path, else `config.dataset`) packed with `tokenizer` (`info` describes it)."""
+    if calibration_input_ids is None and config.dataset is None:
+        raise ValueError("pass calibration data: token ids [num_sequences, seq_len] or a dataset id / local path")
+    if calibration_input_ids is None or isinstance(calibration_input_ids, (str, os.PathLike)):
+        if tokenizer is None:
+            raise ValueError("fitting from a dataset needs the models' tokenizer: pass tokenizer=")
+        ids, info = calibration_sample(tokenizer, config, calibration_input_ids)
+        return ids, None, info
+    ids, mask = as_token_tensor(calibration_input_ids, attention_mask)
+    return ids, mask, {}
 
 
 def _with_quality_gate(source, target, mapper: KVMapper, ids, mask, config: FitConfig) -> KVMapper:
