@@ -280,6 +280,16 @@ def test_reduced_rank_and_bf16_mapper_from_the_cli(pair, tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+def test_reduced_rank_fit_at_the_default_inputs_keeps_to_source_maps(pair, tmp_path, capsys):
+    # The residual-input candidates extend a full-rank ridge map: with --rank (and residual inputs at their default,
+    # auto) the fit used to solve them on the low-rank mapper and fail after the calibration pass. It says it keeps to
+    # source K/V maps and saves the reduced-rank mapper asked for.
+    assert main(_args(pair, tmp_path / "low", "--top-k", "2", "--rank", "3", "--residual-inputs", "auto")) == 0
+    assert "residual-input maps: not tried for a reduced-rank mapper" in capsys.readouterr().err
+    low = KVMapper.from_pretrained(tmp_path / "low")
+    assert low.config.rank == [[3, 3], [3, 3]] and "residual" not in low.config.map_inputs
+
+
 def test_solve_from_kept_statistics_without_models(pair, tmp_path, monkeypatch, capsys):
     counter = _CountingCapture()
     monkeypatch.setattr(calibrate_module, "capture_kv", counter)

@@ -486,7 +486,12 @@ RESIDUAL_STATISTICS_BYTES = 4 * 2**30
 
 def _residual_statistics(source: PreTrainedModel, target: PreTrainedModel, config: FitConfig, log) -> ResidualStatistics | None:
     """The residual-input statistics the probe's candidates need (`residual_stats.py`), when the fit searches them."""
-    if config.residual_inputs != "auto" or config.num_exact_layers != "auto" or config.mapper_type != RIDGE:
+    if config.residual_inputs != "auto" or config.num_exact_layers != "auto":
+        return None
+    if config.mapper_type != RIDGE or config.rank is not None:
+        kind = "an MLP" if config.mapper_type != RIDGE else "a reduced-rank"
+        (log or logger.info)(f"residual-input maps: not tried for {kind} mapper (they extend a full-rank ridge map; "
+                             "--residual-rank reduces theirs); source K/V maps only")  # fmt: skip
         return None
     layers = residual_candidates(text_config(target.config).num_hidden_layers)
     layout = (KVLayout.from_config(source.config), KVLayout.from_config(target.config), text_config(target.config).hidden_size)
