@@ -66,7 +66,7 @@ def run_engine(role: str, spec: dict) -> None:
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
               distributed_executor_backend="uni", enable_prefix_caching=False, kv_transfer_config=kv)  # fmt: skip
     if "go" in spec:  # the consumer: started beside the producer, it serves once the producer's entries are stored
-        _wait_for(Path(spec["go"]), timeout=600)
+        _wait_for(Path(spec["go"]), timeout=1800)  # a hang guard, not a speed limit
     outputs = []
     for request in spec["requests"]:
         extra = {} if request.get("transfer", True) else {"kv_transfer_params": {"hf_kvtransfer": {"transfer": False}}}
@@ -88,7 +88,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_port(port: int, server: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_for_port(port: int, server: subprocess.Popen, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
