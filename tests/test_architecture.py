@@ -176,8 +176,7 @@ _INPUT_MODULES = {
     "core/config_migration.py": "*",  # the flat fields of older config.json files, once
     "core/residual.py": "*",
     "core/key_norm.py": "*",  # reads the residual's readers (its layers)
-    "fitting/residual_stats.py": "*",  # the residual input's statistics and solve
-    "fitting/exact_layers.py": "*",  # the probe's search over residual candidates (the residual input's fit side)
+    "fitting/residual_stats.py": "*",  # the residual input's fit side: its statistics, solve and candidates
     # FitConfig's own options of these names (`hf-kvtransfer fit --residual-lags ...`): the fit builds the inputs' configs
     "fitting/config.py": {"residual_lags", "residual_rank"},
     "fitting/fit.py": {"residual_lags", "residual_rank"},
@@ -209,6 +208,39 @@ def test_no_module_outside_an_inputs_own_names_its_config():
         if used:
             offenders[where] = sorted(used)
     assert not offenders, f"modules naming an input's config (use the MapInput interface, or add it to its own file): {offenders}"
+
+
+# The modules that make up each input of the library, core and fit side: only they (and the registries' lists of
+# built-in modules, and the package's public names in `__init__.py`) import them; an input depending on another (the
+# key norm acts on the residual's readers) says so.
+_INPUT_OWN_MODULES = {"residual": {"__init__.py", "core/residual.py", "fitting/residual_stats.py", "core/key_norm.py"},
+                      "key_norm": {"__init__.py", "core/key_norm.py", "fitting/residual_stats.py"}}  # fmt: skip
+
+
+def test_only_an_inputs_own_modules_import_it():
+    """The fit, the probe, the cache, plan, card, demo, bench and the connector loop over the registries
+    (`map_inputs.py`, `fitting/fit_inputs.py`) instead of importing an input's module (issue 36, item 1)."""
+    offenders = {}
+    for name in _INPUT_OWN_MODULES:
+        for path in sorted(PACKAGE.rglob("*.py")):
+            where = path.relative_to(PACKAGE).as_posix()
+            if where not in _INPUT_OWN_MODULES[name] and _imports_input(path.read_text(), name):
+                offenders.setdefault(name, []).append(where)
+    assert not offenders, f"modules importing an input's own module (go through the registry): {offenders}"
+
+
+def _imports_input(text: str, name: str) -> bool:
+    import re
+
+    pattern = {"residual": r"(?:core\.|\.)residual\b|residual_stats\b", "key_norm": r"(?:core\.|\.)key_norm\b"}[name]
+    return re.search(rf"^\s*(?:from|import)\s+\S*(?:{pattern})", text, re.MULTILINE) is not None
+
+
+def test_the_input_import_check_sees_each_way_of_importing_one():
+    assert _imports_input("from ..core.residual import residual_config\n", "residual")
+    assert _imports_input("    from .residual_stats import ResidualFit\n", "residual")
+    assert _imports_input("from hf_kvtransfer.core.key_norm import KeyNormInput\n", "key_norm")
+    assert not _imports_input("from ..core.map_inputs import exact_layers_needed  # residual\n", "residual")
 
 
 def test_the_input_config_check_sees_each_way_of_naming_one():

@@ -113,7 +113,7 @@ def test_two_runs_choose_alike_whatever_the_clock(monkeypatch):
         tolerance, num_items, max_items, seed = 0.05, 8, 32, 0
 
         def judge(self, m, k, every_task=False):
-            ok = not m.needs_target_residual or m.config.map_inputs["residual"].layer == 1
+            ok = not m.needs_exact_layers or m.config.map_inputs["residual"].layer == 1
             d = {"difference": 0.0 if ok else -0.2, "difference_ci": [-0.02, 0.02] if ok else [-0.3, -0.1], "num_items": 8}
             return {"accepted": ok, "tolerance": 0.05, "tasks": {"recall": d, "handoff": d}}
 
@@ -130,7 +130,7 @@ def test_two_runs_choose_alike_whatever_the_clock(monkeypatch):
             return per, {"wall": [100.0] * rounds, "cpu": [100.0] * rounds}
 
         monkeypatch.setattr(exact_layers, "_time_candidates", noisy)
-        runs.append(exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual, gate=Gate()))
+        runs.append(exact_layers.choose_configuration(source, target, base, stream, candidates=residual, gate=Gate()))
     untimed = ("transfer_ms", "transfer_wall_ms", "target_prefill_ms", "target_prefill_wall_ms", "speedup", "timing_rounds")
     (a, ra), (b, rb) = runs
     assert a.config.map_inputs["residual"].layer == b.config.map_inputs["residual"].layer == 1 and a.config.num_exact_layers == 2

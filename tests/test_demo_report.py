@@ -42,11 +42,20 @@ def test_calibration_tokens_count_what_the_progress_bar_counts_and_threads_agree
 
 
 def test_maps_that_read_the_targets_residual_say_so():
+    """The report names what the maps of a saved residual-alone mapper read, from the mapper itself."""
+    from pathlib import Path
+
+    from hf_kvtransfer import KVMapper
+    from hf_kvtransfer.commands.demo import _mapper_summary
+
     result = _result(1)
-    assert "residual stream" not in format_demo(result)
-    result["mapper"].update(residual_layer=1, source_free_layers=2, num_exact_layers=2, target_layers=4)
+    assert not any(ln.startswith("maps:") for ln in format_demo(result).splitlines())
+    saved = KVMapper.from_pretrained(Path(__file__).parent / "fixtures" / "saved_mappers_nested" / "residual-alone")
+    residual = saved.config.map_inputs["residual"]
+    result["mapper"].update(_mapper_summary(saved, None))
     line = next(ln for ln in format_demo(result).splitlines() if ln.startswith("maps:"))
-    assert "residual stream entering its layer 1" in line and "2 of them read no source layer" in line, line
+    free = sum(not sel for sel in saved.config.selected_layers)
+    assert free and f"residual entering layer {residual.layer}" in line and f"{free} of them read no source layer" in line, line
 
 
 def test_the_content_probe_shows_one_short_bar_and_logs_each_candidate(monkeypatch, caplog):

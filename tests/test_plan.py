@@ -116,8 +116,11 @@ def test_residual_inputs_cost_equals_layer_maps_built_with_the_extra_inputs(rank
     maps built with `P x hidden` more input features, and the FLOPs torch counts when they are applied."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hf_kvtransfer.commands.plan import residual_inputs_cost
+    from hf_kvtransfer.commands.plan import map_input_costs
     from hf_kvtransfer.core.layer_maps import LowRankLayerMap, RidgeLayerMap
+
+    def residual_inputs_cost(target, count, mapped, tokens, rank=None):
+        return map_input_costs(target, mapped, tokens, {"residual_positions": count}, rank).get("residual")
 
     src, tgt = KVLayout.from_config(SOURCE), KVLayout.from_config(TARGET)
     base_in, extra_in, out = 2 * src.layer_dim, positions * TARGET.hidden_size, tgt.layer_dim
@@ -132,10 +135,10 @@ def test_residual_inputs_cost_equals_layer_maps_built_with_the_extra_inputs(rank
         return counter.get_total_flops()
 
     cost = residual_inputs_cost(TARGET, positions, mapped, tokens, rank=rank)
-    assert cost["input_features"] == extra_in
-    assert cost["parameters"] == mapped * (sum(p.numel() for p in wider.parameters()) - sum(p.numel() for p in plain.parameters()))
-    assert cost["flops"] == mapped * (count(wider, base_in + extra_in) - count(plain, base_in))
-    assert residual_inputs_cost(TARGET, 0, mapped, tokens)["parameters"] == 0
+    assert cost.features == extra_in
+    assert cost.parameters == mapped * (sum(p.numel() for p in wider.parameters()) - sum(p.numel() for p in plain.parameters()))
+    assert cost.flops == mapped * (count(wider, base_in + extra_in) - count(plain, base_in))
+    assert residual_inputs_cost(TARGET, 0, mapped, tokens) is None
 
 
 @pytest.mark.parametrize("exact,recompute", [(0, 1), (1, 4), (2, 5), (4, 3)])
@@ -164,7 +167,7 @@ def test_first_token_flops_equal_a_real_transfer_under_torch_flop_counter(exact,
     eager += q * cfg.num_hidden_layers * (recompute * seq - (recompute * held + recompute * (recompute + 1) // 2))
     lm_head = 2 * cfg.hidden_size * cfg.vocab_size
     assert counter.get_total_flops() == got["total"] + eager + lm_head
-    assert got["total"] == got["exact_layers"] + got["mapping"] + got["recompute"] and got["residual_inputs"] == 0
+    assert got["total"] == got["exact_layers"] + got["mapping"] + got["recompute"] and got["map_inputs"] == 0
 
 
 def test_plan_reports_the_first_token_and_residual_inputs_at_scale():
@@ -176,23 +179,24 @@ def test_plan_reports_the_first_token_and_residual_inputs_at_scale():
         plan = plan_transfer(source, target, top_k=8, seq_len=4096, use_hub=False, num_exact_layers=4,
                              residual_positions=2, available_memory=2**40)  # fmt: skip
         assert plan.num_exact_layers == 4 and plan.num_recompute_tokens == 32
+        row = plan.map_inputs["residual"]
         # Full rank, K and V: 2 positions x hidden more inputs per map, on the 60 / 76 mapped layers.
-        assert plan.residual_parameters == 2 * (layers - 4) * 2 * hidden * 8 * 128
-        f, r = plan.first_token_flops, plan.first_token_flops_residual
-        assert r["residual_inputs"] == 2 * (4096 - 32) * plan.residual_parameters
+        assert row["positions"] == 2 and row["parameters"] == 2 * (layers - 4) * 2 * hidden * 8 * 128
+        f, r = plan.first_token_flops, row["first_token_flops"]
+        assert r["map_inputs"] == 2 * (4096 - 32) * row["parameters"] == row["flops"]
         # The residual entering the last exact layer comes with the K/V-only pass (it stops at that layer's cache
         # update): the exact layers cost the same, less than running all 4 layers whole.
         assert r["exact_layers"] == f["exact_layers"] < prefill_flops(target_config(target, use_hub=False), 4096 - 32, num_layers=4)["total"]
-        assert r["total"] - f["total"] == r["residual_inputs"]
+        assert r["total"] - f["total"] == r["map_inputs"]
         # Maps reading the residual alone map no source K/V: the exact layers, the residual maps, the recomputed tokens.
-        a = plan.first_token_flops_residual_alone
-        assert a["mapping"] == 0 and a["total"] == f["exact_layers"] + r["residual_inputs"] + f["recompute"]
-        assert plan.first_token_flop_ratio_residual_alone == pytest.approx(f["own_prefill"] / a["total"])
+        a = row["first_token_flops_alone"]
+        assert a["mapping"] == 0 and a["total"] == f["exact_layers"] + r["map_inputs"] + f["recompute"]
+        assert row["first_token_flop_ratio_alone"] == pytest.approx(f["own_prefill"] / a["total"])
         assert f["own_prefill"] == plan.prefill_flops
         assert plan.first_token_flop_ratio == pytest.approx(f["own_prefill"] / f["total"])
         text = format_plan(plan)
         assert "to the first token of a 4096-token prompt (4 of" in text and "residual stream (2 positions x" in text
-        assert "comes with the exact pass" in text and "residual stream alone (no source K/V)" in text
+        assert "comes with the exact pass" in text and "read alone (no source K/V)" in text
     with pytest.raises(ValueError, match="num_exact_layers must be in"):
         plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", use_hub=False, num_exact_layers=99)
 
@@ -206,7 +210,8 @@ def test_plan_says_which_map_inputs_are_practical_at_real_shapes():
     text = format_plan(plan)
     residual = plan.map_inputs["residual"]
     assert residual["parameters"] == 2 * 63 * 2 * 5120 * 1024 and residual["flops"] == 2 * (4096 - 32) * residual["parameters"]
-    assert "maps also reading the target's residual stream (2 positions): 2.46 GiB" in text and ": practical" in text
+    line = next(ln for ln in text.splitlines() if "maps also reading the target's residual stream (2 positions x 5120 per mapped layer)" in ln)
+    assert ", 2.46 GiB, " in line and ": practical" in line, line
     assert 2 * plan.model_parameters["target"] > 60 * 2**30
 
 

@@ -16,7 +16,7 @@ from hf_kvtransfer.core.key_norm import KeyNormConfig
 from hf_kvtransfer.core.map_inputs import with_input
 from hf_kvtransfer.core.residual import RESIDUAL_EPS, residual_features, residual_input_features
 from hf_kvtransfer.core.rope import rotary_cos_sin
-from hf_kvtransfer.fitting import exact_layers
+from hf_kvtransfer.fitting import exact_layers, residual_stats
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass
 from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_residual_mapper
 
@@ -118,7 +118,7 @@ def test_checkpoint_round_trip_and_source_only_mappers_unchanged(pair, tmp_path)
     assert loaded.residual.down.shape == (8, len(LAGS) * 64)
     base.save_pretrained(tmp_path / "base")
     plain = KVMapper.from_pretrained(tmp_path / "base")
-    assert plain.residual is None and not plain.needs_target_residual
+    assert plain.residual is None and not plain.needs_exact_layers
     assert not any(k.startswith("residual") for k in plain.state_dict())
     ids = random_ids(1, 20, seed=2)
     outs = []
@@ -244,16 +244,16 @@ def test_search_keeps_the_cheapest_candidate_reaching_the_retention(pair, monkey
     monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
     def fake_retention(s, t, m, items, num_exact_layers, **kw):
         # Per-item NLLs with the asked retention: own 1, no context 3 nats, transfer between (the same per item).
-        ret = retention[num_exact_layers] if m.needs_target_residual else 0.99
+        ret = retention[num_exact_layers] if m.needs_exact_layers else 0.99
         n = len(items)
         return {"retention": ret, "retention_ci": [ret - 0.05, ret + 0.05],
                 "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [3.0 - 2.0 * ret] * n}}
 
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
     times = {(False, 1): 10.0, (False, 2): 30.0, (True, 1): 20.0, (True, 2): 25.0}
-    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: times[(m.needs_target_residual, n)]))
+    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: times[(m.needs_exact_layers, n)]))
     stream = random_ids(1, 600, seed=1)[0].tolist()
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=residual,
                                                       min_retention=0.95)  # fmt: skip
     # Source-only with 1 exact layer is cheapest but loses the content; of the rest, residual J=0 (1 exact) is cheapest.
     assert chosen.config.map_inputs["residual"].layer == 0 and chosen.config.num_exact_layers == 1
@@ -263,13 +263,13 @@ def test_search_keeps_the_cheapest_candidate_reaching_the_retention(pair, monkey
     # on which the residual candidate times slower than everything (a load while it ran) chooses the same, and the
     # frontier's figures still follow process CPU time on CPU.
     def disturbed(s, t, configs, ids, rounds=5, measure_own=True):
-        per, own = steady_timings(lambda m, n: 500.0 if m.needs_target_residual else 1.0)(s, t, configs, ids, rounds, measure_own)
+        per, own = steady_timings(lambda m, n: 500.0 if m.needs_exact_layers else 1.0)(s, t, configs, ids, rounds, measure_own)
         for (m, n), p in zip(configs, per):
-            p["wall"] = [900.0 if m.needs_target_residual else ms for ms in p["wall"]]
+            p["wall"] = [900.0 if m.needs_exact_layers else ms for ms in p["wall"]]
         return per, own
 
     monkeypatch.setattr(exact_layers, "_time_candidates", disturbed)
-    again, report_again = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
+    again, report_again = exact_layers.choose_configuration(source, target, base, stream, candidates=residual,
                                                             min_retention=0.95)  # fmt: skip
     row = next(r for r in report_again["candidates"] if r["chosen"])
     assert again.config.map_inputs["residual"].layer == 0 and report_again["timing"]["clock"] == "process CPU time"
@@ -280,9 +280,9 @@ def test_search_keeps_the_cheapest_candidate_reaching_the_retention(pair, monkey
     kept = [r for r in report["candidates"] if r["passes"] and not r.get("skipped") and r["num_exact_layers"] < 3]
     assert row["cost"]["total"] == min(r["cost"]["total"] for r in kept)
     retention.update({1: 0.5, 2: 0.5})
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual,
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=residual,
                                                       min_retention=0.95)  # fmt: skip
-    assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 2
+    assert not chosen.needs_exact_layers and chosen.config.num_exact_layers == 2
 
 
 def test_the_search_bounds_candidates_by_the_source_only_answer(pair, monkeypatch):
@@ -290,8 +290,8 @@ def test_the_search_bounds_candidates_by_the_source_only_answer(pair, monkeypatc
     answer are not probed; when that answer is the whole target, a candidate that keeps the content must also beat
     the target's own prefill (100 ms here) to be kept."""
     source, target, _, base, stats = pair
-    assert exact_layers.residual_candidates(8) == list(range(7)) and exact_layers.residual_candidates(3) == [0, 1]
-    assert exact_layers.residual_candidates(1) == [0]
+    assert residual_stats.residual_candidates(8) == list(range(7)) and residual_stats.residual_candidates(3) == [0, 1]
+    assert residual_stats.residual_candidates(1) == [0]
     residual = {j: solve_residual_mapper(base, stats, residual_layer=j) for j in (0, 1)}
     answer = {"num_exact": 1}
 
@@ -304,9 +304,9 @@ def test_the_search_bounds_candidates_by_the_source_only_answer(pair, monkeypatc
     probed = []
 
     def fake_retention(s, t, m, items, num_exact_layers, **kw):
-        layer = m.config.map_inputs["residual"].layer if m.needs_target_residual else None
+        layer = m.config.map_inputs["residual"].layer if m.needs_exact_layers else None
         probed.append(layer)
-        ret = retention[layer] if m.needs_target_residual else 0.99
+        ret = retention[layer] if m.needs_exact_layers else 0.99
         n = len(items)
         return {"retention": ret, "retention_ci": [ret - 0.01, ret + 0.01],
                 "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [3.0 - 2.0 * ret] * n}}
@@ -314,27 +314,27 @@ def test_the_search_bounds_candidates_by_the_source_only_answer(pair, monkeypatc
     monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
     ms = {"ms": 50.0}
-    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: ms["ms"] if m.needs_target_residual else 40.0))
+    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: ms["ms"] if m.needs_exact_layers else 40.0))
     stream = random_ids(1, 600, seed=1)[0].tolist()
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=residual)
     # 1 exact layer suffices source-only: residual layer 1 (2 exact) is not probed.
     assert 1 not in probed and "more exact layers than the source-only answer's 1" in report["candidates"][-1]["skipped"]
-    assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 1
+    assert not chosen.needs_exact_layers and chosen.config.num_exact_layers == 1
     # The source-only answer computes all 3 layers: a residual candidate that keeps the content is kept when it costs
     # less than the own prefill (whatever the clock says), and not when it costs more.
     answer["num_exact"] = 3
     ms["ms"] = 120.0  # slower than the own prefill's 100 ms: timing decides nothing
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=residual)
     assert chosen.config.map_inputs["residual"].layer == 1 and chosen.config.num_exact_layers == 2
     cost = exact_layers.configuration_cost
 
     def dearer(target, mapper, num_exact, seq_len):  # maps that cost more than the layers they replace
         c = cost(target, mapper, num_exact, seq_len)
-        return {**c, "total": c["total"] + (10**9 if mapper.needs_target_residual else 0)}
+        return {**c, "total": c["total"] + (10**9 if mapper.needs_exact_layers else 0)}
 
     monkeypatch.setattr(exact_layers, "configuration_cost", dearer)
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=residual)
-    assert not chosen.needs_target_residual and chosen.config.num_exact_layers == 3
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=residual)
+    assert not chosen.needs_exact_layers and chosen.config.num_exact_layers == 3
     row = next(r for r in report["candidates"] if r.get("residual_layer") == 1)
     assert row["passes"] and row["not_cheaper_than_own_prefill"] and not row["chosen"]
     assert "cost no less than the target's own prefill" in report["reason"]
@@ -364,13 +364,13 @@ def test_a_reduced_rank_candidate_is_kept_when_cheaper_and_skipped_when_its_full
     times = {id(base): 10.0, id(every): 40.0, id(full): 30.0, id(low): 20.0}
     monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: times[id(m)]))
     stream = random_ids(1, 600, seed=1)[0].tolist()
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[every, full, low])
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=[every, full, low])
     assert chosen.config.map_inputs["residual"].rank == 4 and chosen.residual.down.shape == (4, len(LAGS) * 64)
     assert "rank 4" in report["chosen_inputs"]
     retention[id(full)] = 0.5  # the full-rank maps lose the content: the reduced rank is not probed at all
     probed = []
     monkeypatch.setattr(exact_layers, "repeated_span_retention", lambda s, t, m, *a, **kw: probed.append(m) or fake_retention(s, t, m, *a, **kw))
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[every, full, low])
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=[every, full, low])
     assert chosen.config.map_inputs["residual"].rank is None and chosen.config.selected_layers[1:] == [[0, 1], [0, 1]]
     assert low not in probed and "full rank failed" in report["candidates"][-1]["skipped"]
 
@@ -446,7 +446,37 @@ def test_fit_with_residual_inputs_runs_the_statistics_in_the_same_pass(pair):
                         log=logs.append)  # fmt: skip
     assert any("residual-input statistics for residual layers [0, 1]" in line for line in logs), logs
     # Too few tokens for the probe here (6 x 40): it keeps the source-only default.
-    assert not mapper.needs_target_residual and "default 1 kept" in mapper.report["exact_layers"]["reason"]
+    assert not mapper.needs_exact_layers and "default 1 kept" in mapper.report["exact_layers"]["reason"]
+
+
+def test_the_fit_searches_every_registered_fit_input(pair, monkeypatch):
+    """The fit takes its consumers and candidates from the fit-input registry (`fitting/fit_inputs.py`), not from a
+    named input: a plug-in registered beside the residual's is asked too, and the residual's own consumer sees the
+    calibration pass and hands its sums to its candidates."""
+    from hf_kvtransfer.fitting import fit_inputs
+
+    source, target, ids, _, _ = pair
+    calls = []
+
+    class Toy(fit_inputs.FitInput):
+        name, tag = "toy", "toy"
+
+        def statistics(self, source, target, config, log):
+            calls.append("toy statistics")
+            log("toy: not searched here")
+
+    class Residual(residual_stats.ResidualFit):
+        def candidates(self, mapper, statistics, config):
+            calls.append(("residual candidates", sum(statistics.count.values())))
+            return super().candidates(mapper, statistics, config)
+
+    monkeypatch.setitem(fit_inputs.FIT_INPUTS, "toy", Toy)
+    monkeypatch.setitem(fit_inputs.FIT_INPUTS, "residual", Residual)
+    logs = []
+    fit_mapper(source, target, ids, top_k=2, heldout_fraction=0, progress=False, stride=1, log=logs.append)
+    assert calls[0] == "toy statistics" and "toy: not searched here" in logs
+    # 6 sequences x 40 tokens, every token (stride 1), for each of the residual layers [0, 1]
+    assert calls[1:] == [("residual candidates", 2 * 6 * 40)], calls
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])

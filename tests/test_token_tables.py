@@ -219,7 +219,7 @@ def test_the_search_probes_each_candidate_with_its_tables(pair, monkeypatch):
         return with_random_tables(m, [1, 2])
 
     stream = random_ids(1, 600, seed=1)[0].tolist()
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[residual],
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=[residual],
                                                       refine=refine)  # fmt: skip
     assert refined == [residual] and chosen.tokens is not None and chosen.config.num_exact_layers == 1
     assert "token tables (t, t-1, t-2) on layers 1, 2" in report["chosen_inputs"]
@@ -246,12 +246,12 @@ def test_an_undecided_cued_comparison_is_decided_on_more_items(pair, monkeypatch
 
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
     monkeypatch.setattr(exact_layers, "retention_difference", fake_difference)
-    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: 5.0 if m.needs_target_residual else 10.0))
+    monkeypatch.setattr(exact_layers, "_time_candidates", steady_timings(lambda m, n: 5.0 if m.needs_exact_layers else 10.0))
     stream = random_ids(1, 3000, seed=1)[0].tolist()
     with caplog.at_level("INFO", logger=exact_layers.__name__):
-        chosen, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[residual])
-    row = next(r for r in report["candidates"] if r["residual_layer"] == 0)
-    assert row["passes"] and row["cued_items"] == 3 * 4 * 64 and chosen.needs_target_residual
+        chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=[residual])
+    row = next(r for r in report["candidates"] if r.get("residual_layer") == 0)
+    assert row["passes"] and row["cued_items"] == 3 * 4 * 64 and chosen.needs_exact_layers
     # what the candidate scored is in the log (the progress bar only counts candidates)
     assert f"configuration probe, candidate 1 of 1: 1 exact, {row['inputs']}: repeated spans 99% [98, 100], cued " \
            "recall 99% [98, 100]: passes" in caplog.messages, caplog.messages
@@ -260,7 +260,7 @@ def test_an_undecided_cued_comparison_is_decided_on_more_items(pair, monkeypatch
     # Decided the first time: no extra items.
     monkeypatch.setattr(exact_layers, "retention_difference", lambda *a, **k: {"difference": -0.01, "difference_ci": [-0.03, 0.01]})
     scored.clear()
-    _, report = exact_layers.choose_configuration(source, target, base, stream, residual_mappers=[residual])
+    _, report = exact_layers.choose_configuration(source, target, base, stream, candidates=[residual])
     assert all(n != 2 * 4 * 64 for _, n in scored)
 
 
@@ -334,7 +334,7 @@ def test_the_fit_hands_the_callers_refiner_to_the_probe(pair, monkeypatch):
     source, target, ids, _, _ = pair
     seen = []
 
-    def record(source, target, mapper, ids, mask, config, log=None, residual=None, refine=None, tokenizer=None):
+    def record(source, target, mapper, ids, mask, config, log=None, searched=(), refine=None, tokenizer=None):
         seen.append(refine)
         return mapper
 

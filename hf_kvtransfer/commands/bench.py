@@ -389,7 +389,7 @@ def _time_first_tokens(row: dict[str, Any], source, target, mapper: KVMapper, id
     # A mapper whose maps read the target's residual cannot map every layer: no such row for it.
     all_mapped = time_to_first_token(
         source, target, mapper, ids, num_exact_layers=0, num_recompute_tokens=1, repeats=o.repeats, measure_own=False
-    ) if not mapper.needs_target_residual else None
+    ) if not mapper.needs_exact_layers else None
     row.update({
         "ttft_own_ms": at_defaults["target_prefill_ms"],
         "ttft_defaults_ms": at_defaults["transfer_ms"], "ttft_defaults_speedup": at_defaults["speedup"],
@@ -424,7 +424,7 @@ def _bench_settings(source, target, mappers: dict[str, KVMapper], first: str, se
             "num_recompute_tokens_default": DEFAULT_NUM_RECOMPUTE_TOKENS,
         }  # fmt: skip
         settings["ttft_all_mapped"] = (
-            {"num_exact_layers": 0, "num_recompute_tokens": 1} if not mapper.needs_target_residual
+            {"num_exact_layers": 0, "num_recompute_tokens": 1} if not mapper.needs_exact_layers
             else None  # its maps read the target's residual, computed in exact layers
         )
     return settings

@@ -696,7 +696,7 @@ def _add_plan(subparsers) -> None:
         "plan",
         "sizes and costs of a mapper from the two configs alone (no weights): parameters and bytes, fit statistics "
         "(full / two-stage, and which one fit picks here), FLOPs vs the target's prefill, FLOPs to the first token "
-        "(exact layers, maps, recomputed tokens, and what maps reading the target's residual stream add), transfer memory",
+        "(exact layers, maps, recomputed tokens, and what each map input adds), transfer memory",
         """
         hf-kvtransfer plan --source Qwen/Qwen3-14B --target Qwen/Qwen3-32B --top-k 8 --seq-len 32768
         hf-kvtransfer plan --source meta-llama/Llama-3.2-1B --target meta-llama/Llama-3.2-3B --rank 256 --json
@@ -717,9 +717,11 @@ def _add_plan(subparsers) -> None:
                    "TransferredCache's for a mapper that records none, 1; a fit's content probe chooses a mapper's)")
     p.add_argument("--recompute-tokens", type=int, metavar="N",
                    help="prompt tokens the target recomputes, for the first-token FLOPs (default 32, at most half)")
-    p.add_argument("--residual-positions", type=int, default=2, metavar="P",
-                   help="also cost maps that read P positions (t, t-1, ...) of the target's residual stream after the "
-                   "exact layers: mapper size and FLOPs (default %(default)s; 0 leaves it out)")
+    # The residual input's `plan_positions` option (the parser imports no map input: they pull in torch); its default
+    # is the input's `plan_default_positions`.
+    p.add_argument("--residual-positions", type=int, metavar="P",
+                   help="cost maps that also read P positions (t, t-1, ...) of the target's residual stream after the "
+                   "exact layers: mapper size and FLOPs to the first token (default 2; 0 leaves it out)")
     p.add_argument("--offline", action="store_true", help="never ask the Hub: local paths and the shipped configs only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_plan)
@@ -733,7 +735,8 @@ def _run_plan(args) -> int:
     plan = plan_transfer(
         args.source, args.target, top_k=args.top_k, rank=args.rank, seq_len=args.seq_len, dtype=args.dtype,
         batch_size=args.batch_size, use_hub=not args.offline, num_exact_layers=args.exact_layers,
-        num_recompute_tokens=args.recompute_tokens, residual_positions=args.residual_positions,
+        num_recompute_tokens=args.recompute_tokens,
+        **({} if args.residual_positions is None else {"residual_positions": args.residual_positions}),
         available_memory=int(args.available_memory * 2**30) if args.available_memory else None,
     )  # fmt: skip
     print(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if args.json else format_plan(plan))

@@ -18,7 +18,6 @@ import torch
 from ..core.cache import TransferredCache
 from ..core.capture import cache_argument, prefill
 from ..core.loading import load_pair
-from ..core.map_inputs import exact_layers_needed
 from ..core.mapper import KVMapper
 from ..core.options import with_options
 from ..evaluation.content import passage_recall
@@ -195,8 +194,8 @@ def _mapper_summary(kv_mapper: KVMapper, num_exact_layers: int | None) -> dict[s
             "calibration_stride": kv_mapper.config.calibration.get("stride"),
             "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
             "target_layers": kv_mapper.target_layout.num_layers,
-            # the target layer whose input (residual stream) the maps read: the last exact layer it needs
-            "residual_layer": exact_layers_needed(kv_mapper.config)[0] - 1 if kv_mapper.needs_target_residual else None,
+            # what the maps read beyond the source's K/V, each input's own phrase (`MapInputConfig.label`)
+            "map_inputs": [label for s in kv_mapper.config.map_inputs.values() if (label := s.label(kv_mapper.config))],
             "source_free_layers": sum(not sel for sel in kv_mapper.config.selected_layers),
             "exact_layers_probe_retention": (
                 exact_report.get("min_retention")
@@ -315,12 +314,11 @@ def _mapper_lines(result: dict[str, Any]) -> list[str]:
         f"prompt's ids, the rest are mapped"
         + _probe_clause(m),
     ]
-    if m.get("residual_layer") is not None:
+    if m.get("map_inputs"):
         free = m.get("source_free_layers") or 0
         lines.append(
-            f"maps: the mapped layers also read the target's residual stream entering its layer {m['residual_layer']} "
-            "(computed in the exact layers)"
-            + (f"; {free} of them read no source layer (that residual alone)" if free else "")
+            f"maps: the mapped layers also read: {'; '.join(m['map_inputs'])} (computed in the exact layers)"
+            + (f"; {free} of them read no source layer (that input alone)" if free else "")
         )
     return lines
 

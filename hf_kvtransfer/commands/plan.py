@@ -5,8 +5,8 @@ Every number comes from the code that does the work, not from a second copy of i
 `KVMapper` built on the meta device (no memory), FLOPs from `bench.prefill_flops` / `bench.exact_layers_flops` /
 `bench.mapping_flops` (what `hf-kvtransfer bench` reports), and the fit's full vs two-stage choice by the rule
 `accumulate.py` applies. To the first token (`first_token_flops`): the exact layers, the maps, the recomputed tokens,
-and what maps that also read the target's residual stream would add (`residual_inputs_cost`, an explicit number of
-positions until a mapper records one).
+and what each registered map input would add (`map_input_costs`: `MapInput.cost`, at the positions the caller names
+or the input's `plan_default_positions`).
 
 Example:
     ```python
@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from ..core.loading import DTYPES, parse_dtype
-from ..core.map_inputs import InputCost, PlanShape, registered_map_inputs
+from ..core.map_inputs import InputCost, MapInput, PlanShape, map_input_class, registered_map_inputs
 from ..core.mapper_types import LOWRANK, RIDGE
 from ..core.options import with_options
 from ..core.rope import text_config
@@ -40,7 +40,6 @@ __all__ = [
     "format_plan",
     "map_input_costs",
     "plan_transfer",
-    "residual_inputs_cost",
 ]
 
 # `hf-kvtransfer fit` defaults (FitConfig: the paper's 500 x 1024 tokens, 10% held out; two-stage probe size).
@@ -104,18 +103,12 @@ class TransferPlan:
     # to the first token of a seq_len-token prompt at a configuration (`first_token_flops`)
     num_exact_layers: int
     num_recompute_tokens: int
-    residual_positions: int
     target_layer_flops: int  # one target layer's share of the prefill at seq_len
     first_token_flops: dict[str, int]  # the transfer with maps reading the source's K/V only
     first_token_flop_ratio: float  # own prefill / that transfer
-    residual_input_features: int  # per map: residual_positions x the target's hidden size
-    residual_parameters: int  # added to the mapper by the residual inputs
-    first_token_flops_residual: dict[str, int]  # the same transfer with the residual inputs
-    first_token_flop_ratio_residual: float
-    first_token_flops_residual_alone: dict[str, int]  # maps reading the residual only, no source K/V
-    first_token_flop_ratio_residual_alone: float
-    # each map input at this shape, by name (`map_input_rows`): label, positions, parameters, bytes, flops, and bytes
-    # against the target's own weights at `dtype`
+    # each map input at this shape, by name (`map_input_rows`): label, positions, input features per map, parameters,
+    # bytes, flops, bytes against the target's own weights at `dtype`, and the first token with it on every mapped
+    # layer (`first_token_flops`, and read alone where its maps may read no source K/V)
     map_inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -167,6 +160,25 @@ def _model_parameters(config: PreTrainedConfig) -> int | None:
         return None
 
 
+def _input_positions(cls: type[MapInput], positions: dict[str, int]) -> int:
+    """How many positions `plan` costs input `cls` at: `positions[cls.plan_positions]`, else its default (1 for an
+    input that reads no positions)."""
+    if not cls.plan_positions:
+        return 1
+    count = positions.get(cls.plan_positions, cls.plan_default_positions)
+    if count < 0:
+        raise ValueError(f"{cls.plan_positions} must be >= 0, got {count}")
+    return count
+
+
+def _input_cost(cls: type[MapInput], target_config, num_mapped_layers: int, num_tokens: int, count: int,
+                rank: int | None, item: int) -> InputCost | None:  # fmt: skip
+    """`cls.cost` on `num_mapped_layers` layers over `num_tokens` tokens at `count` positions (None at 0)."""
+    if num_mapped_layers < 0:
+        raise ValueError(f"num_mapped_layers must be >= 0, got {num_mapped_layers}")
+    return cls.cost(PlanShape(text_config(target_config), num_mapped_layers, num_tokens, count, rank, item)) if count else None
+
+
 def map_input_costs(
     target_config: PreTrainedConfig,
     num_mapped_layers: int,
@@ -179,57 +191,48 @@ def map_input_costs(
     transferred tokens (`MapInput.cost`), by input name. `positions` maps an input's `plan_positions` option (e.g.
     "residual_positions") to how many positions it reads (an input not named: its `plan_default_positions`); an input
     read at 0 positions is left out."""
-    costs = {}
+    item, costs = _itemsize(_dtype(dtype)), {}
     for cls in registered_map_inputs():
-        count = positions.get(cls.plan_positions, cls.plan_default_positions) if cls.plan_positions else 1
-        if count < 0:
-            raise ValueError(f"{cls.plan_positions} must be >= 0, got {count}")
-        shape = PlanShape(text_config(target_config), num_mapped_layers, num_tokens, count, rank, _itemsize(_dtype(dtype)))
-        cost = cls.cost(shape) if count else None
+        cost = _input_cost(cls, target_config, num_mapped_layers, num_tokens, _input_positions(cls, positions), rank, item)
         if cost is not None:
             costs[cls.name] = cost
     return costs
 
 
-def residual_inputs_cost(
-    target_config: PreTrainedConfig,
-    residual_positions: int,
-    num_mapped_layers: int,
-    seq_len: int,
-    rank: int | None = None,
-) -> dict[str, int]:
-    """What maps that also read the target's residual stream at `residual_positions` positions add
-    (`residual.ResidualInput.cost`), as `{"input_features": per map, "parameters": added to the mapper, "flops":
-    added to the transfer}`."""
-    if residual_positions < 0 or num_mapped_layers < 0:
-        raise ValueError(f"residual_positions and num_mapped_layers must be >= 0, got {residual_positions}, {num_mapped_layers}")
-    cost = map_input_costs(target_config, num_mapped_layers, seq_len, {"residual_positions": residual_positions}, rank)
-    found = cost.get("residual", InputCost())
-    return {"input_features": found.features, "parameters": found.parameters, "flops": found.flops}
-
-
 def map_input_rows(
     target_config: PreTrainedConfig,
-    num_mapped_layers: int,
+    mapper,
     num_tokens: int,
     positions: dict[str, int],
-    rank: int | None,
+    at: dict[str, Any],
     dtype: str | torch.dtype,
     target_parameters: int | None,
 ) -> dict[str, dict[str, Any]]:
-    """`map_input_costs` as the plan reports them: each input's label, positions, parameters, bytes at `dtype`,
-    FLOPs, and its bytes against the target's own weights at `dtype` (None when the target cannot be built)."""
+    """`map_input_costs` as the plan reports them, on the layers the exact ones (`at["num_exact_layers"]`) leave to
+    map: each input's label, positions, input features per map, parameters, bytes at `dtype`, FLOPs, its bytes against
+    the target's own weights at `dtype` (None when the target cannot be built), and the first token of a
+    `num_tokens`-token prompt with it (`first_token_flops`; and read alone, where `MapInput.plan_alone`)."""
     item = _itemsize(_dtype(dtype))
-    classes = {cls.name: cls for cls in registered_map_inputs()}
+    mapped = text_config(target_config).num_hidden_layers - at["num_exact_layers"]
+    transferred = num_tokens - at["num_recompute_tokens"]
     rows = {}
-    for name, cost in map_input_costs(target_config, num_mapped_layers, num_tokens, positions, rank, dtype).items():
-        cls = classes[name]
+    for name, cost in map_input_costs(target_config, mapped, transferred, positions, at.get("rank"), dtype).items():
+        cls = map_input_class(name)
+        count = _input_positions(cls, positions)
+        flops = first_token_flops(target_config, mapper, num_tokens, inputs={name: count}, **at)
+        alone = first_token_flops(target_config, mapper, num_tokens, inputs={name: count}, source_inputs=False, **at) if cls.plan_alone else None
         rows[name] = {
-            "label": cls.plan_label, "positions": positions.get(cls.plan_positions, cls.plan_default_positions) if cls.plan_positions else None,
-            "parameters": cost.parameters, "bytes": cost.parameters * item, "flops": cost.flops,
+            "label": cls.plan_label, "note": cls.plan_note, "positions": count if cls.plan_positions else None,
+            "features": cost.features, "parameters": cost.parameters, "bytes": cost.parameters * item, "flops": cost.flops,
             "target_weights_ratio": cost.parameters / target_parameters if target_parameters else None,
+            "first_token_flops": flops, "first_token_flop_ratio": flops["own_prefill"] / flops["total"],
+            "first_token_flops_alone": alone, "first_token_flop_ratio_alone": alone and alone["own_prefill"] / alone["total"],
         }  # fmt: skip
     return rows
+
+
+# The bytes of one number `first_token_flops` costs inputs at: their FLOPs do not depend on it.
+_FLOPS_ONLY = 2
 
 
 def first_token_flops(
@@ -239,7 +242,7 @@ def first_token_flops(
     *,
     num_exact_layers: int,
     num_recompute_tokens: int,
-    residual_positions: int = 0,
+    inputs: dict[str, int] | None = None,
     rank: int | None = None,
     source_inputs: bool = True,
 ) -> dict[str, int]:
@@ -249,13 +252,13 @@ def first_token_flops(
     and the last `num_recompute_tokens` tokens through every layer, attending to the rest; beside it the target's own
     prefill. Transformer bodies (no LM head), as `bench.prefill_flops` counts them.
 
-    With `residual_positions`, the maps also read that many positions of the target's residual stream entering the
-    last exact layer (`residual_inputs_cost`; `core/residual.py`): the exact pass computes it anyway before that
-    layer's projections, so `exact_layers` is the same and only the wider maps cost more. `source_inputs=False`: maps
-    that read the residual only (a fit's "residual alone" variant), so no source K/V is mapped (`mapping` 0).
+    With `inputs` (`{input name: positions}`), the maps also read those map inputs (`MapInput.cost`; e.g. the target's
+    residual stream entering the last exact layer, which the exact pass computes anyway before that layer's
+    projections, so `exact_layers` is the same and only the wider maps cost more). `source_inputs=False`: maps that
+    read those inputs only (a fit's "residual alone" variant), so no source K/V is mapped (`mapping` 0).
 
     Returns:
-        `{"own_prefill", "exact_layers", "mapping", "residual_inputs", "recompute", "total"}` (total: the transfer).
+        `{"own_prefill", "exact_layers", "mapping", "map_inputs", "recompute", "total"}` (total: the transfer).
     """
     from .bench import exact_layers_flops, mapping_flops, prefill_flops
 
@@ -268,14 +271,16 @@ def first_token_flops(
     mapped = layers - num_exact_layers
     # Every map of a planning mapper has the same shape: the mapped layers' share of mapping all of them.
     mapping = mapping_flops(mapper, transferred) * mapped // layers
+    costs = [_input_cost(map_input_class(name), target_config, mapped, transferred, count, rank, _FLOPS_ONLY)
+             for name, count in (inputs or {}).items()]  # fmt: skip
     parts = {
         "own_prefill": prefill_flops(target_config, seq_len)["total"],
         "exact_layers": exact_layers_flops(target_config, transferred, num_exact_layers),
         "mapping": mapping if source_inputs else 0,
-        "residual_inputs": residual_inputs_cost(target_config, residual_positions, mapped, transferred, rank)["flops"],
+        "map_inputs": sum(c.flops for c in costs if c is not None),
         "recompute": prefill_flops(target_config, num_recompute_tokens, context_len=transferred)["total"],
     }
-    parts["total"] = parts["exact_layers"] + parts["mapping"] + parts["residual_inputs"] + parts["recompute"]
+    parts["total"] = parts["exact_layers"] + parts["mapping"] + parts["map_inputs"] + parts["recompute"]
     return parts
 
 
@@ -293,11 +298,10 @@ class PlanOptions:
         num_exact_layers, num_recompute_tokens: the configuration the first-token FLOPs are counted at, for a prompt
             of `seq_len` tokens (defaults: `TransferredCache`'s for a mapper that records no exact layers, 1, and 32
             recomputed tokens, at most half the prompt; a fit's content probe chooses the exact layers of a mapper).
-        residual_positions: positions (t, t-1, ...) of the target's residual stream entering the last exact layer
-            that each mapped layer's maps would also read, for the costs of that option (`residual_inputs_cost`);
-            0: none.
-        input_positions: positions each other registered map input is costed at, by its `plan_positions` option
-            (`MapInput.plan_positions`; an input not named here: its `plan_default_positions`); 0 leaves it out.
+        input_positions: positions each registered map input is costed at, by its `plan_positions` option
+            (`MapInput.plan_positions`, e.g. "residual_positions": positions t, t-1, ... of the target's residual
+            stream entering the last exact layer; an input not named here: its `plan_default_positions`); 0 leaves it
+            out. Each such option is also accepted as a keyword of `plan_transfer` (`residual_positions=2`).
         use_hub: False never touches the network.
     """
 
@@ -312,7 +316,6 @@ class PlanOptions:
     probe_tokens: int = FIT_PROBE_TOKENS
     num_exact_layers: int | None = None
     num_recompute_tokens: int | None = None
-    residual_positions: int = 2
     input_positions: dict[str, int] | None = None
     use_hub: bool = True
 
@@ -340,7 +343,7 @@ def plan_transfer(
         'full'
         ```
     """
-    o = with_options(PlanOptions, options, keywords, "plan_transfer")
+    o = with_options(PlanOptions, options, _with_input_positions(keywords), "plan_transfer")
     if o.seq_len < 1 or o.batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {o.seq_len} and {o.batch_size}")
     weight_dtype = _dtype(o.dtype)
@@ -367,6 +370,16 @@ def plan_transfer(
         **_transfer_memory(src, tgt, o.top_k, o.batch_size * o.seq_len, weight_dtype),
         notes=notes,
     )
+
+
+def _with_input_positions(keywords: dict[str, Any]) -> dict[str, Any]:
+    """`plan_transfer`'s keywords with each input's positions option (`residual_positions=2`) moved into
+    `input_positions`."""
+    names = {cls.plan_positions for cls in registered_map_inputs() if cls.plan_positions}
+    moved = {k: keywords.pop(k) for k in list(keywords) if k in names}
+    if moved:
+        keywords["input_positions"] = {**(keywords.get("input_positions") or {}), **moved}
+    return keywords
 
 
 def _vocabulary_notes(source_config, target_config) -> list[str]:
@@ -396,24 +409,19 @@ def _mapper_sizes(mapper, source_config, target_config, o: PlanOptions, weight_d
 
 def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[str, Any]:
     """`TransferPlan`'s fields of the FLOPs at batch 1 (the bench functions; prefill = transformer body, as the paper
-    times it) and to the first token: the exact layers, the maps, optionally the map inputs, the recomputed tokens."""
+    times it) and to the first token: the exact layers, the maps, the recomputed tokens; and each map input's rows."""
     from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_recompute_tokens
     from .bench import mapping_flops, prefill_flops
 
-    tgt, seq_len, rank, positions = KVLayout.from_config(target_config), o.seq_len, o.rank, o.residual_positions
+    tgt, seq_len = KVLayout.from_config(target_config), o.seq_len
     prefill = prefill_flops(target_config, seq_len)["total"]
     mapping = mapping_flops(mapper, seq_len)
     exact = DEFAULT_NUM_EXACT_LAYERS if o.num_exact_layers is None else o.num_exact_layers
     recompute = resolve_num_recompute_tokens(o.num_recompute_tokens, seq_len)
-    at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=rank)
+    at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=o.rank)
     first = first_token_flops(target_config, mapper, seq_len, **at)
-    first_residual = first_token_flops(target_config, mapper, seq_len, residual_positions=positions, **at)
-    alone = first_token_flops(target_config, mapper, seq_len, residual_positions=positions, source_inputs=False, **at)
-    residual = residual_inputs_cost(target_config, positions, tgt.num_layers - exact, seq_len, rank)
     model_parameters = {"source": _model_parameters(source_config), "target": _model_parameters(target_config)}
-    inputs = map_input_rows(target_config, tgt.num_layers - exact, seq_len - recompute,
-                            {**(o.input_positions or {}), "residual_positions": positions}, rank, o.dtype,
-                            model_parameters["target"])  # fmt: skip
+    inputs = map_input_rows(target_config, mapper, seq_len, o.input_positions or {}, at, o.dtype, model_parameters["target"])
     return dict(
         model_parameters=model_parameters,
         prefill_flops=prefill,
@@ -421,16 +429,9 @@ def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[s
         flop_ratio=prefill / mapping,
         num_exact_layers=exact,
         num_recompute_tokens=recompute,
-        residual_positions=positions,
         target_layer_flops=prefill // tgt.num_layers,
         first_token_flops=first,
         first_token_flop_ratio=first["own_prefill"] / first["total"],
-        residual_input_features=residual["input_features"],
-        residual_parameters=residual["parameters"],
-        first_token_flops_residual=first_residual,
-        first_token_flop_ratio_residual=first_residual["own_prefill"] / first_residual["total"],
-        first_token_flops_residual_alone=alone,
-        first_token_flop_ratio_residual_alone=alone["own_prefill"] / alone["total"],
         map_inputs=inputs,
     )
 
@@ -540,40 +541,27 @@ def format_plan(plan: TransferPlan) -> str:
 
 
 def _first_token_lines(plan: TransferPlan) -> list[str]:
-    """To the first token: the exact layers' share next to the maps, and what residual-stream inputs would add."""
+    """To the first token: the exact layers' share next to the maps and the recomputed tokens."""
     f, layers = plan.first_token_flops, plan.target_layout["num_layers"]
     mapped = layers - plan.num_exact_layers
-
-    def tflop(x: int) -> str:
-        return f"{x / 1e12:,.3f} TFLOP"
 
     def share(x: int) -> str:
         return f"{100 * x / f['own_prefill']:.2f}% of the prefill"
 
-    lines = [
+    return [
         "",
         f"to the first token of a {plan.seq_len}-token prompt ({plan.num_exact_layers} of {layers} target layers exact, "
         f"{plan.num_recompute_tokens} recomputed tokens; batch 1, transformer bodies):",
-        f"  {'target prefill':<22}{tflop(f['own_prefill'])} (one target layer: {tflop(plan.target_layer_flops)})",
-        f"  {'exact layers':<22}{tflop(f['exact_layers'])} ({share(f['exact_layers'])})",
-        f"  {f'maps ({mapped} layers)':<22}{tflop(f['mapping'])} ({share(f['mapping'])})",
-        f"  {'recomputed tokens':<22}{tflop(f['recompute'])} ({share(f['recompute'])})",
-        f"  {'transfer':<22}{tflop(f['total'])}: {plan.first_token_flop_ratio:,.1f}x fewer than the prefill",
+        f"  {'target prefill':<22}{_tflop(f['own_prefill'])} (one target layer: {_tflop(plan.target_layer_flops)})",
+        f"  {'exact layers':<22}{_tflop(f['exact_layers'])} ({share(f['exact_layers'])})",
+        f"  {f'maps ({mapped} layers)':<22}{_tflop(f['mapping'])} ({share(f['mapping'])})",
+        f"  {'recomputed tokens':<22}{_tflop(f['recompute'])} ({share(f['recompute'])})",
+        f"  {'transfer':<22}{_tflop(f['total'])}: {plan.first_token_flop_ratio:,.1f}x fewer than the prefill",
     ]
-    if plan.residual_positions:
-        r = plan.first_token_flops_residual
-        added = r["total"] - f["total"]
-        growth = 100 * plan.residual_parameters / plan.mapper_parameters
-        lines += [
-            f"  maps also reading the target's residual stream ({plan.residual_positions} positions x "
-            f"{plan.residual_input_features // plan.residual_positions} per mapped layer): "
-            f"+{plan.residual_parameters:,} mapper parameters (+{growth:.0f}%); +{tflop(added)} = "
-            f"{added / plan.target_layer_flops:.2f} target layers' prefill (the wider maps; the residual entering the "
-            f"last exact layer comes with the exact pass): {plan.first_token_flop_ratio_residual:,.1f}x fewer than the prefill",
-            f"  maps reading the residual stream alone (no source K/V): {tflop(plan.first_token_flops_residual_alone['total'])}, "
-            f"{plan.first_token_flop_ratio_residual_alone:,.1f}x fewer than the prefill",
-        ]  # fmt: skip
-    return lines
+
+
+def _tflop(x: int) -> str:
+    return f"{x / 1e12:,.3f} TFLOP"
 
 
 def _map_input_lines(plan: TransferPlan) -> list[str]:
@@ -585,13 +573,26 @@ def _map_input_lines(plan: TransferPlan) -> list[str]:
     weights = plan.model_parameters.get("target")
     lines = ["", f"map inputs at this shape (each alone, on all {mapped} mapped layers, {plan.dtype}):"]
     for row in plan.map_inputs.values():
-        what = row["label"] + (f" ({row['positions']} positions)" if row["positions"] else "")
+        what = row["label"] + (f" ({row['positions']} positions x {row['features'] // row['positions']} per mapped layer)"
+                               if row["positions"] and row["features"] else f" ({row['positions']} positions)" if row["positions"] else "")  # fmt: skip
         flops = f"+{row['flops'] / 1e12:,.3f} TFLOP ({100 * row['flops'] / plan.prefill_flops:.2f}% of the prefill)" if row["flops"] else "no FLOPs (a look-up)"
-        line = f"  {what}: {_bytes(row['bytes'])}, {flops}"
+        line = f"  {what}: +{row['parameters']:,} mapper parameters (+{100 * row['parameters'] / plan.mapper_parameters:.0f}%), {_bytes(row['bytes'])}, {flops}"
         ratio = row["target_weights_ratio"]
         if ratio is not None:
             target_bytes = _bytes(weights * row["bytes"] // max(row["parameters"], 1))
             verdict = "not practical at this shape" if ratio > 1 else "practical"
             line += f"; {ratio:.2f}x the target's own weights ({target_bytes}): {verdict}"
-        lines.append(line)
+        lines += [line, _first_token_with(plan, row)]
     return lines
+
+
+def _first_token_with(plan: TransferPlan, row: dict[str, Any]) -> str:
+    """The first token with an input on every mapped layer (and read alone, where its maps may read no source K/V)."""
+    added = row["first_token_flops"]["total"] - plan.first_token_flops["total"]
+    line = (f"    to the first token with it: +{_tflop(added)} = {added / plan.target_layer_flops:.2f} target layers' "
+            f"prefill{' (' + row['note'] + ')' if row['note'] else ''}: {row['first_token_flop_ratio']:,.1f}x fewer "
+            "than the prefill")  # fmt: skip
+    if row["first_token_flops_alone"] is not None:
+        line += (f"; read alone (no source K/V): {_tflop(row['first_token_flops_alone']['total'])}, "
+                 f"{row['first_token_flop_ratio_alone']:,.1f}x fewer")  # fmt: skip
+    return line

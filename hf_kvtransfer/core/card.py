@@ -240,8 +240,8 @@ def _frontier_rows(probe: Any) -> list[dict[str, str]]:
             "exact": _cell(row.get("num_exact_layers")),
             "recompute": _cell(row.get("num_recompute_tokens") or "default"),
             "retention": _percent(row.get("retention"), row.get("retention_ci")),
-            "cued": "–" if row.get("residual_layer") is None and row.get("cued_retention") is None
-            else _percent(row.get("cued_retention"), row.get("cued_retention_ci")),
+            # cued recall scores the candidates reading a map input (their rows hold it); source-only rows have none
+            "cued": "–" if "cued_retention" not in row else _percent(row.get("cued_retention"), row.get("cued_retention_ci")),
             "times": "–" if row.get("transfer_ms") is None else f"{row['transfer_ms']:.1f} / {row['target_prefill_ms']:.1f}",
             "speedup": "–" if row.get("speedup") is None else f"{row['speedup']:.2f}x",
             "gate_recall": _gate_cell(row, "recall"),

@@ -138,6 +138,10 @@ class MapInput:
     plan_positions: ClassVar[str | None] = None
     # The positions `plan` costs it at when the caller names none for its `plan_positions` option.
     plan_default_positions: ClassVar[int] = 0
+    # Whether `plan` also costs maps reading this input alone (no source K/V: `maps_layer_without_source`), and a
+    # phrase on what its cost leaves out (e.g. what the exact pass computes anyway).
+    plan_alone: ClassVar[bool] = False
+    plan_note: ClassVar[str] = ""
 
     @classmethod
     def cost(cls, shape: PlanShape) -> InputCost | None:

@@ -260,9 +260,10 @@ class KVMapper(nn.Module):
         return resolve_num_exact_layers(self, requested)
 
     @property
-    def needs_target_residual(self) -> bool:
-        """Whether the maps read what only the target's exact layers give (its residual stream): the cache must
-        compute its exact layers from the prompt's ids; a transfer that maps every layer cannot use this mapper."""
+    def needs_exact_layers(self) -> bool:
+        """Whether the maps read what only the target's exact layers give (an input's `exact_layers_needed`, e.g. its
+        residual stream): the cache must compute them from the prompt's ids; a transfer that maps every layer cannot
+        use this mapper."""
         return exact_layers_needed(self.config)[0] > 0
 
     @property

@@ -216,7 +216,8 @@ class ResidualInput(MapInput):
         res = residual_config(config)
         return res is not None and not res.in_tables
 
-    plan_label, plan_positions = "maps also reading the target's residual stream", "residual_positions"
+    plan_label, plan_positions, plan_default_positions = "maps also reading the target's residual stream", "residual_positions", 2
+    plan_alone, plan_note = True, "the wider maps; the residual entering the last exact layer comes with the exact pass"
 
     @classmethod
     def cost(cls, shape: PlanShape) -> InputCost | None:

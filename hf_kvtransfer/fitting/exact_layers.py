@@ -13,10 +13,11 @@ the prefix (`tasks.repeated_span_items`, kind "text"), scored as own prefill / t
 `min_retention`, by bisection over `1 .. num_layers` (it assumes computing more layers never loses content; the
 whole target computed is its own prefill, retention 1 by construction, and is not run).
 
-`choose_configuration` then searches maps that also read the target's residual stream (`core/residual.py`) for a
-faster configuration: each must keep the repeated spans and, on a second probe of look-ups by key (cued recall,
-`tasks.cued_recall_items`), not lose more than `1 - min_retention` of what the source-only answer keeps, by a
-paired interval. The fastest one that passes, timed on this machine, is recorded in the mapper.
+`choose_configuration` then searches maps that also read what the target's exact layers compute (the fit inputs'
+candidates, `fit_inputs.py`: e.g. its residual stream) for a cheaper configuration: each must keep the repeated spans
+and, on a second probe of look-ups by key (cued recall, `tasks.cued_recall_items`), not lose more than
+`1 - min_retention` of what the source-only answer keeps, by a paired interval; with the content gate, passage recall
+and hand-off too. The cheapest one that passes is recorded in the mapper.
 
 Example:
     ```python
@@ -43,11 +44,11 @@ from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
 from ..core.mapper import KVMapper
 from ..core.map_inputs import exact_layers_needed
 from ..core.options import with_options
-from ..core.residual import residual_config, residual_readers
 from ..evaluation.content import repeated_span_retention
 from ..evaluation.metrics import retention_difference
 from ..evaluation.tasks import cued_recall_items, repeated_span_items
 from .content_gate import ContentGate, gate_line
+from .fit_inputs import fit_input_of
 
 logger = logging.getLogger(__name__)
 
@@ -233,13 +234,6 @@ def _percent(value: float | None, ci: Sequence[float] | None) -> str:
 
 # -- the search over configurations: exact layers x map inputs, by retention and time to the first token ---------
 
-# Residual layers the search tries: every one that leaves a target layer to map. Those with more exact layers than
-# the source-only answer needs are skipped once it is known (they compute more of the target, for maps that cost more).
-def residual_candidates(num_layers: int) -> list[int]:
-    """Candidate `residual_layer`s J (J + 1 exact layers) for a target of `num_layers` layers."""
-    return list(range(0, max(1, num_layers - 1)))
-
-
 def _inputs_label(mapper: KVMapper) -> str:
     """What a candidate's maps read, for the frontier: the source's K/V, then each input's own phrase
     (`MapInputConfig.label`) in the order they apply."""
@@ -348,8 +342,8 @@ def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | N
         verdict = gate.judge(mapper, k)
         row = next((r for r in rows if r["num_exact_layers"] == k), None)
         if row is None:
-            row = {"inputs": _inputs_label(mapper), "residual_layer": None, "num_exact_layers": k, "retention": None,
-                   "retention_ci": None, "passes": True}  # fmt: skip
+            row = {"inputs": _inputs_label(mapper), "num_exact_layers": k, "retention": None, "retention_ci": None,
+                   "passes": True}  # fmt: skip
             rows.append(row)
         row["gate"] = verdict
         logger.info("content gate, %d exact, source K/V: %s", k, gate_line(verdict))
@@ -366,7 +360,7 @@ class ProbeOptions:
         min_retention, num_items, prefix_len, seed, progress: the repeated-span screen's, as in
             `choose_num_exact_layers`.
         timing_tokens: the probe tokens each tried candidate is timed on (for the report).
-        refine: turns each residual candidate into the one that is probed (see `choose_configuration`).
+        refine: turns each candidate reading a map input into the one that is probed (see `choose_configuration`).
         gate: the `content_gate.ContentGate` that decides (None: the screen decides).
     """
 
@@ -387,7 +381,7 @@ def choose_configuration(
     token_ids: list[int] | torch.Tensor,
     options: ProbeOptions | None = None,
     *,
-    residual_mappers: Mapping[int, KVMapper] | Sequence[KVMapper] | None = None,
+    candidates: Mapping[Any, KVMapper] | Sequence[KVMapper] | None = None,
     **keywords: Any,
 ) -> tuple[KVMapper, dict[str, Any]]:
     """The cheapest configuration (exact layers x map inputs) that keeps what `eval` measures of the content.
@@ -397,13 +391,14 @@ def choose_configuration(
     and `timing_tokens`, `refine` and `gate` as below.
 
     Candidates: `mapper` (source K/V only) with the exact layers `choose_num_exact_layers` finds, and each of
-    `residual_mappers` (mappers whose maps also read the target's residual entering their `residual_layer` J, from
-    `residual_stats.solve_residual_mapper`; a `{J: mapper}` dict or a list) with `J + 1` exact layers.
+    `candidates` (mappers whose maps also read a map input that the exact layers compute, from its fit input's
+    `FitInput.candidates`, e.g. `residual_stats.residual_variants`: maps reading the target's residual entering its
+    layer J; a dict or a list) with the exact layers their inputs need (`map_inputs.exact_layers_needed`: J + 1).
 
     Two stages decide whether a candidate keeps the content:
 
     - a screen on the held-out calibration tokens: repeated spans (`tasks.repeated_span_items`, retention >=
-      `min_retention`) and, for residual candidates, cued recall (`tasks.cued_recall_items`: the paired 95% interval
+      `min_retention`) and, for the other candidates, cued recall (`tasks.cued_recall_items`: the paired 95% interval
       of its retention minus the source-only answer's must rule out a loss of more than `1 - min_retention`;
       undecided ones are scored once more on `CUED_MORE_ITEMS_FACTOR` times the items);
     - with `gate` (`content_gate.ContentGate`: passage recall and hand-off, the tasks `eval` reports, on probe-split
@@ -412,11 +407,11 @@ def choose_configuration(
       each task. The source-only answer is gated too, from the screen's number of exact layers upward, until one is
       accepted (all of them: the target's own prefill). Without a gate the screen decides.
 
-    Candidates are tried by residual layer, shallowest first, each layer's candidates in the given order; when the
-    first of a layer fails, the rest of that layer are skipped (they read less), and once a layer has a kept
-    candidate, deeper layers are not tried (they compute more of the target), nor those with more exact layers than
-    the source-only answer; a reduced-rank candidate whose full-rank twin (same layer, sources and readers) failed
-    is skipped too.
+    Candidates are tried by the exact layers they need, fewest first, each count's candidates in the given order; when
+    the first of a count fails, the rest of that count are skipped (they read less), and once a count has a kept
+    candidate, larger counts are not tried (they compute more of the target), nor those with more exact layers than
+    the source-only answer; a reduced-rank candidate whose full-rank twin (`FitInput.twin`: same layer, sources and
+    readers) failed is skipped too.
 
     Of the kept candidates the one with the least `configuration_cost` (multiply-adds per token from the shapes:
     exact layers and maps) is chosen, a tie going to the one with more exact layers; when the source-only answer is
@@ -425,7 +420,7 @@ def choose_configuration(
     timed to the first token for the report (`evaluation.timing.time_to_first_token`, one thread, the first
     `timing_tokens` probe tokens, medians of `TIMING_ROUNDS` interleaved rounds, process CPU time on CPU).
 
-    `refine`, when given, turns each residual candidate into the one that is probed, timed and possibly chosen,
+    `refine`, when given, turns each of `candidates` into the one that is probed, timed and possibly chosen,
     just before it is probed (the caller's: `fit_mapper(..., refine=...)`, e.g. more map inputs fit on what its
     maps miss); skipped candidates are never refined.
 
@@ -446,8 +441,8 @@ def choose_configuration(
         return _with_num_exact(mapper, chosen_kv), report  # nothing to compare on: the source-only answer
     report["gate"] = _gate_settings(o.gate)
     source_rows, faithful_kv = _source_only_rows(mapper, chosen_kv, num_layers, o, report)
-    rows, candidates = _ResidualSearch(source, target, mapper, stream, report, o).run(
-        residual_mappers, faithful_kv, num_layers, o.progress
+    rows, candidates = _InputSearch(source, target, mapper, stream, report, o).run(
+        candidates, faithful_kv, num_layers, o.progress
     )
     rows[:0] = source_rows
     candidates[:0] = [(mapper, row["num_exact_layers"]) for row in source_rows]
@@ -475,7 +470,7 @@ def _source_only_rows(
 ) -> tuple[list[dict[str, Any]], int | None]:
     """The source-only answer's rows (each exact-layer count the screen tried, and those the gate judged) and its
     exact layers: the screen's `chosen_kv`, or with a gate the fewest from there on that it accepts."""
-    source_rows = [{"inputs": _inputs_label(mapper), "residual_layer": None, **row,
+    source_rows = [{"inputs": _inputs_label(mapper), **row,
                     "passes": row["retention"] is not None and row["retention"] >= o.min_retention}
                    for row in report["tried"]]  # fmt: skip
     faithful_kv = _gate_source_only(o.gate, mapper, chosen_kv, num_layers, source_rows)
@@ -523,7 +518,7 @@ def _pick_cheapest(target, rows, candidates, faithful_kv, num_layers, seq_len, g
         ok = row["passes"] and not row.get("skipped") and n < num_layers
         if gated:
             ok = ok and bool(row.get("gate", {}).get("accepted"))
-        elif row.get("residual_layer") is None:
+        elif row.get("extends") is None:
             ok = ok and n == faithful_kv
         if ok and faithful_kv is not None and faithful_kv >= num_layers and row["cost"]["total"] >= own:
             row["not_cheaper_than_own_prefill"] = True
@@ -555,8 +550,9 @@ def _time_rows(source, target, rows, candidates, ids, num_layers, report) -> Non
         row["num_recompute_tokens"] = candidates[i][0].config.num_recompute_tokens  # None: TransferredCache's default
 
 
-class _ResidualSearch:
-    """The residual candidates' screen (repeated spans, then cued recall against the source-only answer) and gate."""
+class _InputSearch:
+    """The screen (repeated spans, then cued recall against the source-only answer) and gate of the candidates reading
+    a map input the exact layers compute (`fit_inputs.py`)."""
 
     def __init__(self, source, target, mapper, stream, report, options: ProbeOptions):
         self.source, self.target, self.mapper, self.stream, self.report = source, target, mapper, stream, report
@@ -574,9 +570,9 @@ class _ResidualSearch:
         self.references.setdefault(name, r)
         return r
 
-    def run(self, residual_mappers, faithful_kv: int | None, num_layers: int, progress: bool):
-        candidates_in = list(residual_mappers.values() if isinstance(residual_mappers, Mapping) else residual_mappers or [])
-        candidates_in.sort(key=lambda m: residual_config(m.config).layer)  # stable: each layer's candidates in the given order
+    def run(self, given, faithful_kv: int | None, num_layers: int, progress: bool):
+        candidates_in = list(given.values() if isinstance(given, Mapping) else given or [])
+        candidates_in.sort(key=lambda m: exact_layers_needed(m.config)[0])  # stable: each count's in the given order
         rows: list[dict[str, Any]] = []
         candidates: list[tuple[KVMapper, int]] = []
         if not candidates_in:
@@ -600,8 +596,9 @@ class _ResidualSearch:
         state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set()}
         bar = tqdm(candidates_in, desc="configuration probe", unit="candidate", disable=not progress)
         for index, m in enumerate(bar, 1):
-            row = {"inputs": _inputs_label(m), "residual_layer": residual_config(m.config).layer,
-                   "num_exact_layers": residual_config(m.config).layer + 1, "readers": residual_readers(m.config),
+            fit_input = fit_input_of(m)
+            row = {"inputs": _inputs_label(m), "extends": fit_input.name if fit_input else None,
+                   **(fit_input.describe(m) if fit_input else {}), "num_exact_layers": exact_layers_needed(m.config)[0],
                    "retention": None, "retention_ci": None, "cued_retention": None, "cued_retention_ci": None,
                    "passes": False}  # fmt: skip
             rows.append(row)
@@ -613,16 +610,17 @@ class _ResidualSearch:
         return rows, candidates
 
     def candidate(self, m: KVMapper, row: dict[str, Any], state: dict[str, set]) -> KVMapper:
-        layer, num_exact = row["residual_layer"], row["num_exact_layers"]
-        twin = (layer, repr(m.config.selected_layers), repr(residual_readers(m.config)))
+        num_exact = row["num_exact_layers"]
+        fit_input = fit_input_of(m)
+        twin, reduced = fit_input.twin(m) if fit_input else ((num_exact, id(m)), False)
         skip = None
-        if layer in state["failed"]:
-            skip = "the first candidate of this residual layer failed the probe"
-        elif any(passed < layer for passed in state["passed"]):
-            skip = "a shallower residual layer passed (deeper ones compute more of the target)"
+        if num_exact in state["failed"]:
+            skip = "the first candidate with these exact layers failed the probe"
+        elif any(passed < num_exact for passed in state["passed"]):
+            skip = "a candidate with fewer exact layers passed (more compute more of the target)"
         elif self.faithful_kv is not None and num_exact > self.faithful_kv:
             skip = f"more exact layers than the source-only answer's {self.faithful_kv} (more of the target computed)"
-        elif residual_config(m.config).rank is not None and twin in state["failed_full_rank"]:
+        elif reduced and twin in state["failed_full_rank"]:
             skip = "the same maps at full rank failed the probe (a reduced rank keeps less)"
         if skip:
             row["skipped"] = skip
@@ -637,13 +635,13 @@ class _ResidualSearch:
         if row["passes"] and self.gate is not None:
             row["gate"] = self.gate.judge(m, num_exact)
             row["passes"] = row["gate"]["accepted"]
-        if not row["passes"] and layer not in state["seen"]:
-            state["failed"].add(layer)
-        if not row["passes"] and residual_config(m.config).rank is None:
+        if not row["passes"] and num_exact not in state["seen"]:
+            state["failed"].add(num_exact)
+        if not row["passes"] and not reduced:
             state["failed_full_rank"].add(twin)
-        state["seen"].add(layer)
+        state["seen"].add(num_exact)
         if row["passes"]:
-            state["passed"].add(layer)
+            state["passed"].add(num_exact)
         return m
 
     def cued_passes(self, m: KVMapper, num_exact: int, row: dict[str, Any]) -> bool:
@@ -700,4 +698,4 @@ def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
 
 
 __all__ = ["MIN_COPY_GAIN", "TIMING_ROUNDS", "ProbeOptions", "choose_configuration", "choose_num_exact_layers",
-           "configuration_cost", "probe_stream", "residual_candidates"]
+           "configuration_cost", "probe_stream"]

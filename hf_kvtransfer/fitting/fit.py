@@ -22,10 +22,16 @@ from transformers import PreTrainedModel
 
 from ..core.lowrank import lowrank_mapper, reduced_rank_heldout_r2
 from ..core.mapper import KVMapper, MapperConfig
-from ..core.mapper_types import MLP, RIDGE
-from ..core.ridge import effective_top_k, heldout_r2, layer_scores, select_layers, solve_layers, sweep_heldout
-from ..core.rope import text_config
-from ..core.stats import KINDS, BlockStatistics, KVLayout, KVStatistics
+from ..core.mapper_types import MLP
+from ..core.ridge import (
+    effective_top_k,
+    heldout_r2,
+    layer_scores,
+    select_layers,
+    solve_layers,
+    sweep_heldout,
+)
+from ..core.stats import KINDS, BlockStatistics, KVStatistics
 from .accumulate import run_fit_pass
 from .calibration import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, build_calibration
 from .calibration_pass import as_token_tensor
@@ -40,10 +46,10 @@ from .config import (
     resolve_config,
 )
 from .content_gate import ContentGate, gate_line, heldout_texts
-from .quality_gate import calibrate_quality_gate
-from .exact_layers import choose_configuration, probe_stream, residual_candidates
+from .exact_layers import choose_configuration, probe_stream
+from .fit_inputs import FitInput, fit_input_named, registered_fit_inputs
 from .mlp import fit_mlp
-from .residual_stats import ResidualStatistics, residual_statistics_nbytes, residual_variants
+from .quality_gate import calibrate_quality_gate
 
 logger = logging.getLogger(__name__)
 
@@ -358,7 +364,7 @@ def fit_mapper(
             sequences held out and the weights refit on all of them).
         attention_mask: `[num_sequences, seq_len]` mask for padded token ids.
         log: where the few lines a person should see go (statistics memory, two-stage); default `logger.info`.
-        refine: what the content probe does to each candidate reading the target's residual before it scores it
+        refine: what the content probe does to each candidate reading a map input (`fit_inputs.py`) before it scores it
             (`exact_layers.choose_configuration`): a function from a candidate mapper to the one probed, timed and
             possibly chosen (say, the candidate with more map inputs, fit on what its maps miss). Default: none.
         overrides: `FitConfig` fields applied on top of `config` (`top_k=4`, `ridge_lambda="auto"`,
@@ -429,8 +435,8 @@ def fit_mappers(
         mapper = with_exact_layers(source, target, mapper, ids, mask, config, log, tokenizer=tokenizer)
         return {mapper_name(config.top_k_values[0]): _with_quality_gate(source, target, mapper, ids, mask, config)}
     metadata = {"calibration": mapper_kwargs.pop("calibration")} if "calibration" in mapper_kwargs else None
-    residual = _residual_statistics(source, target, config, log)
-    train, heldout = run_fit_pass(source, target, ids, mask, config, consumers=[residual] if residual else (),
+    searched = _input_statistics(source, target, config, log)
+    train, heldout = run_fit_pass(source, target, ids, mask, config, consumers=[stats for _, stats in searched],
                                   metadata=metadata, log=log)  # fmt: skip
     logger.info("calibration pass: %.1f s", time.perf_counter() - started)
     # (no timings in the report of a closed-form fit: the same data must give the same files)
@@ -439,7 +445,7 @@ def fit_mappers(
         dtype=config.torch_mapper_dtype, **config.rank_kwargs, **mapper_kwargs,
     )  # fmt: skip
     return {name: _with_quality_gate(source, target, with_exact_layers(
-                source, target, m, ids, mask, config, log, residual=residual, refine=refine,
+                source, target, m, ids, mask, config, log, searched=searched, refine=refine,
                 tokenizer=tokenizer), ids, mask, config)
             for name, m in mappers.items()}  # fmt: skip
 
@@ -478,37 +484,11 @@ def _with_quality_gate(source, target, mapper: KVMapper, ids, mask, config: FitC
     return calibrate_quality_gate(source, target, mapper, rows, config.quality_gate_quantile)
 
 
-# The residual-input statistics a fit collects stay under this size (float64 on the CPU): for the bundled family a
-# few MiB per residual layer; for billion-parameter pairs they would be tens of GiB (the features are the source's
-# whole K/V plus lags x the target's hidden size), and the fit then keeps to source K/V maps.
-RESIDUAL_STATISTICS_BYTES = 4 * 2**30
-
-
-def _residual_statistics(source: PreTrainedModel, target: PreTrainedModel, config: FitConfig, log) -> ResidualStatistics | None:
-    """The residual-input statistics the probe's candidates need (`residual_stats.py`), when the fit searches them."""
-    if config.residual_inputs != "auto" or config.num_exact_layers != "auto":
-        return None
-    if config.mapper_type != RIDGE or config.rank is not None:
-        kind = "an MLP" if config.mapper_type != RIDGE else "a reduced-rank"
-        (log or logger.info)(f"residual-input maps: not tried for {kind} mapper (they extend a full-rank ridge map; "
-                             "--residual-rank reduces theirs); source K/V maps only")  # fmt: skip
-        return None
-    layers = residual_candidates(text_config(target.config).num_hidden_layers)
-    layout = (KVLayout.from_config(source.config), KVLayout.from_config(target.config), text_config(target.config).hidden_size)
-    per_layer = residual_statistics_nbytes(*layout, len(config.residual_lags), 1)
-    fits = min(len(layers), RESIDUAL_STATISTICS_BYTES // per_layer)
-    if fits == 0:
-        (log or logger.info)(
-            f"residual-input maps: not tried, their statistics would need {per_layer / 2**30:,.1f} GiB per residual "
-            f"layer (float64, CPU; the fit keeps them under {RESIDUAL_STATISTICS_BYTES / 2**30:.0f} GiB); source K/V "
-            "maps only"
-        )
-        return None
-    layers = layers[:fits]  # the shallowest: they leave most of the target to map
-    stats = ResidualStatistics.for_models(source, target, layers, lags=config.residual_lags,
-                                          stride=config.residual_stride or config.stride)  # fmt: skip
-    (log or logger.info)(f"residual-input statistics for residual layers {layers}: {fits * per_layer / 2**20:,.1f} MiB (float64, CPU)")
-    return stats
+def _input_statistics(source: PreTrainedModel, target: PreTrainedModel, config: FitConfig,
+                      log) -> list[tuple[FitInput, Any]]:  # fmt: skip
+    """Each map input this fit searches (`fit_inputs.py`) with the calibration consumer collecting its sums."""
+    found = [(f, f.statistics(source, target, config, log or logger.info)) for f in registered_fit_inputs()]
+    return [(f, stats) for f, stats in found if stats is not None]
 
 
 def with_exact_layers(
@@ -519,15 +499,16 @@ def with_exact_layers(
     attention_mask: torch.Tensor | None,
     config: FitConfig,
     log: Callable[[str], None] | None = None,
-    residual: ResidualStatistics | None = None,
+    searched: Sequence[tuple[FitInput, Any]] = (),
     refine: Callable[[KVMapper], KVMapper] | None = None,
     tokenizer=None,
 ) -> KVMapper:
     """`mapper` with `config.num_exact_layers` recorded: a given number as is, "auto" from the content probe
     (`exact_layers.choose_configuration`) on the held-out calibration sequences (all of them without a
-    held-out shard), its table in `mapper.report["exact_layers"]`. With `residual` statistics the probe also tries
-    maps reading the target's residual after each candidate residual layer and may return such a mapper; `refine`
-    (the caller's) turns each of those candidates into the one probed (`fit_mapper`). With the models' `tokenizer` the choice is made by the
+    held-out shard), its table in `mapper.report["exact_layers"]`. With `searched` (fit inputs and the statistics the
+    calibration pass collected for them, `fit_inputs.py`) the probe also tries each input's candidates (e.g. maps reading
+    the target's residual stream) and may return one of them; `refine` (the caller's) turns each of those candidates
+    into the one probed (`fit_mapper`). With the models' `tokenizer` the choice is made by the
     content gate (`content_gate.py`: passage recall and hand-off on probe items, paired against the target's own
     answers, `config.exact_layers_tolerance`); without one the screen decides (a warning says so)."""
     if config.num_exact_layers != "auto":
@@ -537,17 +518,11 @@ def with_exact_layers(
     rows = slice(-num_heldout, None) if num_heldout else slice(None)
     mask = attention_mask[rows] if attention_mask is not None else None
     started = time.perf_counter()
-    residual_mappers = []
-    if residual is not None:
-        residual_mappers = [
-            variant for layer in residual.target_hidden_layers
-            for variant in residual_variants(mapper, residual, layer, residual_lambda=config.residual_lambda,
-                                             residual_rank=config.residual_rank)
-        ]  # fmt: skip
+    candidates = [m for fit_input, stats in searched for m in fit_input.candidates(mapper, stats, config)]
     gate = _content_gate(source, target, tokenizer, input_ids[rows], mask, config)
     with torch.no_grad():
         mapper, report = choose_configuration(
-            source, target, mapper, probe_stream(input_ids[rows], mask), residual_mappers=residual_mappers,
+            source, target, mapper, probe_stream(input_ids[rows], mask), candidates=candidates,
             min_retention=config.exact_layers_retention, num_items=config.exact_layers_items,
             timing_tokens=config.exact_layers_timing_tokens, refine=refine, gate=gate, progress=config.progress,
         )  # fmt: skip
@@ -586,7 +561,8 @@ def _probe_summary(report: dict[str, Any]) -> str:
     for row in report.get("candidates", report["tried"]):
         if row.get("skipped"):
             continue
-        text = (f"{row['num_exact_layers']}{'+res' if row.get('residual_layer') is not None else ''}: "
+        extends = fit_input_named(row.get("extends"))
+        text = (f"{row['num_exact_layers']}{'+' + extends.tag if extends else ''}: "
                 f"{'n/a' if row.get('retention') is None else format(row['retention'], '.0%')}"
                 + (f"/cued {row['cued_retention']:.0%}" if row.get("cued_retention") is not None else ""))  # fmt: skip
         if row.get("gate"):

@@ -23,20 +23,29 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from ..core.lowrank import rank_for_energy
 from ..core.key_norm import KeyNormConfig, KeyNormInput
+from ..core.lowrank import rank_for_energy
 from ..core.map_inputs import with_input
 from ..core.mapper import KVMapper, MapperConfig
-from ..core.residual import ResidualConfig, ResidualInput, residual_config, residual_features, residual_readers
+from ..core.mapper_types import RIDGE
+from ..core.residual import (
+    ResidualConfig,
+    ResidualInput,
+    residual_config,
+    residual_features,
+    residual_readers,
+)
 from ..core.ridge import feature_index
 from ..core.rope import text_config
 from ..core.stats import KVLayout
 from .calibration_pass import CalibrationBatch
+from .fit_inputs import FitInput, register_fit_input
 
 DEFAULT_RESIDUAL_LAGS = (0, 1, 2)
 DEFAULT_RESIDUAL_LAMBDA = 0.01
@@ -221,7 +230,7 @@ def _checked_sources(
 ) -> dict[int, list[int]]:
     """`solve_residual_mapper`'s `sources` as a dict, once its request is checked: a source-only ridge `mapper`,
     statistics of `residual_layer`, `sources` only after it, at most one of `residual_rank` and `residual_energy`."""
-    if mapper.config.mapper_type != "ridge" or mapper.needs_target_residual:
+    if mapper.config.mapper_type != "ridge" or mapper.needs_exact_layers:
         raise ValueError(f"solve_residual_mapper extends a source-only 'ridge' mapper, got {mapper.config.mapper_type!r}")
     if residual_layer not in stats.count or stats.count[residual_layer] == 0:
         raise ValueError(f"no residual statistics for layer {residual_layer} (collected: {sorted(stats.count)})")
@@ -401,13 +410,75 @@ def residual_variants(
     return list(unique.values())
 
 
+# -- the residual input's fit side: statistics in the one calibration pass, candidates for the probe -----------------
+
+# The residual-input statistics a fit collects stay under this size (float64 on the CPU): for the bundled family a
+# few MiB per residual layer; for billion-parameter pairs they would be tens of GiB (the features are the source's
+# whole K/V plus lags x the target's hidden size), and the fit then keeps to source K/V maps.
+RESIDUAL_STATISTICS_BYTES = 4 * 2**30
+
+
+def residual_candidates(num_layers: int) -> list[int]:
+    """Candidate `residual_layer`s J (J + 1 exact layers) for a target of `num_layers` layers: every one that leaves a
+    target layer to map (the probe skips those with more exact layers than the source-only answer needs)."""
+    return list(range(0, max(1, num_layers - 1)))
+
+
+@register_fit_input
+class ResidualFit(FitInput):
+    """The fit's search over maps reading the target's residual stream (`core/residual.py`): `ResidualStatistics` for
+    the shallowest residual layers whose sums fit in `RESIDUAL_STATISTICS_BYTES`, then `residual_variants` of each.
+    Searched with `residual_inputs="auto"` and `num_exact_layers="auto"` (the defaults) on a full-rank ridge fit."""
+
+    name, tag = ResidualInput.name, "res"
+
+    def statistics(self, source: PreTrainedModel, target: PreTrainedModel, config: Any,
+                   log: Callable[[str], None]) -> ResidualStatistics | None:  # fmt: skip
+        if config.residual_inputs != "auto" or config.num_exact_layers != "auto":
+            return None
+        if config.mapper_type != RIDGE or config.rank is not None:
+            kind = "an MLP" if config.mapper_type != RIDGE else "a reduced-rank"
+            log(f"residual-input maps: not tried for {kind} mapper (they extend a full-rank ridge map; "
+                "--residual-rank reduces theirs); source K/V maps only")  # fmt: skip
+            return None
+        layers = residual_candidates(text_config(target.config).num_hidden_layers)
+        layout = (KVLayout.from_config(source.config), KVLayout.from_config(target.config), text_config(target.config).hidden_size)
+        per_layer = residual_statistics_nbytes(*layout, len(config.residual_lags), 1)
+        fits = min(len(layers), RESIDUAL_STATISTICS_BYTES // per_layer)
+        if fits == 0:
+            log(f"residual-input maps: not tried, their statistics would need {per_layer / 2**30:,.1f} GiB per residual "
+                f"layer (float64, CPU; the fit keeps them under {RESIDUAL_STATISTICS_BYTES / 2**30:.0f} GiB); source K/V "
+                "maps only")  # fmt: skip
+            return None
+        layers = layers[:fits]  # the shallowest: they leave most of the target to map
+        stats = ResidualStatistics.for_models(source, target, layers, lags=config.residual_lags,
+                                              stride=config.residual_stride or config.stride)  # fmt: skip
+        log(f"residual-input statistics for residual layers {layers}: {fits * per_layer / 2**20:,.1f} MiB (float64, CPU)")
+        return stats
+
+    def candidates(self, mapper: KVMapper, statistics: ResidualStatistics, config: Any) -> list[KVMapper]:
+        return [variant for layer in statistics.target_hidden_layers
+                for variant in residual_variants(mapper, statistics, layer, residual_lambda=config.residual_lambda,
+                                                 residual_rank=config.residual_rank)]  # fmt: skip
+
+    def describe(self, mapper: KVMapper) -> dict[str, Any]:
+        return {"residual_layer": residual_config(mapper.config).layer, "readers": residual_readers(mapper.config)}
+
+    def twin(self, mapper: KVMapper) -> tuple[Hashable, bool]:
+        res = residual_config(mapper.config)
+        return (res.layer, repr(mapper.config.selected_layers), repr(residual_readers(mapper.config))), res.rank is not None
+
+
 __all__ = [
     "DEFAULT_RESIDUAL_LAGS",
     "DEFAULT_RESIDUAL_LAMBDA",
     "RESIDUAL_RANK_ENERGY",
+    "RESIDUAL_STATISTICS_BYTES",
+    "ResidualFit",
     "ResidualStatistics",
     "has_key_norm",
     "reduced_rank_projection",
+    "residual_candidates",
     "residual_r2_gain",
     "residual_statistics_nbytes",
     "residual_variants",

@@ -40,8 +40,8 @@ def candidates_of(source, target, tok):
     """The fit's candidates at its defaults: `[(label, mapper, num_exact_layers)]`, and the held-out texts."""
     captured = {}
 
-    def record(src, tgt, mapper, stream, *, residual_mappers=None, **kwargs):
-        captured.update(mapper=mapper, residual=list(residual_mappers or []))
+    def record(src, tgt, mapper, stream, *, candidates=None, **kwargs):
+        captured.update(mapper=mapper, residual=list(candidates or []))
         return mapper, {"tried": [], "reason": "recorded for the calibration study"}
 
     fit_module.choose_configuration = record

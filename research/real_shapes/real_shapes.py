@@ -62,18 +62,21 @@ def costs_at_scale(seq_lens, exact_layers, residual_positions, ranks, top_k: int
                     for P in residual_positions:
                         plan = plan_transfer(source, target, top_k=top_k, rank=rank, seq_len=T, num_exact_layers=J,
                                              residual_positions=P, use_hub=False, available_memory=2**40)  # fmt: skip
-                        f, r = plan.first_token_flops, plan.first_token_flops_residual
+                        # the residual input's row (none at P = 0: then the transfer without it)
+                        res = plan.map_inputs.get("residual") or {"parameters": 0, "first_token_flops": plan.first_token_flops,
+                                                                  "first_token_flop_ratio": plan.first_token_flop_ratio}  # fmt: skip
+                        f, r = plan.first_token_flops, res["first_token_flops"]
                         rows.append({
                             "seq_len": T, "rank": rank, "num_exact_layers": J, "residual_positions": P,
                             "num_recompute_tokens": plan.num_recompute_tokens,
-                            "mapper_parameters": plan.mapper_parameters, "residual_parameters": plan.residual_parameters,
+                            "mapper_parameters": plan.mapper_parameters, "residual_parameters": res["parameters"],
                             "own_prefill_flops": f["own_prefill"], "target_layer_flops": plan.target_layer_flops,
                             "exact_layers_flops": f["exact_layers"], "mapping_flops": f["mapping"],
-                            "recompute_flops": f["recompute"], "residual_flops": r["residual_inputs"],
+                            "recompute_flops": f["recompute"], "residual_flops": r["map_inputs"],
                             "residual_exact_layer_flops": r["exact_layers"] - f["exact_layers"],
                             "residual_added_flops": r["total"] - f["total"],
                             "first_token_flop_ratio": plan.first_token_flop_ratio,
-                            "first_token_flop_ratio_residual": plan.first_token_flop_ratio_residual,
+                            "first_token_flop_ratio_residual": res["first_token_flop_ratio"],
                         })  # fmt: skip
         layout = plan.target_layout
         report["pairs"][key] = {"source": source, "target": target, "target_layers": layout["num_layers"], "rows": rows}
