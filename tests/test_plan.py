@@ -211,7 +211,8 @@ def test_plan_says_which_map_inputs_are_practical_at_real_shapes():
     residual = plan.map_inputs["residual"]
     assert residual["parameters"] == 2 * 63 * 2 * 5120 * 1024 and residual["flops"] == 2 * (4096 - 32) * residual["parameters"]
     line = next(ln for ln in text.splitlines() if "maps also reading the target's residual stream (2 positions x 5120 per mapped layer)" in ln)
-    assert ", 2.46 GiB, " in line and ": practical" in line, line
+    assert ": 2.46 GiB, +10.739 TFLOP" in line and ": practical" in line, line
+    assert "to the first token with it (+1,321,205,760 mapper parameters" in text
     assert 2 * plan.model_parameters["target"] > 60 * 2**30
 
 

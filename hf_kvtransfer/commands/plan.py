@@ -576,20 +576,21 @@ def _map_input_lines(plan: TransferPlan) -> list[str]:
         what = row["label"] + (f" ({row['positions']} positions x {row['features'] // row['positions']} per mapped layer)"
                                if row["positions"] and row["features"] else f" ({row['positions']} positions)" if row["positions"] else "")  # fmt: skip
         flops = f"+{row['flops'] / 1e12:,.3f} TFLOP ({100 * row['flops'] / plan.prefill_flops:.2f}% of the prefill)" if row["flops"] else "no FLOPs (a look-up)"
-        line = f"  {what}: +{row['parameters']:,} mapper parameters (+{100 * row['parameters'] / plan.mapper_parameters:.0f}%), {_bytes(row['bytes'])}, {flops}"
+        line = f"  {what}: {_bytes(row['bytes'])}, {flops}"
         ratio = row["target_weights_ratio"]
         if ratio is not None:
             target_bytes = _bytes(weights * row["bytes"] // max(row["parameters"], 1))
             verdict = "not practical at this shape" if ratio > 1 else "practical"
             line += f"; {ratio:.2f}x the target's own weights ({target_bytes}): {verdict}"
-        lines += [line, _first_token_with(plan, row)]
+        lines += [line] + ([_first_token_with(plan, row)] if row["flops"] else [])
     return lines
 
 
 def _first_token_with(plan: TransferPlan, row: dict[str, Any]) -> str:
     """The first token with an input on every mapped layer (and read alone, where its maps may read no source K/V)."""
     added = row["first_token_flops"]["total"] - plan.first_token_flops["total"]
-    line = (f"    to the first token with it: +{_tflop(added)} = {added / plan.target_layer_flops:.2f} target layers' "
+    growth = f"+{row['parameters']:,} mapper parameters, +{100 * row['parameters'] / plan.mapper_parameters:.0f}%"
+    line = (f"    to the first token with it ({growth}): +{_tflop(added)} = {added / plan.target_layer_flops:.2f} target layers' "
             f"prefill{' (' + row['note'] + ')' if row['note'] else ''}: {row['first_token_flop_ratio']:,.1f}x fewer "
             "than the prefill")  # fmt: skip
     if row["first_token_flops_alone"] is not None:
