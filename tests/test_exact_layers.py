@@ -244,3 +244,23 @@ def test_convert_all_computes_the_exact_layers_of_the_model_it_was_given(qwen3_m
     for t in range(3):  # layers 0-1 computed, layer 2 mapped by the identity
         torch.testing.assert_close(cache.layers[t].keys, own.layers[t].keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cache.layers[t].values, own.layers[t].values, rtol=1e-5, atol=1e-5)
+
+
+def test_convert_layer_one_at_a_time_equals_convert_all(qwen3_model):
+    """`convert_layer` in ascending order (a serving engine filling its blocks as its forward reaches each layer)
+    gives exactly `convert_all`'s keys and values, the exact layers first; a converted layer is not converted again."""
+    mapper = _zeroed_first_layers(qwen3_model, 2)
+    ids = random_ids(1, 30, seed=23)
+
+    def cache():
+        return TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=1,
+                                model=qwen3_model)  # fmt: skip
+
+    whole, layered = cache().convert_all(), cache()
+    num_layers = len(whole.layers)
+    for t in range(num_layers):
+        keys, values = layered.convert_layer(t)
+        assert layered.num_pending_layers <= num_layers - t - 1
+        assert torch.equal(keys, whole.layers[t].keys) and torch.equal(values, whole.layers[t].values)
+    assert layered.num_pending_layers == 0 and layered.pending_nbytes == 0
+    assert layered.convert_layer(0)[0] is layered.layers[0].keys

@@ -163,10 +163,16 @@ def small_to_large(tmp_path_factory, prompts):
     outs = {}
     # The default engine runs last: it deletes and corrupts store entries.
     for name, extra in (("recompute 8", {"num_recompute_tokens": 8}), ("lossy", {"allow_lossy": True}),
-                        ("default", {})):  # fmt: skip
+                        ("layer-wise", {"layerwise_load": True}), ("default", {})):  # fmt: skip
         target = _engine(str(FAMILY / "large"), _connector("kv_consumer", store, mapper=str(mapper_dir), **extra),
                          enable_prefix_caching=False)  # fmt: skip
-        if name == "default":
+        if name == "layer-wise":
+            # The engine's first transfer (before its attention is seen calling wait_for_layer_load), then another.
+            for key in ("same", "extended"):
+                with _records("hf_kvtransfer") as records:
+                    outs[f"layer-wise {key}"] = _generate(target, requests[key], logprobs=5)
+                outs[f"layer-wise {key} log"] = [r.getMessage() for r in records]
+        elif name == "default":
             outs.update({key: _generate(target, ids, logprobs=5) for key, ids in requests.items()})
             # An entry deleted after the engine indexed it is not used (and the engine keeps serving).
             from hf_kvtransfer.integrations.vllm_connector import prompt_key
@@ -254,6 +260,87 @@ def test_target_matches_transformers_on_the_transferred_cache(small_to_large, se
     assert out.outputs[0].token_ids[0] == int(reference.argmax())
     for token, lp in out.outputs[0].logprobs[0].items():  # {token id: Logprob} of the first generated token
         assert abs(lp.logprob - float(reference[token])) < 2e-3, (token, lp.logprob, float(reference[token]))
+
+
+def _logprobs_equal(out, ref, atol: float) -> None:
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    for token, lp in ref.outputs[0].logprobs[0].items():
+        assert abs(out.outputs[0].logprobs[0][token].logprob - lp.logprob) < atol, (token, lp.logprob)
+
+
+def test_layerwise_load_gives_the_same_output_as_loading_every_layer_first(small_to_large):
+    """layerwise_load=True: vLLM's CPU attention calls wait_for_layer_load per layer, so from the engine's second
+    transfer on each layer's mapped KV is written when its attention layer asks for it; the first transfer (before
+    any forward was seen calling it) writes every layer first. Both give the first token and log-probabilities of
+    the engine that writes every layer first, and of transformers on TransferredCache."""
+    outs = small_to_large["outs"]
+    first, layered = outs["layer-wise same"], outs["layer-wise extended"]
+    assert any("written at once" in m for m in outs["layer-wise same log"]), outs["layer-wise same log"]
+    assert any("written layer by layer" in m for m in outs["layer-wise extended log"]), outs["layer-wise extended log"]
+    assert first.num_cached_tokens == layered.num_cached_tokens == PROMPT_LEN - R
+    _logprobs_equal(first, outs["same"], atol=1e-5)
+    _logprobs_equal(layered, outs["extended"], atol=1e-5)
+    reference, _ = _reference_logprobs(small_to_large, small_to_large["requests"]["extended"], PROMPT_LEN)
+    assert layered.outputs[0].token_ids[0] == int(reference.argmax())
+    for token, lp in layered.outputs[0].logprobs[0].items():
+        assert abs(lp.logprob - float(reference[token])) < 2e-3, (token, lp.logprob, float(reference[token]))
+
+
+class _FakeAttention:
+    """An attention layer as the connector sees it: a paged KV buffer `[blocks, heads, block tokens, keys | values]`
+    and its cache-write op."""
+
+    def __init__(self, blocks: int = 6, heads: int = 2, block_tokens: int = 16, dim: int = 32):
+        self.kv_cache = torch.zeros(blocks, heads, block_tokens, 2 * dim)
+        self.impl, self.dim = self, dim
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slots):
+        n = kv_cache.shape[2]
+        kv_cache[slots // n, :, slots % n, : self.dim] = key
+        kv_cache[slots // n, :, slots % n, self.dim :] = value
+
+
+def test_layerwise_load_writes_each_layer_when_asked_and_never_leaves_one(tmp_path, prompts):
+    """The worker alone, on fake paged layers: layer-wise, nothing is written before the forward and each layer's
+    KV (the at-once path's) when its attention layer asks; layers no attention layer asked for are written after
+    the forward, the load's blocks reported failed (the forward ran without them) with the reason, and later loads
+    are written at once."""
+    _need_vllm()
+    from types import SimpleNamespace
+
+    from hf_kvtransfer.integrations.vllm_connector import HFKVTransferMetadata, _Load
+
+    mapper_dir = tmp_path / "mapper"
+    mapper = _orthogonal_mapper(num_exact_layers=2)
+    mapper.save_pretrained(mapper_dir)
+    ids = prompts[0][:64]
+    _store_source_kv(tmp_path / "store", mapper, ids)
+    load = _Load(req_id="r", token_ids=ids, start=0, end=48, block_ids=[3, 1, 4, 0])
+
+    def run(layerwise: bool, asked: int):
+        worker = _connector_alone(tmp_path, "WORKER", mapper_dir, layerwise_load=layerwise)
+        worker._layer_waits_seen = True  # as after the engine's first forward
+        layers = {f"model.layers.{t}.self_attn.attn": _FakeAttention() for t in range(8)}
+        worker.bind_connector_metadata(HFKVTransferMetadata(loads=[load]))
+        worker.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+        before = [bool(layer.kv_cache.any()) for layer in layers.values()]
+        for t, (name, layer) in enumerate(list(layers.items())[:asked]):
+            worker.wait_for_layer_load(name)
+            assert all(bool(other.kv_cache.any()) == (u <= t) for u, other in enumerate(layers.values()))
+        failed = worker.get_block_ids_with_load_errors()
+        return worker, [layer.kv_cache for layer in layers.values()], before, failed
+
+    _, at_once, before, failed = run(False, 0)
+    assert all(before) and not failed
+    worker, layered, before, failed = run(True, 8)
+    assert not any(before) and not failed and worker.layerwise_load
+    for got, want in zip(layered, at_once):
+        assert torch.equal(got, want)
+    worker, partial, _, failed = run(True, 5)  # the forward asked for 5 of the 8 layers
+    assert failed == {3, 1, 4} and not worker.layerwise_load
+    assert "layers ['model.layers.5" in worker.build_connector_worker_meta().failures["r"]
+    for got, want in zip(partial, at_once):
+        assert torch.equal(got, want)
 
 
 def test_only_exact_stored_prefixes_are_used(small_to_large):

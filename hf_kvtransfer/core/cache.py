@@ -625,9 +625,28 @@ class TransferredCache(DynamicCache):
             return self
         if self._exact_pending:
             self._compute_exact_from_context()
+        like = self._like(device, dtype)
+        for layer_idx in sorted(self._pending):
+            self._convert(layer_idx, like)
+        return self
+
+    def convert_layer(self, layer_idx: int, device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Convert target layer `layer_idx` now, if it is pending (the exact layers first, as `convert_all`; layers
+        its map is computed with wait converted), and return its keys and values `[batch, n_kv, seq, d]`: a serving
+        engine filling its KV blocks one layer at a time, as its forward reaches them. In ascending order it converts
+        exactly as `convert_all` does."""
+        if layer_idx in self._pending:
+            if self._exact_pending:
+                self._compute_exact_from_context()
+            self._convert(layer_idx, self._like(device, dtype))
+        layer = self.layers[layer_idx]
+        return layer.keys, layer.values
+
+    def _like(self, device, dtype) -> torch.Tensor:
+        """An empty `[batch, n_kv, 0, d]` tensor on `device` in `dtype` (default: those of what the pending transfer
+        holds: a source layer still read, else (maps without source inputs) the exact layers' own K/V)."""
         transfer = self._transfer
-        # Device and dtype of what is there: a source layer still read, else (maps without source inputs) the
-        # exact layers' own K/V, computed or already stored.
         if transfer.sources:
             some = next(iter(transfer.sources.values())).keys
         elif transfer.ahead:
@@ -635,14 +654,11 @@ class TransferredCache(DynamicCache):
         else:
             some = next(layer.keys for layer in self.layers if getattr(layer, "is_initialized", False))
         tgt = self.mapper.target_layout
-        like = torch.empty(
+        return torch.empty(
             (transfer.batch_size, tgt.num_kv_heads, 0, tgt.head_dim),
             device=device if device is not None else some.device,
             dtype=dtype if dtype is not None else some.dtype,
         )
-        for layer_idx in sorted(self._pending):
-            self._convert(layer_idx, like)
-        return self
 
     # -- cache operations: handed to what is not converted yet, then to the layers ---------------------------
     # As transformers' `Cache` hands each operation to its layers, these hand it to the pending transfer's state

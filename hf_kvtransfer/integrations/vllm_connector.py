@@ -43,6 +43,10 @@ target = LLM("examples/family/large", kv_transfer_config=connector("kv_consumer"
   the mapper's: faster, and it loses what the context said on the bundled family. Default False.
 - `min_tokens`: the shortest stored prefix worth using (default 1); `role`: `source` / `target` / `both` (default
   from `kv_role`).
+- `layerwise_load` (target): write each layer's mapped KV when the forward's attention layer asks for it
+  (`wait_for_layer_load`) instead of every layer before the forward; the exact layers are still computed first.
+  Default False. A forward that reads a layer not written yet has its load reported failed (vLLM recomputes or fails
+  the request, by `kv_load_failure_policy`), and later loads are written at once.
 - `served_model_id`: declare the served checkpoint to be the mapper's target (a local copy under another name);
   `warn_revision_mismatch` (default True): warn when the served revision is not the mapper's target revision.
 
@@ -69,6 +73,7 @@ reads every shard.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -115,7 +120,8 @@ _ROLES = ("source", "target", "both")
 _SHAPE_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
 _KNOWN_KEYS = {"store", "store_max_bytes", "store_backend", "lmcache_config", "mapper", "mapper_revision",
                "num_exact_layers", "num_recompute_tokens", "recompute_tokens", "allow_lossy", "min_tokens",
-               "role", "served_model_id", "warn_revision_mismatch"}  # fmt: skip
+               "role", "served_model_id", "warn_revision_mismatch", "layerwise_load"}  # fmt: skip
+DEFAULT_LAYERWISE_LOAD = False
 
 
 class ConnectorConfigError(ValueError):
@@ -241,6 +247,18 @@ class _Load:
 
 
 @dataclass
+class _OpenLoad:
+    """A load whose store entry is read and exact layers computed (`start_load_kv`); its target layers are converted
+    and written into the paged blocks one at a time (`_write_layers`)."""
+
+    load: _Load
+    cache: Any  # TransferredCache of the loaded tokens
+    slots: torch.Tensor  # cache slots of positions [load.start, load.end)
+    layers: dict[str, Any]  # attention layers not written yet, by name
+    started: float  # time.perf_counter() when the load started
+
+
+@dataclass
 class HFKVTransferMetadata(KVConnectorMetadata):
     saves: list[_Save] = field(default_factory=list)
     loads: list[_Load] = field(default_factory=list)
@@ -304,6 +322,12 @@ class HFKVTransferConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is a later cache miss, never wrong output
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loading writes KV from inside the forward (`wait_for_layer_load`), which a full CUDA graph's
+        replay would skip."""
+        return bool((extra_config or {}).get("layerwise_load", DEFAULT_LAYERWISE_LOAD))
+
     # ==============================================================================================
     # start-up: what the target needs, or a refusal that names the fix
     # ==============================================================================================
@@ -328,6 +352,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             raise ConnectorConfigError(f"min_tokens must be >= 1, got {self.min_tokens}")
         self.num_recompute_tokens = _recompute_option(extra)
         self.allow_lossy = bool(extra.get("allow_lossy", False))
+        self.layerwise_load = bool(extra.get("layerwise_load", DEFAULT_LAYERWISE_LOAD))
         self.mapper_id = extra.get("mapper")
         self.mapper_revision = extra.get("mapper_revision")
         if self.loads_kv and not self.mapper_id:
@@ -405,6 +430,8 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         self._load_failures: dict[str, str] = {}  # req_id -> why its store entry was not used (for the scheduler)
         self._finished_sending: set[str] = set()
         self.last_load_seconds: float | None = None
+        self._open_loads: dict[str, _OpenLoad] = {}  # layer-wise loads of this step with layers left to write
+        self._layer_waits_seen = False  # this engine's attention layers called wait_for_layer_load in a forward
 
     @property
     def store(self) -> KVStore:
@@ -530,6 +557,12 @@ class HFKVTransferConnector(KVConnectorBase_V1):
     @torch.no_grad()
     def _transfer(self, source: tuple, token_ids: list[int], device, dtype):
         """Target KV `cache.layers[t]` for `token_ids` from source KV: exact layers computed, the others mapped."""
+        return self._begin_transfer(source, token_ids).convert_all(device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def _begin_transfer(self, source: tuple, token_ids: list[int]):
+        """A `TransferredCache` of `token_ids` with its exact layers computed (what every mapped layer may read); its
+        other layers are converted on demand (`convert_layer`) or at once (`convert_all`)."""
         from ..core.cache import TransferredCache
 
         ids = torch.as_tensor([token_ids], dtype=torch.long)
@@ -537,7 +570,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                                  num_exact_layers=self.num_exact_layers)  # fmt: skip
         if self.num_exact_layers:
             cache.compute_exact_layers(self._exact_model)
-        return cache.convert_all(device=device, dtype=dtype)
+        return cache
 
     def _self_test(self) -> None:
         """One transfer of a few tokens through the mapper at start-up: a mapper whose needs this connector cannot
@@ -767,27 +800,44 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         }
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Read each load's store entry and compute its exact layers (every mapped layer may read them); then write
+        every layer now, or, layer-wise (`layerwise_load`, once this engine's attention is seen calling
+        `wait_for_layer_load`), each layer when the forward's attention asks for it."""
+        self._finish_open_loads()  # none is left from an earlier step; this only guards against one
         meta = self._get_connector_metadata()
         if not isinstance(meta, HFKVTransferMetadata) or not meta.loads:
             return
         layers = self._attention_layers(forward_context)
+        layerwise = self.layerwise_load and self._layer_waits_seen
         for load in meta.loads:
-            started = time.perf_counter()
             try:
-                self._map_into(load, layers)
+                opened = self._open_load(load, layers)
+                if not layerwise:
+                    self._write_layers(opened, list(opened.layers))
             except Exception as exc:  # gone, or failed its checksum: vLLM recomputes these blocks or fails the request
-                logger.warning("hf-kvtransfer: store entry for request %s not used (%s: %s)",
-                               load.req_id, type(exc).__name__, exc)  # fmt: skip
-                failure = f"the transfer failed ({type(exc).__name__}: {exc})"
-                self._load_failures[load.req_id] = str(exc) if isinstance(exc, LookupError) else failure
-                first, last = load.start // self.block_size, (load.end - 1) // self.block_size
-                self._failed_blocks.update(load.block_ids[first : last + 1])
+                self._load_failed(load, exc)
                 continue
-            self.last_load_seconds = time.perf_counter() - started
-            logger.info(
-                "hf-kvtransfer: %d tokens into request %s (%d exact layers, the rest mapped; %.1f ms)",
-                load.end - load.start, load.req_id, self.num_exact_layers, 1e3 * self.last_load_seconds,
-            )  # fmt: skip
+            if layerwise:
+                self._open_loads[load.req_id] = opened
+            else:
+                self._loaded(opened, "at once")
+
+    def _load_failed(self, load: _Load, exc: Exception) -> None:
+        """A load not used: its blocks reported to vLLM (recomputed or the request failed, by its policy), and why."""
+        logger.warning("hf-kvtransfer: store entry for request %s not used (%s: %s)",
+                       load.req_id, type(exc).__name__, exc)  # fmt: skip
+        failure = f"the transfer failed ({type(exc).__name__}: {exc})"
+        self._load_failures[load.req_id] = str(exc) if isinstance(exc, LookupError) else failure
+        first, last = load.start // self.block_size, (load.end - 1) // self.block_size
+        self._failed_blocks.update(load.block_ids[first : last + 1])
+
+    def _loaded(self, opened: _OpenLoad, how: str) -> None:
+        self.last_load_seconds = time.perf_counter() - opened.started
+        load = opened.load
+        logger.info(
+            "hf-kvtransfer: %d tokens into request %s (%d exact layers, the rest mapped; written %s; %.1f ms)",
+            load.end - load.start, load.req_id, self.num_exact_layers, how, 1e3 * self.last_load_seconds,
+        )  # fmt: skip
 
     def _source_kv(self, stored: StoredKV, length: int, device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """Source KV of the first `length` tokens per source layer, all heads: `[1, heads, length, head_dim]`."""
@@ -813,7 +863,9 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         return layout
 
     @torch.no_grad()
-    def _map_into(self, load: _Load, layers: dict[str, Any]) -> None:
+    def _open_load(self, load: _Load, layers: dict[str, Any]) -> _OpenLoad:
+        """Read `load`'s store entry and compute its exact layers; nothing is written yet."""
+        started = time.perf_counter()
         present = self.store.contains(load.token_ids)
         stored = self.store.get(load.token_ids)
         if stored is None:
@@ -823,20 +875,55 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             raise LookupError(other_source)
         some = next(iter(layers.values())).kv_cache
         source = self._source_kv(stored, load.end, some.device)
-        cache = self._transfer(source, load.token_ids[: load.end], some.device, some.dtype)
-        tp_rank = self._tp_rank()
+        cache = self._begin_transfer(source, load.token_ids[: load.end])
         slots = _slots(load.block_ids, load.start, load.end, self.block_size)
-        for name, attn_layer in layers.items():
+        return _OpenLoad(load, cache, slots, dict(layers), started)
+
+    @torch.no_grad()
+    def _write_layers(self, opened: _OpenLoad, names: list[str]) -> None:
+        """Convert the target layers of attention layers `names` (in the order given) and write the positions
+        `[load.start, load.end)` of each into its paged blocks, this rank's KV heads; they are then done."""
+        load, tp_rank = opened.load, self._tp_rank()
+        for name in names:
+            attn_layer = opened.layers.pop(name)
             kv_cache = attn_layer.kv_cache
-            target = cache.layers[self._layer_index(name)]
+            keys, values = opened.cache.convert_layer(self._layer_index(name), kv_cache.device, kv_cache.dtype)
             heads = _local_heads(self.kv_shape["num_key_value_heads"], kv_cache.shape[1], tp_rank, self.tp_size)
             # (1, H, T, D) -> (n, H_local, D) for the positions written
-            keys = target.keys[0, heads, load.start : load.end].transpose(0, 1)
-            values = target.values[0, heads, load.start : load.end].transpose(0, 1)
-            self._layout(name, attn_layer, kv_cache).write(kv_cache, slots, keys, values)
+            keys = keys[0, heads, load.start : load.end].transpose(0, 1)
+            values = values[0, heads, load.start : load.end].transpose(0, 1)
+            self._layout(name, attn_layer, kv_cache).write(kv_cache, opened.slots, keys, values)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        """Called by each attention layer before it reads its KV: the layer-wise loads' KV of this layer, converted
+        and written now (a group of layers mapped together is computed at its first layer)."""
+        self._layer_waits_seen = True
+        for req_id, opened in list(self._open_loads.items()):
+            if layer_name not in opened.layers:
+                continue
+            try:
+                self._write_layers(opened, [layer_name])
+            except Exception as exc:  # the forward goes on; vLLM recomputes these blocks or fails the request
+                del self._open_loads[req_id]
+                self._load_failed(opened.load, exc)
+                continue
+            if not opened.layers:
+                del self._open_loads[req_id]
+                self._loaded(opened, "layer by layer")
+
+    def _finish_open_loads(self) -> None:
+        """After the forward: layers of a layer-wise load that no attention layer asked for (a backend that does not
+        call `wait_for_layer_load`, or a graph replay that skipped it) are written now, and the load is reported
+        failed, since the forward ran without them; later loads are written at once."""
+        for req_id, opened in list(self._open_loads.items()):
+            del self._open_loads[req_id]
+            missed = sorted(opened.layers, key=self._layer_index)
+            with contextlib.suppress(Exception):  # the blocks are reported failed either way
+                self._write_layers(opened, missed)
+            self.layerwise_load = False
+            logger.warning("hf-kvtransfer: the forward read layers %s of request %s before they were loaded; loading "
+                           "every layer before the forward from now on", missed, req_id)  # fmt: skip
+            self._load_failed(opened.load, RuntimeError(f"layers {missed} not loaded when the forward read them"))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's load failures, by request, for the scheduler-side connector's statuses."""
@@ -846,6 +933,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         return report
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_open_loads()  # (after the forward; wait_for_save may be deferred past this call)
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
@@ -853,6 +941,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         return  # saved after the forward, from the paged blocks (wait_for_save)
 
     def wait_for_save(self):
+        self._finish_open_loads()
         meta = self._connector_metadata
         if not self.saves_kv or not isinstance(meta, HFKVTransferMetadata) or not meta.saves:
             return
