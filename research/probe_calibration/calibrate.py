@@ -36,6 +36,12 @@ FAMILY = Path(__file__).resolve().parents[2] / "examples" / "family"
 NAMES = {"small": "small", "large": "large"}
 
 
+def residual_layer(mapper) -> int | None:
+    """The target layer whose input the maps read (`MapperConfig.map_inputs["residual"].layer`), None without."""
+    residual = mapper.config.map_inputs.get("residual")
+    return None if residual is None else residual.layer
+
+
 def candidates_of(source, target, tok):
     """The fit's candidates at its defaults: `[(label, mapper, num_exact_layers)]`, and the held-out texts."""
     captured = {}
@@ -52,7 +58,7 @@ def candidates_of(source, target, tok):
     texts = heldout_texts(tok, ids[-num_heldout:])
     mapper, layers = captured["mapper"], target.config.num_hidden_layers
     out = [(f"{k} exact, {_inputs_label(mapper)}", mapper, k) for k in range(1, layers)]
-    out += [(f"{m.config.residual_layer + 1} exact, {_inputs_label(m)}", m, m.config.residual_layer + 1)
+    out += [(f"{residual_layer(m) + 1} exact, {_inputs_label(m)}", m, residual_layer(m) + 1)
             for m in captured["residual"]]  # fmt: skip
     return out, texts
 
@@ -112,7 +118,7 @@ def run_direction(direction: str, args, results: dict, path: Path) -> None:
         with torch.no_grad():
             verdict = gate.judge(mapper, k, every_task=True)
             eval_scores = measured(source, target, mapper, k, items, own)
-        rows[label] = {"num_exact_layers": k, "residual_layer": mapper.config.residual_layer, "probe": verdict,
+        rows[label] = {"num_exact_layers": k, "residual_layer": residual_layer(mapper), "probe": verdict,
                        "eval": eval_scores, "seconds": time.perf_counter() - t0}  # fmt: skip
         path.write_text(json.dumps(results, indent=2, sort_keys=True))
         p, e = verdict["tasks"]["recall"], eval_scores["recall"]
