@@ -163,14 +163,18 @@ def small_to_large(tmp_path_factory, prompts):
     outs = {}
     # The default engine runs last: it deletes and corrupts store entries.
     for name, extra in (("recompute 8", {"num_recompute_tokens": 8}), ("lossy", {"allow_lossy": True}),
-                        ("layer-wise", {"layerwise_load": True}), ("default", {})):  # fmt: skip
+                        ("layer-wise", {"layerwise_load": True, "map_ahead": True}), ("default", {})):  # fmt: skip
         target = _engine(str(FAMILY / "large"), _connector("kv_consumer", store, mapper=str(mapper_dir), **extra),
                          enable_prefix_caching=False)  # fmt: skip
         if name == "layer-wise":
             # The engine's first transfer (before its attention is seen calling wait_for_layer_load), then another.
-            for key in ("same", "extended"):
+            # Layers mapped ahead on the background thread (the engine's setting), then in the forward's thread.
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            for key in ("same", "extended", "extended in the forward's thread"):
+                get_kv_transfer_group().map_ahead = key != "extended in the forward's thread"
                 with _records("hf_kvtransfer") as records:
-                    outs[f"layer-wise {key}"] = _generate(target, requests[key], logprobs=5)
+                    outs[f"layer-wise {key}"] = _generate(target, requests[key.split()[0]], logprobs=5)
                 outs[f"layer-wise {key} log"] = [r.getMessage() for r in records]
         elif name == "default":
             outs.update({key: _generate(target, ids, logprobs=5) for key, ids in requests.items()})
@@ -270,16 +274,21 @@ def _logprobs_equal(out, ref, atol: float) -> None:
 
 def test_layerwise_load_gives_the_same_output_as_loading_every_layer_first(small_to_large):
     """layerwise_load=True: vLLM's CPU attention calls wait_for_layer_load per layer, so from the engine's second
-    transfer on each layer's mapped KV is written when its attention layer asks for it; the first transfer (before
-    any forward was seen calling it) writes every layer first. Both give the first token and log-probabilities of
-    the engine that writes every layer first, and of transformers on TransferredCache."""
+    transfer on each layer's mapped KV is written when its attention layer asks for it (mapped ahead on the
+    background thread with map_ahead=True, or in the forward's thread); the first transfer (before any forward was
+    seen calling it) writes every layer first. All give the first token and log-probabilities of the engine that
+    writes every layer first, and of transformers on TransferredCache."""
     outs = small_to_large["outs"]
     first, layered = outs["layer-wise same"], outs["layer-wise extended"]
+    in_thread = outs["layer-wise extended in the forward's thread"]
     assert any("written at once" in m for m in outs["layer-wise same log"]), outs["layer-wise same log"]
-    assert any("written layer by layer" in m for m in outs["layer-wise extended log"]), outs["layer-wise extended log"]
-    assert first.num_cached_tokens == layered.num_cached_tokens == PROMPT_LEN - R
+    logs = {key: outs[f"layer-wise {key} log"] for key in ("extended", "extended in the forward's thread")}
+    assert any("written layer by layer, mapped ahead" in m for m in logs["extended"]), logs
+    assert any("written layer by layer;" in m for m in logs["extended in the forward's thread"]), logs
+    assert first.num_cached_tokens == layered.num_cached_tokens == in_thread.num_cached_tokens == PROMPT_LEN - R
     _logprobs_equal(first, outs["same"], atol=1e-5)
     _logprobs_equal(layered, outs["extended"], atol=1e-5)
+    _logprobs_equal(in_thread, outs["extended"], atol=1e-5)
     reference, _ = _reference_logprobs(small_to_large, small_to_large["requests"]["extended"], PROMPT_LEN)
     assert layered.outputs[0].token_ids[0] == int(reference.argmax())
     for token, lp in layered.outputs[0].logprobs[0].items():
@@ -300,11 +309,12 @@ class _FakeAttention:
         kv_cache[slots // n, :, slots % n, self.dim :] = value
 
 
-def test_layerwise_load_writes_each_layer_when_asked_and_never_leaves_one(tmp_path, prompts):
+@pytest.mark.parametrize("map_ahead", [False, True], ids=["in the forward's thread", "mapped ahead"])
+def test_layerwise_load_writes_each_layer_when_asked_and_never_leaves_one(tmp_path, prompts, map_ahead, monkeypatch):
     """The worker alone, on fake paged layers: layer-wise, nothing is written before the forward and each layer's
     KV (the at-once path's) when its attention layer asks; layers no attention layer asked for are written after
     the forward, the load's blocks reported failed (the forward ran without them) with the reason, and later loads
-    are written at once."""
+    are written at once. With map_ahead the mapped layers are converted on the background thread."""
     _need_vllm()
     from types import SimpleNamespace
 
@@ -316,9 +326,12 @@ def test_layerwise_load_writes_each_layer_when_asked_and_never_leaves_one(tmp_pa
     ids = prompts[0][:64]
     _store_source_kv(tmp_path / "store", mapper, ids)
     load = _Load(req_id="r", token_ids=ids, start=0, end=48, block_ids=[3, 1, 4, 0])
+    threads = _record_converting_threads(monkeypatch)
 
     def run(layerwise: bool, asked: int):
-        worker = _connector_alone(tmp_path, "WORKER", mapper_dir, layerwise_load=layerwise)
+        threads.clear()
+        worker = _connector_alone(tmp_path, "WORKER", mapper_dir, layerwise_load=layerwise,
+                                  map_ahead=layerwise and map_ahead)  # fmt: skip
         worker._layer_waits_seen = True  # as after the engine's first forward
         layers = {f"model.layers.{t}.self_attn.attn": _FakeAttention() for t in range(8)}
         worker.bind_connector_metadata(HFKVTransferMetadata(loads=[load]))
@@ -334,6 +347,9 @@ def test_layerwise_load_writes_each_layer_when_asked_and_never_leaves_one(tmp_pa
     assert all(before) and not failed
     worker, layered, before, failed = run(True, 8)
     assert not any(before) and not failed and worker.layerwise_load
+    mapped = {t: name for t, name in threads.items() if t >= 2}  # layers 0, 1 are exact
+    assert sorted(mapped) == list(range(2, 8))
+    assert all(name.startswith("hf-kvtransfer-map-ahead") == map_ahead for name in mapped.values()), threads
     for got, want in zip(layered, at_once):
         assert torch.equal(got, want)
     worker, partial, _, failed = run(True, 5)  # the forward asked for 5 of the 8 layers
@@ -341,6 +357,62 @@ def test_layerwise_load_writes_each_layer_when_asked_and_never_leaves_one(tmp_pa
     assert "layers ['model.layers.5" in worker.build_connector_worker_meta().failures["r"]
     for got, want in zip(partial, at_once):
         assert torch.equal(got, want)
+
+
+def _record_converting_threads(monkeypatch) -> dict[int, str]:
+    """Which thread converted each target layer (`TransferredCache.convert_layer`), by layer."""
+    import threading
+
+    from hf_kvtransfer.core.cache import TransferredCache
+
+    threads, convert = {}, TransferredCache.convert_layer
+
+    def recording(self, layer_idx, *args, **kwargs):
+        threads.setdefault(layer_idx, threading.current_thread().name)
+        return convert(self, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(TransferredCache, "convert_layer", recording)
+    return threads
+
+
+def test_a_layer_that_fails_to_map_ahead_fails_its_load_and_nothing_after_it_is_mapped(tmp_path, prompts, monkeypatch):
+    """map_ahead: a layer whose map raises on the background thread fails its load when the forward asks for it
+    (vLLM recomputes those blocks or fails the request); the layers queued after it are not mapped or written, and
+    the engine goes on."""
+    _need_vllm()
+    from types import SimpleNamespace
+
+    from hf_kvtransfer.core.cache import TransferredCache
+    from hf_kvtransfer.integrations.vllm_connector import ConnectorConfigError, HFKVTransferMetadata, _Load
+
+    mapper_dir = tmp_path / "mapper"
+    _orthogonal_mapper(num_exact_layers=2).save_pretrained(mapper_dir)
+    with pytest.raises(ConnectorConfigError, match="layerwise_load=True"):
+        _connector_alone(tmp_path, "WORKER", mapper_dir, map_ahead=True)
+    ids = prompts[0][:64]
+    _store_source_kv(tmp_path / "store", _orthogonal_mapper(num_exact_layers=2), ids)
+    convert, reached = TransferredCache.convert_layer, []
+
+    def failing(self, layer_idx, *args, **kwargs):
+        reached.append(layer_idx)
+        if layer_idx == 4:
+            raise RuntimeError("map of layer 4 failed")
+        return convert(self, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(TransferredCache, "convert_layer", failing)
+    worker = _connector_alone(tmp_path, "WORKER", mapper_dir, layerwise_load=True, map_ahead=True)
+    worker._layer_waits_seen = True
+    layers = {f"model.layers.{t}.self_attn.attn": _FakeAttention() for t in range(8)}
+    worker.bind_connector_metadata(HFKVTransferMetadata(loads=[_Load("r", ids, 0, 48, [3, 1, 4, 0])]))
+    worker.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+    for name in layers:
+        worker.wait_for_layer_load(name)
+    worker.shutdown()
+    assert worker.get_block_ids_with_load_errors() == {3, 1, 4}
+    assert "map of layer 4 failed" in worker.build_connector_worker_meta().failures["r"]
+    written = [bool(layer.kv_cache.any()) for layer in layers.values()]
+    assert written == [True] * 4 + [False] * 4
+    assert reached == [0, 1, 2, 3, 4]  # none after the failed one
 
 
 def test_only_exact_stored_prefixes_are_used(small_to_large):
@@ -625,6 +697,24 @@ def test_start_up_checks_the_served_model(tmp_path):
         with _records("hf_kvtransfer") as records:
             _connector_alone(tmp_path, "SCHEDULER", mapper_dir, revision="main", **extra)
         assert sum("revision 'abc123'" in r.getMessage() for r in records) == expected
+
+
+def test_a_mapper_with_a_quality_gate_is_served_with_one_warning_that_the_gate_is_not_applied(tmp_path):
+    """A mapper fit with a per-request quality gate (`fit --quality-gate-quantile`): the connector does not apply the
+    gate, and says so once at start-up, in one line naming the alternative; a mapper without a gate: no warning."""
+    _need_vllm()
+    from hf_kvtransfer.core.quality_gate import QualityGateConfig
+
+    for gate, expected in ((None, 0), (QualityGateConfig(threshold=0.818), 1)):
+        mapper = _orthogonal_mapper(num_exact_layers=2)
+        mapper.config.quality_gate = gate
+        mapper.save_pretrained(tmp_path / "mapper")
+        with _records("hf_kvtransfer") as records:
+            _connector_alone(tmp_path, "SCHEDULER", tmp_path / "mapper")
+            _connector_alone(tmp_path, "WORKER", tmp_path / "mapper")
+        warned = [r.getMessage() for r in records if "quality gate" in r.getMessage()]
+        assert len(warned) == expected, warned
+        assert all("0.818" in m and "TransferredCache" in m and "\n" not in m for m in warned)
 
 
 def test_all_exact_mapper_falls_back_to_the_engines_own_prefill(tmp_path):

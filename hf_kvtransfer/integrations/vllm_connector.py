@@ -47,13 +47,17 @@ target = LLM("examples/family/large", kv_transfer_config=connector("kv_consumer"
   (`wait_for_layer_load`) instead of every layer before the forward; the exact layers are still computed first.
   Default False. A forward that reads a layer not written yet has its load reported failed (vLLM recomputes or fails
   the request, by `kv_load_failure_policy`), and later loads are written at once.
+- `map_ahead` (target, with `layerwise_load`): map the layers on a background thread, in the order the forward
+  reads them, while the forward computes the layers before them; each is written when its attention layer asks.
+  Worth it where the mapping has a core (or stream) of its own; default False.
 - `served_model_id`: declare the served checkpoint to be the mapper's target (a local copy under another name);
   `warn_revision_mismatch` (default True): warn when the served revision is not the mapper's target revision.
 
 Never a lossy hand-off silently: a mapper whose needs the connector cannot meet (its exact layers cannot be loaded
 from the served checkpoint, or a start-up transfer through it fails) or that was made for another target model is
 refused when the engine starts, with one line naming the fix; a mapper whose exact layers are all of the target's
-saves nothing, and the engine prefills itself (one warning at start-up).
+saves nothing, and the engine prefills itself (one warning at start-up). A mapper's per-request quality gate
+(`MapperConfig.quality_gate`) is not applied here: one warning at start-up says so.
 
 Request-scoped: a request is a transfer when it arrives (`on_new_request`: a stored prefix, not turned off by its
 `kv_transfer_params={"hf_kvtransfer": {"transfer": False}}`, a kind the connector handles); a transfer gets a cache
@@ -75,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 import logging
 import time
 import warnings
@@ -120,8 +125,9 @@ _ROLES = ("source", "target", "both")
 _SHAPE_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
 _KNOWN_KEYS = {"store", "store_max_bytes", "store_backend", "lmcache_config", "mapper", "mapper_revision",
                "num_exact_layers", "num_recompute_tokens", "recompute_tokens", "allow_lossy", "min_tokens",
-               "role", "served_model_id", "warn_revision_mismatch", "layerwise_load"}  # fmt: skip
+               "role", "served_model_id", "warn_revision_mismatch", "layerwise_load", "map_ahead"}  # fmt: skip
 DEFAULT_LAYERWISE_LOAD = False
+DEFAULT_MAP_AHEAD = False
 
 
 class ConnectorConfigError(ValueError):
@@ -256,6 +262,26 @@ class _OpenLoad:
     slots: torch.Tensor  # cache slots of positions [load.start, load.end)
     layers: dict[str, Any]  # attention layers not written yet, by name
     started: float  # time.perf_counter() when the load started
+    ahead: dict[int, Future] = field(default_factory=dict)  # target layer -> its (keys, values), mapped ahead
+    how: str = "layer by layer"  # how it was written, for the log
+    ahead_failed: bool = False  # a layer's map raised on the background thread: the later ones are not mapped
+
+    @torch.no_grad()  # grad mode is per thread
+    def convert_ahead(self, index: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target layer `index`, converted on the background thread (`map_ahead`)."""
+        if self.ahead_failed:
+            raise RuntimeError("an earlier layer of this load failed to map")
+        try:
+            return self.cache.convert_layer(index, device, dtype)
+        except Exception:
+            self.ahead_failed = True
+            raise
+
+    def cancel_ahead(self) -> None:
+        """Layers not mapped yet are not mapped (one being mapped finishes; its result is dropped)."""
+        for future in self.ahead.values():
+            future.cancel()
+        self.ahead.clear()
 
 
 @dataclass
@@ -353,6 +379,9 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         self.num_recompute_tokens = _recompute_option(extra)
         self.allow_lossy = bool(extra.get("allow_lossy", False))
         self.layerwise_load = bool(extra.get("layerwise_load", DEFAULT_LAYERWISE_LOAD))
+        self.map_ahead = bool(extra.get("map_ahead", DEFAULT_MAP_AHEAD))
+        if self.map_ahead and not self.layerwise_load:
+            raise ConnectorConfigError("map_ahead maps layers for layer-wise loading: set layerwise_load=True with it")
         self.mapper_id = extra.get("mapper")
         self.mapper_revision = extra.get("mapper_revision")
         if self.loads_kv and not self.mapper_id:
@@ -390,6 +419,13 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                     "any loses the context), so a hand-off saves nothing: this engine prefills every request "
                     "itself (allow_lossy=True maps every layer instead)", self.mapper_id, num_target,
                 )  # fmt: skip
+        gate = self.mapper_config.quality_gate
+        if gate is not None and self.serves and role == KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "hf-kvtransfer: mapper %s records a per-request quality gate (threshold %.3f) that this connector "
+                "does not apply: every transfer is served ungated; for gated transfers use TransferredCache in "
+                "transformers", self.mapper_id, gate.threshold,
+            )  # fmt: skip
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy == "fail":
             logger.info(
                 "hf-kvtransfer: kv_load_failure_policy='fail' (vLLM's default): a request whose store entry is "
@@ -432,6 +468,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         self.last_load_seconds: float | None = None
         self._open_loads: dict[str, _OpenLoad] = {}  # layer-wise loads of this step with layers left to write
         self._layer_waits_seen = False  # this engine's attention layers called wait_for_layer_load in a forward
+        self._ahead_thread: ThreadPoolExecutor | None = None  # maps layers ahead of the forward (`map_ahead`)
 
     @property
     def store(self) -> KVStore:
@@ -821,6 +858,27 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                 self._open_loads[load.req_id] = opened
             else:
                 self._loaded(opened, "at once")
+        if layerwise and self.map_ahead:
+            self._map_ahead(list(self._open_loads.values()))
+
+    def _map_ahead(self, loads: list[_OpenLoad]) -> None:
+        """Queue every layer of `loads` on the background thread, layer by layer across the loads (the order the
+        forward reads them): while the forward computes layer i, layer i + 1 is being mapped."""
+        if self._ahead_thread is None:
+            self._ahead_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-kvtransfer-map-ahead")
+        queue = sorted(((self._layer_index(name), name, opened) for opened in loads for name in opened.layers),
+                       key=lambda item: item[0])  # fmt: skip
+        for index, name, opened in queue:
+            kv_cache = opened.layers[name].kv_cache
+            opened.how = "layer by layer, mapped ahead"
+            opened.ahead[index] = self._ahead_thread.submit(opened.convert_ahead, index, kv_cache.device, kv_cache.dtype)
+
+    def shutdown(self) -> None:
+        """The worker is shutting down: the background thread stops after what it is mapping."""
+        if self._ahead_thread is not None:
+            self._ahead_thread.shutdown(wait=True, cancel_futures=True)
+            self._ahead_thread = None
+        super().shutdown()
 
     def _load_failed(self, load: _Load, exc: Exception) -> None:
         """A load not used: its blocks reported to vLLM (recomputed or the request failed, by its policy), and why."""
@@ -886,8 +944,11 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         load, tp_rank = opened.load, self._tp_rank()
         for name in names:
             attn_layer = opened.layers.pop(name)
-            kv_cache = attn_layer.kv_cache
-            keys, values = opened.cache.convert_layer(self._layer_index(name), kv_cache.device, kv_cache.dtype)
+            kv_cache, index = attn_layer.kv_cache, self._layer_index(name)
+            if index in opened.ahead:  # mapped on the background thread (`map_ahead`): wait for it
+                keys, values = opened.ahead.pop(index).result()
+            else:
+                keys, values = opened.cache.convert_layer(index, kv_cache.device, kv_cache.dtype)
             heads = _local_heads(self.kv_shape["num_key_value_heads"], kv_cache.shape[1], tp_rank, self.tp_size)
             # (1, H, T, D) -> (n, H_local, D) for the positions written
             keys = keys[0, heads, load.start : load.end].transpose(0, 1)
@@ -905,11 +966,12 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                 self._write_layers(opened, [layer_name])
             except Exception as exc:  # the forward goes on; vLLM recomputes these blocks or fails the request
                 del self._open_loads[req_id]
+                opened.cancel_ahead()
                 self._load_failed(opened.load, exc)
                 continue
             if not opened.layers:
                 del self._open_loads[req_id]
-                self._loaded(opened, "layer by layer")
+                self._loaded(opened, opened.how)
 
     def _finish_open_loads(self) -> None:
         """After the forward: layers of a layer-wise load that no attention layer asked for (a backend that does not
