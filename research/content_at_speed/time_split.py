@@ -4,6 +4,9 @@ layers, and the forward of the recomputed tokens over the converted cache. Each 
 whole transfer (layers converted lazily inside the target's forward, as `generate` does) and the same transfer in
 stages (`compute_exact_layers`, `convert_all`, then the forward), at each prompt length; medians of wall and process
 CPU time over interleaved rounds, one thread. The last columns are the speed-ups left if a stage cost nothing.
+`floor` is the target's forward of the recomputed tokens alone (no cache): what those tokens cost whatever the
+context, so `speedup_cpu_bound` (own prefill over exact pass + floor) is the most any cheaper maps and attention
+could give at these exact layers and recomputed tokens.
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --source small \
         --target large --mapper DIR --lengths 512 1024 4096 --rounds 15 [--recompute-tokens 1] \
@@ -57,10 +60,13 @@ def main() -> None:
         ids = torch.tensor(stream[:n]).unsqueeze(0)
         src_cache = prefill(pair.source, ids)
         others = [f"transfer@{r}" for r in args.recompute_tokens]
-        times: dict[str, list[tuple[float, float]]] = {k: [] for k in ("own", "transfer", *others, *STAGES)}
+        times: dict[str, list[tuple[float, float]]] = {k: [] for k in ("own", "transfer", *others, *STAGES, "floor")}
 
         def own():
             target(ids, use_cache=True, logits_to_keep=1)
+
+        def floor():
+            target(ids[:, -TransferredCache(src_cache, mapper).num_recompute_tokens :], use_cache=True, logits_to_keep=1)
 
         def transfer(recompute: int | None = None):
             cache = TransferredCache(src_cache, mapper, num_recompute_tokens=recompute)
@@ -78,7 +84,7 @@ def main() -> None:
             marks.append(clocks())
             return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
 
-        calls = [("own", own), ("transfer", transfer)]
+        calls = [("own", own), ("transfer", transfer), ("floor", floor)]
         calls += [(name, lambda r=r: transfer(r)) for name, r in zip(others, args.recompute_tokens)]
         with torch.no_grad():
             own(), transfer(), staged()  # warm-up
@@ -99,6 +105,7 @@ def main() -> None:
         row["speedup_cpu"] = med["own"][1] / med["transfer"][1]
         # What the own prefill over the staged transfer would be with one stage free (CPU time: robust to load).
         row["speedup_cpu_if_free"] = {s: med["own"][1] / (total - med[s][1]) for s in STAGES}
+        row["speedup_cpu_bound"] = med["own"][1] / (med["exact"][1] + med["floor"][1])
         for name in others:
             row[f"speedup_cpu_{name}"] = med["own"][1] / med[name][1]
         result["lengths"][str(n)] = row
@@ -106,6 +113,7 @@ def main() -> None:
               f"{med['own'][1]:.1f} ms, transfer {med['transfer'][1]:.1f} ms ({row['speedup_cpu']:.2f}x); stages "
               + ", ".join(f"{s} {med[s][1]:.1f}" for s in STAGES) + f" ms (sum {total:.1f}); speed-up if free: "
               + ", ".join(f"{s} {v:.2f}x" for s, v in row["speedup_cpu_if_free"].items())
+              + f"; floor {med['floor'][1]:.1f} ms, bound {row['speedup_cpu_bound']:.2f}x"
               + "".join(f"; {name} {med[name][1]:.1f} ms ({row[f'speedup_cpu_{name}']:.2f}x)" for name in others)
               + "  [CPU time]", flush=True)  # fmt: skip
     result["load_average_after"] = os.getloadavg()
