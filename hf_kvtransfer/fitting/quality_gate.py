@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from ..core.cache import TransferredCache
-from ..core.capture import prefill
+from ..core.capture import cache_argument, prefill
 from ..core.mapper import KVMapper
 from ..core.quality_gate import QualityGateConfig
 
@@ -25,7 +25,7 @@ def gate_scores_on(source, target, mapper: KVMapper, input_ids: torch.Tensor, ba
     for start in range(0, input_ids.shape[0], batch_size):
         ids = input_ids[start : start + batch_size]
         cache = TransferredCache(prefill(source, ids), mapper, gate=everything, model=target)
-        target(ids[:, -cache.num_recompute_tokens :], cache=cache)
+        target(ids[:, -cache.num_recompute_tokens :], **{cache_argument(target): cache})
         scores.append(torch.tensor(cache.transfer_status.scores))
     return torch.cat(scores)
 

@@ -35,7 +35,7 @@ from huggingface_hub.utils import tqdm
 
 from ..core.cache import TransferredCache
 from ..core.defaults import resolve_num_recompute_tokens
-from ..core.capture import prefill
+from ..core.capture import cache_argument, prefill
 from ..core.loading import load_model
 from ..core.mapper import KVMapper
 from ..evaluation.metrics import REFEED_WARNING
@@ -198,8 +198,8 @@ class KVTransferLM(LM):
             warnings.filterwarnings("ignore", message=REFEED_WARNING)
             logits = self.target(
                 feed.to(target_device),
-                attention_mask=full_mask.to(target_device), position_ids=positions.to(target_device), cache=cache,
-                use_cache=True,
+                attention_mask=full_mask.to(target_device), position_ids=positions.to(target_device),
+                use_cache=True, **{cache_argument(self.target): cache},
             ).logits.float()
         logp = logits[:, r - 1 : -1].log_softmax(-1)
         out = []
@@ -267,7 +267,7 @@ class KVTransferLM(LM):
             cache = self._transferred(ids, self._recompute(len(ids)))
             input_ids = torch.tensor([ids], device=device)
             generated = self.target.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, max_new_tokens=max_new,
+                input_ids, attention_mask=torch.ones_like(input_ids), **{cache_argument(self.target): cache}, max_new_tokens=max_new,
                 do_sample=do_sample, pad_token_id=self.tokenizer.eos_token_id,
                 **({k: v for k, v in gen_kwargs.items() if k in ("temperature", "top_p", "top_k")} if do_sample else {}),
             )

@@ -31,7 +31,10 @@ ENTRY_MISSING = "store entry missing at load time; the engine computed those tok
 ENTRY_CORRUPTED = "store entry failed its checksum at load time (removed); the engine computed those tokens"
 MAPPER_MAPS_NOTHING = "the mapper computes every target layer exactly, so a transfer saves nothing"
 TURNED_OFF = "the request turned the transfer off (kv_transfer_params={'hf_kvtransfer': {'transfer': False}})"
-LOAD_FAILED_POLICY_FAIL = "its store entry could not be loaded and kv_load_failure_policy='fail'"
+LOAD_FAILED_POLICY_FAIL = ("its transfer was not used (its store entry could not be loaded, or the quality gate "
+                           "turned it down) and kv_load_failure_policy='fail'")
+QUALITY_GATE = ("quality gate: the mapper's prediction of the tokens the engine computed scored below the mapper's "
+                "threshold; the engine computed the prompt itself")
 
 
 @dataclass
@@ -49,6 +52,8 @@ class RequestTransfer:
     mapped_tokens: int = 0
     reused_tokens: int = 0
     recomputed_tokens: int = 0
+    gate_score: float | None = None  # with a quality gate: its score and threshold
+    gate_threshold: float | None = None
 
     def fall_back(self, reason: str) -> None:
         self.status, self.reason = FALLBACK, reason

@@ -50,14 +50,20 @@ target = LLM("examples/family/large", kv_transfer_config=connector("kv_consumer"
 - `map_ahead` (target, with `layerwise_load`): map the layers on a background thread, in the order the forward
   reads them, while the forward computes the layers before them; each is written when its attention layer asks.
   Worth it where the mapping has a core (or stream) of its own; default False.
+- `quality_gate` (target): apply the mapper's quality gate, if it has one (default True; False: never gated).
 - `served_model_id`: declare the served checkpoint to be the mapper's target (a local copy under another name);
   `warn_revision_mismatch` (default True): warn when the served revision is not the mapper's target revision.
 
 Never a lossy hand-off silently: a mapper whose needs the connector cannot meet (its exact layers cannot be loaded
 from the served checkpoint, or a start-up transfer through it fails) or that was made for another target model is
 refused when the engine starts, with one line naming the fix; a mapper whose exact layers are all of the target's
-saves nothing, and the engine prefills itself (one warning at start-up). A mapper's per-request quality gate
-(`MapperConfig.quality_gate`) is not applied here: one warning at start-up says so.
+saves nothing, and the engine prefills itself (one warning at start-up).
+
+Quality gate: a mapper fit with one (`MapperConfig.quality_gate`) is gated here as in `TransferredCache`. The
+connector also maps the tokens the engine computes in the transfer's first step; after the forward it scores the
+mapper's prediction of them against the engine's own keys and values (`core.quality_gate.gate_scores`), and a
+request below the threshold is reported as a failed load, so vLLM discards that step and prefills the prompt itself
+(`kv_load_failure_policy="recompute"`; under `"fail"` the request fails). The score comes back in the status.
 
 Request-scoped: a request is a transfer when it arrives (`on_new_request`: a stored prefix, not turned off by its
 `kv_transfer_params={"hf_kvtransfer": {"transfer": False}}`, a kind the connector handles); a transfer gets a cache
@@ -105,6 +111,7 @@ except ImportError as exc:  # pragma: no cover - only without vLLM
 from ..core.defaults import resolve_num_exact_layers, resolve_num_recompute_tokens
 from ..core.map_inputs import exact_layers_needed, model_layers_needed
 from ..core.mapper import MapperConfig, config_fingerprint
+from ..core.quality_gate import QualityGateConfig, gate_scores
 from . import transfer_status as ts
 from .kv_store import FileKVStore, KVStore, StoredKV, build_lmcache_store, prompt_key
 from .served_identity import IdentityError, ServedModel, check_served_target, stored_by_other_source
@@ -125,7 +132,7 @@ _ROLES = ("source", "target", "both")
 _SHAPE_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
 _KNOWN_KEYS = {"store", "store_max_bytes", "store_backend", "lmcache_config", "mapper", "mapper_revision",
                "num_exact_layers", "num_recompute_tokens", "recompute_tokens", "allow_lossy", "min_tokens",
-               "role", "served_model_id", "warn_revision_mismatch", "layerwise_load", "map_ahead"}  # fmt: skip
+               "role", "served_model_id", "warn_revision_mismatch", "layerwise_load", "map_ahead", "quality_gate"}  # fmt: skip
 DEFAULT_LAYERWISE_LOAD = False
 DEFAULT_MAP_AHEAD = False
 
@@ -250,6 +257,7 @@ class _Load:
     start: int  # first token position to write (tokens before it come from the target's own prefix cache)
     end: int  # one past the last
     block_ids: list[int]
+    gate_end: int = 0  # with a quality gate: positions [end, gate_end) are mapped too, and scored after the forward
 
 
 @dataclass
@@ -295,9 +303,13 @@ class _LoadReport(KVConnectorWorkerMetadata):
     """Worker -> scheduler: why a request's store entry was not used (req_id -> reason), merged over ranks."""
 
     failures: dict[str, str] = field(default_factory=dict)
+    gate_scores: dict[str, float] = field(default_factory=dict)  # req_id -> its quality gate's score (worst rank)
 
     def aggregate(self, other: "_LoadReport") -> "_LoadReport":
-        return _LoadReport({**self.failures, **other.failures})
+        scores = {**self.gate_scores, **other.gate_scores}
+        for req_id in set(self.gate_scores) & set(other.gate_scores):
+            scores[req_id] = min(self.gate_scores[req_id], other.gate_scores[req_id])
+        return _LoadReport({**self.failures, **other.failures}, scores)
 
 
 @dataclass
@@ -384,6 +396,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             raise ConnectorConfigError("map_ahead maps layers for layer-wise loading: set layerwise_load=True with it")
         self.mapper_id = extra.get("mapper")
         self.mapper_revision = extra.get("mapper_revision")
+        self.use_quality_gate = bool(extra.get("quality_gate", True))
         if self.loads_kv and not self.mapper_id:
             raise ConnectorConfigError(
                 "the target role needs a mapper: kv_connector_extra_config={'mapper': 'path/or/hub-id', ...}"
@@ -402,6 +415,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         """Target side: the mapper's config against the served model, its exact layers, and whether a hand-off
         saves anything (`serves`); the start-up warning and the failure policy in the scheduler's log."""
         self.mapper_config: MapperConfig | None = None
+        self.gate: QualityGateConfig | None = None
         self.num_exact_layers = 0
         self.serves = self.loads_kv  # False: the target prefills every request itself
         if not self.loads_kv:
@@ -419,14 +433,17 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                     "any loses the context), so a hand-off saves nothing: this engine prefills every request "
                     "itself (allow_lossy=True maps every layer instead)", self.mapper_id, num_target,
                 )  # fmt: skip
-        gate = self.mapper_config.quality_gate
-        if gate is not None and self.serves and role == KVConnectorRole.SCHEDULER:
+        gate = self.mapper_config.quality_gate if self.use_quality_gate and self.serves else None
+        self.gate: QualityGateConfig | None = gate
+        policy = self._kv_transfer_config.kv_load_failure_policy
+        if gate is not None and role == KVConnectorRole.SCHEDULER and policy == "fail":
             logger.warning(
-                "hf-kvtransfer: mapper %s records a per-request quality gate (threshold %.3f) that this connector "
-                "does not apply: every transfer is served ungated; for gated transfers use TransferredCache in "
-                "transformers", self.mapper_id, gate.threshold,
+                "hf-kvtransfer: mapper %s has a quality gate (threshold %.3f), which falls back through vLLM's "
+                "load-failure path: under kv_load_failure_policy='fail' a request it turns down fails; set "
+                "kv_load_failure_policy='recompute' to have the engine prefill it instead", self.mapper_id,
+                gate.threshold,
             )  # fmt: skip
-        if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy == "fail":
+        if role == KVConnectorRole.SCHEDULER and policy == "fail":
             logger.info(
                 "hf-kvtransfer: kv_load_failure_policy='fail' (vLLM's default): a request whose store entry is "
                 "missing or corrupted when it is loaded fails; set kv_load_failure_policy='recompute' to have the "
@@ -469,6 +486,8 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         self._open_loads: dict[str, _OpenLoad] = {}  # layer-wise loads of this step with layers left to write
         self._layer_waits_seen = False  # this engine's attention layers called wait_for_layer_load in a forward
         self._ahead_thread: ThreadPoolExecutor | None = None  # maps layers ahead of the forward (`map_ahead`)
+        self._gated: list[tuple[_OpenLoad, dict[str, Any]]] = []  # this step's loads the gate scores after the forward
+        self._gate_scores: dict[str, float] = {}  # req_id -> score, this step's (for the scheduler)
 
     @property
     def store(self) -> KVStore:
@@ -692,6 +711,10 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         report = connector_output.kv_connector_worker_meta
         if not isinstance(report, _LoadReport):
             return
+        for req_id, score in report.gate_scores.items():
+            record = self._transfers.get(req_id)
+            if record is not None:
+                record.gate_score, record.gate_threshold = round(score, 6), self.gate.threshold
         for req_id, reason in report.failures.items():
             record = self._transfers.get(req_id)
             if record is not None and self._kv_transfer_config.kv_load_failure_policy == "recompute":
@@ -734,7 +757,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         for req in scheduler_output.scheduled_new_reqs:
             block_ids = list(req.block_ids[0])
             if req.req_id in self._pending_loads:
-                meta.loads.append(self._load_meta(req.req_id, block_ids))
+                meta.loads.append(self._load_meta(req.req_id, block_ids, scheduler_output))
             if self.saves_kv and req.prompt_token_ids:
                 self._save_reqs[req.req_id] = (list(req.prompt_token_ids), block_ids)
                 self._maybe_save(meta, req.req_id, req.num_computed_tokens, scheduler_output)
@@ -743,7 +766,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             new_blocks = cached.new_block_ids[i]
             resumed = req_id in cached.resumed_req_ids
             if resumed and req_id in self._pending_loads:
-                meta.loads.append(self._load_meta(req_id, list(new_blocks[0])))
+                meta.loads.append(self._load_meta(req_id, list(new_blocks[0]), scheduler_output))
             if req_id in self._save_reqs:
                 prompt, block_ids = self._save_reqs[req_id]
                 if new_blocks is not None:
@@ -761,12 +784,16 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             table.pop(req_id, None)
         self._reply_saved.discard(req_id)
 
-    def _load_meta(self, req_id: str, block_ids: list[int]) -> _Load:
+    def _load_meta(self, req_id: str, block_ids: list[int], scheduler_output) -> _Load:
         request, num_external = self._pending_loads.pop(req_id)
         prompt = list(request.prompt_token_ids)
         length = self._matches[req_id]
         end = self._usable(length, len(prompt))
-        return _Load(req_id=req_id, token_ids=prompt[:length], start=end - num_external, end=end, block_ids=block_ids)
+        # The gate scores the stored tokens the engine computes in this step (the first of them, at the least).
+        computed = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        gate_end = min(length, end + computed) if self.gate is not None else end
+        return _Load(req_id=req_id, token_ids=prompt[:length], start=end - num_external, end=end, block_ids=block_ids,
+                     gate_end=gate_end)  # fmt: skip
 
     def _new_save(self, meta: HFKVTransferMetadata, save: _Save) -> bool:
         if any(s.token_ids == save.token_ids for s in meta.saves) or self.store.contains(save.token_ids):
@@ -858,6 +885,8 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                 self._open_loads[load.req_id] = opened
             else:
                 self._loaded(opened, "at once")
+            if load.gate_end > load.end:
+                self._gated.append((opened, dict(layers)))
         if layerwise and self.map_ahead:
             self._map_ahead(list(self._open_loads.values()))
 
@@ -885,7 +914,10 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         logger.warning("hf-kvtransfer: store entry for request %s not used (%s: %s)",
                        load.req_id, type(exc).__name__, exc)  # fmt: skip
         failure = f"the transfer failed ({type(exc).__name__}: {exc})"
-        self._load_failures[load.req_id] = str(exc) if isinstance(exc, LookupError) else failure
+        self._report_failed(load, str(exc) if isinstance(exc, LookupError) else failure)
+
+    def _report_failed(self, load: _Load, reason: str) -> None:
+        self._load_failures[load.req_id] = reason
         first, last = load.start // self.block_size, (load.end - 1) // self.block_size
         self._failed_blocks.update(load.block_ids[first : last + 1])
 
@@ -932,8 +964,9 @@ class HFKVTransferConnector(KVConnectorBase_V1):
         if other_source:
             raise LookupError(other_source)
         some = next(iter(layers.values())).kv_cache
-        source = self._source_kv(stored, load.end, some.device)
-        cache = self._begin_transfer(source, load.token_ids[: load.end])
+        mapped = max(load.end, load.gate_end)  # the tokens the gate scores are mapped too, never written
+        source = self._source_kv(stored, mapped, some.device)
+        cache = self._begin_transfer(source, load.token_ids[:mapped])
         slots = _slots(load.block_ids, load.start, load.end, self.block_size)
         return _OpenLoad(load, cache, slots, dict(layers), started)
 
@@ -988,14 +1021,47 @@ class HFKVTransferConnector(KVConnectorBase_V1):
             self._load_failed(opened.load, RuntimeError(f"layers {missed} not loaded when the forward read them"))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """This step's load failures, by request, for the scheduler-side connector's statuses."""
-        if not self._load_failures:
+        """This step's load failures and gate scores, by request, for the scheduler-side connector's statuses."""
+        if not self._load_failures and not self._gate_scores:
             return None
-        report, self._load_failures = _LoadReport(self._load_failures), {}
+        report = _LoadReport(self._load_failures, self._gate_scores)
+        self._load_failures, self._gate_scores = {}, {}
         return report
+
+    @torch.no_grad()
+    def _run_gates(self) -> None:
+        """After the forward: each gated load's score (`gate_scores`: the worst cosine over layers and K | V between
+        the mapper's prediction of the tokens the engine computed and the engine's own keys and values, this rank's
+        heads); a load below the threshold is reported failed, so vLLM drops this step and prefills it itself."""
+        gated, self._gated = self._gated, []
+        for opened, layers in gated:
+            load = opened.load
+            if load.req_id in self._load_failures:
+                continue
+            score = self._gate_score(opened, layers)
+            self._gate_scores[load.req_id] = score
+            if score < self.gate.threshold:
+                logger.info("hf-kvtransfer: request %s turned down by the quality gate (score %.4f < %.4f); the "
+                            "engine prefills it itself", load.req_id, score, self.gate.threshold)  # fmt: skip
+                self._report_failed(load, ts.QUALITY_GATE)
+
+    def _gate_score(self, opened: _OpenLoad, layers: dict[str, Any]) -> float:
+        load, tp_rank = opened.load, self._tp_rank()
+        slots = _slots(load.block_ids, load.end, load.gate_end, self.block_size)
+        predicted, own = [], []
+        for name, attn_layer in layers.items():
+            kv_cache = attn_layer.kv_cache
+            heads = _local_heads(self.kv_shape["num_key_value_heads"], kv_cache.shape[1], tp_rank, self.tp_size)
+            layer = opened.cache.layers[self._layer_index(name)]
+            predicted.append(tuple(t[:, heads, load.end : load.gate_end].float() for t in (layer.keys, layer.values)))
+            # (n, H_local, D) -> (1, H_local, n, D)
+            engine = self._layout(name, attn_layer, kv_cache).read(kv_cache, slots)
+            own.append(tuple(t.transpose(0, 1).unsqueeze(0).float().to(predicted[-1][0].device) for t in engine))
+        return float(gate_scores(predicted, own)[0])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_open_loads()  # (after the forward; wait_for_save may be deferred past this call)
+        self._run_gates()
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
