@@ -10,7 +10,10 @@ could give at these exact layers and recomputed tokens.
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --source small \
         --target large --mapper DIR --lengths 512 1024 4096 --rounds 15 [--recompute-tokens 1] \
-        --output results/time_split_s2l.json
+        [--also NAME=DIR ...] --output results/time_split_s2l.json
+
+`--also` times other mappers' whole transfers (at their own defaults) in the same interleaved rounds, so their
+speed-ups are paired with the first mapper's (`speedup_cpu_NAME`).
 
 DIR is a mapper fit at the defaults: `python research/token_tables/fit_pair.py small large 512 DIR`.
 """
@@ -46,20 +49,24 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--recompute-tokens", type=int, nargs="*", default=[],
                    help="also time the whole transfer with these recomputed tokens (besides the cache's default)")
+    p.add_argument("--also", nargs="*", default=[], metavar="NAME=DIR",
+                   help="other mappers whose whole transfer is timed in the same rounds")
     p.add_argument("--output", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
     pair = load_pair(args.source, args.target, args.family)
     mapper = KVMapper.from_pretrained(args.mapper)
+    also = {name: KVMapper.from_pretrained(path) for name, path in (item.split("=", 1) for item in args.also)}
     target = pair.target
     stream = pair.tokenizer(pair.heldout, verbose=False)["input_ids"]
     result = {"family": str(args.family), "source": args.source, "target": args.target, "mapper": args.mapper,
               "threads": 1, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rounds": args.rounds,
+              "also": dict(item.split("=", 1) for item in args.also),
               "load_average_before": os.getloadavg(), "lengths": {}}  # fmt: skip
     for n in args.lengths:
         ids = torch.tensor(stream[:n]).unsqueeze(0)
         src_cache = prefill(pair.source, ids)
-        others = [f"transfer@{r}" for r in args.recompute_tokens]
+        others = [f"transfer@{r}" for r in args.recompute_tokens] + list(also)
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in ("own", "transfer", *others, *STAGES, "floor")}
 
         def own():
@@ -68,8 +75,8 @@ def main() -> None:
         def floor():
             target(ids[:, -TransferredCache(src_cache, mapper).num_recompute_tokens :], use_cache=True, logits_to_keep=1)
 
-        def transfer(recompute: int | None = None):
-            cache = TransferredCache(src_cache, mapper, num_recompute_tokens=recompute)
+        def transfer(recompute: int | None = None, with_mapper=mapper):
+            cache = TransferredCache(src_cache, with_mapper, num_recompute_tokens=recompute)
             target(ids[:, -cache.num_recompute_tokens :], use_cache=True, logits_to_keep=1, cache=cache)
 
         def staged() -> list[tuple[float, float]]:
@@ -86,8 +93,11 @@ def main() -> None:
 
         calls = [("own", own), ("transfer", transfer), ("floor", floor)]
         calls += [(name, lambda r=r: transfer(r)) for name, r in zip(others, args.recompute_tokens)]
+        calls += [(name, lambda m=m: transfer(with_mapper=m)) for name, m in also.items()]
         with torch.no_grad():
-            own(), transfer(), staged()  # warm-up
+            for _, fn in calls:  # warm-up
+                fn()
+            staged()
             for _ in range(args.rounds):
                 for name, fn in calls:
                     start = clocks()
@@ -100,6 +110,7 @@ def main() -> None:
         used = TransferredCache(src_cache, mapper)
         row = {k: {"wall_ms": w, "cpu_ms": c} for k, (w, c) in med.items()}
         row["num_exact_layers"], row["num_recompute_tokens"] = used.num_exact_layers, used.num_recompute_tokens
+        row["also_num_exact_layers"] = {name: TransferredCache(src_cache, m).num_exact_layers for name, m in also.items()}
         total = sum(med[s][1] for s in STAGES)
         row["stages_sum_cpu_ms"] = total
         row["speedup_cpu"] = med["own"][1] / med["transfer"][1]
