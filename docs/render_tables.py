@@ -124,6 +124,18 @@ RESULTS = {
         "--output FILE",
         "2026-12-04",
     ),
+    # Time to first token through vLLM: own prefill, written at once, layer-wise, mapped ahead.
+    "ttft_vllm_s2l": Result(
+        "research/vllm_serving/results/layerwise_ttft.json",
+        f"{_ONE_THREAD} .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py --mapper mappers/s2l",
+        "2026-12-04",
+    ),
+    "ttft_vllm_deep": Result(
+        "research/vllm_serving/results/layerwise_ttft_deep.json",
+        f"{_ONE_THREAD} .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py --family examples/family_deep "
+        "--source source --target target --mapper DIR --output FILE",
+        "2026-12-04",
+    ),
     "l2s_three_exact": Result(
         f"{_CAS}/results/large_to_small_three_exact.json",
         f"python {_CAS}/content_at_speed.py --source large --target small --variants kv:3 res:2 res:2:-:-:none "
@@ -596,6 +608,33 @@ def deep_frontier() -> str:
     return "\n\n".join([table(header, rows), note, sources(*keys)])
 
 
+def _ttft_vllm(key: str) -> str:
+    """One pair's time to first token through the target engine, each way of loading the transfer."""
+    result = RESULTS[key].load()
+    rows = []
+    for row in result["lengths"]:
+        t, cores = row["ttft_ms_median"], row["cores_used_median"]
+        rows.append([
+            f"{row['prompt_tokens']} ({row['cached_tokens']['at_once']})",
+            *(f"{t[m]:.1f} ms" for m in ("own", "at_once", "layerwise", "ahead")),
+            f"{row['ratio_at_once_over_own']:.2f}", f"{row['paired_ratio_layerwise_over_at_once_median']:.2f}",
+            f"{row['paired_ratio_ahead_over_at_once_median']:.2f}", f"{cores['at_once']:.2f} / {cores['ahead']:.2f}",
+        ])  # fmt: skip
+    header = ["prompt tokens (cached)", "TTFT own prefill", "written at once", "layer-wise", "mapped ahead",
+              "at once / own", "layer-wise / at once", "ahead / at once", "cores used, at once / ahead"]  # fmt: skip
+    note = (f"{result['num_exact_layers']} exact layers; {result['repeats']} interleaved repeats, load average "
+            f"{result['load_average_start'][0]:.2f} at the start, vLLM {result['vllm']}.")
+    return "\n\n".join([table(header, rows), note, sources(key)])
+
+
+def ttft_vllm_small_to_large() -> str:
+    return _ttft_vllm("ttft_vllm_s2l")
+
+
+def ttft_vllm_deep() -> str:
+    return _ttft_vllm("ttft_vllm_deep")
+
+
 TABLES = {
     "at-a-glance": at_a_glance,
     "fit-vs-source-only": fit_vs_source_only,
@@ -606,6 +645,8 @@ TABLES = {
     "shared-rank": shared_rank,
     "copy-layer-mlp": copy_layer_mlp,
     "deep-frontier": deep_frontier,
+    "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
+    "ttft-vllm-deep": ttft_vllm_deep,
 }
 
 
