@@ -267,8 +267,8 @@ class KVTransferLM(LM):
             cache = self._transferred(ids, self._recompute(len(ids)))
             input_ids = torch.tensor([ids], device=device)
             generated = self.target.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), **{cache_argument(self.target): cache}, max_new_tokens=max_new,
-                do_sample=do_sample, pad_token_id=self.tokenizer.eos_token_id,
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new, do_sample=do_sample,
+                **{cache_argument(self.target): cache}, pad_token_id=self.tokenizer.eos_token_id,
                 **({k: v for k, v in gen_kwargs.items() if k in ("temperature", "top_p", "top_k")} if do_sample else {}),
             )
             text = self.tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)

@@ -85,10 +85,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from concurrent.futures import Future, ThreadPoolExecutor
 import logging
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -433,8 +433,7 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                     "any loses the context), so a hand-off saves nothing: this engine prefills every request "
                     "itself (allow_lossy=True maps every layer instead)", self.mapper_id, num_target,
                 )  # fmt: skip
-        gate = self.mapper_config.quality_gate if self.use_quality_gate and self.serves else None
-        self.gate: QualityGateConfig | None = gate
+        gate = self.gate = self.mapper_config.quality_gate if self.use_quality_gate and self.serves else None
         policy = self._kv_transfer_config.kv_load_failure_policy
         if gate is not None and role == KVConnectorRole.SCHEDULER and policy == "fail":
             logger.warning(
