@@ -710,11 +710,11 @@ def gated(tmp_path_factory, prompts):
     p, q, _ = prompts
     request = p + q[:40]
     outs = {}
+    _store_source_kv(work / "store", _orthogonal_mapper(num_exact_layers=2), p)
     for name, threshold in (("passes", -1.0), ("fires", 1.0)):
         mapper = _orthogonal_mapper(num_exact_layers=2)
         mapper.config.quality_gate = QualityGateConfig(threshold=threshold)
         mapper.save_pretrained(work / name)
-        _store_source_kv(work / "store", mapper, p)
         kv = _connector("kv_consumer", work / "store", mapper=str(work / name))
         kv.kv_load_failure_policy = "recompute"
         target = _engine(str(FAMILY / "large"), kv, enable_prefix_caching=False)

@@ -72,8 +72,10 @@ def main() -> None:
         def own():
             target(ids, use_cache=True, logits_to_keep=1)
 
+        recomputed = ids[:, -TransferredCache(src_cache, mapper).num_recompute_tokens :]
+
         def floor():
-            target(ids[:, -TransferredCache(src_cache, mapper).num_recompute_tokens :], use_cache=True, logits_to_keep=1)
+            target(recomputed, use_cache=True, logits_to_keep=1)
 
         def transfer(recompute: int | None = None, with_mapper=mapper):
             cache = TransferredCache(src_cache, with_mapper, num_recompute_tokens=recompute)
