@@ -15,7 +15,7 @@ import torch
 from conftest import exact_identity_mapper, random_ids
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
 from hf_kvtransfer.core import map_inputs
-from hf_kvtransfer.core.map_inputs import MapInput, MapInputConfig, with_input
+from hf_kvtransfer.core.map_inputs import MapInput, MapInputConfig, with_input, writable
 from mapper_kinds import FIXTURES, NESTED_FIXTURES
 
 
@@ -46,9 +46,10 @@ class ValueShift(MapInput):
 
     def apply(self, state, group, rows):
         width = self.mapper.target_layout.layer_dim
+        values = writable(rows[1])
         for i, _ in self.group_readers(group):
-            rows[1][..., i * width : (i + 1) * width] += self.require(state).unsqueeze(-1).to(rows[1].dtype)
-        return rows
+            values[..., i * width : (i + 1) * width] += self.require(state).unsqueeze(-1).to(values.dtype)
+        return [rows[0], values]
 
 
 def test_a_registered_input_is_applied_without_any_other_change(qwen3_model, monkeypatch, tmp_path):

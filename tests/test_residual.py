@@ -72,9 +72,35 @@ def test_solve_matches_a_direct_ridge_on_hand_built_features(pair, kind):
     assert residual_input_features(c) == [0, 0, len(LAGS) * 64]
 
 
-def test_cache_applies_the_map_and_the_targets_key_norm(pair):
+class OnePlusWeightNorm(torch.nn.Module):
+    """A key norm of another form than Qwen3's: `(1 + weight) * x / rms(x)` (Gemma's), so the cache must call it."""
+
+    def __init__(self, weight: torch.Tensor, eps: float = 1e-6):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(weight.clone()), eps
+
+    def forward(self, x):
+        return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+@pytest.mark.parametrize("variant", ["with_source", "residual_alone", "other_norm_form"])
+def test_cache_applies_the_map_and_the_targets_key_norm(pair, variant):
+    """Every way the cache computes a residual reader (source features and the residual in one GEMM, the residual
+    alone on a broadcast bias, the key norm fused or through the target's own module) against the map written out."""
     source, target, _, base, stats = pair
-    mapper = solve_residual_mapper(base, stats, residual_layer=1)
+    sources = {2: []} if variant == "residual_alone" else None
+    mapper = solve_residual_mapper(base, stats, residual_layer=1, sources=sources)
+    attn = target.model.layers[2].self_attn
+    own_norm = attn.k_norm
+    if variant == "other_norm_form":
+        attn.k_norm = OnePlusWeightNorm(torch.linspace(-0.5, 0.5, 16))
+    try:
+        _check_residual_reader(source, target, mapper, attn)
+    finally:
+        attn.k_norm = own_norm
+
+
+def _check_residual_reader(source, target, mapper, attn):
     ids = random_ids(1, 24, seed=9)
     held = ids.shape[1] - 1
     cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1)
@@ -86,13 +112,13 @@ def test_cache_applies_the_map_and_the_targets_key_norm(pair):
         h = target(ids[:, :held], output_hidden_states=True).hidden_states[1]
     r = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + RESIDUAL_EPS)
     res = torch.cat([r, torch.cat([torch.zeros_like(r[:, :1]), r[:, :-1]], 1)], -1)
-    attn = target.model.layers[2].self_attn
     positions = torch.arange(held).unsqueeze(0)
     cos, sin = rotary_cos_sin(target.model.rotary_emb, positions, torch.device("cpu"))
+    selected = mapper.config.selected_layers[2]
     for kind, states in (("key", keys), ("value", values)):
-        x = torch.cat([s.permute(0, 2, 1, 3).flatten(2) for s in states], -1)
+        x = torch.cat([states[s].permute(0, 2, 1, 3).flatten(2) for s in selected], -1) if selected else ids[:, :held, None][..., :0]
         linear = getattr(mapper.layers[2], kind)
-        y = x @ linear.weight.T + linear.bias + res @ mapper.residual.weight(kind, 2).T
+        y = x.float() @ linear.weight.T + linear.bias + res @ mapper.residual.weight(kind, 2).T
         y = y.view(1, held, 2, 16)
         if kind == "key":
             with torch.no_grad():
@@ -105,6 +131,25 @@ def test_cache_applies_the_map_and_the_targets_key_norm(pair):
     # The exact layers are the target's own prefill.
     own = prefill(target, ids[:, :held])
     torch.testing.assert_close(cache.layers[1].keys[:, :, :held], own.layers[1].keys, rtol=1e-4, atol=1e-5)
+
+
+def test_rms_form_is_recognised_only_for_weight_times_rms_norm():
+    """The fused key norm is used only where it is the module's own computation: Qwen3's RMS norm at any weight and
+    eps; not Gemma's `(1 + weight)` form, a layer norm, or a module without a weight."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from hf_kvtransfer.core.key_norm import rms_form
+
+    gen = torch.Generator().manual_seed(3)
+    for eps in (1e-6, 1e-5, 0.1):
+        norm = Qwen3RMSNorm(16, eps=eps)
+        norm.weight.data = torch.randn(16, generator=gen)
+        weight, got_eps = rms_form(norm, 16)
+        assert torch.equal(weight, norm.weight) and got_eps == eps
+    assert rms_form(OnePlusWeightNorm(torch.randn(16, generator=gen)), 16) is None
+    assert rms_form(torch.nn.LayerNorm(16), 16) is None
+    assert rms_form(torch.nn.Identity(), 16) is None
+    assert rms_form(Qwen3RMSNorm(8), 16) is None  # another width than the keys'
 
 
 def test_checkpoint_round_trip_and_source_only_mappers_unchanged(pair, tmp_path):

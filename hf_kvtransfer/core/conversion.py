@@ -274,6 +274,9 @@ class PendingTransfer:
         """`[B, T, len(group) * F_out]`: the group's affine maps of `kind` applied to features `x` `[B, T, F_in]`,
         target layers side by side in (layer, head, dim) order."""
         parts = [self.mapper.layers[t].linear_parts(kind) for t in group]
+        if x.shape[-1] == 0:  # maps that read no source layer (only other inputs): their bias, broadcast, not copied
+            bias = torch.cat([p.bias for p in parts]) if len(parts) > 1 else parts[0].bias
+            return bias.to(x.device).expand(*x.shape[:-1], -1)
         x2 = x.flatten(0, -2)  # (B*T, F_in)
         width = parts[0].out_features
         if dense:

@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from .exact import decoder_layers
-from .map_inputs import ExactPass, MapInput, MapInputConfig, register_map_input
+from .map_inputs import ExactPass, MapInput, MapInputConfig, register_map_input, writable
 from .residual import ResidualInput, residual_readers
 
 # `MapperConfig` (core/mapper.py) imports this module: annotations name it as a string only.
@@ -44,11 +45,16 @@ class KeyNormInput(MapInput):
         "to TransferredCache, so that the target's forward or convert_all runs the exact layers first"
     )
 
+    def __init__(self, mapper):
+        super().__init__(mapper)
+        # The modules last seen and the RMS forms among them: checked once per target model, not per transfer.
+        self._seen: tuple[dict[int, nn.Module], dict[int, tuple[torch.Tensor, float]]] = ({}, {})
+
     @property
     def readers(self) -> list[int]:
         return residual_readers(self.mapper.config)
 
-    def from_exact_pass(self, exact: ExactPass) -> dict[int, nn.Module]:
+    def from_exact_pass(self, exact: ExactPass) -> "KeyNorms":
         decoder = decoder_layers(exact.model)
         norms = {t: getattr(decoder[t].self_attn, "k_norm", None) for t in self.readers}
         if any(norm is None for norm in norms.values()):
@@ -56,17 +62,54 @@ class KeyNormInput(MapInput):
                 f"this mapper predicts keys before the target's key norm (map_inputs.key_norm), but "
                 f"{type(exact.model).__name__} has no `self_attn.k_norm`; load the mapper made for this target model"
             )
-        return norms
+        return KeyNorms(norms, self._rms_forms(norms))
+
+    def _rms_forms(self, norms: dict[int, nn.Module]) -> dict[int, tuple[torch.Tensor, float]]:
+        """Each norm's `(weight, eps)` when it is an RMS norm with a weight (checked on the modules once per mapper)."""
+        if any(self._seen[0].get(t) is not m for t, m in norms.items()):
+            forms = {t: rms_form(m, self.mapper.target_layout.head_dim) for t, m in norms.items()}
+            self._seen = (dict(norms), {t: f for t, f in forms.items() if f is not None})
+        return self._seen[1]
 
     def apply(self, state, group, rows):
         readers = self.group_readers(group)
         if not readers:
             return rows
-        norms, tgt = self.require(state), self.mapper.target_layout
-        keys = rows[0].view(*rows[0].shape[:-1], len(group), tgt.num_kv_heads, tgt.head_dim)
-        for i, t in readers:
-            keys[..., i, :, :] = norms[t](keys[..., i, :, :])
-        return rows
+        state, tgt = self.require(state), self.mapper.target_layout
+        key_rows = writable(rows[0])
+        keys = key_rows.view(*key_rows.shape[:-1], len(group), tgt.num_kv_heads, tgt.head_dim)
+        layers = [t for _, t in readers]
+        forms = [state.forms.get(t) for t in layers]
+        epsilons = {form[1] for form in forms if form is not None}
+        if len(readers) == len(group) and None not in forms and len(epsilons) == 1:
+            # Every layer of the group: one normalisation over all of them, then each layer's weight.
+            weight = torch.stack([w for w, _ in forms]).to(keys.device, keys.dtype).unsqueeze(1)  # (layers, 1, d)
+            torch.mul(nn.functional.rms_norm(keys, (tgt.head_dim,), eps=epsilons.pop()), weight, out=keys)
+        else:
+            for i, t in readers:
+                keys[..., i, :, :] = state.modules[t](keys[..., i, :, :])
+        return [key_rows, *rows[1:]]
 
 
-__all__ = ["KeyNormConfig", "KeyNormInput"]
+@dataclass
+class KeyNorms:
+    """A transfer's key norms: the target's own modules by layer, and the `(weight, eps)` of those that are RMS norms."""
+
+    modules: dict[int, nn.Module]
+    forms: dict[int, tuple[torch.Tensor, float]]
+
+
+@torch.no_grad()
+def rms_form(norm: nn.Module, dim: int) -> tuple[torch.Tensor, float] | None:
+    """`(weight, eps)` when `norm(x)` is `weight * x / sqrt(mean(x^2) + eps)` over the last dim (Qwen3's
+    `Qwen3RMSNorm`), checked on random vectors; None for any other module (its own forward is then called)."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(weight, torch.Tensor) or weight.shape != (dim,) or not isinstance(eps, float):
+        return None
+    probe = torch.randn(8, dim, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    expected = weight * nn.functional.rms_norm(probe, (dim,), eps=eps)
+    return (weight.detach(), eps) if torch.allclose(norm(probe), expected, rtol=1e-4, atol=1e-6) else None
+
+
+__all__ = ["KeyNormConfig", "KeyNormInput", "KeyNorms", "rms_form"]

@@ -195,7 +195,10 @@ class MapInput:
         return None
 
     def apply(self, state: Any, group: tuple[int, ...], rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The group's mapped `[key_rows, value_rows]` (`[B, T, len(group) * n_kv * d]`, stripped) with its part."""
+        """The group's mapped `[key_rows, value_rows]` (`[B, T, len(group) * n_kv * d]`, stripped) with its part.
+
+        `rows` may be broadcast views (maps that read no source layer start as their bias, never materialised): an
+        input returns new tensors, or writes into `writable(rows[i])`."""
         raise NotImplementedError
 
     @staticmethod
@@ -212,6 +215,13 @@ class MapInput:
         if state is None:
             raise ValueError(self.missing)
         return state
+
+
+def writable(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` itself when it owns its memory, else a copy: a broadcast view (stride 0) cannot be written in place."""
+    if any(stride == 0 and size > 1 for stride, size in zip(rows.stride(), rows.shape)):
+        return rows.contiguous()
+    return rows
 
 
 MAP_INPUTS: dict[str, type[MapInput]] = {}
@@ -336,4 +346,5 @@ __all__ = [
     "registered_map_inputs",
     "validate_inputs",
     "with_input",
+    "writable",
 ]

@@ -30,7 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .map_inputs import ExactPass, InputCost, MapInput, MapInputConfig, PlanShape, positions_label, register_map_input
+from .map_inputs import (
+    ExactPass,
+    InputCost,
+    MapInput,
+    MapInputConfig,
+    PlanShape,
+    positions_label,
+    register_map_input,
+    writable,
+)
 from .rope import text_config
 from .stats import KVLayout
 
@@ -267,13 +276,23 @@ class ResidualInput(MapInput):
             return rows
         residual, maps = self.require(state), self.mapper.residual
         width = self.mapper.target_layout.layer_dim
+        every = [i for i, _ in readers] == list(range(len(group)))
+        out = []
         for kind, x in zip(("key", "value"), rows):
             weights = [maps.weight(kind, t) for _, t in readers]
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-            delta = nn.functional.linear(residual.to(x.device, weight.dtype), weight.to(x.device)).to(x.dtype)
+            r = residual.to(x.device, weight.dtype)
+            if every:  # each layer of the group reads it: one GEMM adds it to all of them
+                x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+                summed = torch.addmm(x2, r.reshape(-1, r.shape[-1]), weight.to(x.device).T)
+                out.append(summed.view(x.shape).to(x.dtype))
+                continue
+            x = writable(x)
+            delta = nn.functional.linear(r, weight.to(x.device)).to(x.dtype)
             for j, (i, _) in enumerate(readers):
                 x[..., i * width : (i + 1) * width] += delta[..., j * width : (j + 1) * width]
-        return rows
+            out.append(x)
+        return out
 
 
 __all__ = [

@@ -34,6 +34,7 @@ from hf_kvtransfer.core.map_inputs import (
     layer_span,
     positions_label,
     register_map_input,
+    writable,
 )
 from hf_kvtransfer.core.rope import text_config
 from hf_kvtransfer.core.stats import KVLayout
@@ -188,6 +189,7 @@ class TokenTableInput(MapInput):
             return rows
         lagged, tables = self.require(state), self.mapper.tokens
         width = self.mapper.target_layout.layer_dim
+        rows = [writable(x) for x in rows]
         for kind, x in zip(("key", "value"), rows):
             for i, t in readers:
                 x[..., i * width : (i + 1) * width] += tables.lookup(kind, t, lagged).to(x.device, x.dtype)
