@@ -120,10 +120,15 @@ RESULTS = {
     "deep_split_frontier": Result(
         f"{_DEEP}/time_split_frontier_source_to_target.json",
         f"{_ONE_THREAD} python {_CAS}/time_split.py --family examples/family_deep --source source --target target "
-        "--mapper DIR --rounds 7 --recompute-tokens 8 1 --also tolerance_8=DIR_TOL8 source_kv_14_exact=DIR_KV14 "
+        "--mapper DIR --rounds 15 --recompute-tokens 8 1 --also tolerance_8=DIR_TOL8 source_kv_14_exact=DIR_KV14 "
         "--output FILE",
-        "2026-12-04",
+        "2026-12-05",
     ),
+    # The deep pair's gate boundary: passage recall on 2,000 items of the probe's kind and of eval's.
+    **{f"deep_boundary_{name}": Result(f"research/probe_calibration/results/deep_boundary_{name}.json",
+                                       f"{_ONE_THREAD} python research/probe_calibration/deep_boundary.py --mapper "
+                                       f"{mapper} --items 2000 --kinds eval probe --json FILE", "2026-12-05")
+       for name, mapper in (("default", "DIR"), ("tolerance_8", "DIR_TOL8"))},  # fmt: skip
     # Time to first token through vLLM: own prefill, written at once, layer-wise, mapped ahead.
     "ttft_vllm_s2l": Result(
         "research/vllm_serving/results/layerwise_ttft.json",
@@ -608,6 +613,39 @@ def deep_frontier() -> str:
     return "\n\n".join([table(header, rows), note, sources(*keys)])
 
 
+def points(stat: dict) -> str:
+    """A paired difference of accuracy in points with its interval: '-1.5 [-3.8, +0.7]'."""
+    low, high = stat["difference_ci"]
+    return f"{signed(stat['difference'])} [{signed(low)}, {signed(high)}]"
+
+
+def deep_boundary() -> str:
+    """The deep pair's two configurations at the gate's boundary: passage recall minus the target's own on the items
+    the fit and `eval` scored, and on 2,000 of each kind."""
+    rows = []
+    for label, key, mapper in (("the fit's default", "deep_boundary_default", "gate_mapper_deep"),
+                               ("the fit at --exact-layers-tolerance 0.08", "deep_boundary_tolerance_8",
+                                "deep_mapper_tolerance_8")):  # fmt: skip
+        kinds = RESULTS[key].load()["kinds"]
+        probe, ev = kinds["probe"], kinds["eval"]
+        rows.append([
+            label, _mapper_label(RESULTS[mapper].load()), points(probe["first_512"]), points(probe["all"]),
+            points(ev["first_600"]), points(ev["all"]),
+            f"{pct(ev['all']['retention'])} {ci(ev['all']['retention_ci'])}",
+            f"{pct(ev['all']['gap_recovered'])} {ci(ev['all']['gap_recovered_ci'])}",
+        ])  # fmt: skip
+    header = ["configuration", "exact layers and maps", "probe items, the fit's 512", "probe items, 2,000",
+              "eval items, eval's 600", "eval items, 2,000", "recall retention, 2,000 eval items",
+              "gap recovered, 2,000 eval items"]  # fmt: skip
+    note = ("Passage recall, transfer minus the target's own answers, in points with paired 95% bootstrap intervals "
+            "(2,000 resamples). Probe items: the content gate's (the probe split, distractors from the fit's held-out "
+            "calibration rows; the first 512 are those the fit scored). Eval items: `eval`'s (the eval split, "
+            "distractors from heldout.txt; the first 600 are those of `eval --items 600`).")  # fmt: skip
+    keys = ["deep_boundary_default", "deep_boundary_tolerance_8", "gate_fit_deep", "gate_mapper_deep",
+            "deep_mapper_tolerance_8"]
+    return "\n\n".join([table(header, rows), note, sources(*keys)])
+
+
 def _ttft_vllm(key: str) -> str:
     """One pair's time to first token through the target engine, each way of loading the transfer."""
     result = RESULTS[key].load()
@@ -645,6 +683,7 @@ TABLES = {
     "shared-rank": shared_rank,
     "copy-layer-mlp": copy_layer_mlp,
     "deep-frontier": deep_frontier,
+    "deep-boundary": deep_boundary,
     "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
     "ttft-vllm-deep": ttft_vllm_deep,
 }
