@@ -133,6 +133,22 @@ def _check_residual_reader(source, target, mapper, attn):
     torch.testing.assert_close(cache.layers[1].keys[:, :, :held], own.layers[1].keys, rtol=1e-4, atol=1e-5)
 
 
+def test_the_key_norms_form_is_checked_once_per_module(pair, monkeypatch):
+    """The check that a key norm is an RMS norm runs once per target module, not on every transfer."""
+    from hf_kvtransfer.core import key_norm
+
+    source, target, _, base, stats = pair
+    mapper = solve_residual_mapper(base, stats, residual_layer=1)
+    calls = []
+    monkeypatch.setattr(key_norm, "_RMS_EPS", type(key_norm._RMS_EPS)())
+    monkeypatch.setattr(key_norm, "rms_form", lambda norm, dim: calls.append(norm) or (norm.weight, norm.variance_epsilon))
+    ids = random_ids(1, 16, seed=2)
+    for _ in range(3):
+        with torch.no_grad():
+            target(ids[:, -1:], cache=TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1))
+    assert calls == [target.model.layers[2].self_attn.k_norm]
+
+
 def test_rms_form_is_recognised_only_for_weight_times_rms_norm():
     """The fused key norm is used only where it is the module's own computation: Qwen3's RMS norm at any weight and
     eps; not Gemma's `(1 + weight)` form, a layer norm, or a module without a weight."""

@@ -4,6 +4,7 @@ readers fit the linear part of the key and the cache applies the target's own mo
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +46,6 @@ class KeyNormInput(MapInput):
         "to TransferredCache, so that the target's forward or convert_all runs the exact layers first"
     )
 
-    def __init__(self, mapper):
-        super().__init__(mapper)
-        # The modules last seen and the RMS forms among them: checked once per target model, not per transfer.
-        self._seen: tuple[dict[int, nn.Module], dict[int, tuple[torch.Tensor, float]]] = ({}, {})
-
     @property
     def readers(self) -> list[int]:
         return residual_readers(self.mapper.config)
@@ -62,14 +58,8 @@ class KeyNormInput(MapInput):
                 f"this mapper predicts keys before the target's key norm (map_inputs.key_norm), but "
                 f"{type(exact.model).__name__} has no `self_attn.k_norm`; load the mapper made for this target model"
             )
-        return KeyNorms(norms, self._rms_forms(norms))
-
-    def _rms_forms(self, norms: dict[int, nn.Module]) -> dict[int, tuple[torch.Tensor, float]]:
-        """Each norm's `(weight, eps)` when it is an RMS norm with a weight (checked on the modules once per mapper)."""
-        if any(self._seen[0].get(t) is not m for t, m in norms.items()):
-            forms = {t: rms_form(m, self.mapper.target_layout.head_dim) for t, m in norms.items()}
-            self._seen = (dict(norms), {t: f for t, f in forms.items() if f is not None})
-        return self._seen[1]
+        forms = {t: _checked_rms_form(m, self.mapper.target_layout.head_dim) for t, m in norms.items()}
+        return KeyNorms(norms, {t: f for t, f in forms.items() if f is not None})
 
     def apply(self, state, group, rows):
         readers = self.group_readers(group)
@@ -97,6 +87,20 @@ class KeyNorms:
 
     modules: dict[int, nn.Module]
     forms: dict[int, tuple[torch.Tensor, float]]
+
+
+# Whether each key norm module is an RMS norm (its eps, or None): checked once per module, not per transfer.
+_RMS_EPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNCHECKED = object()
+
+
+def _checked_rms_form(norm: nn.Module, dim: int) -> tuple[torch.Tensor, float] | None:
+    """`rms_form(norm, dim)`, the check done once per module; the weight is read from the module at each call."""
+    eps = _RMS_EPS.get(norm, _UNCHECKED)
+    if eps is _UNCHECKED:
+        form = rms_form(norm, dim)
+        eps = _RMS_EPS[norm] = None if form is None else form[1]
+    return None if eps is None else (norm.weight.detach(), eps)
 
 
 @torch.no_grad()
