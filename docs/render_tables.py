@@ -613,6 +613,30 @@ def deep_frontier() -> str:
     return "\n\n".join([table(header, rows), note, sources(*keys)])
 
 
+def deep_split() -> str:
+    """The deep pair's default transfer stage by stage, from the frontier's timing run."""
+    split = RESULTS["deep_split_frontier"].load()
+    rows = []
+    for n, s in sorted(split["lengths"].items(), key=lambda kv: int(kv[0])):
+        free = s["speedup_cpu_if_free"]
+        rows.append([
+            n, f"{s['own']['cpu_ms']:.1f} ms", f"{s['transfer']['cpu_ms']:.1f} ms", times(s["speedup_cpu"]),
+            *(f"{s[stage]['cpu_ms']:.1f} ms" for stage in ("exact", "maps", "recomputed", "floor")),
+            times(free["exact"]), times(free["maps"]), times(s["speedup_cpu_bound"]),
+        ])  # fmt: skip
+    header = ["prompt", "own prefill", "transfer", "speed-up", "exact pass", "maps", "recomputed tokens",
+              "their forward alone", "speed-up, exact pass free", "maps free", "bound"]  # fmt: skip
+    some = next(iter(split["lengths"].values()))
+    note = (
+        f"The fit's default ({some['num_exact_layers']} exact layers, {some['num_recompute_tokens']} recomputed tokens). "
+        f"Medians of process CPU time over {split['rounds']} interleaved rounds, one thread, load average "
+        f"{split['load_average_before'][0]:.2f} at the start. \"Their forward alone\" is the target's forward of the "
+        "recomputed tokens with no cache; the bound is the own prefill over the exact pass plus that forward: the "
+        "speed-up if the maps and the recomputed tokens' attention to the context cost nothing."
+    )
+    return "\n\n".join([table(header, rows), note, sources("gate_fit_deep", "gate_mapper_deep", "deep_split_frontier")])
+
+
 def points(stat: dict) -> str:
     """A paired difference of accuracy in points with its interval: '-1.5 [-3.8, +0.7]'."""
     low, high = stat["difference_ci"]
@@ -683,6 +707,7 @@ TABLES = {
     "shared-rank": shared_rank,
     "copy-layer-mlp": copy_layer_mlp,
     "deep-frontier": deep_frontier,
+    "deep-split": deep_split,
     "deep-boundary": deep_boundary,
     "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
     "ttft-vllm-deep": ttft_vllm_deep,
