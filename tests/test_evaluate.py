@@ -366,3 +366,19 @@ def test_pair_with_other_kv_geometry_gets_its_own_exact_layers():
     assert kept["context_gain"]["mean"] > 1.0 and kept["retention"] > 0.85, kept["nll"]
     fewer = repeated_span_retention(large, small, mapper, items, num_exact_layers=chosen - 1, reference=kept, **spans)
     assert fewer["retention"] < 0.5, fewer["nll"]
+
+
+@pytest.mark.parametrize("name", ["eval_source_to_target.json", "eval_tolerance_8_source_to_target.json"])
+def test_report_gives_the_paired_difference_of_each_content_task(name):
+    """eval's content table shows transfer minus own on the same items, in points: the mean of the per-item
+    differences of a saved eval, inside its interval."""
+    results = json.loads((Path(__file__).parents[1] / "research/family_builder/results/deep_pair" / name).read_text())
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in results_to_markdown(results).splitlines()}
+    header = rows["task"]
+    column = next(i for i, cell in enumerate(header) if cell.startswith("transfer - own"))
+    for key, label in (("passage_recall", "passage recall accuracy"), ("handoff", "hand-off question 2 accuracy")):
+        per_item = results[key]["correct_per_item"]
+        diff = 100 * sum(t - o for t, o in zip(per_item["transfer"], per_item["own"])) / len(per_item["own"])
+        row = next(cells for name_, cells in rows.items() if name_.startswith(label))
+        mean, low, high = (float(x) for x in row[column].replace("[", "").replace(",", "").replace("]", "").split())
+        assert mean == pytest.approx(diff, abs=0.05) and low <= mean <= high

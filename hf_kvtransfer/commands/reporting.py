@@ -210,6 +210,19 @@ def _mean_ci(stat: dict[str, Any] | None, percent: bool) -> str:
     return f"{stat['mean']:.3f}{bounds}"
 
 
+def _paired(res: dict[str, Any], percent: bool) -> str:
+    """Transfer minus own prefill on the same items, with its 95% interval: in points for accuracies."""
+    diff = res.get("transfer_minus_own")
+    if not diff:
+        return "-"
+    scale, digits = (100, 1) if percent else (1, 3)
+    values = [diff["mean"], *(diff.get("ci") or [])]
+    if not all(math.isfinite(v) for v in values):
+        return "-"
+    mean, *bounds = (f"{scale * v:+.{digits}f}" for v in values)
+    return mean + (f" [{bounds[0]}, {bounds[1]}]" if bounds else "")
+
+
 def _gap(res: dict[str, Any], notes: list[str], label: str) -> str:
     """The share of the source-to-target gap a content task's transfer recovers (recall and hand-off), or why not."""
     if res.get("gap_recovered") is not None:
@@ -242,13 +255,14 @@ def _content_markdown(results: dict[str, Any]) -> list[str]:
             notes.append(f"{label}: {res.get('retention_undefined')}.")
         if key == "handoff":
             label += f" (source answered question 1: {_mean_ci(res['q1_accuracy'], True)})"
-        rows.append(f"| {label} | {res['num_items']} | " + " | ".join(cells) + f" | {retention} | {_gap(res, notes, label)} |")
+        rows.append(f"| {label} | {res['num_items']} | " + " | ".join(cells)
+                    + f" | {_paired(res, percent)} | {retention} | {_gap(res, notes, label)} |")
     agreement = results.get("greedy_agreement")
     if agreement:
         rows.append(
             f"| greedy generations equal to own prefill's: first token / all {agreement['max_new_tokens']} tokens "
             f"| {agreement['num_prompts']} | - | {_mean_ci(agreement['first_token_agreement'], True)} / "
-            f"{_mean_ci(agreement['all_tokens_agreement'], True)} | - | - | - | - |"
+            f"{_mean_ci(agreement['all_tokens_agreement'], True)} | - | - | - | - | - |"
         )
         reference = agreement.get("reference")
         if reference and "skipped" in reference:
@@ -258,18 +272,18 @@ def _content_markdown(results: dict[str, Any]) -> list[str]:
             rows.append(
                 f"| the same from the target's own cache rounded to {reference['dtype']} (numeric reference) "
                 f"| {agreement['num_prompts']} | - | {_mean_ci(reference['first_token_agreement'], True)} / "
-                f"{_mean_ci(reference['all_tokens_agreement'], True)} | - | - | - | - |"
+                f"{_mean_ci(reference['all_tokens_agreement'], True)} | - | - | - | - | - |"
             )
     if not rows:
         return []
     lines = [
         "",
         "Content tasks (bootstrap 95% CIs over items; no context = first occurrence replaced / passage left out / "
-        "question 2 alone):",
+        "question 2 alone; transfer - own in points of accuracy, or nats for the NLL, on the same items):",
         "",
-        "| task | items | own prefill | transfer | no context | source alone | floor-normalized retention [95% CI]; "
-        "context gain | gap recovered [95% CI] |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | items | own prefill | transfer | no context | source alone | transfer - own, paired [95% CI] "
+        "| floor-normalized retention [95% CI]; context gain | gap recovered [95% CI] |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     return lines + ([""] + notes if notes else [])
