@@ -124,6 +124,13 @@ RESULTS = {
         "--output FILE",
         "2026-12-05",
     ),
+    "deep_depth": Result(
+        f"{_DEEP}/eval_depth_source_to_target.json",
+        "hf-kvtransfer eval --source examples/family_deep/source --target examples/family_deep/target --mapper DIR "
+        "--text examples/family_deep/heldout.txt --tasks depth --depth-lengths 512 768 1024 --depth-items 200 "
+        f"--json FILE --plot {_DEEP}/eval_depth_source_to_target.png",
+        "2026-12-05",
+    ),
     # The deep pair's gate boundary: passage recall on 2,000 items of the probe's kind and of eval's.
     **{f"deep_boundary_{name}": Result(f"research/probe_calibration/results/deep_boundary_{name}.json",
                                        f"{_ONE_THREAD} python research/probe_calibration/deep_boundary.py --mapper "
@@ -641,6 +648,34 @@ def deep_split() -> str:
     return "\n\n".join([table(header, rows), note, sources("gate_fit_deep", "gate_mapper_deep", "deep_split_frontier")])
 
 
+def _as_difference(stat: dict) -> dict:
+    """A `{"mean", "ci"}` paired difference (eval's transfer_minus_own) in the keys `points` reads."""
+    return {"difference": stat["mean"], "difference_ci": stat["ci"]}
+
+
+def deep_depth() -> str:
+    """The deep pair's passage recall by context length and needle position: own, transfer, and their paired
+    difference per cell."""
+    depth = RESULTS["deep_depth"].load()["recall_by_depth"]
+    by = {(c["context_tokens"], c["position"]): c for c in depth["cells"]}
+
+    def cell(c: dict) -> str:
+        acc = c["accuracy"]
+        return f"{pct(acc['own']['mean'])} / {pct(acc['transfer']['mean'])}; {points(_as_difference(c['transfer_minus_own']))}"
+
+    rows = [[str(n), *(cell(by[n, p]) for p in depth["positions"])] for n in depth["lengths"]]
+    some = depth["cells"][0]
+    note = (
+        f"Passage recall, own prefill / transfer, then transfer minus own in points with its paired 95% interval; "
+        f"{depth['items']} items per cell, the same facts in every cell, the passage at the start, middle or end of "
+        f"held-out text. The fit's default: {some['num_exact_layers']} exact layers, {some['num_recompute_tokens']} "
+        "recomputed tokens."
+    )
+    where = {"start": "passage at the start", "middle": "in the middle", "end": "at the end"}
+    header = ["context tokens", *(where.get(p, p) for p in depth["positions"])]
+    return "\n\n".join([table(header, rows), note, sources("gate_fit_deep", "gate_mapper_deep", "deep_depth")])
+
+
 def points(stat: dict) -> str:
     """A paired difference of accuracy in points with its interval: '-1.5 [-3.8, +0.7]'."""
     low, high = stat["difference_ci"]
@@ -713,6 +748,7 @@ TABLES = {
     "deep-frontier": deep_frontier,
     "deep-split": deep_split,
     "deep-boundary": deep_boundary,
+    "deep-depth": deep_depth,
     "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
     "ttft-vllm-deep": ttft_vllm_deep,
 }
