@@ -81,3 +81,19 @@ def test_eval_scores_depth_only_when_asked(tokenizer, texts):
     assert [(c["context_tokens"], c["position"]) for c in cells] == [(256, "start"), (256, "middle"), (256, "end")]
     for cell in cells:
         assert cell["accuracy"]["transfer"]["mean"] == cell["accuracy"]["own"]["mean"]
+
+
+def test_a_depth_too_short_for_a_passage_fails_before_any_task_runs(tokenizer):
+    """`evaluate` builds the depth grid with the other tasks' items, before any model runs: a length that cannot hold
+    a passage stops it at once, naming the option to change (no model forward is made)."""
+    from hf_kvtransfer.evaluation.evaluate import evaluate
+
+    model = AutoModelForCausalLM.from_pretrained(FAMILY / "small", dtype="float32").eval()
+    mapper = exact_identity_mapper(model)
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    text = (FAMILY / "heldout.txt").read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match="cannot hold a passage .*--depth-lengths"):
+        evaluate(model, model, mapper, tokenizer, text, tasks="recall,depth", depth_lengths=(512, 20), num_content_items=4,
+                 depth_items=3, num_bootstrap=20, progress=False)  # fmt: skip
+    assert calls == []

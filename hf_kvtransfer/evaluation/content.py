@@ -45,7 +45,7 @@ from ..core.loading import dtype_name, model_device
 from ..core.mapper import KVMapper
 from .metrics import REFEED_WARNING, gap_recovered_over_items, mean_and_ci, retention_over_items
 from .multiple_choice import score_continuations
-from .tasks import NEEDLE_POSITIONS, HandoffItem, PassageRecallItem, RepeatedSpanItem, needle_recall_items
+from .tasks import NEEDLE_POSITIONS, HandoffItem, PassageRecallItem, RepeatedSpanItem, needle_grid
 
 __all__ = ["SETTINGS", "greedy_agreement", "handoff", "passage_recall", "recall_by_depth", "repeated_span_retention"]
 
@@ -516,10 +516,12 @@ def recall_by_depth(
     items: int = 100,
     distractor_texts: Sequence[str] | None = None,
     seed: int = 0,
+    grid: list | None = None,
     **recall_options: Any,
 ) -> dict[str, Any]:
-    """Passage recall over a grid of context lengths x needle positions (`tasks.needle_recall_items`): where in a
-    long context the transfer loses the content.
+    """Passage recall over a grid of context lengths x needle positions (`tasks.needle_grid`): where in a long
+    context the transfer loses the content. `grid` is that grid for the same arguments, where the caller built it
+    already (`evaluate` does, before any task runs).
 
     Every cell asks the same facts (the positions of one length share their haystack), so cells differ only in
     length and depth. `recall_options` go to `passage_recall` (`num_recompute_tokens`, `num_exact_layers`, ...).
@@ -529,14 +531,14 @@ def recall_by_depth(
         "ci"}}, "retention", "retention_ci", "gap_recovered", "gap_recovered_ci", "transfer_minus_own"}, ...]}`,
         cells in row-major order (lengths, then positions).
     """
+    if grid is None:
+        grid = needle_grid(tokenizer, lengths, positions, items, seed, distractor_texts=distractor_texts)
     cells = []
-    for length in lengths:
-        for position in positions:
-            cell = needle_recall_items(tokenizer, items, length, position, seed, distractor_texts=distractor_texts)
-            res = passage_recall(source, target, mapper, cell, seed=seed, **recall_options)
-            keep = ("accuracy", "retention", "retention_ci", "retention_undefined", "gap_recovered",
-                    "gap_recovered_ci", "transfer_minus_own", "num_recompute_tokens", "num_exact_layers")  # fmt: skip
-            cells.append({"context_tokens": length, "position": position, **{k: res.get(k) for k in keep}})
+    for length, position, cell in grid:
+        res = passage_recall(source, target, mapper, cell, seed=seed, **recall_options)
+        keep = ("accuracy", "retention", "retention_ci", "retention_undefined", "gap_recovered",
+                "gap_recovered_ci", "transfer_minus_own", "num_recompute_tokens", "num_exact_layers")  # fmt: skip
+        cells.append({"context_tokens": length, "position": position, **{k: res.get(k) for k in keep}})
     return {"lengths": list(lengths), "positions": list(positions), "items": items, "cells": cells}
 
 

@@ -36,7 +36,7 @@ from ..core.options import with_options
 from .content import greedy_agreement, handoff, passage_recall, recall_by_depth, repeated_span_retention
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
-from .tasks import handoff_items, passage_recall_items, repeated_span_items
+from .tasks import NEEDLE_POSITIONS, handoff_items, needle_grid, passage_recall_items, repeated_span_items
 
 logger = logging.getLogger(__name__)
 
@@ -517,11 +517,12 @@ def resolve_tasks(
     return [t for t in EVAL_TASKS if t in names]  # one order, whatever order they were asked in
 
 
-def _content_items(tokenizer, documents: list[str], token_docs: list[list[int]], tasks: list[str], num_items: int,
-                   prefix_len: int, seed: int) -> dict[str, Any]:
+def _content_items(tokenizer, documents: list[str], token_docs: list[list[int]], tasks: list[str],
+                   cfg: EvalConfig) -> dict[str, Any]:
     """The items of the content tasks asked for, all built before any model runs: a text or tokenizer they cannot
     be built from fails at once."""
     items: dict[str, Any] = {}
+    num_items, prefix_len, seed = cfg.num_content_items, cfg.prefix_len, cfg.seed
     if "repeat" in tasks:
         eos = getattr(tokenizer, "eos_token_id", None)
         stream = [t for doc in token_docs for t in list(doc) + ([eos] if eos is not None else [])]
@@ -538,6 +539,9 @@ def _content_items(tokenizer, documents: list[str], token_docs: list[list[int]],
         ) from exc
     if "agreement" in tasks:
         items["agreement"] = text_windows(token_docs, prefix_len, num_items)
+    if "depth" in tasks:
+        items["depth"] = needle_grid(tokenizer, cfg.depth_lengths, tuple(NEEDLE_POSITIONS), cfg.depth_items, seed,
+                                     distractor_texts=documents)  # fmt: skip
     return items
 
 
@@ -629,7 +633,7 @@ def evaluate(
     documents = split_documents(text, getattr(tokenizer, "eos_token", None))
     docs = _tokenize_documents(tokenizer, documents)
     results: dict[str, Any] = {"config": _config_block(cfg, mapper, docs, selected)}
-    content = _content_items(tokenizer, documents, docs, selected, cfg.num_content_items, cfg.prefix_len, cfg.seed)
+    content = _content_items(tokenizer, documents, docs, selected, cfg)
     run = _TaskRun(source, target, mapper, cfg, tokenizer, documents, docs, content, multiple_choice_items, reverse_mapper)
     for name, task in _TASKS.items():
         if name in selected:
@@ -752,7 +756,7 @@ def _agreement(run: _TaskRun, results: dict[str, Any]) -> None:
 def _depth(run: _TaskRun, results: dict[str, Any]) -> None:
     cfg = run.cfg
     results["recall_by_depth"] = recall_by_depth(
-        *run.models, run.tokenizer, lengths=cfg.depth_lengths, items=cfg.depth_items, distractor_texts=run.documents,
+        *run.models, run.tokenizer, lengths=cfg.depth_lengths, items=cfg.depth_items, grid=run.content["depth"],
         seed=cfg.seed, num_recompute_tokens=run.fed, num_exact_layers=cfg.num_exact_layers,
         num_bootstrap=cfg.num_bootstrap, progress=cfg.progress,
     )  # fmt: skip

@@ -541,7 +541,8 @@ def needle_recall_items(
         needle = _encode(tokenizer, fs.passage + "\n\n")
         fill = context_tokens - len(needle)
         if fill < 0:
-            raise ValueError(f"context_tokens={context_tokens} cannot hold a passage of {len(needle)} tokens")
+            raise ValueError(f"context_tokens={context_tokens} cannot hold a passage of {len(needle)} tokens with this "
+                             f"tokenizer; use context lengths well above {len(needle)} (--depth-lengths)")
         hay = _haystack(rng, tokenizer, distractor_texts, filler, fill)
         before = round(frac * fill)
         question = _encode(tokenizer, "\n\n" + _qa(f))
@@ -555,6 +556,23 @@ def needle_recall_items(
                       question=f.question, answer_prefix=f.answer_prefix),
         ))  # fmt: skip
     return items
+
+
+def needle_grid(
+    tokenizer,
+    lengths: Sequence[int],
+    positions: Sequence[str | float],
+    n: int,
+    seed: int = 0,
+    *,
+    distractor_texts: Sequence[str] | None = None,
+) -> list[tuple[int, str | float, list[PassageRecallItem]]]:
+    """`needle_recall_items` for every (length, position), lengths first: `[(length, position, items), ...]`.
+
+    Built at once, before any model runs, so that a length too short for a passage fails before any cell is scored.
+    """
+    return [(length, position, needle_recall_items(tokenizer, n, length, position, seed, distractor_texts=distractor_texts))
+            for length in lengths for position in positions]  # fmt: skip
 
 
 def handoff_items(
