@@ -292,8 +292,7 @@ def _content_markdown(results: dict[str, Any]) -> list[str]:
 def _depth_cell(cell: dict[str, Any]) -> str:
     acc = cell["accuracy"]
     text = f"{_pct(acc['own']['mean'])} / {_pct(acc['transfer']['mean'])}" if "transfer" in acc else _pct(acc["own"]["mean"])
-    diff = cell.get("transfer_minus_own")
-    return text + (f" ({100 * diff['mean']:+.1f}{_ci(diff.get('ci'))})" if diff else "")
+    return text + (f" ({_paired(cell, True)})" if cell.get("transfer_minus_own") else "")
 
 
 def _depth_markdown(depth: dict[str, Any] | None) -> list[str]:

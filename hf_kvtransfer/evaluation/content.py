@@ -520,8 +520,8 @@ def recall_by_depth(
     **recall_options: Any,
 ) -> dict[str, Any]:
     """Passage recall over a grid of context lengths x needle positions (`tasks.needle_grid`): where in a long
-    context the transfer loses the content. `grid` is that grid for the same arguments, where the caller built it
-    already (`evaluate` does, before any task runs).
+    context the transfer loses the content. `grid` is that grid where the caller built it already (`evaluate` does,
+    before any task runs); `lengths`, `positions`, `items` and `distractor_texts` then go unused.
 
     Every cell asks the same facts (the positions of one length share their haystack), so cells differ only in
     length and depth. `recall_options` go to `passage_recall` (`num_recompute_tokens`, `num_exact_layers`, ...).
@@ -539,7 +539,10 @@ def recall_by_depth(
         keep = ("accuracy", "retention", "retention_ci", "retention_undefined", "gap_recovered",
                 "gap_recovered_ci", "transfer_minus_own", "num_recompute_tokens", "num_exact_layers")  # fmt: skip
         cells.append({"context_tokens": length, "position": position, **{k: res.get(k) for k in keep}})
-    return {"lengths": list(lengths), "positions": list(positions), "items": items, "cells": cells}
+    # The grid is the one record of what was scored (a caller's grid included).
+    return {"lengths": list(dict.fromkeys(c["context_tokens"] for c in cells)),
+            "positions": list(dict.fromkeys(c["position"] for c in cells)),
+            "items": len(grid[0][2]) if grid else items, "cells": cells}
 
 
 # -- hand-off: the source answers, the target takes over -------------------------------------------------

@@ -756,9 +756,8 @@ def _agreement(run: _TaskRun, results: dict[str, Any]) -> None:
 def _depth(run: _TaskRun, results: dict[str, Any]) -> None:
     cfg = run.cfg
     results["recall_by_depth"] = recall_by_depth(
-        *run.models, run.tokenizer, lengths=cfg.depth_lengths, items=cfg.depth_items, grid=run.content["depth"],
-        seed=cfg.seed, num_recompute_tokens=run.fed, num_exact_layers=cfg.num_exact_layers,
-        num_bootstrap=cfg.num_bootstrap, progress=cfg.progress,
+        *run.models, run.tokenizer, grid=run.content["depth"], seed=cfg.seed, num_recompute_tokens=run.fed,
+        num_exact_layers=cfg.num_exact_layers, num_bootstrap=cfg.num_bootstrap, progress=cfg.progress,
     )  # fmt: skip
 
 
