@@ -124,6 +124,14 @@ RESULTS = {
         "--output FILE",
         "2026-12-05",
     ),
+    "deep_frontier_paired": Result(
+        f"{_DEEP}/frontier_paired_source_to_target.json",
+        f"python {_CAS}/paired_rows.py --eval " + " ".join(
+            f"{name}={_DEEP}/eval_{stem}source_to_target.json" for name, stem in (
+                ("default", ""), ("recompute_8", "recompute_8_"), ("recompute_1", "recompute_1_"),
+                ("tolerance_8", "tolerance_8_"), ("source_kv_14_exact", "source_kv_14_exact_"))) + " --json FILE",
+        "2026-12-05",
+    ),
     "deep_depth": Result(
         f"{_DEEP}/eval_depth_source_to_target.json",
         "hf-kvtransfer eval --source examples/family_deep/source --target examples/family_deep/target --mapper DIR "
@@ -587,17 +595,20 @@ def deep_frontier() -> str:
     split = RESULTS["deep_split_frontier"].load()
     lengths = sorted(split["lengths"], key=int)
     default = RESULTS["gate_mapper_deep"].load()
+    paired = RESULTS["deep_frontier_paired"].load()
     rows_spec = [
-        ("the fit's default", default, "gate_eval_deep", "speedup_cpu"),
-        ("the default, 8 recomputed tokens", default, "deep_eval_recompute_8", "speedup_cpu_transfer@8"),
-        ("the default, 1 recomputed token", default, "deep_eval_recompute_1", "speedup_cpu_transfer@1"),
+        ("the fit's default", default, "gate_eval_deep", "speedup_cpu", "default"),
+        ("the default, 8 recomputed tokens", default, "deep_eval_recompute_8", "speedup_cpu_transfer@8", "recompute_8"),
+        ("the default, 1 recomputed token", default, "deep_eval_recompute_1", "speedup_cpu_transfer@1", "recompute_1"),
         ("the fit at --exact-layers-tolerance 0.08", RESULTS["deep_mapper_tolerance_8"].load(), "deep_eval_tolerance_8",
-         "speedup_cpu_tolerance_8"),
+         "speedup_cpu_tolerance_8", "tolerance_8"),
         ("source K/V maps at the exact layers the gate accepts for them", None, "deep_eval_source_kv_14_exact",
-         "speedup_cpu_source_kv_14_exact"),
+         "speedup_cpu_source_kv_14_exact", "source_kv_14_exact"),
     ]  # fmt: skip
+    labels = {name: label for label, *_, name in rows_spec}
     rows = []
-    for label, config, key, speed in rows_spec:
+    for label, config, key, speed, name in rows_spec:
+        against = paired["minus_best"][name]
         result = RESULTS[key].load()
         recall, handoff = result["passage_recall"], result["handoff"]
         what = _mapper_label(config) if config else f"{recall['num_exact_layers']} of 24 exact, source K/V maps"
@@ -606,21 +617,26 @@ def deep_frontier() -> str:
             f"{pct(recall['retention'])} {ci(recall['retention_ci'])}",
             f"{pct(recall['gap_recovered'])} {ci(recall['gap_recovered_ci'])}",
             f"{pct(handoff['retention'])} {ci(handoff['retention_ci'])}",
+            *(("best row" if name == paired["best"] else points(_as_difference(against[task]))
+               for task in ("passage_recall", "handoff"))),
             " / ".join(times(split["lengths"][n][speed]) for n in lengths),
         ])  # fmt: skip
     header = ["configuration", "exact layers and maps", "recomputed tokens", "passage recall retention [95% CI]",
-              "gap recovered [95% CI]", "hand-off retention [95% CI]",
-              f"TTFT speed-up at {' / '.join(lengths)} tokens"]  # fmt: skip
+              "gap recovered [95% CI]", "hand-off retention [95% CI]", "recall minus the best row, paired",
+              "hand-off minus the best row, paired", f"TTFT speed-up at {' / '.join(lengths)} tokens"]  # fmt: skip
     bound = " / ".join(times(split["lengths"][n]["speedup_cpu_bound"]) for n in lengths)
     note = (
         "Content: `eval` on 600 held-out items per task, 2,000 bootstrap resamples. Speed: one run timing every row "
         f"in the same interleaved rounds ({split['rounds']} rounds, process CPU time, one thread; load average "
         f"{split['load_average_before'][0]:.2f} at the start), so the speed-ups are paired. The default's exact pass "
-        f"plus the forward of its 32 recomputed tokens alone bound its speed-up at {bound}."
+        f"plus the forward of its 32 recomputed tokens alone bound its speed-up at {bound}. The best row is the one "
+        f"with the highest passage recall ({labels[paired['best']]}); the paired columns give each row's accuracy "
+        f"minus that row's on the same items, in points with the 95% bootstrap interval ({paired['num_bootstrap']:,} "
+        "resamples)."
     )
     keys = ["gate_fit_deep", "gate_mapper_deep", "gate_eval_deep", "deep_eval_recompute_8", "deep_eval_recompute_1",
             "deep_mapper_tolerance_8", "deep_eval_tolerance_8", "deep_mapper_source_kv_14_exact",
-            "deep_eval_source_kv_14_exact", "deep_split_frontier"]
+            "deep_eval_source_kv_14_exact", "deep_frontier_paired", "deep_split_frontier"]
     return "\n\n".join([table(header, rows), note, sources(*keys)])
 
 
