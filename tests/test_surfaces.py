@@ -13,13 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import left_pad, random_ids
 from fit_fixtures import save_pair, write_corpus
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
+from hf_kvtransfer.commands.bench import mapping_flops
 from hf_kvtransfer.commands.cli import main
-from mapper_kinds import SURFACE_KINDS, calibration_ids, make_kinds
+from hf_kvtransfer.core.exact import own_prefix
+from mapper_kinds import KINDS, SURFACE_KINDS, calibration_ids, make_kinds
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +117,27 @@ def test_push_pull_round_trip(kind, family, hub_server):
     assert pulled.config == mapper.config
     ours, theirs = mapper.state_dict(), pulled.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+# The first-layer table's exact layer is a look-up by token id, not the target's projections: its exact pass is not
+# the target's own, so the exact pass cannot be subtracted here (its maps are the source-only kind's).
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "first-layer-table"])
+def test_bench_counts_the_flops_the_transfer_runs(kind, family):
+    """bench's FLOPs of the maps (`mapping_flops` at the mapper's exact layers) are what torch's FLOP counter sees a
+    transfer run beyond the target's own exact pass: the maps of the layers it maps and what their inputs add (the
+    residual's projection and weights), never the maps of layers the target computes itself."""
+    source, target = family["models"]
+    mapper = KVMapper.from_pretrained(family["dirs"][kind])
+    ids = random_ids(1, 24, seed=5)
+    cache = prefill(source, ids)
+
+    def transfer():
+        return TransferredCache(cache, mapper, num_recompute_tokens=0, model=target).convert_all()
+
+    exact = transfer().num_exact_layers  # the first run also builds the stacked weights, once
+    with FlopCounterMode(display=False) as whole:
+        transfer()
+    with FlopCounterMode(display=False) as own:
+        if exact:
+            own_prefix(target, ids, None, torch.arange(ids.shape[-1]).unsqueeze(0), exact)
+    assert whole.get_total_flops() - own.get_total_flops() == mapping_flops(mapper, ids.shape[-1], exact)

@@ -45,6 +45,7 @@ from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS
 from ..core.capture import cache_argument, prefill
 from ..core.conversion import conversion_groups
 from ..core.loading import DTYPES, check_device, load_model
+from ..core.map_inputs import map_inputs_of
 from ..core.mapper import KVMapper
 from ..core.options import with_options
 from ..core.rope import head_dim_of, text_config
@@ -160,21 +161,23 @@ def exact_layers_flops(config, seq_len: int, num_exact_layers: int) -> int:
     return prefill_flops(config, seq_len, num_layers=num_exact_layers - 1)["total"] + last
 
 
-def mapping_flops(mapper: KVMapper, seq_len: int) -> int:
-    """FLOPs of mapping `seq_len` tokens through every target layer (keys and values), batch 1, as
-    `TransferredCache` computes them (`conversion.conversion_groups`): affine maps cost their dense or factored
-    multiply-adds as they are taken (a dense reduced-rank map includes forming `up @ down`); nonlinear
-    maps are counted as one multiply-add per parameter and token."""
+def mapping_flops(mapper: KVMapper, seq_len: int, num_exact_layers: int = 0) -> int:
+    """FLOPs of mapping `seq_len` tokens through the target layers after the first `num_exact_layers` (keys and
+    values), batch 1, as `TransferredCache` computes them (`conversion.conversion_groups`): affine maps cost their
+    dense or factored multiply-adds as they are taken (a dense reduced-rank map includes forming `up @ down`);
+    nonlinear maps one multiply-add per weight (not bias) and token; and what each map input adds on those layers
+    (`MapInput.transfer_flops`, e.g. the maps of the target's residual stream)."""
     total = 0
-    for group, dense in conversion_groups(mapper, seq_len):
+    for group, dense in conversion_groups(mapper, seq_len, num_exact_layers):
         for t in group:
             layer = mapper.layers[t]
             parts = [layer.linear_parts(kind) for kind in ("key", "value")]
             if any(p is None for p in parts):
-                total += seq_len * sum(p.numel() for p in layer.parameters())
+                total += seq_len * sum(p.numel() for name, p in layer.named_parameters() if not name.endswith("bias"))
             else:
                 total += sum(p.macs(seq_len, dense) for p in parts)
-    return 2 * total
+    mapped = set(range(num_exact_layers, len(mapper.layers)))
+    return 2 * total + sum(inp.transfer_flops(seq_len, mapped) for inp in map_inputs_of(mapper))
 
 
 def mapper_size(mapper: KVMapper) -> dict[str, Any]:
@@ -364,14 +367,17 @@ def _time_transfers(row: dict[str, Any], source_cache, target, variants, ids, o:
         convert = lambda m=mapper, c=compiled: TransferredCache(  # noqa: E731
             source_cache, m, num_recompute_tokens=0, compile_rope=c, num_exact_layers=o.num_exact_layers, model=target
         ).convert_all()
-        entry: dict[str, Any] = {"compile_rope": compiled}
+        exact = TransferredCache(source_cache, mapper, num_recompute_tokens=0, num_exact_layers=o.num_exact_layers).num_exact_layers
+        entry: dict[str, Any] = {"compile_rope": compiled, "num_exact_layers": exact}
         ms = _measure(entry, "ms", convert, device, o.repeats, o.warmup)
         entry.update({
             "speedup_vs_body": row["prefill_body_ms"] / ms,
             "cpu_speedup_vs_body": row["prefill_body_ms_cpu"] / max(entry["ms_cpu"], 1e-9),
-            "mapping_gflop": mapping_flops(mapper, seq_len) / 1e9,
+            "exact_gflop": exact_layers_flops(target.config, seq_len, exact) / 1e9,
+            "mapping_gflop": mapping_flops(mapper, seq_len, exact) / 1e9,
         })  # fmt: skip
-        entry["flop_ratio"] = row["prefill_gflop"] / max(entry["mapping_gflop"], 1e-12)
+        # What was timed: the exact layers and the maps.
+        entry["flop_ratio"] = row["prefill_gflop"] / max(entry["exact_gflop"] + entry["mapping_gflop"], 1e-12)
         if o.measure_memory:
             entry["peak_bytes"] = peak_memory(convert, device)
         row["transfer"][name] = entry

@@ -448,7 +448,7 @@ def bench_markdown(report: dict[str, Any]) -> str:
     if ttft:
         lines += ["", _ttft_line(settings, report["results"])]
     header = ["T", "prefill body ms", "full fwd ms"]
-    header += [f"transfer {n} ms, all layers mapped (x faster wall, CPU time; FLOP ratio)" for n in names]
+    header += [f"transfer {n} ms: its exact layers, then the maps (x faster wall, CPU time; FLOP ratio)" for n in names]
     if ttft:
         header += ["TTFT own ms", "TTFT at defaults ms (x faster)", "TTFT all mapped ms (x faster; lossy)"]
     header += ["decode own / transfer ms (overhead)", "peak prefill / transfer"]

@@ -65,11 +65,12 @@ def plan_group(mapper: KVMapper, layer_idx: int, pending: Iterable[int], tokens:
     return group, dense
 
 
-def conversion_groups(mapper: KVMapper, tokens: int) -> list[tuple[tuple[int, ...], bool]]:
-    """How `TransferredCache` maps the target layers of a cache of `tokens` tokens (batch x length) when they are
-    converted in order (as a forward does): `(layers mapped together, taken densely)` per group; the flag is False
-    for factored reduced-rank maps and for nonlinear (MLP) maps, which are mapped one layer at a time."""
-    pending = set(range(len(mapper.layers)))
+def conversion_groups(mapper: KVMapper, tokens: int, num_exact_layers: int = 0) -> list[tuple[tuple[int, ...], bool]]:
+    """How `TransferredCache` maps the target layers after its first `num_exact_layers` (which the target computes
+    itself) for a cache of `tokens` tokens (batch x length), converted in order as a forward does: `(layers mapped
+    together, taken densely)` per group; the flag is False for factored reduced-rank maps and for nonlinear (MLP)
+    maps, which are mapped one layer at a time."""
+    pending = set(range(num_exact_layers, len(mapper.layers)))
     groups = []
     while pending:
         group, dense = plan_group(mapper, min(pending), pending, tokens)

@@ -148,6 +148,12 @@ class MapInput:
         """What the input adds to a mapper at `shape` (None: nothing to count, or the shape does not use it)."""
         return None
 
+    def transfer_flops(self, tokens: int, layers: set[int]) -> int:
+        """FLOPs (2 x multiply-adds) the input adds to a transfer of `tokens` tokens whose maps convert `layers`, as
+        its state and `apply` take them; a look-up or an elementwise step counts none (`bench`'s count; a test checks
+        it against torch's FLOP counter)."""
+        return 0
+
     @classmethod
     def build_module(cls, config: MapperConfig) -> torch.nn.Module | None:
         """The input's parameters for a mapper with `config` (zeros: loading or the fit fills them), or None."""

@@ -265,6 +265,16 @@ class ResidualInput(MapInput):
         return [("Maps also read", f"the target's residual stream entering layer {res['layer']} "
                  f"(readers: {readers}{held})")]  # fmt: skip
 
+    def transfer_flops(self, tokens: int, layers: set[int]) -> int:
+        # The shared projection (`project`, on the exact pass's residual), then each converted reader's K and V weights.
+        maps = self.mapper.residual
+        readers = [t for t in self.readers if t in layers]
+        if not readers:
+            return 0
+        macs = maps.down.numel() if maps.down is not None else 0
+        macs += sum(maps.weight(kind, t).numel() for t in readers for kind in ("key", "value"))
+        return 2 * tokens * macs
+
     def from_exact_pass(self, exact: ExactPass) -> torch.Tensor:
         # (B, T, hidden) -> (B, T, F): the residual features the reader layers' maps read
         features = residual_features(exact.hidden, self.settings.lags, exact.attention_mask)
