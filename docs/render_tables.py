@@ -620,15 +620,18 @@ def deep_frontier() -> str:
             *(("best row" if name == paired["best"] else points(_as_difference(against[task]))
                for task in ("passage_recall", "handoff"))),
             " / ".join(times(split["lengths"][n][speed]) for n in lengths),
+            " / ".join(times(split["lengths"][n][speed.replace("speedup_cpu", "speedup_flops")]) for n in lengths),
         ])  # fmt: skip
     header = ["configuration", "exact layers and maps", "recomputed tokens", "passage recall retention [95% CI]",
               "gap recovered [95% CI]", "hand-off retention [95% CI]", "recall minus the best row, paired",
-              "hand-off minus the best row, paired", f"TTFT speed-up at {' / '.join(lengths)} tokens"]  # fmt: skip
+              "hand-off minus the best row, paired", f"TTFT speed-up at {' / '.join(lengths)} tokens",
+              "speed-up by FLOPs"]  # fmt: skip
     bound = " / ".join(times(split["lengths"][n]["speedup_cpu_bound"]) for n in lengths)
     note = (
         "Content: `eval` on 600 held-out items per task, 2,000 bootstrap resamples. Speed: one run timing every row "
         f"in the same interleaved rounds ({split['rounds']} rounds, process CPU time, one thread; load average "
-        f"{split['load_average_before'][0]:.2f} at the start), so the speed-ups are paired. The default's exact pass "
+        f"{split['load_average_before'][0]:.2f} at the start), so the speed-ups are paired; by FLOPs: the own "
+        "prefill's FLOPs over the transfer's, counted from the shapes (transformer bodies). The default's exact pass "
         f"plus the forward of its 32 recomputed tokens alone bound its speed-up at {bound}. The best row is the one "
         f"with the highest passage recall ({labels[paired['best']]}); the paired columns give each row's accuracy "
         f"minus that row's on the same items, in points with the 95% bootstrap interval ({paired['num_bootstrap']:,} "
@@ -648,18 +651,23 @@ def deep_split() -> str:
         free = s["speedup_cpu_if_free"]
         rows.append([
             n, f"{s['own']['cpu_ms']:.1f} ms", f"{s['transfer']['cpu_ms']:.1f} ms", times(s["speedup_cpu"]),
-            *(f"{s[stage]['cpu_ms']:.1f} ms" for stage in ("exact", "maps", "recomputed", "floor")),
-            times(free["exact"]), times(free["maps"]), times(s["speedup_cpu_bound"]),
+            *(f"{s[stage]['cpu_ms']:.1f} ms" for stage in ("exact", "maps", "recomputed", "floor", "one_token")),
+            times(free["exact"]), times(free["maps"]), times(s["speedup_cpu_bound"]), times(s["speedup_flops"]),
         ])  # fmt: skip
     header = ["prompt", "own prefill", "transfer", "speed-up", "exact pass", "maps", "recomputed tokens",
-              "their forward alone", "speed-up, exact pass free", "maps free", "bound"]  # fmt: skip
+              "their forward alone", "one token's forward alone", "speed-up, exact pass free", "maps free", "bound",
+              "speed-up by FLOPs"]  # fmt: skip
     some = next(iter(split["lengths"].values()))
     note = (
         f"The fit's default ({some['num_exact_layers']} exact layers, {some['num_recompute_tokens']} recomputed tokens). "
         f"Medians of process CPU time over {split['rounds']} interleaved rounds, one thread, load average "
         f"{split['load_average_before'][0]:.2f} at the start. \"Their forward alone\" is the target's forward of the "
-        "recomputed tokens with no cache; the bound is the own prefill over the exact pass plus that forward: the "
-        "speed-up if the maps and the recomputed tokens' attention to the context cost nothing."
+        "recomputed tokens with no cache, \"one token's forward alone\" that of the prompt's last token: what any "
+        "forward of the target's layers costs on this machine, whatever its tokens. The bound is the own prefill over "
+        "the exact pass plus the recomputed tokens' forward: the speed-up if the maps and the recomputed tokens' "
+        "attention to the context cost nothing. The speed-up by FLOPs is the own prefill's FLOPs over the transfer's "
+        "(exact layers, maps, recomputed tokens; transformer bodies, counted from the shapes as `bench` and `plan` "
+        "count them): what the arithmetic allows."
     )
     return "\n\n".join([table(header, rows), note, sources("gate_fit_deep", "gate_mapper_deep", "deep_split_frontier")])
 
@@ -742,6 +750,38 @@ def _ttft_vllm(key: str) -> str:
     note = (f"{result['num_exact_layers']} exact layers; {result['repeats']} interleaved repeats, load average "
             f"{result['load_average_start'][0]:.2f} at the start, vLLM {result['vllm']}.")
     return "\n\n".join([table(header, rows), note, sources(key)])
+
+
+def deep_bench() -> str:
+    """The deep pair's `hf-kvtransfer bench` with its default fit's mapper: the own prefill, the transfer (the exact
+    layers, then the maps) with its FLOP ratio, time to the first token at the defaults, and one decode step."""
+    report = RESULTS["deep_bench"].load()
+    name, settings = report["settings"]["ttft_mapper"], report["settings"]
+    rows = []
+    for r in report["results"]:
+        t = r["transfer"][name]
+        rows.append([
+            str(r["seq_len"]), f"{r['prefill_body_ms']:.1f} ms", f"{t['ms']:.1f} ms",
+            f"{times(t['speedup_vs_body'])} / {times(t['cpu_speedup_vs_body'])}", times(t["flop_ratio"]),
+            f"{r['ttft_own_ms']:.1f} ms", f"{r['ttft_defaults_ms']:.1f} ms", times(r["ttft_defaults_speedup"]),
+            f"{r['decode_own_ms']:.2f} / {r['decode_transfer_ms']:.2f} ms ({r['decode_overhead_pct']:+.1f}%)",
+        ])  # fmt: skip
+    some = report["results"][0]["transfer"][name]
+    header = ["prompt", "own prefill (body)", f"transfer: {some['num_exact_layers']} exact layers, then the maps",
+              "speed-up wall / CPU time", "FLOP ratio", "TTFT own", "TTFT at the defaults", "speed-up",
+              "decode step own / transferred"]  # fmt: skip
+    env = report["environment"]
+    defaults = settings["ttft_defaults"]
+    recompute = defaults["num_recompute_tokens"] or defaults["num_recompute_tokens_default"]
+    note = (
+        f"One thread, `OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}`, load average {env['load_average'][0]:.2f} at the "
+        f"start; {settings['dtype']}, batch 1, medians of {settings['repeats']} after {settings['warmup']} warm-up. "
+        f"The transfer is the target's first {defaults['num_exact_layers']} layers, then the maps of the other "
+        f"{settings['num_target_layers'] - defaults['num_exact_layers']}, with no recomputed tokens; its FLOP ratio is "
+        f"the prefill's FLOPs over its own. Time to the first token at the defaults adds the {recompute} recomputed "
+        f"tokens. The decode step is one token on the transferred cache against one on the target's own."
+    )
+    return "\n\n".join([table(header, rows), note, sources("gate_fit_deep", "gate_mapper_deep", "deep_bench")])
 
 
 def ttft_vllm_small_to_large() -> str:

@@ -9,7 +9,6 @@ gives the same logits.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -2,8 +2,8 @@
 
 Every number comes from the code that does the work, not from a second copy of its formula: statistics sizes from
 `stats.statistics_nbytes` / `stats.block_statistics_nbytes` (what `fit` allocates), mapper parameters from a
-`KVMapper` built on the meta device (no memory), FLOPs from `bench.prefill_flops` / `bench.exact_layers_flops` /
-`bench.mapping_flops` (what `hf-kvtransfer bench` reports), and the fit's full vs two-stage choice by the rule
+`KVMapper` built on the meta device (no memory), FLOPs from `core.flops` (`prefill_flops` / `exact_layers_flops` /
+`mapping_flops`: what `hf-kvtransfer bench` reports), and the fit's full vs two-stage choice by the rule
 `accumulate.py` applies. To the first token (`first_token_flops`): the exact layers, the maps, the recomputed tokens,
 and what each registered map input would add (`map_input_costs`: `MapInput.cost`, at the positions the caller names
 or the input's `plan_default_positions`).
@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from ..core.loading import DTYPES, parse_dtype
+from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
 from ..core.map_inputs import InputCost, MapInput, PlanShape, map_input_class, registered_map_inputs
 from ..core.mapper_types import LOWRANK, RIDGE
 from ..core.options import with_options
@@ -248,9 +249,10 @@ def first_token_flops(
 ) -> dict[str, int]:
     """FLOPs to the target's first token for a `seq_len`-token prompt whose source cache is at hand, batch 1, by
     part, as `TransferredCache` computes it: the target's first `num_exact_layers` layers over the transferred
-    tokens (`seq_len - num_recompute_tokens`; `bench.exact_layers_flops`), the maps of the other layers over them,
+    tokens (`seq_len - num_recompute_tokens`; `flops.exact_layers_flops`), the maps of the other layers over them,
     and the last `num_recompute_tokens` tokens through every layer, attending to the rest; beside it the target's own
-    prefill. Transformer bodies (no LM head), as `bench.prefill_flops` counts them.
+    prefill. Transformer bodies (no LM head), as `flops.prefill_flops` counts them. `mapper` is a planning mapper
+    (`planning_mapper`) or a loaded one, whose own map inputs are then counted in `mapping`.
 
     With `inputs` (`{input name: positions}`), the maps also read those map inputs (`MapInput.cost`; e.g. the target's
     residual stream entering the last exact layer, which the exact pass computes anyway before that layer's
@@ -260,7 +262,6 @@ def first_token_flops(
     Returns:
         `{"own_prefill", "exact_layers", "mapping", "map_inputs", "recompute", "total"}` (total: the transfer).
     """
-    from .bench import exact_layers_flops, mapping_flops, prefill_flops
 
     layers = text_config(target_config).num_hidden_layers
     if not 0 <= num_exact_layers <= layers:
@@ -269,8 +270,9 @@ def first_token_flops(
         raise ValueError(f"num_recompute_tokens must be in [1, {seq_len}] (the prompt), got {num_recompute_tokens}")
     transferred = seq_len - num_recompute_tokens
     mapped = layers - num_exact_layers
-    # Every map of a planning mapper has the same shape: the mapped layers' share of mapping all of them.
-    mapping = mapping_flops(mapper, transferred) * mapped // layers
+    # The maps of the layers after the exact ones, with what a loaded mapper's own inputs add (a planning mapper has
+    # none: `inputs` costs them from the shapes).
+    mapping = mapping_flops(mapper, transferred, num_exact_layers)
     costs = [_input_cost(map_input_class(name), target_config, mapped, transferred, count, rank, _FLOPS_ONLY)
              for name, count in (inputs or {}).items()]  # fmt: skip
     parts = {
@@ -411,7 +413,6 @@ def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[s
     """`TransferPlan`'s fields of the FLOPs at batch 1 (the bench functions; prefill = transformer body, as the paper
     times it) and to the first token: the exact layers, the maps, the recomputed tokens; and each map input's rows."""
     from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS, resolve_num_recompute_tokens
-    from .bench import mapping_flops, prefill_flops
 
     tgt, seq_len = KVLayout.from_config(target_config), o.seq_len
     prefill = prefill_flops(target_config, seq_len)["total"]

@@ -41,6 +41,7 @@ from huggingface_hub.utils import tqdm
 from transformers import PreTrainedModel
 
 from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
+from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
 from ..core.mapper import KVMapper
 from ..core.map_inputs import exact_layers_needed
 from ..core.options import with_options
@@ -308,28 +309,21 @@ def _timing_row(times: dict[str, list[float]], own: dict[str, list[float]], cloc
 
 def configuration_cost(target: PreTrainedModel, mapper: KVMapper, num_exact: int, seq_len: int) -> dict[str, int]:
     """Multiply-adds per prompt token to the first token of a `seq_len`-token prompt at a configuration: the exact
-    layers' weights and attention (a causal prefill's average context, `seq_len / 2`) and the maps of the other
-    layers (their weights; a table of rows by token id is a look-up and costs none). A count from the shapes alone, the same on
-    every machine and under any load: what the fit orders the configurations that keep the content by.
+    layers (a causal prefill's attention; the last one up to its keys and values) and the maps of the other layers
+    with what their inputs add (a table of rows by token id is a look-up and costs none), counted by `core.flops` as
+    `hf-kvtransfer bench` and `plan` count them. A count from the shapes alone, the same on every machine and under
+    any load: what the fit orders the configurations that keep the content by. The recomputed tokens cost every
+    configuration the same and are left out.
 
     Returns:
         `{"exact_layers", "maps", "total"}`; `num_exact` equal to the target's layers is its own prefill.
     """
-    layers = getattr(target, "base_model", target).layers
-    text = target.config.get_text_config()
-    q_dim = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    vocab = text.vocab_size
-    exact = sum(sum(p.numel() for p in layers[i].parameters()) + q_dim * seq_len // 2 * 2 for i in range(num_exact))
-    maps = 0
-    if num_exact < len(layers):
-        for name, p in mapper.named_parameters():
-            parts = name.split(".")
-            if vocab in p.shape:  # a table of rows by token id: a look-up
-                continue
-            if parts[0] == "layers" and int(parts[1]) < num_exact:
-                continue  # a map the exact layers replace
-            maps += p.numel()
-    return {"exact_layers": int(exact), "maps": int(maps), "total": int(exact + maps)}
+    if num_exact >= len(getattr(target, "base_model", target).layers):
+        exact, maps = prefill_flops(target.config, seq_len)["total"], 0
+    else:
+        exact, maps = exact_layers_flops(target.config, seq_len, num_exact), mapping_flops(mapper, seq_len, num_exact)
+    per_token = 2 * seq_len
+    return {"exact_layers": exact // per_token, "maps": maps // per_token, "total": (exact + maps) // per_token}
 
 
 def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | None, num_layers: int,

@@ -6,7 +6,10 @@ stages (`compute_exact_layers`, `convert_all`, then the forward), at each prompt
 CPU time over interleaved rounds, one thread. The last columns are the speed-ups left if a stage cost nothing.
 `floor` is the target's forward of the recomputed tokens alone (no cache): what those tokens cost whatever the
 context, so `speedup_cpu_bound` (own prefill over exact pass + floor) is the most any cheaper maps and attention
-could give at these exact layers and recomputed tokens.
+could give at these exact layers and recomputed tokens. `one_token` is the target's forward of the prompt's last
+token alone: what any forward of the target costs whatever its tokens (the layers' fixed cost on this machine).
+Each length also records the FLOPs of the own prefill and of each stage (`plan.first_token_flops`, transformer
+bodies: what the transfer computes, counted from the shapes), and the speed-up they predict (`speedup_flops`).
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --source small \
         --target large --mapper DIR --lengths 512 1024 4096 --rounds 15 [--recompute-tokens 1] \
@@ -31,6 +34,7 @@ import torch
 from content_at_speed import FAMILY, load_pair
 
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
+from hf_kvtransfer.commands.plan import first_token_flops
 
 STAGES = ("construct", "exact", "maps", "recomputed")
 
@@ -67,7 +71,9 @@ def main() -> None:
         ids = torch.tensor(stream[:n]).unsqueeze(0)
         src_cache = prefill(pair.source, ids)
         others = [f"transfer@{r}" for r in args.recompute_tokens] + list(also)
-        times: dict[str, list[tuple[float, float]]] = {k: [] for k in ("own", "transfer", *others, *STAGES, "floor")}
+        times: dict[str, list[tuple[float, float]]] = {
+            k: [] for k in ("own", "transfer", *others, *STAGES, "floor", "one_token")
+        }
 
         def own():
             target(ids, use_cache=True, logits_to_keep=1)
@@ -76,6 +82,9 @@ def main() -> None:
 
         def floor():
             target(recomputed, use_cache=True, logits_to_keep=1)
+
+        def one_token():
+            target(ids[:, -1:], use_cache=True, logits_to_keep=1)
 
         def transfer(recompute: int | None = None, with_mapper=mapper):
             cache = TransferredCache(src_cache, with_mapper, num_recompute_tokens=recompute)
@@ -93,7 +102,7 @@ def main() -> None:
             marks.append(clocks())
             return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
 
-        calls = [("own", own), ("transfer", transfer), ("floor", floor)]
+        calls = [("own", own), ("transfer", transfer), ("floor", floor), ("one_token", one_token)]
         calls += [(name, lambda r=r: transfer(r)) for name, r in zip(others, args.recompute_tokens)]
         calls += [(name, lambda m=m: transfer(with_mapper=m)) for name, m in also.items()]
         with torch.no_grad():
@@ -119,6 +128,18 @@ def main() -> None:
         # What the own prefill over the staged transfer would be with one stage free (CPU time: robust to load).
         row["speedup_cpu_if_free"] = {s: med["own"][1] / (total - med[s][1]) for s in STAGES}
         row["speedup_cpu_bound"] = med["own"][1] / (med["exact"][1] + med["floor"][1])
+        def by_flops(m: KVMapper, recompute: int | None = None) -> dict[str, int]:
+            at = TransferredCache(src_cache, m, num_recompute_tokens=recompute)
+            return first_token_flops(target.config, m, n, num_exact_layers=at.num_exact_layers,
+                                     num_recompute_tokens=at.num_recompute_tokens)  # fmt: skip
+
+        flops = by_flops(mapper)
+        row["flops"] = flops
+        row["speedup_flops"] = flops["own_prefill"] / flops["total"]
+        for name, r in zip(others, args.recompute_tokens):
+            row[f"speedup_flops_{name}"] = flops["own_prefill"] / by_flops(mapper, r)["total"]
+        for name, m in also.items():
+            row[f"speedup_flops_{name}"] = flops["own_prefill"] / by_flops(m)["total"]
         for name in others:
             row[f"speedup_cpu_{name}"] = med["own"][1] / med[name][1]
         result["lengths"][str(n)] = row
@@ -127,6 +148,7 @@ def main() -> None:
               + ", ".join(f"{s} {med[s][1]:.1f}" for s in STAGES) + f" ms (sum {total:.1f}); speed-up if free: "
               + ", ".join(f"{s} {v:.2f}x" for s, v in row["speedup_cpu_if_free"].items())
               + f"; floor {med['floor'][1]:.1f} ms, bound {row['speedup_cpu_bound']:.2f}x"
+              + f"; one token {med['one_token'][1]:.1f} ms; by FLOPs {row['speedup_flops']:.2f}x"
               + "".join(f"; {name} {med[name][1]:.1f} ms ({row[f'speedup_cpu_{name}']:.2f}x)" for name in others)
               + "  [CPU time]", flush=True)  # fmt: skip
     result["load_average_after"] = os.getloadavg()

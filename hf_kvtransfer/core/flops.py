@@ -1,0 +1,78 @@
+"""FLOPs (2 x multiply-adds) of what a transfer and the target's own prefill compute, batch 1, counted from the
+shapes: a decoder's forward (`prefill_flops`), the exact layers a transfer computes (`exact_layers_flops`) and the
+maps of the other layers with what their inputs add (`mapping_flops`). One count for every surface: `hf-kvtransfer
+bench` reports it, `plan` predicts with it, and the fit orders the configurations that keep the content by it.
+Tests check each against torch's FLOP counter."""
+
+from __future__ import annotations
+
+from .conversion import conversion_groups
+from .map_inputs import map_inputs_of
+from .mapper import KVMapper
+from .rope import head_dim_of, text_config
+
+
+def prefill_flops(
+    config, seq_len: int, logits: bool = False, *, num_layers: int | None = None, context_len: int = 0
+) -> dict[str, int]:
+    """FLOPs (2 x multiply-adds) of a decoder's forward of `seq_len` tokens, batch 1.
+
+    Args:
+        num_layers: only the first this many decoder layers (the exact layers a transfer computes); default all.
+        context_len: tokens already in the cache that the `seq_len` new ones attend to (the recomputed tokens of a
+            transfer attend to the transferred prompt); 0 is a prefill.
+
+    Returns `{"projections": ..., "attention": ..., "lm_head": ..., "total": ...}`; attention counts the causal
+    half of QK^T and AV over the new tokens (what a fused kernel can skip) and every cached position, projections
+    cover q/k/v/o and a gated MLP.
+    """
+    config = text_config(config)
+    hidden = config.hidden_size
+    layers = config.num_hidden_layers if num_layers is None else num_layers
+    head_dim = head_dim_of(config)
+    q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_token_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * config.intermediate_size
+    projections = 2 * seq_len * layers * per_token_layer
+    # QK^T and AV: each new token attends to the cached context and, causally, to the new tokens up to itself
+    # (sum_i i ~ T^2 / 2 pairs); each pair is 2 * q_dim multiply-adds.
+    pairs = seq_len * context_len + seq_len * (seq_len + 1) // 2
+    attention = 2 * layers * 2 * q_dim * pairs
+    lm_head = 2 * seq_len * hidden * config.vocab_size if logits else 0
+    return {"projections": projections, "attention": attention, "lm_head": lm_head,
+            "total": projections + attention + lm_head}  # fmt: skip
+
+
+def exact_layers_flops(config, seq_len: int, num_exact_layers: int) -> int:
+    """FLOPs of the target computing the keys and values of its first `num_exact_layers` layers for `seq_len` tokens,
+    batch 1, as `TransferredCache` does: its forward stops at the last exact layer's cache update, so that layer
+    costs only its q/k/v projections (the query is projected before the update) and the layers before it a prefill's
+    share (`prefill_flops(num_layers=...)`)."""
+    if num_exact_layers == 0:
+        return 0
+    config = text_config(config)
+    head_dim = head_dim_of(config)
+    q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    last = 2 * seq_len * config.hidden_size * (q_dim + 2 * kv_dim)
+    return prefill_flops(config, seq_len, num_layers=num_exact_layers - 1)["total"] + last
+
+
+def mapping_flops(mapper: KVMapper, seq_len: int, num_exact_layers: int = 0) -> int:
+    """FLOPs of mapping `seq_len` tokens through the target layers after the first `num_exact_layers` (keys and
+    values), batch 1, as `TransferredCache` computes them (`conversion.conversion_groups`): affine maps cost their
+    dense or factored multiply-adds as they are taken (a dense reduced-rank map includes forming `up @ down`);
+    nonlinear maps one multiply-add per weight (not bias) and token; and what each map input adds on those layers
+    (`MapInput.transfer_flops`, e.g. the maps of the target's residual stream)."""
+    total = 0
+    for group, dense in conversion_groups(mapper, seq_len, num_exact_layers):
+        for t in group:
+            layer = mapper.layers[t]
+            parts = [layer.linear_parts(kind) for kind in ("key", "value")]
+            if any(p is None for p in parts):
+                total += seq_len * sum(p.numel() for name, p in layer.named_parameters() if not name.endswith("bias"))
+            else:
+                total += sum(p.macs(seq_len, dense) for p in parts)
+    mapped = set(range(num_exact_layers, len(mapper.layers)))
+    return 2 * total + sum(inp.transfer_flops(seq_len, mapped) for inp in map_inputs_of(mapper))
+
+
+__all__ = ["exact_layers_flops", "mapping_flops", "prefill_flops"]
