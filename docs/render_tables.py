@@ -117,11 +117,18 @@ RESULTS = {
         "--exact-layers 14 --output DIR_KV14)",
         "2026-12-04",
     ),
-    "deep_split_frontier": Result(
-        f"{_DEEP}/time_split_frontier_source_to_target.json",
+    **{key: Result(
+        f"{_DEEP}/time_split_frontier{stem}_source_to_target.json",
         f"{_ONE_THREAD} python {_CAS}/time_split.py --family examples/family_deep --source source --target target "
         "--mapper DIR --rounds 15 --recompute-tokens 8 1 --also tolerance_8=DIR_TOL8 source_kv_14_exact=DIR_KV14 "
         "--output FILE",
+        "2026-12-05",
+    ) for key, stem in (("deep_split_frontier", ""), ("deep_split_frontier_previous", "_previous"))},
+    "deep_bench": Result(
+        f"{_DEEP}/bench_repeats_11_source_to_target.json",
+        "OMP_NUM_THREADS=1 hf-kvtransfer bench --source examples/family_deep/source --target "
+        "examples/family_deep/target --mapper source-to-target=DIR --seq-lens 512 1024 4096 --threads 1 --repeats 11 "
+        "--output-dir OUT",
         "2026-12-05",
     ),
     "deep_frontier_paired": Result(
@@ -672,6 +679,31 @@ def deep_split() -> str:
     return "\n\n".join([table(header, rows), note, sources("gate_fit_deep", "gate_mapper_deep", "deep_split_frontier")])
 
 
+def deep_flops() -> str:
+    """The deep pair's default transfer by FLOPs and by time, stage by stage, as shares of the own prefill."""
+    split = RESULTS["deep_split_frontier"].load()
+    stages = (("exact layers", "exact_layers", "exact"), ("maps", "mapping", "maps"),
+              ("recomputed tokens", "recompute", "recomputed"))  # fmt: skip
+    rows = []
+    for n, s in sorted(split["lengths"].items(), key=lambda kv: int(kv[0])):
+        flops, own_ms = s["flops"], s["own"]["cpu_ms"]
+        assert flops["map_inputs"] == 0  # a loaded mapper's inputs are counted in its maps
+        rows.append([
+            n, f"{flops['own_prefill'] / 1e9:.2f} GFLOP",
+            *(f"{pct(flops[key] / flops['own_prefill'])} / {pct(s[stage]['cpu_ms'] / own_ms)}" for _, key, stage in stages),
+            f"{pct(flops['total'] / flops['own_prefill'])} / {pct(s['transfer']['cpu_ms'] / own_ms)}",
+            times(s["speedup_flops"]), times(s["speedup_cpu"]),
+        ])  # fmt: skip
+    header = ["prompt", "own prefill", *(f"{label}: FLOPs / time" for label, _, _ in stages), "transfer: FLOPs / time",
+              "speed-up by FLOPs", "measured"]  # fmt: skip
+    note = (
+        "Each stage of the fit's default transfer as a share of the target's own prefill: of its FLOPs (transformer "
+        "bodies, counted from the shapes as `bench` and `plan` count them) and of its time (process CPU time, the "
+        "medians of the split above). The transfer's time share also holds the cache's construction."
+    )
+    return "\n\n".join([table(header, rows), note, sources("gate_fit_deep", "gate_mapper_deep", "deep_split_frontier")])
+
+
 def _as_difference(stat: dict) -> dict:
     """A `{"mean", "ci"}` paired difference (eval's transfer_minus_own) in the keys `points` reads."""
     return {"difference": stat["mean"], "difference_ci": stat["ci"]}
@@ -803,6 +835,8 @@ TABLES = {
     "copy-layer-mlp": copy_layer_mlp,
     "deep-frontier": deep_frontier,
     "deep-split": deep_split,
+    "deep-bench": deep_bench,
+    "deep-flops": deep_flops,
     "deep-boundary": deep_boundary,
     "deep-depth": deep_depth,
     "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
