@@ -7,8 +7,8 @@ defaults** (its exact layers, which the target computes itself, and `Transferred
 it, with every layer mapped (0 exact layers, 1 recomputed token: the transfer's own cost, which loses what the context
 said on a mapper that needs exact layers), both against the target's own prefill, (d) one decode step on a
 transferred cache vs. a plain `DynamicCache`, (e) peak memory of (a) and (b), and (f) the mapper's parameters and
-bytes, with the FLOP ratio of mapping vs. prefill. Warm-up first, medians over repeats; results as JSON, a markdown
-table and a PNG plot (`reporting.save_bench_report`).
+bytes, with the prefill's FLOPs over those of (b) (`core.flops`). Warm-up first, medians over repeats; results as
+JSON, a markdown table and a PNG plot (`reporting.save_bench_report`).
 
 `run(BenchConfig(...))` builds the models and mappers a config names and runs the benchmark; the command line
 (`hf-kvtransfer bench`, `commands/cli.py`) owns the arguments and re-executes itself with `OMP_WAIT_POLICY=PASSIVE`
@@ -302,7 +302,8 @@ def _time_transfers(row: dict[str, Any], source_cache, target, variants, ids, o:
         convert = lambda m=mapper, c=compiled: TransferredCache(  # noqa: E731
             source_cache, m, num_recompute_tokens=0, compile_rope=c, num_exact_layers=o.num_exact_layers, model=target
         ).convert_all()
-        exact = TransferredCache(source_cache, mapper, num_recompute_tokens=0, num_exact_layers=o.num_exact_layers).num_exact_layers
+        at = TransferredCache(source_cache, mapper, num_recompute_tokens=0, num_exact_layers=o.num_exact_layers)
+        exact = at.num_exact_layers
         entry: dict[str, Any] = {"compile_rope": compiled, "num_exact_layers": exact}
         ms = _measure(entry, "ms", convert, device, o.repeats, o.warmup)
         entry.update({
