@@ -71,9 +71,11 @@ def test_commands(kind, family, tmp_path, capsys):
     }  # fmt: skip
     for command, argv in runs.items():
         code = main(argv)
-        err = capsys.readouterr().err
-        _answer_or_one_line(code, err)
-        assert code == 0, f"{command} refused the {kind} mapper the fit saved: {err}"
+        captured = capsys.readouterr()
+        _answer_or_one_line(code, captured.err)
+        assert code == 0, f"{command} refused the {kind} mapper the fit saved: {captured.err}"
+        if command == "info":  # what its arithmetic allows, from its config and weights alone
+            assert "fewer FLOPs than the target's own prefill at 1024 tokens" in captured.out, captured.out
 
 
 def _cache(family, mapper, ids, mask=None):

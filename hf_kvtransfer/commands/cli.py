@@ -251,14 +251,17 @@ def _run_info(args) -> int:
     if args.json:
         print(json.dumps(config, indent=2, sort_keys=True))
         return 0
+    from .plan import mapper_first_token
+
     # Describe only a mapper that loads: opened as `from_pretrained` opens it (every shard, shapes, finite values).
-    KVMapper.from_pretrained(str(path), local_files_only=True)
+    mapper = KVMapper.from_pretrained(str(path), local_files_only=True)
     report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
-    print(_format_info(config, checkpoint_info(path)["total_size"], report))
+    print(_format_info(config, checkpoint_info(path)["total_size"], report, mapper_first_token(mapper)))
     return 0
 
 
-def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -> str:
+def _format_info(config: dict, weights_bytes: int, report: dict | None = None,
+                 first_token: dict[int, dict[str, int]] | None = None) -> str:  # fmt: skip
     def fp(which: str) -> str:
         f = config.get(f"{which}_fingerprint", {})
         name = config.get(f"{which}_model_id") or "?"
@@ -286,6 +289,13 @@ def _format_info(config: dict, weights_bytes: int, report: dict | None = None) -
         + (" (the default: this mapper records none)" if exact is None else "")
         + (f"; {(report or {})['exact_layers']['reason']}" if (report or {}).get("exact_layers", {}).get("reason") else "")
     )
+    if first_token:
+        (n, f), *rest = first_token.items()
+        more = "".join(f", {g['own_prefill'] / g['total']:.2f}x at {m}" for m, g in rest)
+        lines.append(
+            f"first token: {f['own_prefill'] / f['total']:.2f}x fewer FLOPs than the target's own prefill at {n} "
+            f"tokens{more} (its exact layers, the maps, the recomputed tokens; `hf-kvtransfer bench` times it here)"
+        )
     calibration = config.get("calibration") or {}
     if calibration:
         lines.append("calibration: " + ", ".join(f"{k}={v}" for k, v in sorted(calibration.items()) if v is not None))

@@ -40,6 +40,7 @@ __all__ = [
     "first_token_flops",
     "format_plan",
     "map_input_costs",
+    "mapper_first_token",
     "plan_transfer",
 ]
 
@@ -284,6 +285,22 @@ def first_token_flops(
     }
     parts["total"] = parts["exact_layers"] + parts["mapping"] + parts["map_inputs"] + parts["recompute"]
     return parts
+
+
+def mapper_first_token(mapper, lengths: tuple[int, ...] = (1024, 4096)) -> dict[int, dict[str, int]]:
+    """`first_token_flops` of a saved mapper at its defaults (`resolve_transfer`: its exact layers, the cache's
+    recomputed tokens) for prompts of each length, by length: what its arithmetic allows, from its config and weights
+    alone (the target's config is the one the mapper stores)."""
+    from ..core.defaults import resolve_transfer
+    from ..core.rope import config_from_dict
+
+    target = config_from_dict(mapper.config.target_config)
+    out = {}
+    for n in lengths:
+        at = resolve_transfer(mapper, n)
+        out[n] = first_token_flops(target, mapper, n, num_exact_layers=at.num_exact_layers,
+                                   num_recompute_tokens=at.num_recompute_tokens)  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True)
