@@ -41,7 +41,7 @@ import torch
 from huggingface_hub.utils import tqdm
 
 from ..core.cache import TransferredCache
-from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS
+from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS, resolve_num_exact_layers
 from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
 from ..core.capture import cache_argument, prefill
 from ..core.loading import DTYPES, check_device, load_model
@@ -302,8 +302,7 @@ def _time_transfers(row: dict[str, Any], source_cache, target, variants, ids, o:
         convert = lambda m=mapper, c=compiled: TransferredCache(  # noqa: E731
             source_cache, m, num_recompute_tokens=0, compile_rope=c, num_exact_layers=o.num_exact_layers, model=target
         ).convert_all()
-        at = TransferredCache(source_cache, mapper, num_recompute_tokens=0, num_exact_layers=o.num_exact_layers)
-        exact = at.num_exact_layers
+        exact = resolve_num_exact_layers(mapper, o.num_exact_layers)
         entry: dict[str, Any] = {"compile_rope": compiled, "num_exact_layers": exact}
         ms = _measure(entry, "ms", convert, device, o.repeats, o.warmup)
         entry.update({

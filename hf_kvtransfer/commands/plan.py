@@ -263,7 +263,6 @@ def first_token_flops(
     Returns:
         `{"own_prefill", "exact_layers", "mapping", "map_inputs", "recompute", "total"}` (total: the transfer).
     """
-
     layers = text_config(target_config).num_hidden_layers
     if not 0 <= num_exact_layers <= layers:
         raise ValueError(f"num_exact_layers must be in [0, {layers}] (the target's layers), got {num_exact_layers}")
@@ -287,17 +286,18 @@ def first_token_flops(
     return parts
 
 
-def mapper_first_token(mapper, lengths: tuple[int, ...] = (1024, 4096)) -> dict[int, dict[str, int]]:
+def mapper_first_token(mapper, lengths: tuple[int, ...] = (1024, 4096),
+                       num_recompute_tokens: int | None = None) -> dict[int, dict[str, int]]:  # fmt: skip
     """`first_token_flops` of a saved mapper at its defaults (`resolve_transfer`: its exact layers, the cache's
-    recomputed tokens) for prompts of each length, by length: what its arithmetic allows, from its config and weights
-    alone (the target's config is the one the mapper stores)."""
+    recomputed tokens unless `num_recompute_tokens` says otherwise) for prompts of each length, by length: what its
+    arithmetic allows, from its config and weights alone (the target's config is the one the mapper stores)."""
     from ..core.defaults import resolve_transfer
     from ..core.rope import config_from_dict
 
     target = config_from_dict(mapper.config.target_config)
     out = {}
     for n in lengths:
-        at = resolve_transfer(mapper, n)
+        at = resolve_transfer(mapper, n, num_recompute_tokens=num_recompute_tokens)
         out[n] = first_token_flops(target, mapper, n, num_exact_layers=at.num_exact_layers,
                                    num_recompute_tokens=at.num_recompute_tokens)  # fmt: skip
     return out

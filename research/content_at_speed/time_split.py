@@ -8,7 +8,7 @@ CPU time over interleaved rounds, one thread. The last columns are the speed-ups
 context, so `speedup_cpu_bound` (own prefill over exact pass + floor) is the most any cheaper maps and attention
 could give at these exact layers and recomputed tokens. `one_token` is the target's forward of the prompt's last
 token alone: what any forward of the target costs whatever its tokens (the layers' fixed cost on this machine).
-Each length also records the FLOPs of the own prefill and of each stage (`plan.first_token_flops`, transformer
+Each length also records the FLOPs of the own prefill and of each stage (`plan.mapper_first_token`, transformer
 bodies: what the transfer computes, counted from the shapes), and the speed-up they predict (`speedup_flops`).
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --source small \
@@ -34,7 +34,7 @@ import torch
 from content_at_speed import FAMILY, load_pair
 
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
-from hf_kvtransfer.commands.plan import first_token_flops
+from hf_kvtransfer.commands.plan import mapper_first_token
 
 STAGES = ("construct", "exact", "maps", "recomputed")
 
@@ -129,9 +129,7 @@ def main() -> None:
         row["speedup_cpu_if_free"] = {s: med["own"][1] / (total - med[s][1]) for s in STAGES}
         row["speedup_cpu_bound"] = med["own"][1] / (med["exact"][1] + med["floor"][1])
         def by_flops(m: KVMapper, recompute: int | None = None) -> dict[str, int]:
-            at = TransferredCache(src_cache, m, num_recompute_tokens=recompute)
-            return first_token_flops(target.config, m, n, num_exact_layers=at.num_exact_layers,
-                                     num_recompute_tokens=at.num_recompute_tokens)  # fmt: skip
+            return mapper_first_token(m, (n,), recompute)[n]
 
         flops = by_flops(mapper)
         row["flops"] = flops
