@@ -182,7 +182,7 @@ def shared_layer_model(config, dtype):
 
 def run(args) -> dict:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from hf_kvtransfer import TransferredCache, fit_mapper, prefill
     from hf_kvtransfer.commands.model_configs import load_model_config
@@ -260,7 +260,9 @@ def run(args) -> dict:
             if not args.no_prefill:
                 target.model(ids[:, :T])
                 prefill_s, _ = _median_time(lambda: target.model(ids[:, :T]), args.repeats)
-            transfer_s, cache = _median_time(lambda: TransferredCache(source_cache, mapper, num_exact_layers=0).convert_all(), args.repeats)
+            transfer_s, cache = _median_time(
+                lambda held=source_cache: TransferredCache(held, mapper, num_exact_layers=0).convert_all(), args.repeats
+            )
         kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         del cache, source_cache
         gemm = _gemm_flops_per_s(mapper, T, dtype)

@@ -1,7 +1,7 @@
 """Recompute cost check: target (large) forward over R=32 or 1 tokens on a cache of 1024-R vs own 1024-token prefill,
 sdpa and eager, 5 repeats, medians, one thread. Run from the repo root: OMP_NUM_THREADS=1 python research/speed_levers/recompute_bench.py"""
 import torch, time, numpy as np
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 torch.set_num_threads(1)
 F="examples/family"
 for impl in ("sdpa","eager"):

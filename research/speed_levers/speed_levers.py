@@ -384,7 +384,6 @@ def factored(cfg, maps):
             r = cfg["srank"] or cfg["rank"]
             if cfg["srank"]:
                 Wall = torch.cat([Wr[l][OFF_R: OFF_R + MAXLAG * HID] for _, l in readers], 1)
-                S = Wall.T @ Wall  # basis of the row space (rank r by construction)
                 U, s_, Vh = torch.linalg.svd(Wall, full_matrices=False)
                 Aw, Bw = (U[:, :r] * s_[:r]), Vh[:r]
                 A_lag = torch.cat([Aw[j * HID:(j + 1) * HID] for j in lags], 1).float()
