@@ -1,5 +1,6 @@
 """`hf-kvtransfer fit` end to end on tiny saved models: outputs, one pass for several k, resume, errors."""
 
+import json
 import os
 import signal
 import subprocess
@@ -316,3 +317,43 @@ def test_solve_from_kept_statistics_without_models(pair, tmp_path, monkeypatch, 
     # Statistics that are not there: one line saying how to get them, nothing written.
     assert main(["solve", "--stats-dir", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")]) != 0
     assert "--stats-dir" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_a_fit_interrupted_while_probing_resumes_without_scoring_again(pair, tmp_path, monkeypatch, capsys):
+    """Ctrl-C after the calibration pass, while the exact layers are chosen: the statistics and the probe's scores
+    stay beside the output, the message says so, and the same command resumes with no model forward of the
+    calibration pass and no probe score computed again, writing the mapper an uninterrupted fit writes."""
+    from hf_kvtransfer.fitting import exact_layers, fit as fit_module
+
+    probe = ("--heldout-fraction", "0.5")  # 384 held-out tokens: enough for the probe's items
+    whole = tmp_path / "whole"
+    assert main(_args(pair, whole, *probe)) == 0
+    real_retention, real_summary = exact_layers.repeated_span_retention, fit_module._probe_summary
+    scored = []
+
+    def counting(*args, **kwargs):
+        scored.append(kwargs.get("num_exact_layers"))
+        return real_retention(*args, **kwargs)
+
+    def interrupt(report):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", counting)
+    monkeypatch.setattr(fit_module, "_probe_summary", interrupt)
+    out = tmp_path / "resumed"
+    assert main(_args(pair, out, *probe)) == 130
+    first = len(scored)
+    assert first >= 1 and not out.exists()
+    where = out.with_name(f".{out.name}.fit-checkpoint")
+    assert f"the statistics and {first} probe score" in capsys.readouterr().err
+    assert (where / "probe-journal-rank0-of-1.jsonl").is_file()
+
+    monkeypatch.setattr(fit_module, "_probe_summary", real_summary)
+    counter = _CountingCapture()
+    monkeypatch.setattr(calibrate_module, "capture_kv", counter)
+    assert main(_args(pair, out, *probe)) == 0
+    assert counter.calls == 0 and len(scored) == first  # nothing computed again
+    _assert_same_mapper(whole, out, rtol=0, atol=0)
+    assert json.loads((out / "config.json").read_text())["num_exact_layers"] == \
+        json.loads((whole / "config.json").read_text())["num_exact_layers"]  # fmt: skip
+    assert not where.exists()  # checkpoint and journal deleted once the mapper is written

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import textwrap
+from pathlib import Path
 
 from ..version import __version__
 
@@ -617,6 +618,13 @@ def _add_fit(subparsers) -> None:
     p.set_defaults(func=_run_fit)
 
 
+def _journaled_scores(where: Path | None) -> int:
+    """The probe scores an interrupted fit kept (`fitting/probe_journal.py`: one line each after a header)."""
+    if where is None or not where.is_dir():
+        return 0
+    return sum(max(0, len(f.read_text(encoding="utf-8").splitlines()) - 1) for f in where.glob("probe-journal-*.jsonl"))
+
+
 def _run_fit(args) -> int:
     from .workflow import fit_and_save, fit_checkpoint_dir
 
@@ -632,9 +640,11 @@ def _run_fit(args) -> int:
         where = fit_checkpoint_dir(args.output, config)
         saved = sorted(where.glob("checkpoint-*.safetensors")) if where is not None and where.is_dir() else []
         done = str(exc).split(";")[0].removeprefix("interrupted ") if str(exc).startswith("interrupted after") else ""
+        scores = _journaled_scores(where)
         if saved:
+            kept = f"the statistics and {scores} probe score{'s' if scores != 1 else ''}" if scores else "the statistics so far"
             args.interrupted_message = (
-                f"interrupted{' ' + done if done else ''}; the statistics so far are checkpointed in {where}\n"
+                f"interrupted{' ' + done if done else ''}; {kept} are checkpointed in {where}\n"
                 "hint: run the same command again to resume from there"
             )
         else:

@@ -22,6 +22,7 @@ from ..core.mapper import KVMapper
 from ..core.mapper_types import MLP, RIDGE
 from ..core.stats import KVStatistics
 from ..fitting.calibration_pass import check_pair, check_tokenizers, remove_checkpoints
+from ..fitting.probe_journal import remove_journals
 from ..fitting.config import FitConfig, heldout_count, resolve_config
 from ..fitting.fit import calibration_sample, fit_mappers, solve_mappers
 
@@ -163,7 +164,8 @@ def fit_and_save(
     """What `hf-kvtransfer fit` does: load both models, pack calibration data, run the pass, solve, write.
 
     Partial statistics are checkpointed in `config.stats_dir/checkpoints` (or a hidden directory next to
-    `output_dir`), so rerunning the same call resumes; the mapper directory appears only when complete (temp dir
+    `output_dir`), and so are the probe's scores of the candidates (`fitting/probe_journal.py`), so rerunning the
+    same call resumes where it stopped; the mapper directory appears only when complete (temp dir
     + rename). Under torchrun / accelerate launch each rank takes a disjoint shard and rank 0 writes.
 
     Args:
@@ -214,6 +216,7 @@ def fit_and_save(
             mappers = mappers if config.several else {"mapper": next(iter(mappers.values()))}
             results = write_mappers(mappers, output, config.several, overwrite, push_to_hub, log)
             if own_checkpoints:
+                remove_journals(config.checkpoint_dir)
                 remove_checkpoints(config.checkpoint_dir)
         if world > 1:
             import torch.distributed as dist

@@ -39,6 +39,7 @@ from ..core.mapper import KVMapper
 from ..evaluation.content import handoff, passage_recall
 from ..evaluation.metrics import gap_recovered_over_items, mean_and_ci, retention_over_items
 from ..evaluation.tasks import handoff_items, passage_recall_items
+from .probe_journal import ProbeJournal, scored
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +79,13 @@ class ContentGate:
         num_items: items per task of the first stage.
         max_items: the most items per task an undecided candidate is extended to (default 4 x `num_items`).
         seed: the items' and the bootstrap's seed.
+        journal: scores kept on disk (`probe_journal.ProbeJournal`, the fit's), read back when a fit is rerun.
     """
 
     def __init__(
         self, source: PreTrainedModel, target: PreTrainedModel, tokenizer, texts: Sequence[str] | None = None, *,
         tolerance: float = DEFAULT_TOLERANCE, num_items: int = DEFAULT_GATE_ITEMS, max_items: int | None = None,
-        seed: int = 0,
+        seed: int = 0, journal: ProbeJournal | None = None,
     ):  # fmt: skip
         if not 0 < tolerance < 1:
             raise ValueError(f"tolerance must be a fraction of accuracy in (0, 1) (0.05 = 5 points), got {tolerance}")
@@ -99,12 +101,16 @@ class ContentGate:
             "handoff": handoff_items(tokenizer, self.max_items, seed=seed, distractor_texts=texts, split=PROBE_SPLIT),
         }
         self._own: dict[tuple[str, int, int], dict[str, Any]] = {}  # (task, start, stop) -> a result to reuse
+        self.journal = journal
 
     def _score(self, task: str, mapper: KVMapper, num_exact: int, start: int, stop: int) -> dict[str, Any]:
         fn = passage_recall if task == "recall" else handoff
         key = (task, start, stop)
-        result = fn(self.source, self.target, mapper, self.items[task][start:stop], num_exact_layers=num_exact,
-                    progress=False, reference=self._own.get(key), num_bootstrap=0, seed=self.seed)  # fmt: skip
+        items = self.items[task][start:stop]
+        result = scored(self.journal, f"gate {task}", mapper, num_exact, items, lambda: fn(
+            self.source, self.target, mapper, items, num_exact_layers=num_exact, progress=False,
+            reference=self._own.get(key), num_bootstrap=0, seed=self.seed,
+        ), seed=self.seed)  # fmt: skip
         self._own.setdefault(key, result)
         return result
 

@@ -50,6 +50,7 @@ from ..evaluation.metrics import retention_difference
 from ..evaluation.tasks import cued_recall_items, repeated_span_items
 from .content_gate import ContentGate, gate_line
 from .fit_inputs import fit_input_of
+from .probe_journal import ProbeJournal, scored
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ def choose_num_exact_layers(
     prefix_len: int | None = None,
     seed: int = 0,
     progress: bool = False,
+    journal: ProbeJournal | None = None,
 ) -> tuple[int | None, dict[str, Any]]:
     """The fewest target layers to compute exactly for `min_retention` of the target's copying from its context.
 
@@ -107,6 +109,7 @@ def choose_num_exact_layers(
         min_retention: floor-normalized repeated-span retention to reach (0.95: the project's goal).
         num_items: repeated spans scored per candidate.
         prefix_len: the items' prefix length (default: 256, or less for a short stream).
+        journal: scores kept on disk (`probe_journal.ProbeJournal`): what an interrupted run scored is read back.
 
     Returns:
         `(num_exact_layers, report)`. `num_exact_layers` is None when the probe cannot decide (too few tokens, or
@@ -137,7 +140,7 @@ def choose_num_exact_layers(
     )  # fmt: skip
     report["prefix_len"] = prefix_len
 
-    hi = _probe_bisection(source, target, mapper, items, num_layers, min_retention, report, progress)
+    hi = _probe_bisection(source, target, mapper, items, num_layers, min_retention, report, progress, journal)
     if hi is None:
         return None, report
     report["chosen"] = hi
@@ -161,7 +164,7 @@ def _num_exact_reason(num_exact: int, num_layers: int, min_retention: float) -> 
 
 def _probe_bisection(
     source: PreTrainedModel, target: PreTrainedModel, mapper: KVMapper, items: list, num_layers: int,
-    min_retention: float, report: dict[str, Any], progress: bool,
+    min_retention: float, report: dict[str, Any], progress: bool, journal: ProbeJournal | None = None,
 ) -> int | None:
     """`_bisect` over the exact layers, each candidate scored on the repeated-span `items` (the target's own and
     no-context scores once: they do not depend on k) and added to `report["tried"]`, under one progress bar."""
@@ -171,10 +174,10 @@ def _probe_bisection(
 
     def retention(k: int) -> float | None:
         nonlocal baseline
-        r = repeated_span_retention(
+        r = scored(journal, "repeated spans", mapper, k, items, lambda: repeated_span_retention(
             source, target, mapper, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=k,
             progress=False, reference=baseline,
-        )  # fmt: skip
+        ), recompute=PROBE_RECOMPUTE_TOKENS)  # fmt: skip
         if baseline is None:
             baseline = r
             report["copy_gain"] = r["context_gain"]
@@ -356,6 +359,9 @@ class ProbeOptions:
         timing_tokens: the probe tokens each tried candidate is timed on (for the report).
         refine: turns each candidate reading a map input into the one that is probed (see `choose_configuration`).
         gate: the `content_gate.ContentGate` that decides (None: the screen decides).
+        journal: scores kept on disk (`probe_journal.ProbeJournal`, the fit's: beside its calibration checkpoint),
+            so a rerun after an interruption reads back what was scored (the gate takes its own: `ContentGate(...,
+            journal=)`).
     """
 
     min_retention: float = 0.95
@@ -366,6 +372,7 @@ class ProbeOptions:
     gate: ContentGate | None = None
     seed: int = 0
     progress: bool = False
+    journal: ProbeJournal | None = None
 
 
 def choose_configuration(
@@ -428,7 +435,7 @@ def choose_configuration(
     stream = probe_stream(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
     chosen_kv, report = choose_num_exact_layers(
         source, target, mapper, stream, min_retention=o.min_retention, num_items=o.num_items, prefix_len=o.prefix_len,
-        seed=o.seed, progress=o.progress,
+        seed=o.seed, progress=o.progress, journal=o.journal,
     )  # fmt: skip
     num_layers = mapper.target_layout.num_layers
     if report.get("prefix_len") is None or report.get("copy_gain") is None or "barely copies" in report.get("reason", ""):
@@ -551,16 +558,16 @@ class _InputSearch:
     def __init__(self, source, target, mapper, stream, report, options: ProbeOptions):
         self.source, self.target, self.mapper, self.stream, self.report = source, target, mapper, stream, report
         self.gate, self.min_retention, self.num_items = options.gate, options.min_retention, options.num_items
-        self.refine, self.seed = options.refine, options.seed
+        self.refine, self.seed, self.journal = options.refine, options.seed, options.journal
         self.references: dict[str, Any] = {}
         self.more_cued = self.more_reference = self.cued_reference = None
 
     def probe(self, name: str, items, m: KVMapper, num_exact: int) -> dict[str, Any]:
         logger.debug("configuration probe (%s, %d items): %d exact, %s", name, len(items), num_exact, _inputs_label(m))
-        r = repeated_span_retention(
+        r = scored(self.journal, name, m, num_exact, items, lambda: repeated_span_retention(
             self.source, self.target, m, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=num_exact,
             progress=False, reference=self.references.get(name),
-        )  # fmt: skip
+        ), recompute=PROBE_RECOMPUTE_TOKENS)  # fmt: skip
         self.references.setdefault(name, r)
         return r
 

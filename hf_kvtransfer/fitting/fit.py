@@ -34,7 +34,7 @@ from ..core.ridge import (
 from ..core.stats import KINDS, BlockStatistics, KVStatistics
 from .accumulate import run_fit_pass
 from .calibration import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, build_calibration
-from .calibration_pass import as_token_tensor
+from .calibration_pass import as_token_tensor, dist_info
 from .config import (
     PAPER_TOP_K_CANDIDATES,
     RIDGE_LAMBDA_CANDIDATES,
@@ -49,6 +49,7 @@ from .content_gate import ContentGate, gate_line, heldout_texts
 from .exact_layers import choose_configuration, probe_stream
 from .fit_inputs import FitInput, fit_input_named, registered_fit_inputs
 from .mlp import fit_mlp
+from .probe_journal import ProbeJournal
 from .quality_gate import calibrate_quality_gate
 
 logger = logging.getLogger(__name__)
@@ -519,27 +520,38 @@ def with_exact_layers(
     mask = attention_mask[rows] if attention_mask is not None else None
     started = time.perf_counter()
     candidates = [m for fit_input, stats in searched for m in fit_input.candidates(mapper, stats, config)]
-    gate = _content_gate(source, target, tokenizer, input_ids[rows], mask, config)
+    journal = _probe_journal(source, target, config)
+    gate = _content_gate(source, target, tokenizer, input_ids[rows], mask, config, journal)
     with torch.no_grad():
         mapper, report = choose_configuration(
             source, target, mapper, probe_stream(input_ids[rows], mask), candidates=candidates,
             min_retention=config.exact_layers_retention, num_items=config.exact_layers_items,
             timing_tokens=config.exact_layers_timing_tokens, refine=refine, gate=gate, progress=config.progress,
+            journal=journal,
         )  # fmt: skip
     report["probe_sequences"] = "held-out" if num_heldout else "all calibration sequences (no held-out shard)"
     mapper.report = {**mapper.report, "exact_layers": report}
+    reused = f"; {journal.reused} scores read back from {journal.path}" if journal is not None and journal.reused else ""
     (log or logger.info)(
         f"exact layers: {mapper.num_exact_layers} of {mapper.target_layout.num_layers} ({report['reason']}; "
-        f"{_probe_summary(report)}; {time.perf_counter() - started:.0f} s)"
+        f"{_probe_summary(report)}; {time.perf_counter() - started:.0f} s{reused})"
     )
     return mapper
+
+
+def _probe_journal(source, target, config: FitConfig) -> ProbeJournal | None:
+    """The probe's scores kept beside the calibration checkpoint (`probe_journal.py`), when the fit checkpoints."""
+    if config.checkpoint_dir is None:
+        return None
+    return ProbeJournal.for_fit(config.checkpoint_dir, source, target, *dist_info())
 
 
 # The content gate's first stage scores this many times `exact_layers_items` items per task (recall, hand-off).
 GATE_ITEMS_FACTOR = 2
 
 
-def _content_gate(source, target, tokenizer, heldout_ids, mask, config: FitConfig) -> ContentGate | None:
+def _content_gate(source, target, tokenizer, heldout_ids, mask, config: FitConfig,
+                  journal: ProbeJournal | None = None) -> ContentGate | None:  # fmt: skip
     """The fit's content gate on its held-out rows, or None (with a warning) where no tokenizer can build its items."""
     if tokenizer is None:
         logger.warning("exact layers: no tokenizer given, so the content gate (passage recall and hand-off) cannot "
@@ -548,7 +560,7 @@ def _content_gate(source, target, tokenizer, heldout_ids, mask, config: FitConfi
     try:
         return ContentGate(source, target, tokenizer, heldout_texts(tokenizer, heldout_ids, mask),
                            tolerance=config.exact_layers_tolerance,
-                           num_items=GATE_ITEMS_FACTOR * config.exact_layers_items)  # fmt: skip
+                           num_items=GATE_ITEMS_FACTOR * config.exact_layers_items, journal=journal)  # fmt: skip
     except ValueError as exc:  # e.g. a tokenizer without single-token numbers for the answers
         logger.warning("exact layers: the content gate cannot build its items (%s); the repeated-span screen decides", exc)
         return None
