@@ -140,6 +140,12 @@ RESULTS = {
     ) for key, stem, lengths, ranks in (
         ("family_bench", "bench_family_cpu", "256 1024 4096 8192", " full energy=0.99@bf16 energy=0.99 k1:full"),
         ("family_bench_rerun", "bench_family_cpu_rerun_4096_8192", "4096 8192", ""))},
+    **{f"copy_heads_{name}": Result(
+        f"research/family_builder/results/copy_heads_{name}.json",
+        f"{_ONE_THREAD} python research/family_builder/copy_heads.py --family examples/{name} --models {models} "
+        "--json FILE",
+        "2026-12-04",
+    ) for name, models in (("family", "small,large"), ("family_deep", "source,target"))},
     "deep_frontier_paired": Result(
         f"{_DEEP}/frontier_paired_source_to_target.json",
         f"python {_CAS}/paired_rows.py --eval " + " ".join(
@@ -871,6 +877,38 @@ def family_bench() -> str:
                          sources("family_bench", "family_bench_rerun")])
 
 
+def copy_depth() -> str:
+    """Where each default fit's target copies from its context (its strongest copy layer, `copy_heads.py`) next to
+    the exact layers that fit keeps and what its maps read: how far the exact pass reaches past the copy layer."""
+    rows = []
+    for label, heads, model, direction in (("bundled, small -> large", "copy_heads_family", "large", "s2l"),
+                                           ("bundled, large -> small", "copy_heads_family", "small", "l2s"),
+                                           ("deep, source -> target", "copy_heads_family_deep", "target", "deep")):
+        summary = RESULTS[heads].load()["models"][model]
+        layers, copy = summary["num_layers"], summary["copy"]["summary"]["best_layer"]
+        config = RESULTS[f"gate_mapper_{direction}"].load()
+        exact, residual = config["num_exact_layers"], (config.get("map_inputs") or {}).get("residual")
+        if exact >= layers:
+            reads = "nothing: the target's own cache"
+        elif residual:
+            reads = (f"the target's residual entering layer {residual['layer']}"
+                     + (" and the source's K/V" if any(config["selected_layers"][exact:]) else " alone"))
+        else:
+            reads = "the source's K/V"
+        of_copy = ("its keys and values" if exact == copy + 1 else
+                   "its keys, values and output" if exact > copy + 1 else "nothing")  # fmt: skip
+        rows.append([label, str(layers), f"{copy} ({(copy + 0.5) / layers:.0%} of depth)", f"{exact} of {layers}",
+                     reads, of_copy])  # fmt: skip
+    header = ["pair", "target layers", "target's copy layer", "exact layers the default fit keeps", "the maps read",
+              "what the exact pass computes of the copy layer"]  # fmt: skip
+    note = ("The copy layer is the layer whose heads score highest on copying a repeated span (attention on the token "
+            "that followed the span's first occurrence); depth is (layer + 0.5) / layers. The last exact layer's keys "
+            "and values come from its own projections of the residual entering it: its attention and MLP are not run.")
+    return "\n\n".join([table(header, rows), note, sources(
+        "copy_heads_family", "copy_heads_family_deep", "gate_fit_s2l", "gate_mapper_s2l", "gate_fit_l2s",
+        "gate_mapper_l2s", "gate_fit_deep", "gate_mapper_deep")])
+
+
 def ttft_vllm_small_to_large() -> str:
     return _ttft_vllm("ttft_vllm_s2l")
 
@@ -892,6 +930,7 @@ TABLES = {
     "deep-split": deep_split,
     "deep-bench": deep_bench,
     "family-bench": family_bench,
+    "copy-depth": copy_depth,
     "deep-flops": deep_flops,
     "deep-boundary": deep_boundary,
     "deep-depth": deep_depth,

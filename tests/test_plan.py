@@ -225,3 +225,24 @@ def test_plan_options_object_or_keywords():
     assert (by_object["top_k"], by_object["rank"], by_object["num_exact_layers"]) == (2, 16, 2)
     with pytest.raises(TypeError, match=r"plan_transfer\(\) got unknown option\(s\) topk"):
         plan_transfer(SOURCE, TARGET, topk=2)
+
+
+def test_plan_sets_the_first_token_beside_other_exact_layer_counts():
+    """The first-token FLOP ratio at 1, an eighth, a quarter and half of the target's layers (and the count asked):
+    each layer more computed exactly adds one whole target layer over the transferred tokens and drops that layer's
+    maps, which the totals behind the ratios must show."""
+    from hf_kvtransfer.commands.bench import prefill_flops
+    from hf_kvtransfer.commands.model_configs import load_model_config
+
+    plan = plan_transfer("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", top_k=8, seq_len=4096, use_hub=False, num_exact_layers=4,
+                         available_memory=2**40)  # fmt: skip
+    by = plan.first_token_flop_ratio_by_exact_layers
+    assert list(by) == [1, 4, 8, 16, 32] and by[4] == pytest.approx(plan.first_token_flop_ratio)
+    own = plan.first_token_flops["own_prefill"]
+    total = {n: own / ratio for n, ratio in by.items()}
+    layer = prefill_flops(load_model_config("Qwen/Qwen3-32B", use_hub=False), 4096 - 32, num_layers=1)["total"]
+    maps = plan.first_token_flops["mapping"] / (64 - 4)  # one mapped layer's maps (every layer reads 8 source layers)
+    for n, m in ((1, 4), (4, 8), (8, 16), (16, 32)):
+        assert total[m] - total[n] == pytest.approx((m - n) * (layer - maps), rel=1e-6)
+    assert all(a > b for a, b in zip(by.values(), list(by.values())[1:]))
+    assert "by exact layers       1: " in format_plan(plan)

@@ -108,6 +108,9 @@ class TransferPlan:
     target_layer_flops: int  # one target layer's share of the prefill at seq_len
     first_token_flops: dict[str, int]  # the transfer with maps reading the source's K/V only
     first_token_flop_ratio: float  # own prefill / that transfer
+    # the same ratio at other exact-layer counts (1, an eighth, a quarter and half of the target's layers, and the
+    # count asked for): how far the content probe's choice moves it
+    first_token_flop_ratio_by_exact_layers: dict[int, float] = field(default_factory=dict)
     # each map input at this shape, by name (`map_input_rows`): label, positions, input features per map, parameters,
     # bytes, flops, bytes against the target's own weights at `dtype`, and the first token with it on every mapped
     # layer (`first_token_flops`, and read alone where its maps may read no source K/V)
@@ -438,6 +441,8 @@ def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[s
     recompute = resolve_num_recompute_tokens(o.num_recompute_tokens, seq_len)
     at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=o.rank)
     first = first_token_flops(target_config, mapper, seq_len, **at)
+    sweep = {n: first_token_flops(target_config, mapper, seq_len, **{**at, "num_exact_layers": n})
+             for n in exact_layer_counts(tgt.num_layers, exact)}  # fmt: skip
     model_parameters = {"source": _model_parameters(source_config), "target": _model_parameters(target_config)}
     inputs = map_input_rows(target_config, mapper, seq_len, o.input_positions or {}, at, o.dtype, model_parameters["target"])
     return dict(
@@ -450,8 +455,16 @@ def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[s
         target_layer_flops=prefill // tgt.num_layers,
         first_token_flops=first,
         first_token_flop_ratio=first["own_prefill"] / first["total"],
+        first_token_flop_ratio_by_exact_layers={n: f["own_prefill"] / f["total"] for n, f in sweep.items()},
         map_inputs=inputs,
     )
+
+
+def exact_layer_counts(num_layers: int, asked: int) -> list[int]:
+    """The exact-layer counts `plan` sets side by side: 1, an eighth, a quarter and half of the target's layers, and
+    the count asked for (those below the target's depth)."""
+    counts = {1, max(1, num_layers // 8), max(1, num_layers // 4), max(1, num_layers // 2), asked}
+    return sorted(n for n in counts if 0 <= n < num_layers)
 
 
 def _fit_memory(src: KVLayout, tgt: KVLayout, top_k: int, num_sequences: int, heldout_fraction: float,
@@ -575,6 +588,10 @@ def _first_token_lines(plan: TransferPlan) -> list[str]:
         f"  {f'maps ({mapped} layers)':<22}{_tflop(f['mapping'])} ({share(f['mapping'])})",
         f"  {'recomputed tokens':<22}{_tflop(f['recompute'])} ({share(f['recompute'])})",
         f"  {'transfer':<22}{_tflop(f['total'])}: {plan.first_token_flop_ratio:,.1f}x fewer than the prefill",
+        f"  {'by exact layers':<22}"
+        + ", ".join(f"{n}: {r:,.1f}x" for n, r in plan.first_token_flop_ratio_by_exact_layers.items()),
+        f"  {'':<22}(the fit's content probe chooses how many: on the bundled pairs, up to the layer where the "
+        "target copies from its context)",
     ]
 
 
