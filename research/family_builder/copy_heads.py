@@ -18,6 +18,11 @@ the earliest at layer 2-11, almost none in the first 3 layers.
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/family_builder/copy_heads.py --family examples/family \
         --models small,large --json research/family_builder/results/copy_heads_family.json
+
+Any other model (a Hub id or a local folder; its own tokenizer), on a text file of your own, with the copy score
+alone where its tokenizer cannot build the passage-recall items:
+
+    python research/family_builder/copy_heads.py --model Qwen/Qwen3-8B --text heldout.txt --json qwen3_8b.json
 """
 
 from __future__ import annotations
@@ -98,10 +103,38 @@ def summary(scores: torch.Tensor, threshold: float, top: int = 5) -> dict:
     }
 
 
+def documents(text: str) -> list[str]:
+    """A held-out text's documents: split at the family's end-of-text marker, else at blank lines."""
+    parts = text.split(f"\n{EOS}\n") if EOS in text else text.split("\n\n")
+    return [d for d in parts if d.strip()]
+
+
+def score_model(model, tok, docs: list[str], args) -> dict:
+    """One model's copy (and, where its tokenizer can build the items, retrieval) scores and their summaries."""
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    stream = [t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] + eos]
+    copy = copy_scores(model, repeat_items(stream, args.items, args.span, args.gap, args.seed), args.span)
+    result = {"num_layers": copy.shape[0], "num_heads": copy.shape[1],
+              "copy": {"summary": summary(copy, args.threshold), "scores": copy.round(decimals=4).tolist()}}  # fmt: skip
+    try:
+        recall = passage_recall_items(tok, args.items, seed=args.seed, distractor_texts=docs)
+    except ValueError as exc:  # e.g. a tokenizer without single-token numbers: the copy score alone
+        result["retrieval"], result["recall_items_scored"] = None, 0
+        print(f"retrieval scores skipped: {exc}", file=sys.stderr)
+        return result
+    retrieval, used = retrieval_scores(model, recall)
+    result["recall_items_scored"] = used
+    result["retrieval"] = {"summary": summary(retrieval, args.threshold), "scores": retrieval.round(decimals=4).tolist()}
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", default="examples/family")
     p.add_argument("--models", default="small,large")
+    p.add_argument("--model", action="append", default=[],
+                   help="score this model instead (Hub id or folder, its own tokenizer; repeatable); with --text")
+    p.add_argument("--text", type=Path, help="held-out text for --model (default: the family's heldout.txt)")
     p.add_argument("--items", type=int, default=64, help="items per score (default: %(default)s)")
     p.add_argument("--span", type=int, default=24, help="repeated span length (default: %(default)s)")
     p.add_argument("--gap", type=int, default=200, help="tokens between the two occurrences (default: %(default)s)")
@@ -111,24 +144,22 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     fam = Path(args.family)
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    tok_dir = next((d for d in [fam / "tokenizer"] + [fam / m for m in names] if (d / "tokenizer.json").is_file()))
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    docs = [d for d in (fam / "heldout.txt").read_text(encoding="utf-8").split(f"\n{EOS}\n") if d.strip()]
-    stream = [t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
-    repeats = repeat_items(stream, args.items, args.span, args.gap, args.seed)
-    recall = passage_recall_items(tok, args.items, seed=args.seed, distractor_texts=docs)
+    text = (args.text or fam / "heldout.txt").read_text(encoding="utf-8")
+    docs = documents(text)
     out = {"settings": {k: str(v) for k, v in vars(args).items()}, "models": {}}
-    for name in names:
-        model = AutoModelForCausalLM.from_pretrained(fam / name, dtype=torch.float32, attn_implementation="eager").eval()
-        copy = copy_scores(model, repeats, args.span)
-        retrieval, used = retrieval_scores(model, recall)
-        out["models"][name] = {
-            "num_layers": copy.shape[0], "num_heads": copy.shape[1], "recall_items_scored": used,
-            "copy": {"summary": summary(copy, args.threshold), "scores": copy.round(decimals=4).tolist()},
-            "retrieval": {"summary": summary(retrieval, args.threshold), "scores": retrieval.round(decimals=4).tolist()},
-        }
+    if args.model:
+        todo = [(name, name, name) for name in args.model]  # (name, model, tokenizer)
+    else:
+        names = [m.strip() for m in args.models.split(",") if m.strip()]
+        tok_dir = next((d for d in [fam / "tokenizer"] + [fam / m for m in names] if (d / "tokenizer.json").is_file()))
+        todo = [(name, fam / name, tok_dir) for name in names]
+    for name, path, tok_path in todo:
+        tok = AutoTokenizer.from_pretrained(tok_path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+        out["models"][name] = score_model(model, tok, docs, args)
         for kind in ("copy", "retrieval"):
+            if out["models"][name][kind] is None:
+                continue
             s = out["models"][name][kind]["summary"]
             best = s["top_heads"][0]
             print(f"{name} {kind}: best head L{best['layer']}.H{best['head']} {best['score']:.3f} (depth {best['depth']:.0%}); "
