@@ -22,7 +22,8 @@ the earliest at layer 2-11, almost none in the first 3 layers.
 Any other model (a Hub id or a local folder; its own tokenizer), on a text file of your own, with the copy score
 alone where its tokenizer cannot build the passage-recall items:
 
-    python research/family_builder/copy_heads.py --model Qwen/Qwen3-8B --text heldout.txt --json qwen3_8b.json
+    python research/family_builder/copy_heads.py --model Qwen/Qwen3-8B --text heldout.txt --dtype bfloat16 \
+        --device-map auto --json qwen3_8b.json
 """
 
 from __future__ import annotations
@@ -56,19 +57,19 @@ def repeat_items(stream: list[int], n: int, span: int, gap: int, seed: int) -> l
 
 
 @torch.no_grad()
-def attentions(model, ids: list[int]) -> torch.Tensor:
-    """`[layers, heads, query, key]` attention probabilities of one forward (eager attention)."""
+def attentions(model, ids: list[int]) -> tuple[torch.Tensor, ...]:
+    """Each layer's `[heads, query, key]` attention probabilities of one forward (eager attention), on the device its
+    layer ran on (a large model's layers may sit on several)."""
     out = model(torch.tensor([ids]), output_attentions=True)
-    return torch.stack([a[0].float() for a in out.attentions])
+    return tuple(a[0] for a in out.attentions)
 
 
 def copy_scores(model, items, span: int) -> torch.Tensor:
     total = None
     for ids, first, second in items:
-        att = attentions(model, ids)
         q = torch.arange(second, second + span - 1)  # each token of the repeat but the last
         k = q - second + first + 1  # the token that followed it the first time
-        score = att[:, :, q, k].mean(-1)
+        score = torch.stack([a[:, q, k].float().mean(-1).cpu() for a in attentions(model, ids)])
         total = score if total is None else total + score
     return total / len(items)
 
@@ -80,8 +81,8 @@ def retrieval_scores(model, items) -> tuple[torch.Tensor, int]:
         where = [j for j, t in enumerate(it.prompt_ids[:-1]) if t == answer]
         if len(it.answer_ids) != 1 or not where:
             continue
-        att = attentions(model, it.prompt_ids)
-        score = att[:, :, -1, where].sum(-1)  # every place the answer's token appears (the passage line)
+        # every place the answer's token appears (the passage line)
+        score = torch.stack([a[:, -1, where].float().sum(-1).cpu() for a in attentions(model, it.prompt_ids)])
         total, used = (score if total is None else total + score), used + 1
     return total / max(used, 1), used
 
@@ -135,6 +136,8 @@ def main() -> None:
     p.add_argument("--model", action="append", default=[],
                    help="score this model instead (Hub id or folder, its own tokenizer; repeatable); with --text")
     p.add_argument("--text", type=Path, help="held-out text for --model (default: the family's heldout.txt)")
+    p.add_argument("--dtype", default="float32", help="model dtype, e.g. bfloat16 for a large model (default: %(default)s)")
+    p.add_argument("--device-map", help="accelerate device map for a large model, e.g. auto (default: CPU)")
     p.add_argument("--items", type=int, default=64, help="items per score (default: %(default)s)")
     p.add_argument("--span", type=int, default=24, help="repeated span length (default: %(default)s)")
     p.add_argument("--gap", type=int, default=200, help="tokens between the two occurrences (default: %(default)s)")
@@ -155,7 +158,8 @@ def main() -> None:
         todo = [(name, fam / name, tok_dir) for name in names]
     for name, path, tok_path in todo:
         tok = AutoTokenizer.from_pretrained(tok_path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype), attn_implementation="eager",
+                                                     device_map=args.device_map).eval()  # fmt: skip
         out["models"][name] = score_model(model, tok, docs, args)
         for kind in ("copy", "retrieval"):
             if out["models"][name][kind] is None:
