@@ -20,13 +20,14 @@ def _banded(n: int, window: int) -> torch.Tensor:
     return (j <= i) & (i - j < window)
 
 
-@pytest.mark.parametrize("n,window", [(100, 16), (97, 32), (64, 64), (40, 8)])
-def test_blocked_local_attention_is_dense_attention_under_a_band(n, window):
+@pytest.mark.parametrize("n,window,block", [(100, 16, None), (97, 32, None), (64, 64, None), (40, 8, None),
+                                            (100, 16, 48), (97, 32, 40)])
+def test_blocked_local_attention_is_dense_attention_under_a_band(n, window, block):
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(2, h, n, 8, generator=g) for h in (4, 2, 2))
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2  # what transformers' SDPA path reads of a layer
-    got, _ = windowed.local_attention(window)(module, q, k, v, None, scaling=0.3)
+    got, _ = windowed.local_attention(window, block)(module, q, k, v, None, scaling=0.3)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=_banded(n, window), scale=0.3, enable_gqa=True)
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
 

@@ -39,10 +39,12 @@ from hf_kvtransfer.evaluation.evaluate import split_documents
 from hf_kvtransfer.evaluation.tasks import handoff_items, passage_recall_items
 
 
-def local_attention(window: int):
+def local_attention(window: int, block: int | None = None):
     """An attention function (transformers' `AttentionInterface`) in which each query of a forward over the whole
     prompt (as many queries as keys, no padding) sees only the `window` keys up to itself, computed in blocks of
-    `window` queries (so its cost grows with prompt x window, not prompt^2); any other forward is plain SDPA."""
+    `block` queries (default `window`; so its cost grows with prompt x window, not prompt^2); any other forward is
+    plain SDPA."""
+    block = max(window, block or window)
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         n, m = query.shape[2], key.shape[2]
@@ -51,8 +53,8 @@ def local_attention(window: int):
                                           **kwargs)  # fmt: skip
         out = torch.empty_like(query)
         gqa = query.shape[1] != key.shape[1]
-        for start in range(0, n, window):
-            stop = min(n, start + window)
+        for start in range(0, n, block):
+            stop = min(n, start + block)
             first = max(0, start - window + 1)
             i = torch.arange(start, stop, device=query.device)[:, None]
             j = torch.arange(first, stop, device=query.device)[None, :]
@@ -67,13 +69,15 @@ def local_attention(window: int):
 
 
 @contextlib.contextmanager
-def local_exact_pass(model, window: int | None):
-    """While inside, forwards of `model` over a whole prompt attend within `window` tokens (None: unchanged)."""
+def local_exact_pass(model, window: int | str | None):
+    """While inside, forwards of `model` over a whole prompt attend within `window` tokens (None: unchanged; "W:B":
+    a window of W in blocks of B queries)."""
     if window is None:
         yield
         return
-    name = f"kvtransfer_local_{window}"
-    AttentionInterface.register(name, local_attention(window))
+    w, _, b = str(window).partition(":")
+    name = f"kvtransfer_local_{w}_{b or w}"
+    AttentionInterface.register(name, local_attention(int(w), int(b) if b else None))
     AttentionMaskInterface.register(name, sdpa_mask)  # masks built as for SDPA (a forward on a cache needs one)
     config = model.config
     before = config._attn_implementation
@@ -168,7 +172,8 @@ def main() -> None:
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--mapper", required=True, help="a saved mapper directory, used at its defaults")
-    p.add_argument("--windows", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--windows", nargs="+", default=["64", "256"],
+                   help='windows in tokens; "W:B" computes a window of W in blocks of B queries (default: B = W)')
     p.add_argument("--items", type=int, default=600, help="items per content task (0: no content)")
     p.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096], help="prompt lengths timed (none: no timing)")
     p.add_argument("--rounds", type=int, default=9)
