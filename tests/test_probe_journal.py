@@ -121,7 +121,11 @@ def test_a_score_is_read_back_only_for_the_same_candidate_layers_and_items(tmp_p
     # A line cut short by a kill mid-write is dropped; the rest is read.
     with (tmp_path / "j.jsonl").open("a") as f:
         f.write('{"key": "abc", "result": {"retent')
-    assert len(ProbeJournal(tmp_path / "j.jsonl", {"models": "the pair"}).entries) == 5
+    resumed = ProbeJournal(tmp_path / "j.jsonl", {"models": "the pair"})
+    assert len(resumed.entries) == 5
+    # and the next score goes on a line of its own, read back after another restart
+    resumed.score("after the cut", base, 1, items, compute)
+    assert len(ProbeJournal(tmp_path / "j.jsonl", {"models": "the pair"}).entries) == 6
 
 
 def test_a_journal_of_other_models_is_started_afresh(tmp_path):

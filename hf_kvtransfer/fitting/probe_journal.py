@@ -54,6 +54,9 @@ class ProbeJournal:
         self._fingerprints: dict[int, tuple[KVMapper, str]] = {}  # id -> (the mapper, kept alive; its hash)
         if self.path.is_file():
             self._read()
+        if self.entries and not self.path.read_bytes().endswith(b"\n"):
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write("\n")  # a line cut short by a kill: the next score starts a line of its own
         if not self.entries:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps({"context": self.context}) + "\n", encoding="utf-8")
