@@ -96,6 +96,18 @@ RESULTS = {
            ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py {{x}}--source {{s}} "
                                            f"--target {{t}} --mapper DIR --rounds {rounds} --output FILE"),
        ) if (d, kind) != ("l2s", "eval")},  # fmt: skip (large -> small maps nothing: no eval)
+    # The deep pair's default fit since the fit chooses the exact pass's window, with its eval and time split.
+    **{f"gate_{kind}_deepw": Result(f"{_DEEP}/{name}_window_source_to_target.{ext}", command, "2026-12-05")
+       for kind, name, ext, command in (
+           ("fit", "fit", "log", "hf-kvtransfer fit -v --source examples/family_deep/source --target "
+                                 "examples/family_deep/target --dataset examples/family_deep/calibration.txt --output DIR"),
+           ("mapper", "mapper_config", "json", "(DIR/config.json of that fit)"),
+           ("eval", "eval", "json", "hf-kvtransfer eval --source examples/family_deep/source --target "
+                                   "examples/family_deep/target --mapper DIR --text examples/family_deep/heldout.txt "
+                                   "--tasks recall,handoff,agreement --items 600 --json FILE"),
+           ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py --family examples/family_deep "
+                                           "--source source --target target --mapper DIR --rounds 9 --output FILE"),
+       )},  # fmt: skip
     # The deep pair's frontier: variants of the default fit, and one paired timing run of all of them.
     **{f"deep_eval_{name}": Result(f"{_DEEP}/eval_{name}_source_to_target.json",
                                    "hf-kvtransfer eval --source examples/family_deep/source --target "
@@ -318,7 +330,7 @@ def describe(variant: dict) -> str:
 
 
 # The time split of each at-a-glance row: the deep pair's is its frontier run (the newest, on a quiet machine).
-_SPLIT = {"s2l": "gate_split_s2l", "l2s": "gate_split_l2s", "deep": "deep_split_frontier"}
+_SPLIT = {"s2l": "gate_split_s2l", "l2s": "gate_split_l2s", "deep": "deep_split_frontier", "deepw": "gate_split_deepw"}
 
 
 def _gate_row(pair: str, direction: str) -> list[str]:
@@ -342,6 +354,8 @@ def _gate_row(pair: str, direction: str) -> list[str]:
         (f" from its own residual stream entering layer {residual['layer']} (no source K/V)" if alone else
          f" from the source's K/V and its own residual stream entering layer {residual['layer']}")
         if residual else " from the source's K/V")  # fmt: skip
+    if config.get("exact_window"):
+        chose += f"; its exact layers attend within {config['exact_window']} tokens"
     recall, handoff = content["passage_recall"], content["handoff"]
     agreement = content["greedy_agreement"]
 
@@ -366,13 +380,13 @@ def _gate_row(pair: str, direction: str) -> list[str]:
 def at_a_glance() -> str:
     """Today's defaults, both directions of the bundled pair: what the fit keeps, what the transfer keeps and costs."""
     rows = [_gate_row("small -> large", "s2l"), _gate_row("large -> small", "l2s"),
-            _gate_row("deep: source (8 layers) -> target (24)", "deep")]
+            _gate_row("deep: source (8 layers) -> target (24)", "deepw")]
     header = ["pair", "what the fit chose", "passage recall kept [95% CI]", "hand-off kept",
               "gap to the source recovered", "greedy tokens as the target's own: first / all 16",
               "time to the first token, 1024 tokens", "one-time fit"]  # fmt: skip
     content = RESULTS["gate_eval_s2l"].load()
     agreement = content["greedy_agreement"]
-    bundled, deep = RESULTS[_SPLIT["s2l"]].load(), RESULTS[_SPLIT["deep"]].load()
+    bundled, deep = RESULTS[_SPLIT["s2l"]].load(), RESULTS[_SPLIT["deepw"]].load()
     note = (
         "The bundled family (`examples/family/`) and the deep pair (`examples/family_deep/`), `hf-kvtransfer fit` "
         f"and `eval` at their defaults. Recall and "
@@ -386,8 +400,8 @@ def at_a_glance() -> str:
         "tokens, wall clock on the 2-core VM beside other jobs."
     )
     keys = [f"gate_{kind}_{d}" for d, kinds in (("s2l", ("fit", "eval", "split")), ("l2s", ("fit", "split")),
-                                                 ("deep", ("fit", "eval"))) for kind in kinds]  # fmt: skip
-    return "\n\n".join([table(header, rows), note, sources(*keys, "deep_split_frontier")])
+                                                 ("deepw", ("fit", "mapper", "eval", "split"))) for kind in kinds]  # fmt: skip
+    return "\n\n".join([table(header, rows), note, sources(*keys)])
 
 
 def fit_vs_source_only() -> str:
@@ -942,7 +956,7 @@ def _windowed(key: str, fit: tuple[str, str]) -> str:
 
     rows = []
     for name in content["recall"]["rows"]:
-        cells = ["whole (the default)" if name == "whole" else f"within {name.split()[1]} tokens"]
+        cells = ["the whole prompt" if name == "whole" else f"within {name.split()[1]} tokens"]
         for task in ("recall", "handoff"):
             r = content[task]["rows"][name]
             cells += [f"{r['accuracy']:.1f}%", diff(r["minus_own"]), "–" if name == "whole" else diff(r["minus_whole"])]
@@ -954,7 +968,8 @@ def _windowed(key: str, fit: tuple[str, str]) -> str:
               f"TTFT speed-up at {' / '.join(lengths)} tokens"]  # fmt: skip
     own = {task: content[task]["own_accuracy"] for task in content}
     note = (
-        f"The fit's default mapper ({result['num_exact_layers']} exact layers); {content['recall']['items']} eval items "
+        f"The fit's default mapper, the window set by the script ({result['num_exact_layers']} exact layers); "
+        f"{content['recall']['items']} eval items "
         f"per task (eval's seed and scoring; the target's own accuracy {own['recall']:.1f}% on recall, "
         f"{own['handoff']:.1f}% on hand-off); differences in points with a paired bootstrap 95% interval (2,000 "
         f"resamples). Speed: process CPU time, one thread, medians of the interleaved rounds, load average "
@@ -962,6 +977,29 @@ def _windowed(key: str, fit: tuple[str, str]) -> str:
         f"prefill over the whole transfer (exact pass, maps, recomputed tokens)."
     )
     return "\n\n".join([table(header, rows), note, sources(*fit, key)])
+
+
+def deep_window_defaults() -> str:
+    """The deep pair at the fit's defaults once the fit chooses the exact pass's window: the gate's verdict on each
+    window it tried, and the time to the first token by prompt length against the own prefill."""
+    config, split = RESULTS["gate_mapper_deepw"].load(), RESULTS["gate_split_deepw"].load()
+    rows = []
+    for n in sorted(split["lengths"], key=int):
+        r = split["lengths"][n]
+        rows.append([n, f"{r['own']['cpu_ms']:.1f}", f"{r['transfer']['cpu_ms']:.1f}", f"{r['exact']['cpu_ms']:.1f}",
+                     times(r["speedup_cpu"]), times(r["speedup_flops"])])  # fmt: skip
+    header = ["prompt tokens", "own prefill (ms)", "transfer (ms)", "of it: exact pass (ms)", "speed-up",
+              "speed-up by FLOPs"]  # fmt: skip
+    window = config.get("exact_window")
+    chose = "the whole prompt" if window is None else f"a window of {window} tokens"
+    note = (
+        f"`hf-kvtransfer fit` at its defaults on the deep pair: {config['num_exact_layers']} of "
+        f"{len(config['selected_layers'])} layers exact, attending within {chose} (the windows the gate judged and its "
+        f"verdicts are in the fit's log). Time to the first token at those defaults: process CPU time, one thread, "
+        f"medians of {split['rounds']} interleaved rounds, 1-minute load average "
+        f"{split['load_average_before'][0]:.2f} at the start; FLOPs as `plan` and `info` count them."
+    )
+    return "\n\n".join([table(header, rows, "rrrrrr"), note, sources("gate_fit_deepw", "gate_mapper_deepw", "gate_split_deepw")])
 
 
 def ttft_vllm_small_to_large() -> str:
@@ -987,6 +1025,7 @@ TABLES = {
     "family-bench": family_bench,
     "copy-depth": copy_depth,
     "deep-windowed": deep_windowed,
+    "deep-window-defaults": deep_window_defaults,
     "windowed-small-to-large": windowed_small_to_large,
     "deep-flops": deep_flops,
     "deep-boundary": deep_boundary,

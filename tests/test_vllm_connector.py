@@ -865,6 +865,24 @@ def test_residual_mapper_is_served_as_transformers_applies_it(tmp_path):
         _connector_alone(tmp_path, "WORKER", tmp_path / "mapper", num_exact_layers=1, allow_lossy=True)
 
 
+def test_a_mapper_with_an_exact_window_is_served_as_transformers_applies_it(tmp_path):
+    """A mapper whose exact layers attend within a window (`exact_window`): the worker's exact pass is windowed as
+    transformers' TransferredCache's is, and differs from the whole pass (so the window reached the worker)."""
+    _need_vllm()
+    from hf_kvtransfer import TransferredCache, prefill
+    from hf_kvtransfer.fitting.residual_stats import solve_residual_mapper
+
+    small, large, ids, (base, stats) = _family_residual_statistics(layer=2)
+    mapper = solve_residual_mapper(base, stats, residual_layer=2).with_config(exact_window=8)
+    worker = _served_as_transformers_applies_it(tmp_path, small, large, mapper)
+    prompt = list(range(7, 47))
+    whole = TransferredCache(prefill(small, torch.tensor([prompt])), mapper, num_recompute_tokens=0, exact_window=0)
+    whole.compute_exact_layers(large).convert_all()
+    got = worker._transfer(tuple((layer.keys, layer.values) for layer in prefill(small, torch.tensor([prompt])).layers),
+                           prompt, "cpu", torch.float32)  # fmt: skip
+    assert not torch.allclose(got.layers[2].keys, whole.layers[2].keys, atol=1e-4)
+
+
 def test_token_table_mapper_is_served_as_transformers_applies_it(tmp_path):
     """A mapper that adds token tables of the prompt's ids (and reads the target's residual; the research plug-in's
     input, registered in this process): the worker's transfer equals transformers' TransferredCache on the same ids."""

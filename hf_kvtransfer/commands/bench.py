@@ -41,7 +41,7 @@ import torch
 from huggingface_hub.utils import tqdm
 
 from ..core.cache import TransferredCache
-from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS, resolve_num_exact_layers
+from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS, resolve_exact_window, resolve_num_exact_layers
 from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
 from ..core.capture import cache_argument, prefill
 from ..core.loading import DTYPES, check_device, load_model
@@ -302,13 +302,13 @@ def _time_transfers(row: dict[str, Any], source_cache, target, variants, ids, o:
         convert = lambda m=mapper, c=compiled: TransferredCache(  # noqa: E731
             source_cache, m, num_recompute_tokens=0, compile_rope=c, num_exact_layers=o.num_exact_layers, model=target
         ).convert_all()
-        exact = resolve_num_exact_layers(mapper, o.num_exact_layers)
-        entry: dict[str, Any] = {"compile_rope": compiled, "num_exact_layers": exact}
+        exact, window = resolve_num_exact_layers(mapper, o.num_exact_layers), resolve_exact_window(mapper, None)
+        entry: dict[str, Any] = {"compile_rope": compiled, "num_exact_layers": exact, "exact_window": window}
         ms = _measure(entry, "ms", convert, device, o.repeats, o.warmup)
         entry.update({
             "speedup_vs_body": row["prefill_body_ms"] / ms,
             "cpu_speedup_vs_body": row["prefill_body_ms_cpu"] / max(entry["ms_cpu"], 1e-9),
-            "exact_gflop": exact_layers_flops(target.config, seq_len, exact) / 1e9,
+            "exact_gflop": exact_layers_flops(target.config, seq_len, exact, window=window) / 1e9,
             "mapping_gflop": mapping_flops(mapper, seq_len, exact) / 1e9,
         })  # fmt: skip
         # What was timed: the exact layers and the maps.
@@ -360,6 +360,7 @@ def _bench_settings(source, target, mappers: dict[str, KVMapper], first: str, se
         settings["ttft_mapper"] = first
         settings["ttft_defaults"] = {
             "num_exact_layers": mapper.resolve_num_exact_layers(o.num_exact_layers),
+            "exact_window": mapper.config.exact_window,
             "exact_layers_origin": origin if origin is not None else origin_of_exact_layers(mapper, o.num_exact_layers),
             "num_recompute_tokens": o.num_recompute_tokens,  # None: TransferredCache's default
             "num_recompute_tokens_default": DEFAULT_NUM_RECOMPUTE_TOKENS,

@@ -290,6 +290,9 @@ def _format_info(config: dict, weights_bytes: int, report: dict | None = None,
         + (" (the default: this mapper records none)" if exact is None else "")
         + (f"; {(report or {})['exact_layers']['reason']}" if (report or {}).get("exact_layers", {}).get("reason") else "")
     )
+    if config.get("exact_window"):
+        lines.append(f"window:      the exact layers attend within {config['exact_window']} tokens of each token "
+                     "(the recomputed tokens to the whole prompt)")  # fmt: skip
     if first_token:
         (n, f), *rest = first_token.items()
         more = "".join(f", {g['own_prefill'] / g['total']:.2f}x at {m}" for m, g in rest)
@@ -371,6 +374,9 @@ def _add_eval(subparsers) -> None:
     p.add_argument("--exact-layers", type=int, default=None,
                    help="the target's first layers computed from the prompt's ids in every transfer (default: the "
                         "mapper's, chosen by its fit; 0 measures the mapper alone)")
+    p.add_argument("--exact-window", type=int, default=None, metavar="N",
+                   help="the exact layers attend within N tokens in every transfer (default: the mapper's "
+                        "exact_window, chosen by its fit; 0: the whole prompt)")
     p.add_argument("--no-continuation", action="store_true", help="skip the continuation task built from --text")
     p.add_argument("--num-items", type=int, default=200, help="continuation-task items (default 200)")
     p.add_argument("--context-len", type=int, default=128, help="continuation-task context tokens (default 128)")
@@ -388,6 +394,15 @@ def _add_eval(subparsers) -> None:
     p.set_defaults(func=_run_eval)
 
 
+def _with_exact_window(mapper, window: int | None):
+    """`mapper`, or with `--exact-window N` a copy whose exact layers attend within N tokens (0: the whole prompt)."""
+    if window is None:
+        return mapper
+    if window < 0:
+        raise CLIError(f"--exact-window must be a number of tokens >= 1, or 0 for the whole prompt, got {window}")
+    return mapper.with_config(exact_window=window or None)
+
+
 def _run_eval(args) -> int:
     from pathlib import Path
 
@@ -398,7 +413,7 @@ def _run_eval(args) -> int:
 
     _check_eval_args(args)
     # Mappers (small) before models (large): a broken or mistyped one fails at once.
-    mapper = KVMapper.from_pretrained(args.mapper)
+    mapper = _with_exact_window(KVMapper.from_pretrained(args.mapper), args.exact_window)
     reverse = KVMapper.from_pretrained(args.reverse_mapper) if args.reverse_mapper else None
     source, target, tokenizer = _load_pair(args)
     mapper.check_compatible(source.config, target.config)
@@ -410,6 +425,7 @@ def _run_eval(args) -> int:
     items = load_multiple_choice(args.mc, tokenizer, args.mc_limit) if args.mc else None
     settings = {
         "num_exact_layers": mapper.resolve_num_exact_layers(args.exact_layers),
+        "exact_window": mapper.config.exact_window,
         "exact_layers_origin": origin_of_exact_layers(mapper, args.exact_layers),
         "num_target_layers": mapper.target_layout.num_layers,
         "num_recompute_tokens": "default" if args.recompute is None else args.recompute,
@@ -669,6 +685,7 @@ def _print_written(results) -> None:
             + (f" rank {sum(map(sum, c.rank))} total" if c.rank else "")
             + f", {mapper.num_parameters():,} parameters ({next(mapper.parameters()).dtype})".replace("torch.", "")
             + f", {mapper.num_exact_layers} of {mapper.target_layout.num_layers} target layers computed exactly"
+            + (f" within a window of {c.exact_window} tokens" if c.exact_window else "")
         )
 
 
@@ -737,6 +754,9 @@ def _add_plan(subparsers) -> None:
                    "TransferredCache's for a mapper that records none, 1; a fit's content probe chooses a mapper's)")
     p.add_argument("--recompute-tokens", type=int, metavar="N",
                    help="prompt tokens the target recomputes, for the first-token FLOPs (default 32, at most half)")
+    p.add_argument("--exact-window", type=int, metavar="N",
+                   help="the exact layers attend within N tokens, for the first-token FLOPs (default: the whole prompt; "
+                        "a fit records a window where its content gate accepts one)")  # fmt: skip
     # The residual input's `plan_positions` option (the parser imports no map input: they pull in torch); its default
     # is the input's `plan_default_positions`.
     p.add_argument("--residual-positions", type=int, metavar="P",
@@ -755,7 +775,7 @@ def _run_plan(args) -> int:
     plan = plan_transfer(
         args.source, args.target, top_k=args.top_k, rank=args.rank, seq_len=args.seq_len, dtype=args.dtype,
         batch_size=args.batch_size, use_hub=not args.offline, num_exact_layers=args.exact_layers,
-        num_recompute_tokens=args.recompute_tokens,
+        num_recompute_tokens=args.recompute_tokens, exact_window=args.exact_window,
         **({} if args.residual_positions is None else {"residual_positions": args.residual_positions}),
         available_memory=int(args.available_memory * 2**30) if args.available_memory else None,
     )  # fmt: skip

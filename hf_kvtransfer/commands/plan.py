@@ -33,6 +33,7 @@ from ..core.options import with_options
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 from ..fitting.config import FitConfig, heldout_count
+from ..fitting.exact_window import FIRST_WINDOW
 from .model_configs import load_model_config
 
 __all__ = [
@@ -111,6 +112,10 @@ class TransferPlan:
     # the same ratio at other exact-layer counts (1, an eighth, a quarter and half of the target's layers, and the
     # count asked for): how far the content probe's choice moves it
     first_token_flop_ratio_by_exact_layers: dict[int, float] = field(default_factory=dict)
+    # the same with the exact layers attending within `windowed_at` tokens (`MapperConfig.exact_window`)
+    exact_window: int | None = None
+    windowed_at: int | None = None
+    first_token_flop_ratio_by_exact_layers_windowed: dict[int, float] = field(default_factory=dict)
     # each map input at this shape, by name (`map_input_rows`): label, positions, input features per map, parameters,
     # bytes, flops, bytes against the target's own weights at `dtype`, and the first token with it on every mapped
     # layer (`first_token_flops`, and read alone where its maps may read no source K/V)
@@ -250,6 +255,7 @@ def first_token_flops(
     inputs: dict[str, int] | None = None,
     rank: int | None = None,
     source_inputs: bool = True,
+    exact_window: int | None = None,
 ) -> dict[str, int]:
     """FLOPs to the target's first token for a `seq_len`-token prompt whose source cache is at hand, batch 1, by
     part, as `TransferredCache` computes it: the target's first `num_exact_layers` layers over the transferred
@@ -262,6 +268,7 @@ def first_token_flops(
     residual stream entering the last exact layer, which the exact pass computes anyway before that layer's
     projections, so `exact_layers` is the same and only the wider maps cost more). `source_inputs=False`: maps that
     read those inputs only (a fit's "residual alone" variant), so no source K/V is mapped (`mapping` 0).
+    `exact_window`: the exact layers attend within that many tokens (`MapperConfig.exact_window`; None: all).
 
     Returns:
         `{"own_prefill", "exact_layers", "mapping", "map_inputs", "recompute", "total"}` (total: the transfer).
@@ -280,7 +287,7 @@ def first_token_flops(
              for name, count in (inputs or {}).items()]  # fmt: skip
     parts = {
         "own_prefill": prefill_flops(target_config, seq_len)["total"],
-        "exact_layers": exact_layers_flops(target_config, transferred, num_exact_layers),
+        "exact_layers": exact_layers_flops(target_config, transferred, num_exact_layers, window=exact_window),
         "mapping": mapping if source_inputs else 0,
         "map_inputs": sum(c.flops for c in costs if c is not None),
         "recompute": prefill_flops(target_config, num_recompute_tokens, context_len=transferred)["total"],
@@ -291,7 +298,7 @@ def first_token_flops(
 
 def mapper_first_token(mapper, lengths: tuple[int, ...] = (1024, 4096),
                        num_recompute_tokens: int | None = None) -> dict[int, dict[str, int]]:  # fmt: skip
-    """`first_token_flops` of a saved mapper at its defaults (`resolve_transfer`: its exact layers, the cache's
+    """`first_token_flops` of a saved mapper at its defaults (`resolve_transfer`: its exact layers and window, the cache's
     recomputed tokens unless `num_recompute_tokens` says otherwise) for prompts of each length, by length: what its
     arithmetic allows, from its config and weights alone (the target's config is the one the mapper stores)."""
     from ..core.defaults import resolve_transfer
@@ -302,7 +309,7 @@ def mapper_first_token(mapper, lengths: tuple[int, ...] = (1024, 4096),
     for n in lengths:
         at = resolve_transfer(mapper, n, num_recompute_tokens=num_recompute_tokens)
         out[n] = first_token_flops(target, mapper, n, num_exact_layers=at.num_exact_layers,
-                                   num_recompute_tokens=at.num_recompute_tokens)  # fmt: skip
+                                   num_recompute_tokens=at.num_recompute_tokens, exact_window=at.exact_window)  # fmt: skip
     return out
 
 
@@ -320,6 +327,8 @@ class PlanOptions:
         num_exact_layers, num_recompute_tokens: the configuration the first-token FLOPs are counted at, for a prompt
             of `seq_len` tokens (defaults: `TransferredCache`'s for a mapper that records no exact layers, 1, and 32
             recomputed tokens, at most half the prompt; a fit's content probe chooses the exact layers of a mapper).
+        exact_window: the exact layers attend within this many tokens (default None: the whole prompt); the plan
+            also sets the exact-layer counts side by side within it (default `FIRST_WINDOW`, the fit's first try).
         input_positions: positions each registered map input is costed at, by its `plan_positions` option
             (`MapInput.plan_positions`, e.g. "residual_positions": positions t, t-1, ... of the target's residual
             stream entering the last exact layer; an input not named here: its `plan_default_positions`); 0 leaves it
@@ -338,6 +347,7 @@ class PlanOptions:
     probe_tokens: int = FIT_PROBE_TOKENS
     num_exact_layers: int | None = None
     num_recompute_tokens: int | None = None
+    exact_window: int | None = None
     input_positions: dict[str, int] | None = None
     use_hub: bool = True
 
@@ -440,9 +450,10 @@ def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[s
     exact = DEFAULT_NUM_EXACT_LAYERS if o.num_exact_layers is None else o.num_exact_layers
     recompute = resolve_num_recompute_tokens(o.num_recompute_tokens, seq_len)
     at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=o.rank)
-    first = first_token_flops(target_config, mapper, seq_len, **at)
-    sweep = {n: first_token_flops(target_config, mapper, seq_len, **{**at, "num_exact_layers": n})
-             for n in exact_layer_counts(tgt.num_layers, exact)}  # fmt: skip
+    first = first_token_flops(target_config, mapper, seq_len, **at, exact_window=o.exact_window)
+    counts, windowed_at = exact_layer_counts(tgt.num_layers, exact), o.exact_window or FIRST_WINDOW
+    sweeps = {w: {n: first_token_flops(target_config, mapper, seq_len, **{**at, "num_exact_layers": n}, exact_window=w)
+                  for n in counts} for w in (None, windowed_at)}  # fmt: skip
     model_parameters = {"source": _model_parameters(source_config), "target": _model_parameters(target_config)}
     inputs = map_input_rows(target_config, mapper, seq_len, o.input_positions or {}, at, o.dtype, model_parameters["target"])
     return dict(
@@ -455,7 +466,11 @@ def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[s
         target_layer_flops=prefill // tgt.num_layers,
         first_token_flops=first,
         first_token_flop_ratio=first["own_prefill"] / first["total"],
-        first_token_flop_ratio_by_exact_layers={n: f["own_prefill"] / f["total"] for n, f in sweep.items()},
+        first_token_flop_ratio_by_exact_layers={n: f["own_prefill"] / f["total"] for n, f in sweeps[None].items()},
+        exact_window=o.exact_window,
+        windowed_at=windowed_at,
+        first_token_flop_ratio_by_exact_layers_windowed={
+            n: f["own_prefill"] / f["total"] for n, f in sweeps[windowed_at].items()},
         map_inputs=inputs,
     )
 
@@ -579,10 +594,11 @@ def _first_token_lines(plan: TransferPlan) -> list[str]:
     def share(x: int) -> str:
         return f"{100 * x / f['own_prefill']:.2f}% of the prefill"
 
+    window = f", attending within {plan.exact_window} tokens" if plan.exact_window else ""
     return [
         "",
-        f"to the first token of a {plan.seq_len}-token prompt ({plan.num_exact_layers} of {layers} target layers exact, "
-        f"{plan.num_recompute_tokens} recomputed tokens; batch 1, transformer bodies):",
+        f"to the first token of a {plan.seq_len}-token prompt ({plan.num_exact_layers} of {layers} target layers exact"
+        f"{window}, {plan.num_recompute_tokens} recomputed tokens; batch 1, transformer bodies):",
         f"  {'target prefill':<22}{_tflop(f['own_prefill'])} (one target layer: {_tflop(plan.target_layer_flops)})",
         f"  {'exact layers':<22}{_tflop(f['exact_layers'])} ({share(f['exact_layers'])})",
         f"  {f'maps ({mapped} layers)':<22}{_tflop(f['mapping'])} ({share(f['mapping'])})",
@@ -590,6 +606,9 @@ def _first_token_lines(plan: TransferPlan) -> list[str]:
         f"  {'transfer':<22}{_tflop(f['total'])}: {plan.first_token_flop_ratio:,.1f}x fewer than the prefill",
         f"  {'by exact layers':<22}"
         + ", ".join(f"{n}: {r:,.1f}x" for n, r in plan.first_token_flop_ratio_by_exact_layers.items()),
+        f"  {f'within {plan.windowed_at} tokens':<22}"
+        + ", ".join(f"{n}: {r:,.1f}x" for n, r in plan.first_token_flop_ratio_by_exact_layers_windowed.items())
+        + " (the exact layers' attention over a local window: `exact_window`)",
         f"  {'':<22}(the fit's content probe chooses how many: on the bundled pairs, up to the layer where the "
         "target copies from its context)",
     ]

@@ -38,6 +38,7 @@ def transfer_settings(
     origin: str | None,
     num_recompute_tokens: int | Sequence[int] | None,
     recompute_default: bool = False,
+    exact_window: int | None = None,
 ) -> str:
     """`"4 of 8 target layers exact (recorded by the mapper's fit), 32 recomputed tokens (TransferredCache's default:
     ...)"`: what the target computed itself in a transfer. `num_recompute_tokens`: the number used, the numbers used
@@ -46,6 +47,8 @@ def transfer_settings(
 
     of = f" of {num_layers}" if num_layers else ""
     exact = f"{num_exact_layers}{of} target layers exact" + (f" ({origin})" if origin else "")
+    if exact_window and num_exact_layers > 1:
+        exact += f", attending within {exact_window} tokens"
     if num_recompute_tokens is None:
         default = f"{DEFAULT_NUM_RECOMPUTE_TOKENS} recomputed tokens, at most half a shorter prompt"
         return f"{exact}, {default} (TransferredCache's default)"
@@ -185,7 +188,8 @@ def eval_settings(config: dict[str, Any]) -> str:
     default = requested in (None, "default")
     recompute = values[0] if len(values) == 1 else values or (None if default else requested)
     text = transfer_settings(
-        config["num_exact_layers"], config.get("num_target_layers"), config.get("exact_layers_origin"), recompute, default
+        config["num_exact_layers"], config.get("num_target_layers"), config.get("exact_layers_origin"), recompute, default,
+        config.get("exact_window"),
     )
     if len(values) > 1:
         text += " (" + ", ".join(f"{task}: {u}" for task, u in used.items()) + ")"

@@ -120,6 +120,7 @@ class TransferOptions:
 
     strict: bool = False
     num_exact_layers: int | None = None
+    exact_window: int | None = None
     compile_rope: bool = False
     gate: bool | QualityGateConfig | None = None
     revision: str | None = None
@@ -153,7 +154,7 @@ class TransferredCache(DynamicCache):
             number, else 32 (1 when every layer is exact and the prompt's ids are known); at most half the prompt,
             at least 1. 1 is the
             fastest under `generate`; 0 only suits a direct forward of new tokens.
-        options: `TransferOptions` (in `hf_kvtransfer.core.cache`): `strict`, `num_exact_layers`, `compile_rope`,
+        options: `TransferOptions` (in `hf_kvtransfer.core.cache`): `strict`, `num_exact_layers`, `exact_window`, `compile_rope`,
             `gate`, `revision` and `token` below; each may be given as a keyword instead (`strict=True`), which
             overrides it.
         strict: when the source cache comes from `prefill`, its model's config is compared with the one the
@@ -166,6 +167,10 @@ class TransferredCache(DynamicCache):
             (see `model`); happens when the target's first layer runs on the cache, or in `convert_all`. Default
             (None): the mapper's `num_exact_layers`, which a fit chooses as the fewest layers that keep the target's
             copying from the context (1 for mappers that record none; `defaults.resolve_transfer`). 0 maps every layer.
+        exact_window: the exact layers attend, over the transferred prompt, only to this many tokens up to each one
+            (`local_attention.py`: at long prompts their attention costs prompt x window instead of prompt^2).
+            Default (None): the mapper's `exact_window`, which a fit records where its content gate accepts one
+            (none: the whole prompt); 0: the whole prompt.
         compile_rope: strip and apply RoPE through `torch.compile` (one fused kernel instead of four passes):
             faster transfers on long prompts after a one-off compile of several seconds (`hf-kvtransfer bench
             --compile both` measures both). Off by default.
@@ -210,8 +215,9 @@ class TransferredCache(DynamicCache):
             mapper.check_compatible(source_config=source_config, strict=o.strict)
         sources, length, batch_size = self._read_source(source_cache)
         attention_mask = _prompt_mask(attention_mask, source_cache, batch_size, length)
-        settings = resolve_transfer(mapper, length, o.num_exact_layers, num_recompute_tokens)
+        settings = resolve_transfer(mapper, length, o.num_exact_layers, num_recompute_tokens, o.exact_window)
         self.num_exact_layers, self.num_recompute_tokens = settings.num_exact_layers, settings.num_recompute_tokens
+        self.exact_window = settings.exact_window
         transferred = length - self.num_recompute_tokens
         gate = mapper.config.quality_gate if o.gate is None or o.gate is True else (o.gate or None)
         self.transfer_status = TransferStatus((True,) * batch_size, None, gate.threshold if gate else None)
@@ -496,7 +502,8 @@ class TransferredCache(DynamicCache):
         if looked_up is not None:
             own = [transfer.own_first_layer(looked_up, model.get_input_embeddings().weight)]
         else:
-            own = own_prefix(model, ids, transfer.attention_mask, transfer.rope.position_ids, len(exact), hidden_of=layer)
+            own = own_prefix(model, ids, transfer.attention_mask, transfer.rope.position_ids, len(exact), hidden_of=layer,
+                             window=self.exact_window)  # fmt: skip
             own, hidden = own if layer is not None else (own, None)
         exact_pass = ExactPass(model, ids, transfer.attention_mask, hidden)
         for inp in inputs:

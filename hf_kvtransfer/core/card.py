@@ -86,7 +86,8 @@ def render_model_card(
         target=_model_facts(target_id, config.get("target_revision"), target_fp, "TARGET_MODEL_ID"),
         fit=_fit_facts(config) + _checkpoint_facts(checkpoint),
         calibration=_calibration_facts(calibration),
-        exact=_exact_layer_facts(config, (report or {}).get("exact_layers")),
+        exact=_exact_layer_facts(config, (report or {}).get("exact_layers"))
+        + _window_facts(config, (report or {}).get("exact_window")),
         frontier=_frontier_rows((report or {}).get("exact_layers")),
         frontier_timing=_frontier_timing((report or {}).get("exact_layers")),
         frontier_gate=_frontier_gate((report or {}).get("exact_layers")),
@@ -224,6 +225,20 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
         ]  # fmt: skip
         if tried:
             facts.append((f"Repeated-span retention by exact layers ({probe.get('num_items')} held-out spans)", "; ".join(tried)))
+    return facts
+
+
+def _window_facts(config: dict, search: Any) -> list[tuple[str, str]]:
+    """How far back the exact layers attend (`MapperConfig.exact_window`), and the gate's verdict on each window the
+    fit tried (`fitting/exact_window.py`)."""
+    window = config.get("exact_window")
+    if window is None and not (isinstance(search, dict) and search.get("tried")):
+        return []
+    facts = [("Exact layers attend within (default `exact_window`)",
+              "the whole prompt" if window is None else f"the last {window} tokens up to each token")]  # fmt: skip
+    if isinstance(search, dict) and search.get("tried"):
+        facts.append(("Windows the content gate judged", "; ".join(
+            f"{row['window']}: {'accepted' if row['gate'].get('accepted') else 'rejected'}" for row in search["tried"])))
     return facts
 
 

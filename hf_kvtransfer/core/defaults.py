@@ -1,5 +1,6 @@
-"""A transfer's two settings, decided in one place: how many of the target's first layers the target computes itself
-(exact layers) and how many of the prompt's last tokens it recomputes. `TransferredCache`, the evaluation suite,
+"""A transfer's settings, decided in one place: how many of the target's first layers the target computes itself
+(exact layers), how far back their attention reaches (the exact pass's window) and how many of the prompt's last
+tokens it recomputes. `TransferredCache`, the evaluation suite,
 `bench`, the demo, `plan`, the lm-eval adapter and the vLLM connector all call `resolve_transfer` (or the two
 functions it combines), so a mapper gives the same transfer on every surface."""
 
@@ -22,11 +23,13 @@ DEFAULT_NUM_RECOMPUTE_TOKENS = 32
 
 @dataclass(frozen=True)
 class TransferSettings:
-    """What one transfer of a prompt does: the target's first `num_exact_layers` layers computed by the target, the
-    rest mapped, and the prompt's last `num_recompute_tokens` tokens left to the target's forward."""
+    """What one transfer of a prompt does: the target's first `num_exact_layers` layers computed by the target (their
+    attention within `exact_window` tokens; None: the whole prompt), the rest mapped, and the prompt's last
+    `num_recompute_tokens` tokens left to the target's forward."""
 
     num_exact_layers: int
     num_recompute_tokens: int
+    exact_window: int | None = None
 
 
 def _config_of(mapper: Any) -> Any:
@@ -74,8 +77,19 @@ def resolve_num_recompute_tokens(
     return min(DEFAULT_NUM_RECOMPUTE_TOKENS if preferred is None else preferred, max(1, num_tokens // 2))
 
 
+def resolve_exact_window(mapper: Any, requested: int | None) -> int | None:
+    """What a caller's `exact_window` means with `mapper`: as given (0: the whole prompt), None the mapper's recorded
+    window (`MapperConfig.exact_window`, None: the whole prompt)."""
+    if requested is None:
+        return getattr(_config_of(mapper), "exact_window", None)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+        raise ValueError(f"exact_window must be a number of tokens >= 1, or 0 for the whole prompt, got {requested!r}")
+    return requested or None
+
+
 def resolve_transfer(
-    mapper: Any, num_tokens: int, num_exact_layers: int | None = None, num_recompute_tokens: int | None = None
+    mapper: Any, num_tokens: int, num_exact_layers: int | None = None, num_recompute_tokens: int | None = None,
+    exact_window: int | None = None,
 ) -> TransferSettings:
     """The transfer of a `num_tokens`-token prompt with `mapper` (a `KVMapper` or `MapperConfig`), given what the
     caller asked for (None: the defaults above).
@@ -87,4 +101,4 @@ def resolve_transfer(
     recompute = resolve_num_recompute_tokens(num_recompute_tokens, num_tokens, mapper, exact)
     if not 0 <= recompute <= num_tokens:
         raise ValueError(f"num_recompute_tokens must be in [0, {num_tokens}] (the cached tokens), got {recompute}")
-    return TransferSettings(exact, recompute)
+    return TransferSettings(exact, recompute, resolve_exact_window(mapper, exact_window))

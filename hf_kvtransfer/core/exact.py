@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .capture import cache_argument
+from .local_attention import attend_within
 
 
 class StopForward(Exception):
@@ -43,13 +44,17 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 @torch.no_grad()
-def own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids, num_layers: int, hidden_of: int | None = None):
+def own_prefix(
+    model: PreTrainedModel, input_ids, attention_mask, position_ids, num_layers: int, hidden_of: int | None = None,
+    window: int | None = None,
+):
     """The keys and values `model` itself computes for its first `num_layers` layers: `[(keys, values)]`, each
     `[batch, kv_heads, seq, head_dim]`. Costs those layers' share of a prefill (for one layer: its K/V projections):
     layers `0 .. num_layers-2` run whole, the last one only up to its keys and values.
 
     With `hidden_of` (< num_layers), returns `(kv, hidden)` with `hidden` the residual stream entering that layer,
-    `[batch, seq, hidden_size]`, taken on the way."""
+    `[batch, seq, hidden_size]`, taken on the way. With `window`, the layers attend only to the `window` tokens up to
+    each one (`local_attention.attend_within`)."""
     body = model.base_model if hasattr(model, "base_model") else model
     device = model.get_input_embeddings().weight.device
     cache = PrefixCache(num_layers)
@@ -64,13 +69,14 @@ def own_prefix(model: PreTrainedModel, input_ids, attention_mask, position_ids, 
 
         hook = decoder_layers(model)[hidden_of].register_forward_pre_hook(keep_input, with_kwargs=True)
     try:
-        body(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device) if attention_mask is not None else None,
-            position_ids=position_ids.to(device),
-            use_cache=True,
-            **{cache_argument(body): cache},
-        )
+        with attend_within(model, window):
+            body(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device) if attention_mask is not None else None,
+                position_ids=position_ids.to(device),
+                use_cache=True,
+                **{cache_argument(body): cache},
+            )
     except StopForward:
         pass
     finally:

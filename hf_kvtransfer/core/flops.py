@@ -7,13 +7,15 @@ Tests check each against torch's FLOP counter."""
 from __future__ import annotations
 
 from .conversion import conversion_groups
+from .local_attention import causal_pairs
 from .map_inputs import map_inputs_of
 from .mapper import KVMapper
 from .rope import head_dim_of, text_config
 
 
 def prefill_flops(
-    config, seq_len: int, logits: bool = False, *, num_layers: int | None = None, context_len: int = 0
+    config, seq_len: int, logits: bool = False, *, num_layers: int | None = None, context_len: int = 0,
+    window: int | None = None,
 ) -> dict[str, int]:
     """FLOPs (2 x multiply-adds) of a decoder's forward of `seq_len` tokens, batch 1.
 
@@ -21,6 +23,8 @@ def prefill_flops(
         num_layers: only the first this many decoder layers (the exact layers a transfer computes); default all.
         context_len: tokens already in the cache that the `seq_len` new ones attend to (the recomputed tokens of a
             transfer attend to the transferred prompt); 0 is a prefill.
+        window: each new token attends to at most this many of them (the exact pass over a local window,
+            `local_attention.py`); None: all up to itself.
 
     Returns `{"projections": ..., "attention": ..., "lm_head": ..., "total": ...}`; attention counts the causal
     half of QK^T and AV over the new tokens (what a fused kernel can skip) and every cached position, projections
@@ -35,25 +39,25 @@ def prefill_flops(
     projections = 2 * seq_len * layers * per_token_layer
     # QK^T and AV: each new token attends to the cached context and, causally, to the new tokens up to itself
     # (sum_i i ~ T^2 / 2 pairs); each pair is 2 * q_dim multiply-adds.
-    pairs = seq_len * context_len + seq_len * (seq_len + 1) // 2
+    pairs = seq_len * context_len + causal_pairs(seq_len, window)
     attention = 2 * layers * 2 * q_dim * pairs
     lm_head = 2 * seq_len * hidden * config.vocab_size if logits else 0
     return {"projections": projections, "attention": attention, "lm_head": lm_head,
             "total": projections + attention + lm_head}  # fmt: skip
 
 
-def exact_layers_flops(config, seq_len: int, num_exact_layers: int) -> int:
+def exact_layers_flops(config, seq_len: int, num_exact_layers: int, window: int | None = None) -> int:
     """FLOPs of the target computing the keys and values of its first `num_exact_layers` layers for `seq_len` tokens,
     batch 1, as `TransferredCache` does: its forward stops at the last exact layer's cache update, so that layer
     costs only its q/k/v projections (the query is projected before the update) and the layers before it a prefill's
-    share (`prefill_flops(num_layers=...)`)."""
+    share (`prefill_flops(num_layers=...)`, their attention within `window` tokens when the pass is windowed)."""
     if num_exact_layers == 0:
         return 0
     config = text_config(config)
     head_dim = head_dim_of(config)
     q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     last = 2 * seq_len * config.hidden_size * (q_dim + 2 * kv_dim)
-    return prefill_flops(config, seq_len, num_layers=num_exact_layers - 1)["total"] + last
+    return prefill_flops(config, seq_len, num_layers=num_exact_layers - 1, window=window)["total"] + last
 
 
 def mapping_flops(mapper: KVMapper, seq_len: int, num_exact_layers: int = 0) -> int:

@@ -88,6 +88,9 @@ class MapperConfig:
         num_recompute_tokens: the prompt's last tokens `TransferredCache` (and the vLLM connector) leave to the
             target with this mapper unless told otherwise, for a mapper measured at another number; None (what the
             fit writes): the cache's default (`cache.DEFAULT_NUM_RECOMPUTE_TOKENS`).
+        exact_window: the exact layers' attention over the transferred prompt reaches back this many tokens
+            (`local_attention.py`), chosen by the fit's content gate where it keeps passage recall and hand-off;
+            None: the whole prompt. Saved only when set.
         map_inputs: what the maps read beyond the source's K/V, `{input name: its config}` (a `MapInputConfig` of
             the input registered under that name, `map_inputs.py`), each validated by the input against the whole
             config; saved as `{name: {field: value}}`, e.g. `{"residual": {"layer": 1, "lags": [0, 1], ...},
@@ -118,6 +121,7 @@ class MapperConfig:
     rank: list[list[int]] | None = None
     num_exact_layers: int | None = None
     num_recompute_tokens: int | None = None
+    exact_window: int | None = None
     map_inputs: dict[str, MapInputConfig] = field(default_factory=dict)
     quality_gate: QualityGateConfig | None = None
     num_parameters: int | None = None
@@ -149,6 +153,8 @@ class MapperConfig:
             raise ValueError(f"num_exact_layers must be in [0, {num_target}] (the target's layers), got {self.num_exact_layers}")
         if self.num_recompute_tokens is not None and (isinstance(self.num_recompute_tokens, bool) or not isinstance(self.num_recompute_tokens, int) or self.num_recompute_tokens < 1):
             raise ValueError(f"num_recompute_tokens must be an integer >= 1 or None, got {self.num_recompute_tokens!r}")
+        if self.exact_window is not None and (isinstance(self.exact_window, bool) or not isinstance(self.exact_window, int) or self.exact_window < 1):
+            raise ValueError(f"exact_window must be an integer >= 1 (tokens) or None (the whole prompt), got {self.exact_window!r}")
         if self.rank is not None and self.mapper_type != LOWRANK:
             raise ValueError(f"rank applies to 'lowrank' mappers only, got mapper_type={self.mapper_type!r}")
         layer_map_class(self.mapper_type).validate_config(self)
@@ -190,8 +196,9 @@ class MapperConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        if data["quality_gate"] is None:  # a mapper without a gate saves the config it did before the field
-            del data["quality_gate"]
+        for name in ("quality_gate", "exact_window"):  # unset: saved as before the field existed
+            if data[name] is None:
+                del data[name]
         return data
 
     @classmethod
@@ -247,6 +254,15 @@ class KVMapper(nn.Module):
     @property
     def target_layout(self) -> KVLayout:
         return self.config.target_layout
+
+    def with_config(self, **changes: Any) -> "KVMapper":
+        """A shallow copy of this mapper (the same weights) whose config has `changes` (`MapperConfig` fields, e.g.
+        `exact_window=64`), validated; this mapper is left as it was."""
+        import copy
+
+        changed = copy.copy(self)
+        changed.config = replace(self.config, **changes)
+        return changed
 
     @property
     def num_exact_layers(self) -> int:

@@ -668,6 +668,7 @@ def _config_block(cfg: EvalConfig, mapper: KVMapper, docs, selected: list[str]) 
         "top_k": mapper.config.top_k,
         "ridge_lambda": mapper.config.ridge_lambda,
         "num_exact_layers": mapper.resolve_num_exact_layers(cfg.num_exact_layers),
+        "exact_window": mapper.config.exact_window,
         "num_recompute_tokens": "default" if cfg.num_recompute_tokens is None else cfg.num_recompute_tokens,
         "num_documents": len(docs),
         "num_tokens": sum(len(d) for d in docs),

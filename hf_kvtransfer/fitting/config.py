@@ -95,6 +95,24 @@ def parse_num_exact_layers(value) -> int | str:
     )
 
 
+def parse_exact_window(value) -> int | str | None:
+    """`"auto"`, `None` / `"none"`, `64` / `"64"` -> "auto", None (the whole prompt) or an int >= 1 (tokens)."""
+    if value == "auto" or value is None:
+        return value
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return None
+    if not isinstance(value, bool):
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            number = 0
+        if number >= 1 and str(number) == str(value).strip():
+            return number
+    raise ValueError(
+        f"exact_window (--exact-window) must be 'auto', 'none' (the whole prompt) or a number of tokens >= 1, got {value!r}"
+    )
+
+
 def parse_rank_spec(spec: str) -> dict[str, Any]:
     """'full' | '16' | 'energy=0.99' | 'budget=0.25', optionally '@bf16' / '@fp16' / '@fp32' (the mapper's weight
     and compute dtype) -> `solve_mapper` keyword arguments (`rank`, `energy`, `size_budget`, `dtype`)."""
@@ -202,6 +220,10 @@ class FitConfig:
         "the target's first layers TransferredCache computes itself with this mapper: 'auto' (default) = the fewest "
         "that keep --exact-layers-retention of the target's copying from its context on held-out calibration "
         "text (exact_layers.py), or a number (no probe)", cli="--exact-layers", group="exact", metavar="N|auto"))  # fmt: skip
+    exact_window: Any = field(default="auto", metadata=_opt(
+        "how far back the exact layers' attention reaches over the transferred prompt, in tokens: 'auto' (default) = "
+        "with --exact-layers auto, the smallest window the content gate accepts (exact_window.py), else none; "
+        "'none' = the whole prompt; or a number", group="exact", metavar="N|auto|none"))  # fmt: skip
     exact_layers_retention: float = field(default=0.95, metadata=_opt(
         "repeated-span retention 'auto' must reach (default 0.95)", group="exact", metavar="FRACTION"))
     residual_inputs: str = field(default="auto", metadata=_opt(
@@ -308,6 +330,7 @@ class FitConfig:
         set_(self, "top_k", tuple("all" if k is None else k for k in parse_top_k(self.top_k)))
         set_(self, "ridge_lambda", tuple(parse_ridge_lambda(self.ridge_lambda)))
         set_(self, "num_exact_layers", parse_num_exact_layers(self.num_exact_layers))
+        set_(self, "exact_window", parse_exact_window(self.exact_window))
 
     def _check_gates(self) -> None:
         """The quality gate's quantile and the exact-layer search's fractions."""
@@ -491,6 +514,7 @@ __all__ = [
     "RIDGE_LAMBDA_CANDIDATES",
     "heldout_count",
     "mapper_name",
+    "parse_exact_window",
     "parse_num_exact_layers",
     "parse_rank_spec",
     "parse_ridge_lambda",

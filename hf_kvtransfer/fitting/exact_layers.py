@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
@@ -692,10 +691,7 @@ def _undecided(diff: dict[str, Any], max_loss: float) -> bool:
 
 
 def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
-    # A shallow copy (same weights) with its own config: the caller's mapper is left as it was.
-    chosen = copy.copy(mapper)
-    chosen.config = dataclasses.replace(mapper.config, num_exact_layers=num_exact)
-    return chosen
+    return mapper.with_config(num_exact_layers=num_exact)
 
 
 __all__ = ["MIN_COPY_GAIN", "TIMING_ROUNDS", "ProbeOptions", "choose_configuration", "choose_num_exact_layers",

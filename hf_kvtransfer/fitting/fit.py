@@ -47,6 +47,7 @@ from .config import (
 )
 from .content_gate import ContentGate, gate_line, heldout_texts
 from .exact_layers import choose_configuration, probe_stream
+from .exact_window import with_exact_window
 from .fit_inputs import FitInput, fit_input_named, registered_fit_inputs
 from .mlp import fit_mlp
 from .probe_journal import ProbeJournal
@@ -511,9 +512,11 @@ def with_exact_layers(
     the target's residual stream) and may return one of them; `refine` (the caller's) turns each of those candidates
     into the one probed (`fit_mapper`). With the models' `tokenizer` the choice is made by the
     content gate (`content_gate.py`: passage recall and hand-off on probe items, paired against the target's own
-    answers, `config.exact_layers_tolerance`); without one the screen decides (a warning says so)."""
-    if config.num_exact_layers != "auto":
-        mapper.config = dataclasses.replace(mapper.config, num_exact_layers=config.num_exact_layers)
+    answers, `config.exact_layers_tolerance`); without one the screen decides (a warning says so). Then the exact
+    pass's window (`config.exact_window`; "auto": the smallest the gate accepts, `exact_window.py`)."""
+    if config.num_exact_layers != "auto":  # given: no probe, and a window only when given too
+        window = None if config.exact_window == "auto" else config.exact_window
+        mapper.config = dataclasses.replace(mapper.config, num_exact_layers=config.num_exact_layers, exact_window=window)
         return mapper
     num_heldout = heldout_count(input_ids.shape[0], config.heldout_fraction)
     rows = slice(-num_heldout, None) if num_heldout else slice(None)
@@ -536,7 +539,7 @@ def with_exact_layers(
         f"exact layers: {mapper.num_exact_layers} of {mapper.target_layout.num_layers} ({report['reason']}; "
         f"{_probe_summary(report)}; {time.perf_counter() - started:.0f} s{reused})"
     )
-    return mapper
+    return with_exact_window(mapper, gate, config.exact_window, log)
 
 
 def _probe_journal(source, target, config: FitConfig) -> ProbeJournal | None:

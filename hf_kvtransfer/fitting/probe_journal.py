@@ -134,7 +134,10 @@ def remove_journals(checkpoint_dir: str | os.PathLike) -> None:
 def _canonical(config) -> str:
     """A mapper config as text that does not depend on the order its dicts were filled in (a model config's keys
     come in another order after a checkpoint is loaded than when it was built)."""
-    return json.dumps(dataclasses.asdict(config), sort_keys=True, default=repr)
+    data = dataclasses.asdict(config)
+    if data.get("exact_window") is None:  # unset: the text a journal written before the field holds
+        data.pop("exact_window", None)
+    return json.dumps(data, sort_keys=True, default=repr)
 
 
 def _model_identity(model) -> dict[str, Any]:

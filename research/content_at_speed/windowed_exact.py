@@ -6,9 +6,9 @@ attend to every earlier token in every layer; only the exact pass over the conte
 survives is measured, not assumed: passage recall and hand-off through the transfer with the windowed exact pass,
 paired item by item against the same transfer with the exact pass whole and against the target's own answers.
 
-The window is a research prototype, not a library option: during `TransferredCache.compute_exact_layers` (or the
-first forward that runs it) the target's attention function is swapped for a local one (`local_exact_pass`), which
-applies to a forward whose queries are the whole prompt (the exact pass) and leaves every other forward alone.
+The window is the library's (`MapperConfig.exact_window`, `hf_kvtransfer/core/local_attention.py`); this script sets
+it on a saved mapper (`fitting.exact_window.with_window`; 0 below: the whole prompt) whatever the mapper records, to
+measure each window against the whole pass. The fit chooses a window by its own content gate.
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/windowed_exact.py \
         --family examples/family_deep --source source --target target --mapper DIR --windows 64 256 \
@@ -18,7 +18,6 @@ applies to a forward whose queries are the whole prompt (the exact pass) and lea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -27,65 +26,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from content_at_speed import FAMILY, load_pair
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
 from hf_kvtransfer.evaluation.content import handoff, passage_recall
 from hf_kvtransfer.evaluation.evaluate import split_documents
 from hf_kvtransfer.evaluation.tasks import handoff_items, passage_recall_items
-
-
-def local_attention(window: int, block: int | None = None):
-    """An attention function (transformers' `AttentionInterface`) in which each query of a forward over the whole
-    prompt (as many queries as keys, no padding) sees only the `window` keys up to itself, computed in blocks of
-    `block` queries (default `window`; so its cost grows with prompt x window, not prompt^2); any other forward is
-    plain SDPA."""
-    block = max(window, block or window)
-
-    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        n, m = query.shape[2], key.shape[2]
-        if n != m or n <= window:  # not a whole-prompt forward (or a short one): unchanged. Batch 1, no padding.
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                          **kwargs)  # fmt: skip
-        out = torch.empty_like(query)
-        gqa = query.shape[1] != key.shape[1]
-        for start in range(0, n, block):
-            stop = min(n, start + block)
-            first = max(0, start - window + 1)
-            i = torch.arange(start, stop, device=query.device)[:, None]
-            j = torch.arange(first, stop, device=query.device)[None, :]
-            mask = (j <= i) & (i - j < window)
-            out[:, :, start:stop] = F.scaled_dot_product_attention(
-                query[:, :, start:stop], key[:, :, first:stop], value[:, :, first:stop], attn_mask=mask,
-                scale=scaling, enable_gqa=gqa,
-            )  # fmt: skip
-        return out.transpose(1, 2).contiguous(), None
-
-    return attend
-
-
-@contextlib.contextmanager
-def local_exact_pass(model, window: int | str | None):
-    """While inside, forwards of `model` over a whole prompt attend within `window` tokens (None: unchanged; "W:B":
-    a window of W in blocks of B queries)."""
-    if window is None:
-        yield
-        return
-    w, _, b = str(window).partition(":")
-    name = f"kvtransfer_local_{w}_{b or w}"
-    AttentionInterface.register(name, local_attention(int(w), int(b) if b else None))
-    AttentionMaskInterface.register(name, sdpa_mask)  # masks built as for SDPA (a forward on a cache needs one)
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+from hf_kvtransfer.fitting.exact_window import with_window
 
 
 def paired(a: list[float], b: list[float], seed: int = 0, resamples: int = 2000) -> dict:
@@ -104,12 +51,11 @@ def content(pair, mapper, windows, items: int) -> dict:
     out = {}
     for task, (score, make) in tasks.items():
         batch = make(pair.tokenizer, items, seed=0, distractor_texts=docs)
-        base = score(pair.source, pair.target, mapper, batch, progress=False, seed=0)
+        base = score(pair.source, pair.target, with_window(mapper, None), batch, progress=False, seed=0)
         own, whole = base["correct_per_item"]["own"], base["correct_per_item"]["transfer"]
         rows = {"whole": {"accuracy": 100 * statistics.mean(whole), "minus_own": paired(own, whole)}}
         for w in windows:
-            with local_exact_pass(pair.target, w):
-                r = score(pair.source, pair.target, mapper, batch, progress=False, seed=0, reference=base)
+            r = score(pair.source, pair.target, with_window(mapper, w), batch, progress=False, seed=0, reference=base)
             t = r["correct_per_item"]["transfer"]
             rows[f"window {w}"] = {"accuracy": 100 * statistics.mean(t), "minus_own": paired(own, t),
                                    "minus_whole": paired(whole, t)}  # fmt: skip
@@ -133,15 +79,14 @@ def speed(pair, mapper, windows, lengths, rounds: int) -> dict:
             pair.target(ids, use_cache=True, logits_to_keep=1)
 
         def transfer(w):
-            cache = TransferredCache(src, mapper)
+            cache = TransferredCache(src, mapper, exact_window=w)
             start = time.process_time()
-            with local_exact_pass(pair.target, w):
-                cache.compute_exact_layers(pair.target)
+            cache.compute_exact_layers(pair.target)
             exact = time.process_time() - start
             pair.target(ids[:, -recompute:], use_cache=True, logits_to_keep=1, cache=cache)
             return exact
 
-        calls = {"own": lambda: own(), "whole": lambda: transfer(None)}
+        calls = {"own": lambda: own(), "whole": lambda: transfer(0)}
         calls.update({f"window {w}": (lambda w=w: transfer(w)) for w in windows})
         times = {k: [] for k in calls}
         exact = {k: [] for k in calls if k != "own"}
@@ -171,9 +116,8 @@ def main() -> None:
     p.add_argument("--family", type=Path, default=FAMILY)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
-    p.add_argument("--mapper", required=True, help="a saved mapper directory, used at its defaults")
-    p.add_argument("--windows", nargs="+", default=["64", "256"],
-                   help='windows in tokens; "W:B" computes a window of W in blocks of B queries (default: B = W)')
+    p.add_argument("--mapper", required=True, help="a saved mapper directory, used at its defaults but the window")
+    p.add_argument("--windows", nargs="+", type=int, default=[64, 256], help="windows in tokens")
     p.add_argument("--items", type=int, default=600, help="items per content task (0: no content)")
     p.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096], help="prompt lengths timed (none: no timing)")
     p.add_argument("--rounds", type=int, default=9)
