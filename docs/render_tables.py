@@ -170,13 +170,14 @@ RESULTS = {
                 ("tolerance_8", "tolerance_8_"), ("source_kv_14_exact", "source_kv_14_exact_"))) + " --json FILE",
         "2026-12-05",
     ),
-    "deep_depth": Result(
-        f"{_DEEP}/eval_depth_source_to_target.json",
+    # Passage recall by depth on the deep pair: the default fit before the exact pass's window, and since.
+    **{f"deep_depth{key}": Result(
+        f"{_DEEP}/eval_depth{stem}_source_to_target.json",
         "hf-kvtransfer eval --source examples/family_deep/source --target examples/family_deep/target --mapper DIR "
         "--text examples/family_deep/heldout.txt --tasks depth --depth-lengths 512 768 1024 --depth-items 200 "
-        f"--json FILE --plot {_DEEP}/eval_depth_source_to_target.png",
+        f"--json FILE --plot {_DEEP}/eval_depth{stem}_source_to_target.png",
         "2026-12-05",
-    ),
+    ) for key, stem in (("", ""), ("_window", "_window"))},
     # The deep pair's gate boundary: passage recall on 2,000 items of the probe's kind and of eval's.
     **{f"deep_boundary_{name}": Result(f"research/probe_calibration/results/deep_boundary_{name}.json",
                                        f"{_ONE_THREAD} python research/probe_calibration/deep_boundary.py --mapper "
@@ -750,9 +751,18 @@ def _as_difference(stat: dict) -> dict:
 
 
 def deep_depth() -> str:
+    return _depth("deep_depth", ("gate_fit_deep", "gate_mapper_deep"))
+
+
+def deep_depth_window() -> str:
+    return _depth("deep_depth_window", ("gate_fit_deepw", "gate_mapper_deepw"))
+
+
+def _depth(key: str, fit: tuple[str, str]) -> str:
     """The deep pair's passage recall by context length and needle position: own, transfer, and their paired
     difference per cell."""
-    depth = RESULTS["deep_depth"].load()["recall_by_depth"]
+    result = RESULTS[key].load()
+    depth = result["recall_by_depth"]
     by = {(c["context_tokens"], c["position"]): c for c in depth["cells"]}
 
     def cell(c: dict) -> str:
@@ -765,11 +775,12 @@ def deep_depth() -> str:
         f"Passage recall, own prefill / transfer, then transfer minus own in points with its paired 95% interval; "
         f"{depth['items']} items per cell, the same facts in every cell, the passage at the start, middle or end of "
         f"held-out text. The fit's default: {some['num_exact_layers']} exact layers, {some['num_recompute_tokens']} "
-        "recomputed tokens."
+        "recomputed tokens" + (f", the exact layers attending within {result['config']['exact_window']} tokens."
+                               if result["config"].get("exact_window") else ".")
     )
     where = {"start": "passage at the start", "middle": "in the middle", "end": "at the end"}
     header = ["context tokens", *(where.get(p, p) for p in depth["positions"])]
-    return "\n\n".join([table(header, rows), note, sources("gate_fit_deep", "gate_mapper_deep", "deep_depth")])
+    return "\n\n".join([table(header, rows), note, sources(*fit, key)])
 
 
 def points(stat: dict) -> str:
@@ -1029,6 +1040,7 @@ TABLES = {
     "deep-flops": deep_flops,
     "deep-boundary": deep_boundary,
     "deep-depth": deep_depth,
+    "deep-depth-window": deep_depth_window,
     "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
     "ttft-vllm-deep": ttft_vllm_deep,
 }
