@@ -129,7 +129,7 @@ RESULTS = {
         "2026-12-05",
     ) for key, stem in (("deep_split_frontier", ""), ("deep_split_frontier_previous", "_previous"))},
     "deep_bench": Result(
-        f"{_DEEP}/bench_repeats_11_source_to_target.json",
+        f"{_DEEP}/bench_window_source_to_target.json",
         "OMP_NUM_THREADS=1 hf-kvtransfer bench --source examples/family_deep/source --target "
         "examples/family_deep/target --mapper source-to-target=DIR --seq-lens 512 1024 4096 --threads 1 --repeats 11 "
         "--output-dir OUT",
@@ -850,7 +850,8 @@ def deep_bench() -> str:
             f"{r['decode_own_ms']:.2f} / {r['decode_transfer_ms']:.2f} ms ({r['decode_overhead_pct']:+.1f}%)",
         ])  # fmt: skip
     some = report["results"][0]["transfer"][name]
-    header = ["prompt", "own prefill (body)", f"transfer: {some['num_exact_layers']} exact layers, then the maps",
+    within = f" within {some['exact_window']} tokens" if some.get("exact_window") else ""
+    header = ["prompt", "own prefill (body)", f"transfer: {some['num_exact_layers']} exact layers{within}, then the maps",
               "speed-up wall / CPU time", "FLOP ratio", "TTFT own", "TTFT at the defaults", "speed-up",
               "decode step own / transferred"]  # fmt: skip
     env = report["environment"]
@@ -864,7 +865,7 @@ def deep_bench() -> str:
         f"the prefill's FLOPs over its own. Time to the first token at the defaults adds the {recompute} recomputed "
         f"tokens. The decode step is one token on the transferred cache against one on the target's own."
     )
-    return "\n\n".join([table(header, rows), note, sources("gate_fit_deep", "gate_mapper_deep", "deep_bench")])
+    return "\n\n".join([table(header, rows), note, sources("gate_fit_deepw", "gate_mapper_deepw", "deep_bench")])
 
 
 def family_bench() -> str:

@@ -640,7 +640,7 @@ def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> d
     mappers = {n: m.to(device) if n in named else m.to(device, default) for n, m in mappers.items()}
     if config.ttft and announce is not None:
         exact = first.resolve_num_exact_layers(config.exact_layers)
-        announce(ttft_settings_line(exact, len(first.layers), origin, config.recompute_tokens))
+        announce(ttft_settings_line(exact, len(first.layers), origin, config.recompute_tokens, first.config.exact_window))
     report = run_benchmark(
         source, target, mappers, seq_lens=config.seq_lens, repeats=config.repeats, warmup=config.warmup,
         decode_steps=config.decode_steps, measure_ttft=config.ttft, measure_decode=config.decode,

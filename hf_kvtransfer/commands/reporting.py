@@ -74,10 +74,11 @@ ALL_MAPPED = "all mapped: 0 exact layers, 1 recomputed token (lossy where the ma
 
 
 def ttft_settings_line(
-    num_exact_layers: int, num_layers: int, origin: str | None, num_recompute_tokens: int | None
+    num_exact_layers: int, num_layers: int, origin: str | None, num_recompute_tokens: int | None,
+    exact_window: int | None = None,
 ) -> str:
     """The line `bench` prints before it times: what time to first token at the defaults and all mapped use."""
-    defaults = transfer_settings(num_exact_layers, num_layers, origin, num_recompute_tokens)
+    defaults = transfer_settings(num_exact_layers, num_layers, origin, num_recompute_tokens, exact_window=exact_window)
     return f"time to first token at the mapper's defaults: {defaults}; beside it, {ALL_MAPPED}"
 
 
@@ -484,7 +485,7 @@ def _ttft_line(settings: dict[str, Any], results: list[dict[str, Any]]) -> str:
     recompute = (used[0] if len(used) == 1 else used) if default else defaults["num_recompute_tokens"]
     at_defaults = transfer_settings(
         defaults["num_exact_layers"], settings.get("num_target_layers"), defaults["exact_layers_origin"], recompute,
-        default,
+        default, defaults.get("exact_window"),
     )
     return (
         f"Time to first token ({settings['ttft_mapper']}; the target's own prefill vs the transfer, logits of the "
