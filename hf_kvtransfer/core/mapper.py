@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -258,8 +259,6 @@ class KVMapper(nn.Module):
     def with_config(self, **changes: Any) -> "KVMapper":
         """A shallow copy of this mapper (the same weights) whose config has `changes` (`MapperConfig` fields, e.g.
         `exact_window=64`), validated; this mapper is left as it was."""
-        import copy
-
         changed = copy.copy(self)
         changed.config = replace(self.config, **changes)
         return changed
