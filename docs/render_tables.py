@@ -128,8 +128,23 @@ RESULTS = {
         "--output FILE",
         "2026-12-05",
     ) for key, stem in (("deep_split_frontier", ""), ("deep_split_frontier_previous", "_previous"))},
-    "deep_bench": Result(
+    # Today's transfer path (no per-head copies of the cache in the recomputed tokens' attention, mapped layers kept
+    # in the maps' own order, RoPE re-applied in place): the same defaults timed again.
+    **{f"lean_split_{d}": Result(f"{where}/time_split_lean_{pair}.json",
+                                 f"{_ONE_THREAD} python {_CAS}/time_split.py {flag}--source {src} --target {tgt} "
+                                 f"--mapper DIR --rounds {rounds} --output FILE", "2026-12-05")
+       for d, where, pair, src, tgt, flag, rounds in (
+           ("deepw", _DEEP, "source_to_target", "source", "target", "--family examples/family_deep ", 9),
+           ("s2lw", _GATE, "small_to_large", "small", "large", "", 7))},
+    "deep_bench_window": Result(
         f"{_DEEP}/bench_window_source_to_target.json",
+        "OMP_NUM_THREADS=1 hf-kvtransfer bench --source examples/family_deep/source --target "
+        "examples/family_deep/target --mapper source-to-target=DIR --seq-lens 512 1024 4096 --threads 1 --repeats 11 "
+        "--output-dir OUT",
+        "2026-12-05",
+    ),
+    "deep_bench": Result(
+        f"{_DEEP}/bench_lean_source_to_target.json",
         "OMP_NUM_THREADS=1 hf-kvtransfer bench --source examples/family_deep/source --target "
         "examples/family_deep/target --mapper source-to-target=DIR --seq-lens 512 1024 4096 --threads 1 --repeats 11 "
         "--output-dir OUT",
@@ -323,8 +338,8 @@ def describe(variant: dict) -> str:
 
 
 # The time split of each at-a-glance row: the deep pair's is its frontier run (the newest, on a quiet machine).
-_SPLIT = {"s2l": "gate_split_s2l", "l2s": "gate_split_l2s", "deep": "deep_split_frontier", "deepw": "gate_split_deepw",
-          "s2lw": "gate_split_s2lw"}
+_SPLIT = {"s2l": "gate_split_s2l", "l2s": "gate_split_l2s", "deep": "deep_split_frontier", "deepw": "lean_split_deepw",
+          "s2lw": "lean_split_s2lw"}
 # The fit whose wall clock an at-a-glance row shows: small -> large's window fit resumed the calibration pass of a
 # stopped run, so its row shows the full fit before it (same calibration and probe, without the window's two scores).
 _FIT_TIME = {"s2lw": "gate_fit_s2l"}
@@ -398,10 +413,10 @@ def at_a_glance() -> str:
         "tokens, wall clock on the 2-core VM beside other jobs (small -> large: the same fit before the window search, "
         "whose calibration pass the window fit resumed)."
     )
-    keys = [f"gate_{kind}_{d}" for d, kinds in (("s2lw", ("fit", "mapper", "eval", "split")), ("s2l", ("fit",)),
+    keys = [f"gate_{kind}_{d}" for d, kinds in (("s2lw", ("fit", "mapper", "eval")), ("s2l", ("fit",)),
                                                  ("l2s", ("fit", "split")),
-                                                 ("deepw", ("fit", "mapper", "eval", "split"))) for kind in kinds]  # fmt: skip
-    return "\n\n".join([table(header, rows), note, sources(*keys)])
+                                                 ("deepw", ("fit", "mapper", "eval"))) for kind in kinds]  # fmt: skip
+    return "\n\n".join([table(header, rows), note, sources(*keys, _SPLIT["s2lw"], _SPLIT["deepw"])])
 
 
 def fit_vs_source_only() -> str:
@@ -1013,6 +1028,30 @@ def deep_window_defaults() -> str:
     return "\n\n".join([table(header, rows, "rrrrrr"), note, sources("gate_fit_deepw", "gate_mapper_deepw", "gate_split_deepw")])
 
 
+def deep_lean_split() -> str:
+    """The deep pair's default transfer, stage by stage, on today's transfer path, beside the same defaults timed on
+    the path before it (each speed-up measured within its own run)."""
+    lean, before = RESULTS["lean_split_deepw"].load(), RESULTS["gate_split_deepw"].load()
+    rows = []
+    for n in sorted(lean["lengths"], key=int):
+        r, b = lean["lengths"][n], before["lengths"].get(n)
+        rows.append([n, f"{r['own']['cpu_ms']:.1f}", f"{r['transfer']['cpu_ms']:.1f}",
+                     *(f"{r[stage]['cpu_ms']:.1f}" for stage in ("exact", "maps", "recomputed")), times(r["speedup_cpu"]),
+                     times(b["speedup_cpu"]) if b else "-", times(r["speedup_cpu_bound"]), times(r["speedup_flops"])])  # fmt: skip
+    header = ["prompt tokens", "own prefill (ms)", "transfer (ms)", "exact pass", "maps", "recomputed tokens",
+              "speed-up", "before", "bound: exact pass + their forward alone", "by FLOPs"]  # fmt: skip
+    note = (
+        "The deep pair at the fit's defaults (3 exact layers within 128 tokens, residual maps, 32 recomputed tokens): "
+        "process CPU time, one thread, medians of "
+        f"{lean['rounds']} interleaved rounds, 1-minute load average {lean['load_average_before'][0]:.2f} at the "
+        "start. Stages are timed apart (`convert_all`, whose maps include laying each layer out as a prefill's cache "
+        "holds it; the whole transfer leaves that copy to the recomputed tokens' forward). Before: the same mapper on "
+        f"the transfer path before this one ({before['rounds']} rounds, load {before['load_average_before'][0]:.2f}). "
+        "Bound: the own prefill over the exact pass plus the recomputed tokens' forward with no cache."
+    )
+    return "\n\n".join([table(header, rows, "rrrrrrrrrr"), note, sources("lean_split_deepw", "gate_split_deepw")])
+
+
 def ttft_vllm_small_to_large() -> str:
     return _ttft_vllm("ttft_vllm_s2l")
 
@@ -1031,6 +1070,7 @@ TABLES = {
     "shared-rank": shared_rank,
     "copy-layer-mlp": copy_layer_mlp,
     "deep-frontier": deep_frontier,
+    "deep-lean-split": deep_lean_split,
     "deep-split": deep_split,
     "deep-bench": deep_bench,
     "family-bench": family_bench,

@@ -21,6 +21,7 @@ _EXPORTS = {
     "MapperConfig": "core.mapper",
     "MapperHubError": "core.hub",
     "TransferredCache": "core.cache",
+    "GROUPED_SDPA": "core.grouped_attention",
     "QualityGateConfig": "core.quality_gate",
     "TransferStatus": "core.quality_gate",
     "resolve_num_recompute_tokens": "core.defaults",
@@ -42,6 +43,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORTS
     from .core.cache import TransferredCache
+    from .core.grouped_attention import GROUPED_SDPA
     from .core.quality_gate import QualityGateConfig, TransferStatus
     from .core.defaults import resolve_num_recompute_tokens
     from .core.capture import capture_kv, prefill

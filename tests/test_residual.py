@@ -12,9 +12,9 @@ from conftest import random_ids, steady_timings, tiny_model
 from rope_reference import apply_rope
 from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.core.capture import capture_kv
-from hf_kvtransfer.core.key_norm import KeyNormConfig
+from hf_kvtransfer.core.key_norm import KeyNormConfig, inverse_rms
 from hf_kvtransfer.core.map_inputs import with_input
-from hf_kvtransfer.core.residual import RESIDUAL_EPS, residual_features, residual_input_features
+from hf_kvtransfer.core.residual import RESIDUAL_EPS, add_product, residual_features, residual_input_features
 from hf_kvtransfer.core.rope import rotary_cos_sin
 from hf_kvtransfer.fitting import exact_layers, residual_stats
 from hf_kvtransfer.fitting.calibration_pass import calibration_pass
@@ -739,3 +739,20 @@ def test_sign_test_threshold_matches_counting_every_outcome():
         expected = next((w for w in range(n // 2 + 1, n + 1)
                          if sum(max(c, n - c) >= w for c in counts) / len(counts) <= 0.05), None)  # fmt: skip
         assert sign_test_min_wins(n) == expected, n
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_add_product_is_rows_plus_the_product(broadcast, seed):
+    g = torch.Generator().manual_seed(seed)
+    n, f_in, f_out = 5 + 7 * seed, 3 + seed, 4 + 2 * seed
+    features, weight = torch.randn(n, f_in, generator=g), torch.randn(f_out, f_in, generator=g)
+    rows = torch.randn(f_out, generator=g).expand(n, -1) if broadcast else torch.randn(n, f_out, generator=g)
+    want = rows.double() + features.double() @ weight.double().T
+    torch.testing.assert_close(add_product(rows, features, weight).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_inverse_rms_normalises_as_rms_norm():
+    x = torch.randn(3, 7, 2, 16, generator=torch.Generator().manual_seed(0)) * 3
+    torch.testing.assert_close(x * inverse_rms(x, 1e-6), torch.nn.functional.rms_norm(x, (16,), eps=1e-6),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip

@@ -13,6 +13,8 @@ from hf_kvtransfer.core.rope import (
     config_from_dict,
     position_ids_from_mask,
     rotary_cos_sin,
+    rotate_,
+    rotate_into,
     strip_rope,
 )
 
@@ -95,3 +97,15 @@ def test_mapper_rotary_is_built_once_matches_the_target_and_is_never_moved(ident
     assert cos.device.type == "meta" and next(rotary.buffers()).device.type == "cpu"
     with pytest.raises(ValueError, match="'source' or 'target'"):
         identity_mapper.rotary("strip")
+
+
+@pytest.mark.parametrize("rotary_dim,head_dim", [(16, 16), (8, 16), (32, 64)])
+def test_rotate_in_place_is_the_attention_modules_rope(rotary_dim, head_dim):
+    g = torch.Generator().manual_seed(rotary_dim + head_dim)
+    x = torch.randn(2, 7, 3, 2, head_dim, generator=g)
+    cos, sin = (torch.randn(2, 7, 1, 1, rotary_dim, generator=g) for _ in "cs")
+    want = apply_rope(x, cos, sin)
+    out = x.clone()
+    assert rotate_(out, cos, sin) is out
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rotate_into(x, cos, sin, torch.empty_like(x)), want, rtol=1e-5, atol=1e-6)

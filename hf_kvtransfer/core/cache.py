@@ -20,6 +20,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from .grouped_attention import prefer_grouped_sdpa
 from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
 from .exact import own_prefix
@@ -177,6 +178,10 @@ class TransferredCache(DynamicCache):
         model: the target model the exact layers are computed with. Default: the model whose forward first runs
             on the cache (`generate` or `target(...)`, with ids or `inputs_embeds`); give it to convert without a
             forward (`convert_all`). A cache that must compute exact layers and has neither refuses with one line.
+            A target on CPU that uses transformers' `sdpa` attention with fewer key/value heads than query heads is
+            switched to `hf_kvtransfer.GROUPED_SDPA` when the cache meets it: the same attention and numbers,
+            without copying each layer's cache per query head in the recomputed tokens' forward
+            (`core/grouped_attention.py`).
         gate: the per-request quality gate (`quality_gate.py`). Default (None): the mapper's own
             (`mapper.config.quality_gate`; none for mappers fit without one); False: off; or a `QualityGateConfig`.
             With a gate, the first forward maps every layer at once, scores each row on the recomputed tokens, and
@@ -240,6 +245,7 @@ class TransferredCache(DynamicCache):
             self._give_ids(self.prompt_ids)
         if model is not None:
             mapper.check_compatible(target_config=model.config)
+            prefer_grouped_sdpa(model)
         # What the exact layers are computed with: the target model (given, else the forward that first runs on the
         # cache) and the prompt's ids (known here, else generate's sequence). Dropped once they are computed.
         self._exact_model: PreTrainedModel | None = model if (self.num_exact_layers or self._gate) and transferred else None
@@ -416,6 +422,7 @@ class TransferredCache(DynamicCache):
         if model is None or model is self._exact_model:
             return
         self.mapper.check_compatible(target_config=model.config)
+        prefer_grouped_sdpa(model)  # the forward's attention over the cache: no per-head copies of it on CPU
         if (self._exact_pending or self._gate is not None) and self._exact_model is None:
             self._exact_model = model
 
@@ -482,6 +489,7 @@ class TransferredCache(DynamicCache):
             ValueError: when no prompt ids are known, or they are not the cached prompt's length.
         """
         transfer = self._transfer
+        prefer_grouped_sdpa(model)
         if input_ids is not None:
             self._give_ids(input_ids)
         if transfer is None or not self.num_exact_layers or not self._exact_pending:
@@ -543,7 +551,7 @@ class TransferredCache(DynamicCache):
         if layer_idx in self._pending:
             if self._exact_pending:  # here, where the forward needs them: the checks before it are getters
                 self._compute_exact_from_context()
-            self._convert(layer_idx, key_states)
+            self._convert(layer_idx, key_states, appended=True)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @torch.no_grad()
@@ -571,7 +579,10 @@ class TransferredCache(DynamicCache):
         self._transfer, self._exact_pending, self._exact_model, self._exact_prompt = None, False, None, None
 
     @torch.no_grad()
-    def _convert(self, layer_idx: int, like: torch.Tensor) -> None:
+    def _convert(self, layer_idx: int, like: torch.Tensor, appended: bool = False) -> None:
+        """Store target layer `layer_idx`'s finished K/V. Mapped layers come as strided views (`PendingTransfer._finish`):
+        laid out contiguously here, as a prefill's cache holds them, unless the forward's tokens are `appended` next
+        (`update`), whose concatenation makes that copy anyway."""
         tgt = self.mapper.target_layout
         if like.shape[1] != tgt.num_kv_heads or like.shape[-1] != tgt.head_dim:
             raise ValueError(
@@ -584,6 +595,8 @@ class TransferredCache(DynamicCache):
             keys, values = transfer.mapped(layer_idx, like, self._pending)
             if like.shape[0] != keys.shape[0]:
                 keys, values = self._expand_batch(keys, values, like.shape[0])
+            if not appended:
+                keys, values = keys.contiguous(), values.contiguous()
             layer = self.layers[layer_idx]
             if type(layer) is DynamicLayer and not layer.is_initialized:
                 # What `update` would store, without its copy (a concatenation onto an empty tensor).

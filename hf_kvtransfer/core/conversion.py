@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from .layer_maps import LinearParts
-from .map_inputs import map_state
+from .map_inputs import map_state, writable
 from .mapper import KVMapper
-from .rope import compiled_rotate, rotary_cos_sin, rotate_into
+from .rope import compiled_rotate, rotary_cos_sin, rotate_, rotate_into
 
 # Affine maps of target layers that read the same source layers run as one GEMM of up to this many output features
 # per kind: on CPU one wide product beats several skinny ones, which are dominated by packing the shared input
@@ -299,45 +299,45 @@ class PendingTransfer:
             torch.addmm(bias.to(x.device), inp, weight.to(x.device).T, out=out[:, i * width : (i + 1) * width])
         return out.view(*x.shape[:-1], -1)
 
-    def _finish(self, key_rows: torch.Tensor, value_rows: torch.Tensor, num_layers: int, like: torch.Tensor):
-        """Target K/V of `num_layers` layers from their mapped outputs: RoPE applied, cache layout and dtype.
+    def _finish(self, key_rows: torch.Tensor, value_rows: torch.Tensor, num_layers: int, like: torch.Tensor,
+                owned: bool = True):
+        """Target K/V of `num_layers` layers from their mapped outputs: RoPE applied, in `like`'s dtype and device.
 
         Args:
             key_rows / value_rows: `[B, T, num_layers * n_kv * d]` stripped keys / values, (layer, head, dim) order.
+            owned: whether the key rows are this transfer's to overwrite (the maps' output; a broadcast view is
+                copied first), else they are left as they are.
 
         Returns:
-            `(keys, values)`, each `[num_layers, B, n_kv, T, d]` in `like`'s dtype and device: one buffer per kind,
-            written through a permuted view, so each layer's tensor is contiguous and no further copy is needed.
+            `(keys, values)`, each `[num_layers, B, n_kv, T, d]`: views of `[B, T, layers, n_kv, d]` buffers in the
+            rows' own order, so no pass transposes them. The first forward over the cache concatenates its new
+            tokens onto each layer (transformers' `DynamicLayer.update`), a copy it makes anyway, and that copy lays
+            the layer out contiguously; attention reads the strided views as they are.
         """
         tgt = self.mapper.target_layout
         batch, seq = key_rows.shape[:2]
         dtype = like.dtype
+        rows_shape = (batch, seq, num_layers, tgt.num_kv_heads, tgt.head_dim)
         # RoPE runs in the cache dtype, or in the map's when that is wider (a float32 map into a bf16 cache is
         # rounded once, at the end). Narrower map outputs are widened first, in one contiguous pass: mixed-dtype
         # elementwise kernels are several times slower on CPU.
         rope_dtype = torch.promote_types(key_rows.dtype, dtype)
-        rows = key_rows.to(device=like.device, dtype=rope_dtype).view(batch, seq, num_layers, tgt.num_kv_heads, tgt.head_dim)
+        rows = key_rows.to(device=like.device, dtype=rope_dtype)
         # (B, 1, T, rotary) -> (B, T, 1, 1, rotary): broadcast over layers and heads
         cos, sin = (t.transpose(1, 2).unsqueeze(2) for t in self.rope.get("apply", like.device, rope_dtype))
-        shape = (num_layers, batch, tgt.num_kv_heads, seq, tgt.head_dim)
-        keys, values = (torch.empty(shape, dtype=dtype, device=like.device) for _ in "kv")
-        rotated = keys if rope_dtype == dtype else torch.empty(shape, dtype=rope_dtype, device=like.device)
-        out = rotated.permute(1, 3, 0, 2, 4)  # (B, T, layers, heads, D) view of the cache layout
         if self.compile_rope:
-            out.copy_(compiled_rotate()(rows, cos, sin, rope_dtype))
-        else:
-            rotate_into(rows, cos, sin, out)
-        if rotated is not keys:
-            keys.copy_(rotated)
-        values.permute(1, 3, 0, 2, 4).copy_(value_rows.view(batch, seq, num_layers, tgt.num_kv_heads, tgt.head_dim))
-        return keys, values
+            keys = compiled_rotate()(rows.view(rows_shape), cos, sin, rope_dtype)
+        else:  # in place in rows the maps made (a broadcast bias copied), else in a copy
+            keys = rotate_((writable(rows) if owned else rows.clone()).view(rows_shape), cos, sin)
+        values = writable(value_rows.to(device=like.device, dtype=dtype)).view(rows_shape)  # a broadcast bias: copied
+        return tuple(t.to(dtype).permute(2, 0, 3, 1, 4) for t in (keys, values))
 
     @torch.no_grad()
     def own_first_layer(self, rows: tuple[torch.Tensor, torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's own layer-0 keys and values `[B, n_kv, T, d]` from their RoPE-free rows `[B, T, n_kv * d]`
         (looked up per token id by a map input: `MapInput.first_layer_rows`), the target's RoPE applied; in `like`'s
         dtype."""
-        keys, values = self._finish(*rows, 1, like)
+        keys, values = self._finish(*rows, 1, like, owned=False)
         return keys[0], values[0]
 
     def mapped(self, layer_idx: int, like: torch.Tensor, pending: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .grouped_attention import additive
+
 
 def _band(start: int, stop: int, first: int, window: int, device) -> torch.Tensor:
     """`[stop - start, stop - first]`: query i (from `start`) sees key j (from `first`) when 0 <= i - j < window."""
@@ -34,9 +36,12 @@ def _band(start: int, stop: int, first: int, window: int, device) -> torch.Tenso
 def local_attention(window: int):
     """An attention function (`AttentionInterface`'s signature) in which each query of a prefill sees only the
     `window` keys up to itself (and what the model's mask allows: padding, its own sliding window), computed in
-    blocks of `window` queries against at most `2 * window - 1` keys."""
+    blocks of `ceil(window / 2)` queries against the `window - 1` keys before the block and the block's own."""
     if window < 1:
         raise ValueError(f"the exact pass's window must be >= 1 token, got {window}")
+    # Half-window blocks: each query's window fills 2/3 of the keys a block reads (1/2 with blocks of `window`), for
+    # twice the calls; on CPU that is the faster side. Blocks past the first window share one band, built once.
+    block = (window + 1) // 2
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         n = query.shape[2]
@@ -44,9 +49,15 @@ def local_attention(window: int):
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                           **kwargs)  # fmt: skip
         out = torch.empty_like(query)
-        for start in range(0, n, window):
-            stop, first = min(n, start + window), max(0, start - window + 1)
-            mask = _band(start, stop, first, window, query.device)
+        interior = _band(window - 1, window - 1 + block, 0, window, query.device)  # a block whose keys start > 0
+        if attention_mask is None:  # additive once, not at each block's call (SDPA turns a boolean mask so)
+            interior = additive(interior, query.dtype)
+        for start in range(0, n, block):
+            stop, first = min(n, start + block), max(0, start - window + 1)
+            if first > 0:
+                mask = interior[: stop - start, : stop - first]
+            else:
+                mask = _band(start, stop, first, window, query.device)
             if attention_mask is not None:
                 mask = mask & attention_mask[..., start:stop, first:stop].to(torch.bool)
                 # A padding query that sees nothing in its window sees itself: finite, and read by no real token.

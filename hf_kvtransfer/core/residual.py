@@ -40,6 +40,7 @@ from .map_inputs import (
     register_map_input,
     writable,
 )
+from .conversion import conversion_groups
 from .rope import text_config
 from .stats import KVLayout
 
@@ -273,6 +274,13 @@ class ResidualInput(MapInput):
             return 0
         macs = maps.down.numel() if maps.down is not None else 0
         macs += sum(maps.weight(kind, t).numel() for t in readers for kind in ("key", "value"))
+        # A group of readers that read no source layer starts from its bias, which rides in the residual's product as
+        # one more column (`add_product`): one multiply-add per output feature and token.
+        layer_dim = self.mapper.target_layout.layer_dim
+        selected = self.mapper.config.selected_layers
+        for group, _ in conversion_groups(self.mapper, tokens, min(layers)):
+            if not selected[group[0]] and set(group) <= set(self.readers) and self.mapper.layers[group[0]].linear_parts("key"):
+                macs += 2 * len(group) * layer_dim
         return 2 * tokens * macs
 
     def from_exact_pass(self, exact: ExactPass) -> torch.Tensor:
@@ -293,8 +301,7 @@ class ResidualInput(MapInput):
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
             r = residual.to(x.device, weight.dtype)
             if every:  # each layer of the group reads it: one GEMM adds it to all of them
-                x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-                summed = torch.addmm(x2, r.reshape(-1, r.shape[-1]), weight.to(x.device).T)
+                summed = add_product(x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1]), weight.to(x.device))
                 out.append(summed.view(x.shape).to(x.dtype))
                 continue
             x = writable(x)
@@ -303,6 +310,17 @@ class ResidualInput(MapInput):
                 x[..., i * width : (i + 1) * width] += delta[..., j * width : (j + 1) * width]
             out.append(x)
         return out
+
+
+def add_product(rows: torch.Tensor, features: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`rows + features @ weight.T` (`[N, F_out]`, `[N, F_in]`, `[F_out, F_in]`) as one GEMM. When `rows` is one row
+    broadcast over N (maps that read no source layer hand their bias so), the bias rides in the GEMM as a column of
+    ones: the product writes the result directly instead of over a copy of the broadcast rows."""
+    if rows.shape[0] > 1 and rows.stride(0) == 0:
+        ones = features.new_ones(features.shape[0], 1)
+        bias = rows[0].to(weight.dtype)[:, None]
+        return torch.cat([features, ones], 1) @ torch.cat([weight, bias], 1).T
+    return torch.addmm(rows.to(weight.dtype), features, weight.T)
 
 
 __all__ = [

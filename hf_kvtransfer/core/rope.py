@@ -130,8 +130,9 @@ def strip_rope(key_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 
 
 def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out = x * cos + rotate_half(x) * sin` on the first `cos.shape[-1]` dims, the rest copied: the one RoPE kernel
-    of the transfer path, for stripping (with the folded tables `(cos, -sin) / (cos^2 + sin^2)`) and re-applying.
+    """`out = x * cos + rotate_half(x) * sin` on the first `cos.shape[-1]` dims, the rest copied: the transfer path's
+    RoPE into another tensor, for stripping (with the folded tables `(cos, -sin) / (cos^2 + sin^2)`); `rotate_` is the
+    same in place, for re-applying it to mapped keys.
 
     Four fused multiply-adds over half-width views, no temporaries; `cos`/`sin` broadcast against `x`, and `out` may be
     a strided view (e.g. the cache layout seen through a permutation) of another dtype. The attention modules' `k*cos + rotate_half(k)*sin`.
@@ -147,6 +148,18 @@ def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
     if rotary_dim < x.shape[-1]:
         out[..., rotary_dim:].copy_(x[..., rotary_dim:])
     return out
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate_into(x, cos, sin, out=x)`, which cannot alias: `x` rotated in place, keeping of its first half only the
+    product with `sin` (half of `x`) and writing no second full-size buffer."""
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    kept = x1 * sin[..., half:]
+    x1.mul_(cos[..., :half]).addcmul_(x2, sin[..., :half], value=-1)
+    x2.mul_(cos[..., half:]).add_(kept)
+    return x
 
 
 @functools.lru_cache(maxsize=1)
