@@ -73,7 +73,8 @@ def prefer_grouped_sdpa(model: PreTrainedModel | None) -> None:
     heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
     if not heads or not kv_heads or heads == kv_heads:
         return
-    if next(model.parameters()).device.type == "cpu":
+    can_switch = getattr(model, "_can_set_attn_implementation", lambda: False)()  # attention through the interface
+    if can_switch and getattr(model, "device", None) == torch.device("cpu"):
         model.set_attn_implementation(GROUPED_SDPA)
 
 
