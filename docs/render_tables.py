@@ -136,6 +136,28 @@ RESULTS = {
        for d, where, pair, src, tgt, flag, rounds in (
            ("deepw", _DEEP, "source_to_target", "source", "target", "--family examples/family_deep ", 9),
            ("s2lw", _GATE, "small_to_large", "small", "large", "", 7))},
+    **{f"deep_eval_window_recompute_{r}": Result(
+        f"{_DEEP}/eval_window_recompute_{r}_source_to_target.json",
+        "hf-kvtransfer eval --source examples/family_deep/source --target examples/family_deep/target --mapper DIR "
+        f"--text examples/family_deep/heldout.txt --tasks recall,handoff --items 600 --recompute {r} --json FILE",
+        "2026-12-05",
+    ) for r in (8, 1)},
+    "deep_frontier_paired_today": Result(
+        f"{_DEEP}/frontier_paired_today_source_to_target.json",
+        f"python {_CAS}/paired_rows.py --eval " + " ".join(
+            f"{name}={_DEEP}/eval_{stem}source_to_target.json" for name, stem in (
+                ("default", "window_"), ("recompute_8", "window_recompute_8_"), ("recompute_1", "window_recompute_1_"),
+                ("whole", ""), ("tolerance_8", "tolerance_8_"), ("source_kv_14_exact", "source_kv_14_exact_"))) +
+        " --json FILE",
+        "2026-12-05",
+    ),
+    "deep_split_frontier_today": Result(
+        f"{_DEEP}/time_split_frontier_lean_source_to_target.json",
+        f"{_ONE_THREAD} python {_CAS}/time_split.py --family examples/family_deep --source source --target target "
+        "--mapper DIR --rounds 9 --recompute-tokens 8 1 --also whole=DIR_WHOLE tolerance_8=DIR_TOL8 "
+        "source_kv_14_exact=DIR_KV14 --output FILE",
+        "2026-12-05",
+    ),
     "deep_bench_window": Result(
         f"{_DEEP}/bench_window_source_to_target.json",
         "OMP_NUM_THREADS=1 hf-kvtransfer bench --source examples/family_deep/source --target "
@@ -650,24 +672,17 @@ def _mapper_label(config: dict) -> str:
         return f"{exact} of {total} exact, source K/V maps"
     reads = "the residual" + (f" (rank {residual['rank']})" if residual.get("rank") else "")
     source = "" if any(config["selected_layers"][exact:]) else " alone"
-    return f"{exact} of {total} exact, maps of {reads}{source}" + ("" if source else " and the source's K/V")
+    window = f"; exact layers within {config['exact_window']} tokens" if config.get("exact_window") else ""
+    return f"{exact} of {total} exact, maps of {reads}{source}" + ("" if source else " and the source's K/V") + window
 
 
-def deep_frontier() -> str:
-    """The deep pair: the default fit and its variants, content (eval, 600 items per task) and paired speed-ups."""
-    split = RESULTS["deep_split_frontier"].load()
+def _frontier(split_key: str, paired_key: str, rows_spec: list[tuple], keys: list[str]) -> str:
+    """A frontier of the deep pair: each row's content (`eval`, 600 items per task), paired against the best row, and
+    its speed-ups from one timing run of every row. A row: (label, mapper config or None for source K/V maps, eval
+    result key, speed-up field of the split, name in the paired file)."""
+    split = RESULTS[split_key].load()
     lengths = sorted(split["lengths"], key=int)
-    default = RESULTS["gate_mapper_deep"].load()
-    paired = RESULTS["deep_frontier_paired"].load()
-    rows_spec = [
-        ("the fit's default", default, "gate_eval_deep", "speedup_cpu", "default"),
-        ("the default, 8 recomputed tokens", default, "deep_eval_recompute_8", "speedup_cpu_transfer@8", "recompute_8"),
-        ("the default, 1 recomputed token", default, "deep_eval_recompute_1", "speedup_cpu_transfer@1", "recompute_1"),
-        ("the fit at --exact-layers-tolerance 0.08", RESULTS["deep_mapper_tolerance_8"].load(), "deep_eval_tolerance_8",
-         "speedup_cpu_tolerance_8", "tolerance_8"),
-        ("source K/V maps at the exact layers the gate accepts for them", None, "deep_eval_source_kv_14_exact",
-         "speedup_cpu_source_kv_14_exact", "source_kv_14_exact"),
-    ]  # fmt: skip
+    paired = RESULTS[paired_key].load()
     labels = {name: label for label, *_, name in rows_spec}
     rows = []
     for label, config, key, speed, name in rows_spec:
@@ -700,10 +715,47 @@ def deep_frontier() -> str:
         f"minus that row's on the same items, in points with the 95% bootstrap interval ({paired['num_bootstrap']:,} "
         "resamples)."
     )
+    return "\n\n".join([table(header, rows), note, sources(*keys)])
+
+
+def deep_frontier() -> str:
+    """The deep pair: the default fit (before the window) and its variants, as first measured."""
+    default = RESULTS["gate_mapper_deep"].load()
+    rows_spec = [
+        ("the fit's default", default, "gate_eval_deep", "speedup_cpu", "default"),
+        ("the default, 8 recomputed tokens", default, "deep_eval_recompute_8", "speedup_cpu_transfer@8", "recompute_8"),
+        ("the default, 1 recomputed token", default, "deep_eval_recompute_1", "speedup_cpu_transfer@1", "recompute_1"),
+        ("the fit at --exact-layers-tolerance 0.08", RESULTS["deep_mapper_tolerance_8"].load(), "deep_eval_tolerance_8",
+         "speedup_cpu_tolerance_8", "tolerance_8"),
+        ("source K/V maps at the exact layers the gate accepts for them", None, "deep_eval_source_kv_14_exact",
+         "speedup_cpu_source_kv_14_exact", "source_kv_14_exact"),
+    ]  # fmt: skip
     keys = ["gate_fit_deep", "gate_mapper_deep", "gate_eval_deep", "deep_eval_recompute_8", "deep_eval_recompute_1",
             "deep_mapper_tolerance_8", "deep_eval_tolerance_8", "deep_mapper_source_kv_14_exact",
             "deep_eval_source_kv_14_exact", "deep_frontier_paired", "deep_split_frontier"]
-    return "\n\n".join([table(header, rows), note, sources(*keys)])
+    return _frontier("deep_split_frontier", "deep_frontier_paired", rows_spec, keys)
+
+
+def deep_frontier_today() -> str:
+    """The same frontier with today's default (the exact layers within a window) on today's transfer path."""
+    default, whole = RESULTS["gate_mapper_deepw"].load(), RESULTS["gate_mapper_deep"].load()
+    rows_spec = [
+        ("the fit's default", default, "gate_eval_deepw", "speedup_cpu", "default"),
+        ("the default, 8 recomputed tokens", default, "deep_eval_window_recompute_8", "speedup_cpu_transfer@8",
+         "recompute_8"),
+        ("the default, 1 recomputed token", default, "deep_eval_window_recompute_1", "speedup_cpu_transfer@1",
+         "recompute_1"),
+        ("the default before the window (the whole exact pass)", whole, "gate_eval_deep", "speedup_cpu_whole", "whole"),
+        ("the fit at --exact-layers-tolerance 0.08", RESULTS["deep_mapper_tolerance_8"].load(), "deep_eval_tolerance_8",
+         "speedup_cpu_tolerance_8", "tolerance_8"),
+        ("source K/V maps at the exact layers the gate accepts for them", None, "deep_eval_source_kv_14_exact",
+         "speedup_cpu_source_kv_14_exact", "source_kv_14_exact"),
+    ]  # fmt: skip
+    keys = ["gate_fit_deepw", "gate_mapper_deepw", "gate_eval_deepw", "deep_eval_window_recompute_8",
+            "deep_eval_window_recompute_1", "gate_fit_deep", "gate_mapper_deep", "gate_eval_deep",
+            "deep_mapper_tolerance_8", "deep_eval_tolerance_8", "deep_mapper_source_kv_14_exact",
+            "deep_eval_source_kv_14_exact", "deep_frontier_paired_today", "deep_split_frontier_today"]
+    return _frontier("deep_split_frontier_today", "deep_frontier_paired_today", rows_spec, keys)
 
 
 def deep_split() -> str:
@@ -1070,6 +1122,7 @@ TABLES = {
     "shared-rank": shared_rank,
     "copy-layer-mlp": copy_layer_mlp,
     "deep-frontier": deep_frontier,
+    "deep-frontier-today": deep_frontier_today,
     "deep-lean-split": deep_lean_split,
     "deep-split": deep_split,
     "deep-bench": deep_bench,
