@@ -93,3 +93,12 @@ def test_other_attentions_and_models_are_left_as_they_are():
     prefer_grouped_sdpa(one_per_head)
     assert one_per_head.config._attn_implementation == "sdpa"
     prefer_grouped_sdpa(None)  # a cache that never met its target
+
+
+def test_a_model_can_be_loaded_with_it(tmp_path):
+    import hf_kvtransfer
+    from transformers import AutoModelForCausalLM
+
+    _sdpa_model().save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=hf_kvtransfer.GROUPED_SDPA)
+    assert model.config._attn_implementation == GROUPED_SDPA
