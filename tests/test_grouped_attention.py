@@ -102,3 +102,17 @@ def test_a_model_can_be_loaded_with_it(tmp_path):
     _sdpa_model().save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=hf_kvtransfer.GROUPED_SDPA)
     assert model.config._attn_implementation == GROUPED_SDPA
+
+
+def test_a_mask_is_made_additive_once_and_dropped_with_it():
+    from hf_kvtransfer.core import grouped_attention
+
+    mask = torch.rand(2, 1, 3, 7, generator=torch.Generator().manual_seed(0)) > 0.4
+    made = grouped_attention.additive(mask, torch.float32)
+    assert grouped_attention.additive(mask, torch.float32) is made  # the layers of one forward share it
+    want = torch.where(mask, 0.0, float("-inf"))
+    assert torch.equal(made, want)
+    assert grouped_attention.additive(made, torch.float32) is made  # an additive mask is used as it is
+    key = id(mask)
+    del mask
+    assert key not in grouped_attention._ADDITIVE  # held no longer than the mask

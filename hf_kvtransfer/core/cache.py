@@ -20,10 +20,10 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from .grouped_attention import prefer_grouped_sdpa
 from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
 from .exact import own_prefix
+from .grouped_attention import prefer_grouped_sdpa
 from .defaults import resolve_transfer
 from .mapper import KVMapper
 from .map_inputs import ExactPass, first_layer_rows

@@ -41,21 +41,22 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     return out.transpose(1, 2).contiguous(), None
 
 
-# The last boolean mask turned additive, and that form: a forward hands every layer the same mask object.
-_LAST_MASK: tuple = (None, None)
+# Boolean masks turned additive, by the mask object's id: a forward hands every layer the same mask, and its additive
+# form is dropped when the mask is (a tensor's `==` is elementwise, so a WeakKeyDictionary cannot hold them).
+_ADDITIVE: dict[int, torch.Tensor] = {}
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as the additive one (0 / -inf) PyTorch's SDPA turns it into at each call, made once for the
     layers of a forward that share it; a float mask as it is."""
-    global _LAST_MASK
     if mask.dtype != torch.bool:
         return mask
-    ref, made = _LAST_MASK
-    if ref is not None and ref() is mask and made.dtype == dtype:
-        return made
-    made = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    _LAST_MASK = (weakref.ref(mask), made)
+    key = id(mask)
+    made = _ADDITIVE.get(key)
+    if made is None or made.dtype != dtype:
+        if made is None:
+            weakref.finalize(mask, _ADDITIVE.pop, key, None)
+        made = _ADDITIVE[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return made
 
 
