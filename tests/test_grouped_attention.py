@@ -116,3 +116,14 @@ def test_a_mask_is_made_additive_once_and_dropped_with_it():
     key = id(mask)
     del mask
     assert key not in grouped_attention._ADDITIVE  # held no longer than the mask
+
+
+@pytest.mark.slow
+def test_it_compiles():
+    # A compiled target traces the attention: the mask's additive form is made in the graph, with no state to guard.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 5, 16, generator=g), *(torch.randn(1, 2, 9, 16, generator=g) for _ in "kv")
+    mask = _mask("causal", 1, 5, 9, g)
+    want, _ = sdpa_attention_forward(_layer(2), q, k, v, mask, scaling=0.25)
+    got, _ = torch.compile(grouped_sdpa)(_layer(2), q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -51,13 +51,20 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     layers of a forward that share it; a float mask as it is."""
     if mask.dtype != torch.bool:
         return mask
+    if torch.compiler.is_compiling():  # a compiled forward fuses the conversion; no state to trace
+        return as_additive(mask, dtype)
     key = id(mask)
     made = _ADDITIVE.get(key)
     if made is None or made.dtype != dtype:
         if made is None:
             weakref.finalize(mask, _ADDITIVE.pop, key, None)
-        made = _ADDITIVE[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        made = _ADDITIVE[key] = as_additive(mask, dtype)
     return made
+
+
+def as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the additive one SDPA adds to the scores: 0 where True, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)

@@ -23,7 +23,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .grouped_attention import additive
+from .grouped_attention import as_additive
 
 
 def _band(start: int, stop: int, first: int, window: int, device) -> torch.Tensor:
@@ -51,7 +51,7 @@ def local_attention(window: int):
         out = torch.empty_like(query)
         interior = _band(window - 1, window - 1 + block, 0, window, query.device)  # a block whose keys start > 0
         if attention_mask is None:  # additive once, not at each block's call (SDPA turns a boolean mask so)
-            interior = additive(interior, query.dtype)
+            interior = as_additive(interior, query.dtype)
         for start in range(0, n, block):
             stop, first = min(n, start + block), max(0, start - window + 1)
             if first > 0:
