@@ -230,7 +230,7 @@ RESULTS = {
         "research/vllm_serving/results/layerwise_ttft_deep.json",
         f"{_ONE_THREAD} .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py --family examples/family_deep "
         "--source source --target target --mapper DIR --output FILE",
-        "2026-12-04",
+        "2026-12-05",
     ),
     "l2s_three_exact": Result(
         f"{_CAS}/results/large_to_small_three_exact.json",
