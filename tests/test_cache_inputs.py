@@ -200,3 +200,63 @@ def test_exact_first_layers_are_the_targets_own(num_exact_layers):
         got, ref = a.keys[:, :, :15], b.keys[:, :, :15]
         error = (got - ref).abs().amax(dim=(1, 3))[real].max().item()
         assert (error < 1e-5) if t < num_exact_layers else (error > 1e-2), (t, error)
+
+
+def test_a_compiled_target_converts_before_its_graph():
+    # Under torch.compile (dynamo's tracing; the eager backend keeps this fast) the first forward converts every
+    # layer in one graph break, the prompt checked there, and answers as the eager target: through generate with the
+    # forward compiled, and a direct forward of the compiled module. A mapper with an exact layer and the residual.
+    from conftest import residual_pair
+
+    source, target, _, _, (mapper,) = residual_pair((1,))
+    ids = random_ids(2, 24, seed=31)
+
+    def cache():
+        return TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8)
+
+    with torch.no_grad():
+        want = target.generate(ids, cache=cache(), **GREEDY)
+        want_logits = target(ids[:, -8:], cache=cache()).logits
+    original = target.forward
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            explained = torch._dynamo.explain(original)(ids[:, -8:], cache=cache(), use_cache=True)
+        reasons = [str(b.reason) for b in explained.break_reasons]
+        assert reasons and all("_convert_before_graph" in reason for reason in reasons), reasons
+        torch._dynamo.reset()
+        target.forward = torch.compile(original, backend="eager", dynamic=True)
+        with torch.no_grad():
+            assert torch.equal(target.generate(ids, cache=cache(), **GREEDY), want)
+            with pytest.raises(ValueError, match="differ from the prompt"):
+                target.generate(ids.flip(-1), cache=cache(), **GREEDY)
+        target.forward = original
+        torch._dynamo.reset()
+        compiled = torch.compile(target, backend="eager", dynamic=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids[:, -8:], cache=cache()).logits, want_logits, rtol=1e-5, atol=1e-5)
+    finally:
+        target.forward = original
+        torch._dynamo.reset()
+
+
+def test_a_compiled_forward_that_hides_its_model_asks_for_it(monkeypatch):
+    # Where the call stack shows no model forward (another calling convention), a compiled forward cannot convert
+    # before its graph without the target: one line names the fix, and with `model=` it answers as eagerly.
+    from conftest import residual_pair
+    from hf_kvtransfer.core import caller
+
+    source, target, _, _, (mapper,) = residual_pair((1,))
+    ids = random_ids(1, 24, seed=32)
+    with torch.no_grad():
+        want = target(ids[:, -8:], cache=TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8)).logits
+    monkeypatch.setattr(caller.CallerInputs, "from_stack", classmethod(lambda cls, max_frames=64: cls()))
+    compiled = torch.compile(target, backend="eager", dynamic=True)
+    try:
+        with pytest.raises(ValueError, match="pass model=target"), torch.no_grad():
+            compiled(ids[:, -8:], cache=TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8))
+        told = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8, model=target)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids[:, -8:], cache=told).logits, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()

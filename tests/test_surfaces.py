@@ -142,3 +142,49 @@ def test_bench_counts_the_flops_the_transfer_runs(kind, family):
         if exact:
             own_prefix(target, ids, None, torch.arange(ids.shape[-1]).unsqueeze(0), exact)
     assert whole.get_total_flops() - own.get_total_flops() == mapping_flops(mapper, ids.shape[-1], exact)
+
+
+# Slow (compiling the tiny target takes seconds per variant of the cache's state; .ci/run runs it).
+@pytest.mark.slow
+def test_a_compiled_target_answers_as_the_eager_one(family):
+    """`torch.compile` on the target's forward: every kind the fit saves gives the eager target's tokens and logits
+    through generate (one row and a left-padded batch), and input that does not continue the prompt is refused as
+    eagerly. The compiled forward converts the cache before its graph (one break) and traces the layers as with a
+    plain cache."""
+    _, target = family["models"]
+    ids = random_ids(1, 40, seed=7) % 60 + 4
+    short = random_ids(1, 30, seed=8) % 60 + 4
+    batch, mask = left_pad(torch.cat([ids, torch.nn.functional.pad(short, (10, 0), value=5)]), [40, 30])
+    gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+
+    def answers(kind):
+        mapper = KVMapper.from_pretrained(family["dirs"][kind])
+        with torch.no_grad():
+            one = target.generate(ids, cache=_cache(family, mapper, ids), **gen)
+            padded = target.generate(batch, attention_mask=mask, cache=_cache(family, mapper, batch, mask), **gen)
+        return [(out.sequences, torch.stack(out.logits)) for out in (one, padded)]
+
+    eager = {kind: answers(kind) for kind in SURFACE_KINDS}
+    original = target.forward
+    try:
+        # The whole module compiled, called directly (a serving loop's own forward): the first generated token's logits.
+        compiled = torch.compile(target, dynamic=True)
+        for kind in SURFACE_KINDS:
+            mapper = KVMapper.from_pretrained(family["dirs"][kind])
+            with torch.no_grad():
+                cache = _cache(family, mapper, ids)
+                got = compiled(ids[:, -cache.num_recompute_tokens:], cache=cache).logits[:, -1]
+            torch.testing.assert_close(got, eager[kind][0][1][0], rtol=1e-4, atol=1e-4)
+        torch._dynamo.reset()
+        # The forward compiled, under generate.
+        target.forward = torch.compile(original, dynamic=True)
+        for kind in SURFACE_KINDS:
+            for (sequences, logits), (want_sequences, want_logits) in zip(answers(kind), eager[kind]):
+                assert torch.equal(sequences, want_sequences), kind
+                torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+        mapper = KVMapper.from_pretrained(family["dirs"]["residual"])
+        with pytest.raises(ValueError, match="differ from the prompt this cache was built for"), torch.no_grad():
+            target.generate(ids.flip(-1), cache=_cache(family, mapper, ids), max_new_tokens=2)
+    finally:
+        target.forward = original
+        torch._dynamo.reset()

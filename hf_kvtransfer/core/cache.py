@@ -12,6 +12,7 @@ import copy
 import functools
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -134,7 +135,8 @@ class TransferredCache(DynamicCache):
     Nothing is mapped at construction. The first time the target's attention layer `layer_idx` calls
     `update`, that layer's KV is produced from the source cache (strip source RoPE -> map -> apply
     target RoPE, on the device and in the dtype of the incoming `key_states`), and the cache then behaves
-    exactly like a `DynamicCache`. Pass it to stock `generate` (`cache=` or `past_key_values=`).
+    exactly like a `DynamicCache`. Pass it to stock `generate` (`cache=` or `past_key_values=`). Under `torch.compile`
+    (the target's forward or the whole module), the first forward converts every layer at once, before its graph.
 
     The last `num_recompute_tokens` tokens of the source cache are *not* transferred: the target
     recomputes them itself, so `generate` can be called with the same full `input_ids` the source saw
@@ -250,8 +252,10 @@ class TransferredCache(DynamicCache):
         # cache) and the prompt's ids (known here, else generate's sequence). Dropped once they are computed.
         self._exact_model: PreTrainedModel | None = model if (self.num_exact_layers or self._gate) and transferred else None
         self._exact_prompt: torch.Tensor | None = None
+        self._given_model = weakref.ref(model) if model is not None else None  # a compiled forward's conversion
         self._exact_pending = self.num_exact_layers > 0 and transferred > 0
         self._first_input_checked = False
+        self._converted_before_graph = False  # `_convert_before_graph` ran and the forward's masks are not built yet
         self._only_new_tokens = False  # the first forward fed only new tokens (a mask covering the cached ones)
 
     def _read_source(self, source_cache: Cache | tuple) -> tuple[dict[int, SourceLayer], int, int]:
@@ -329,7 +333,7 @@ class TransferredCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self._pending and not self._first_input_checked:
-            self._check_first_input()
+            self._first_contact()
         if layer_idx in self._pending:
             return self._transfer.length
         return super().get_seq_length(layer_idx)
@@ -342,7 +346,9 @@ class TransferredCache(DynamicCache):
                 "with an attention_mask covering the cached ones"
             )
         if self._pending and not self._first_input_checked:
-            self._check_first_input()
+            self._first_contact()
+        elif self._converted_before_graph:
+            self._converted_before_graph = False  # the first forward, checked as it converted (compiled)
         elif query_length > 1 and not self._pending:
             self._check_continuation(query_length)  # a new turn (decode steps, one token each, skip this)
         # Masks and positions are built before any layer runs, so pending layers must already report
@@ -358,7 +364,48 @@ class TransferredCache(DynamicCache):
         return length + query_length, 0
 
     # -- what the target is fed: never a silent wrong answer ------------------------------------------
-    def _check_first_input(self) -> None:
+    def _first_contact(self) -> None:
+        """The first forward's first question to the cache (its length, or its mask sizes). Eagerly, the input is
+        checked here and each layer converted when it arrives (`update`). Under `torch.compile` everything is done
+        here at once (`_convert_before_graph`), so the traced layers find a plain cache."""
+        if torch.compiler.is_compiling():
+            self._convert_before_graph()
+        else:
+            self._check_first_input()
+
+    @torch.compiler.disable
+    def _convert_before_graph(self) -> None:
+        """A compiled forward's first contact, run eagerly (one graph break): the input checked, then every pending
+        layer converted in the forward's rows, device and dtype. Converting one layer per `update` instead would
+        change the state each traced layer is guarded on (a recompile per layer) and break the graph in every one."""
+        caller = self._check_first_input()
+        if self._transfer is None:
+            return  # the forward re-feeds the prompt: it computes it itself
+        like = self._forward_like(caller)
+        for layer_idx in sorted(self._pending):
+            self._arrive(layer_idx, like, appended=False)  # laid out as a prefill's: the graph's guards on strides hold
+        self._converted_before_graph = True
+
+    def _forward_like(self, caller: CallerInputs | None) -> torch.Tensor:
+        """An empty `[rows, n_kv, 0, d]` tensor like the key states the running forward's layers will pass: its rows
+        (from what it was fed), the model's device and dtype (autocast's where it is on)."""
+        given = self._given_model() if self._given_model is not None else None
+        model = (caller.model if caller is not None else None) or self._exact_model or given
+        fed = None if caller is None else (caller.forward_ids if caller.forward_ids is not None else caller.forward_embeds)
+        if model is None:
+            raise ValueError(
+                "a compiled target converts this TransferredCache before its graph and needs the target model: pass "
+                "model=target to TransferredCache, or call cache.convert_all() before the compiled forward"
+            )
+        param = model.get_input_embeddings().weight
+        dtype = torch.get_autocast_dtype(param.device.type) if torch.is_autocast_enabled(param.device.type) else model.dtype
+        like = self._like(param.device, dtype)
+        rows = fed.shape[0] if fed is not None else like.shape[0]
+        return like.new_empty((rows, *like.shape[1:]))
+
+    # Both checks read the call stack (`caller.py`), which a compiled forward must not trace: they run eagerly there.
+    @torch.compiler.disable
+    def _check_first_input(self) -> CallerInputs:
         """Check the first forward on the transferred tokens, before it builds positions and masks from them."""
         caller = CallerInputs.from_stack()
         self._learn_model(caller.model)
@@ -367,7 +414,7 @@ class TransferredCache(DynamicCache):
                 self._first_input_checked = True
                 check_mask(caller, self._transfer.attention_mask, self._transfer.length)
                 self._check_embeds(caller.forward_embeds, caller.model or self._exact_model)
-            return  # generate asking for the length first (nothing fed yet), or a forward of inputs_embeds
+            return caller  # generate asking for the length first (nothing fed yet), or a forward of inputs_embeds
         self._first_input_checked = True
         held, fed = self._transfer.length, caller.forward_ids
         prompt = self.prompt_ids if self.prompt_ids is not None else (None if caller.direct else caller.sequence)
@@ -384,7 +431,7 @@ class TransferredCache(DynamicCache):
             self._pending.clear()
             self._transfer = None
             self._keep_prompt(fed.shape[-1] if caller.direct else caller.sequence.shape[-1])
-            return
+            return caller
         self._only_new_tokens = check_prompt(caller, self.prompt_ids, held, fed.shape[-1], self.num_recompute_tokens)
         check_mask(caller, self._transfer.attention_mask, held)
         # From here the cache holds what the target is given: a later turn continues that, not the rest of the prompt
@@ -392,6 +439,7 @@ class TransferredCache(DynamicCache):
         self._keep_prompt(held + fed.shape[-1] if caller.direct else max(caller.sequence.shape[-1], held))
         if self.prompt_ids is None and not caller.direct:
             self._learn_prompt(caller.sequence)
+        return caller
 
     def _check_embeds(self, fed: torch.Tensor, model: PreTrainedModel | None) -> None:
         """A first forward of `inputs_embeds`: its ids are unknown, so only a re-fed prompt is recognised (the
@@ -527,6 +575,7 @@ class TransferredCache(DynamicCache):
         self._exact_pending, self._exact_model, self._exact_prompt = False, None, None
         return self
 
+    @torch.compiler.disable
     def _check_continuation(self, query_length: int) -> None:
         caller = CallerInputs.from_stack()
         if caller.forward_ids is None or caller.direct:
@@ -546,13 +595,19 @@ class TransferredCache(DynamicCache):
                 f"the model has more layers than the mapper's target ({len(self.layers)} layers, "
                 f"{self.mapper.config.target_model_id}); load the mapper made for this target model"
             )
-        if layer_idx in self._pending and self._gate is not None and self._pending == set(range(len(self.layers))):
-            self._run_gate(key_states)
         if layer_idx in self._pending:
-            if self._exact_pending:  # here, where the forward needs them: the checks before it are getters
-                self._compute_exact_from_context()
-            self._convert(layer_idx, key_states, appended=True)
+            self._arrive(layer_idx, key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _arrive(self, layer_idx: int, like: torch.Tensor, appended: bool = True) -> None:
+        """A pending layer's first `update`: the gate (on the first), the exact layers (where the forward needs them:
+        the checks before it are getters), then this layer's conversion (`_convert`'s `appended`)."""
+        if self._gate is not None and self._pending == set(range(len(self.layers))):
+            self._run_gate(like)
+        if layer_idx in self._pending:
+            if self._exact_pending:
+                self._compute_exact_from_context()
+            self._convert(layer_idx, like, appended=appended)
 
     @torch.no_grad()
     def _run_gate(self, like: torch.Tensor) -> None:

@@ -15,6 +15,11 @@ bodies: what the transfer computes, counted from the shapes), and the speed-up t
         --target large --mapper DIR --lengths 512 1024 4096 --rounds 15 [--recompute-tokens 1] \
         [--also NAME=DIR ...] --output results/time_split_s2l.json
 
+`--compile-target` times everything with the target's forward compiled (`torch.compile(target.forward,
+dynamic=True)`, compiled again for each length with room for every variant timed: otherwise dynamo's recompile limit
+leaves some of them eager; two warm-up rounds): the own prefill, the recomputed tokens' forward and `floor` /
+`one_token` traced, the exact pass (the target's first layers called directly) and the maps eager.
+
 `--also` times other mappers' whole transfers (at their own defaults) in the same interleaved rounds, so their
 speed-ups are paired with the first mapper's (`speedup_cpu_NAME`).
 
@@ -55,19 +60,24 @@ def main() -> None:
                    help="also time the whole transfer with these recomputed tokens (besides the cache's default)")
     p.add_argument("--also", nargs="*", default=[], metavar="NAME=DIR",
                    help="other mappers whose whole transfer is timed in the same rounds")
+    p.add_argument("--compile-target", action="store_true", help="time with the target's forward compiled")
     p.add_argument("--output", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
     pair = load_pair(args.source, args.target, args.family)
+    if args.compile_target:
+        torch._dynamo.config.recompile_limit = 64
+        pair.target.forward = torch.compile(pair.target.forward, dynamic=True)
     mapper = KVMapper.from_pretrained(args.mapper)
     also = {name: KVMapper.from_pretrained(path) for name, path in (item.split("=", 1) for item in args.also)}
     target = pair.target
     stream = pair.tokenizer(pair.heldout, verbose=False)["input_ids"]
     result = {"family": str(args.family), "source": args.source, "target": args.target, "mapper": args.mapper,
               "threads": 1, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rounds": args.rounds,
-              "also": dict(item.split("=", 1) for item in args.also),
+              "also": dict(item.split("=", 1) for item in args.also), "compile_target": args.compile_target,
               "load_average_before": os.getloadavg(), "lengths": {}}  # fmt: skip
     for n in args.lengths:
+        torch._dynamo.reset()
         ids = torch.tensor(stream[:n]).unsqueeze(0)
         src_cache = prefill(pair.source, ids)
         others = [f"transfer@{r}" for r in args.recompute_tokens] + list(also)
@@ -106,9 +116,10 @@ def main() -> None:
         calls += [(name, lambda r=r: transfer(r)) for name, r in zip(others, args.recompute_tokens)]
         calls += [(name, lambda m=m: transfer(with_mapper=m)) for name, m in also.items()]
         with torch.no_grad():
-            for _, fn in calls:  # warm-up
-                fn()
-            staged()
+            for _ in range(2 if args.compile_target else 1):  # warm-up (compiling: its recompiles too)
+                for _, fn in calls:
+                    fn()
+                staged()
             for _ in range(args.rounds):
                 for name, fn in calls:
                     start = clocks()
