@@ -175,8 +175,6 @@ class BenchTiming:
         repeats / warmup: timed and untimed calls per measurement; medians are reported.
         decode_steps: single-token steps timed per repeat for (d).
         measure_ttft, measure_decode, measure_memory, measure_full_forward: which measurements run.
-        compile_rope: time the transfer with `TransferredCache(..., compile_rope=True)` (True), or both ways ("both":
-            extra entries named "<mapper> +compile"). Time to first token is timed without.
         num_exact_layers, num_recompute_tokens: the configuration time to first token is timed at, as
             `TransferredCache` takes them (default None: the first mapper's exact layers and the cache's default of
             recomputed tokens, i.e. what a user gets). Beside it, every layer mapped (0 exact layers, 1 recomputed
@@ -192,7 +190,6 @@ class BenchTiming:
     measure_decode: bool = True
     measure_memory: bool = True
     measure_full_forward: bool = True
-    compile_rope: bool | str = False
     num_exact_layers: int | None = None
     num_recompute_tokens: int | None = None
     exact_layers_origin: str | None = None
@@ -201,14 +198,6 @@ class BenchTiming:
 
 
 @torch.no_grad()
-def _variants(mappers: dict[str, KVMapper], compile_rope: bool | str) -> list[tuple[str, KVMapper, bool]]:
-    """The transfers `run_benchmark` times, `(name, mapper, compile_rope)`: each mapper with `compile_rope`, or for
-    "both" each without and then each with (named `<name> +compile`)."""
-    if compile_rope == "both":
-        return [(name, m, False) for name, m in mappers.items()] + [(f"{n} +compile", m, True) for n, m in mappers.items()]
-    return [(name, mapper, bool(compile_rope)) for name, mapper in mappers.items()]
-
-
 def _stage_bar(stages: int, progress: bool) -> tuple[tqdm, Callable[[str, int], None]]:
     """A progress bar over `stages` stages and `step(name, seq_len)`, which names a stage and advances the bar."""
     bar = tqdm(total=stages, desc="bench", unit="stage", disable=not progress)
@@ -246,13 +235,12 @@ def run_benchmark(
     o = with_options(BenchTiming, timing, keywords, "run_benchmark")
     if isinstance(mappers, KVMapper):
         mappers = {"mapper": mappers}
-    variants = _variants(mappers, o.compile_rope)
     device = next(target.parameters()).device
     vocab = text_config(target.config).vocab_size
     generator = torch.Generator().manual_seed(o.seed)
     first = next(iter(mappers))
     mappers[first].resolve_num_exact_layers(o.num_exact_layers)  # a count the target cannot take: refused before timing
-    stages = len(seq_lens) * (3 + len(variants) + 2 * o.measure_ttft + o.measure_decode)
+    stages = len(seq_lens) * (3 + len(mappers) + 2 * o.measure_ttft + o.measure_decode)
     bar, step = _stage_bar(stages, o.progress)
     results = []
     for seq_len in seq_lens:
@@ -260,7 +248,7 @@ def run_benchmark(
         row: dict[str, Any] = {"seq_len": seq_len}
         source_cache = prefill(source, ids)
         _time_prefills(row, source, target, ids, o, step)
-        _time_transfers(row, source_cache, target, variants, ids, o, step)
+        _time_transfers(row, source_cache, target, mappers, ids, o, step)
         if o.measure_memory:
             row["prefill_body_peak_bytes"] = peak_memory(lambda: prefill(target, ids), device)
         if o.measure_ttft:
@@ -275,7 +263,7 @@ def run_benchmark(
     return {
         "environment": environment(),
         "settings": _bench_settings(source, target, mappers, first, seq_lens, o),
-        "mappers": {name: mapper_size(m) for name, m, _ in variants},
+        "mappers": {name: mapper_size(m) for name, m in mappers.items()},
         "results": results,
     }
 
@@ -294,16 +282,16 @@ def _time_prefills(row: dict[str, Any], source, target, ids, o: BenchTiming, ste
     row["prefill_gflop"] = prefill_flops(target.config, seq_len)["total"] / 1e9
 
 
-def _time_transfers(row: dict[str, Any], source_cache, target, variants, ids, o: BenchTiming, step) -> None:
+def _time_transfers(row: dict[str, Any], source_cache, target, mappers: dict[str, KVMapper], ids, o: BenchTiming, step) -> None:
     """Each mapper's whole transfer at its exact layers (computed by the target, then the maps): `row["transfer"]`."""
     device, seq_len = ids.device, ids.shape[-1]
     row["transfer"] = {}
-    for name, mapper, compiled in variants:
-        convert = lambda m=mapper, c=compiled: TransferredCache(  # noqa: E731
-            source_cache, m, num_recompute_tokens=0, compile_rope=c, num_exact_layers=o.num_exact_layers, model=target
+    for name, mapper in mappers.items():
+        convert = lambda m=mapper: TransferredCache(  # noqa: E731
+            source_cache, m, num_recompute_tokens=0, num_exact_layers=o.num_exact_layers, model=target
         ).convert_all()
         exact, window = resolve_num_exact_layers(mapper, o.num_exact_layers), resolve_exact_window(mapper, None)
-        entry: dict[str, Any] = {"compile_rope": compiled, "num_exact_layers": exact, "exact_window": window}
+        entry: dict[str, Any] = {"num_exact_layers": exact, "exact_window": window}
         ms = _measure(entry, "ms", convert, device, o.repeats, o.warmup)
         entry.update({
             "speedup_vs_body": row["prefill_body_ms"] / ms,
@@ -500,7 +488,6 @@ class BenchConfig:
             `kN:SPEC` for another top-k and `SPEC@bf16` for a weight dtype); the first is used for time to first token.
         seq_lens, repeats, warmup, decode_steps: what is timed, how often (medians), untimed calls first.
         device, dtype, threads: where and how (None: CUDA when available; bf16 on CUDA, float32 on CPU; torch's).
-        compile: RoPE through torch.compile for the transfer: "off", "on" or "both".
         ttft, decode: whether time to first token / the decode step are measured.
 
     Example:
@@ -531,7 +518,6 @@ class BenchConfig:
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None
-    compile: str = "off"
     ttft: bool = True
     decode: bool = True
 
@@ -547,8 +533,6 @@ class BenchConfig:
                 f"repeats and decode_steps must be >= 1 and warmup >= 0, got repeats {self.repeats}, decode_steps "
                 f"{self.decode_steps}, warmup {self.warmup}"
             )
-        if self.compile not in ("off", "on", "both"):
-            raise ValueError(f"compile must be off, on or both, got {self.compile!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.exact_layers is not None and self.exact_layers < 0:
@@ -644,7 +628,6 @@ def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> d
     report = run_benchmark(
         source, target, mappers, seq_lens=config.seq_lens, repeats=config.repeats, warmup=config.warmup,
         decode_steps=config.decode_steps, measure_ttft=config.ttft, measure_decode=config.decode,
-        compile_rope={"off": False, "on": True, "both": "both"}[config.compile],
         num_exact_layers=config.exact_layers, num_recompute_tokens=config.recompute_tokens, exact_layers_origin=origin,
     )  # fmt: skip
     report["settings"]["config"] = dataclasses.asdict(config)

@@ -869,9 +869,6 @@ def _add_bench_measurements(p: argparse.ArgumentParser, unset: str) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"seq lens {' '.join(map(str, timing.QUICK_SEQ_LENS))}, 3 repeats, 4 decode steps, ranks full 8 "
                    "(options given explicitly win)")
-    p.add_argument("--compile", choices=["off", "on", "both"], default=unset,
-                   help="RoPE through torch.compile for the transfer (TransferredCache.compile_rope): off, on, or "
-                   "both (times each mapper both ways; default off)")
     p.add_argument("--no-ttft", dest="ttft", action="store_false", default=unset, help="skip time to first token")
     p.add_argument("--no-decode", dest="decode", action="store_false", default=unset, help="skip the decode-step comparison")
     p.add_argument("--output-dir", default="bench_results", help="where bench.json/.md/.png go (default %(default)s)")

@@ -123,7 +123,6 @@ class TransferOptions:
     strict: bool = False
     num_exact_layers: int | None = None
     exact_window: int | None = None
-    compile_rope: bool = False
     gate: bool | QualityGateConfig | None = None
     revision: str | None = None
     token: str | bool | None = None
@@ -157,7 +156,7 @@ class TransferredCache(DynamicCache):
             number, else 32 (1 when every layer is exact and the prompt's ids are known); at most half the prompt,
             at least 1. 1 is the
             fastest under `generate`; 0 only suits a direct forward of new tokens.
-        options: `TransferOptions` (in `hf_kvtransfer.core.cache`): `strict`, `num_exact_layers`, `exact_window`, `compile_rope`,
+        options: `TransferOptions` (in `hf_kvtransfer.core.cache`): `strict`, `num_exact_layers`, `exact_window`,
             `gate`, `revision` and `token` below; each may be given as a keyword instead (`strict=True`), which
             overrides it.
         strict: when the source cache comes from `prefill`, its model's config is compared with the one the
@@ -174,9 +173,6 @@ class TransferredCache(DynamicCache):
             (`local_attention.py`: at long prompts their attention costs prompt x window instead of prompt^2).
             Default (None): the mapper's `exact_window`, which a fit records where its content gate accepts one
             (none: the whole prompt); 0: the whole prompt.
-        compile_rope: strip and apply RoPE through `torch.compile` (one fused kernel instead of four passes):
-            faster transfers on long prompts after a one-off compile of several seconds (`hf-kvtransfer bench
-            --compile both` measures both). Off by default.
         model: the target model the exact layers are computed with. Default: the model whose forward first runs
             on the cache (`generate` or `target(...)`, with ids or `inputs_embeds`); give it to convert without a
             forward (`convert_all`). A cache that must compute exact layers and has neither refuses with one line.
@@ -215,7 +211,6 @@ class TransferredCache(DynamicCache):
         mapper = _as_mapper(mapper, o.revision, o.token)
         super().__init__(config=mapper.target_model_config)
         self.mapper = mapper
-        self.compile_rope = o.compile_rope
 
         source_config = getattr(source_cache, "source_model_config", None)
         if source_config is not None:
@@ -238,7 +233,7 @@ class TransferredCache(DynamicCache):
         position_ids = position_ids_from_mask(attention_mask, batch_size, length, device)[:, :transferred]
         rope = RopeTables(mapper.rotary, position_ids)
         mask = attention_mask[:, :transferred] if attention_mask is not None else None
-        self._transfer: PendingTransfer | None = PendingTransfer(mapper, sources, rope, transferred, batch_size, mask, o.compile_rope)
+        self._transfer: PendingTransfer | None = PendingTransfer(mapper, sources, rope, transferred, batch_size, mask)
         self._pending = set(range(len(self.layers)))
         self._transferred_tokens = transferred
         # The ids of the prompt the source read (None when unknown): the target's input must continue them.

@@ -14,7 +14,7 @@ from torch import nn
 from .layer_maps import LinearParts
 from .map_inputs import map_state, writable
 from .mapper import KVMapper
-from .rope import compiled_rotate, rotary_cos_sin, rotate_, rotate_into
+from .rope import rotary_cos_sin, rotate_, rotate_into
 
 # Affine maps of target layers that read the same source layers run as one GEMM of up to this many output features
 # per kind: on CPU one wide product beats several skinny ones, which are dominated by packing the shared input
@@ -137,7 +137,6 @@ class PendingTransfer:
     length: int  # transferred tokens
     batch_size: int
     attention_mask: torch.Tensor | None  # (B, T) of the transferred tokens, when the source prefill had one
-    compile_rope: bool = False  # strip / apply RoPE through torch.compile
     # Side-by-side features of a multi-layer selection, shared by the target layers that read it.
     features: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Finished target K/V of group members computed together with an earlier layer of their group.
@@ -211,10 +210,7 @@ class PendingTransfer:
         keys, values = layer.keys, layer.values
         cos, sin = self.rope.get("strip", keys.device)
         # (B, H, T, D) -> (B, T, H, D) by writing through a transposed view: the transpose costs no extra pass.
-        if self.compile_rope:
-            key_out.transpose(1, 2).copy_(compiled_rotate()(keys, cos, sin, key_out.dtype))
-        else:
-            rotate_into(keys, cos, sin, key_out.transpose(1, 2))
+        rotate_into(keys, cos, sin, key_out.transpose(1, 2))
         value_out.transpose(1, 2).copy_(values)
         # One reduction over the (contiguous) source tensors instead of isfinite().all(): NaN and inf survive a
         # float32 sum, and reading the source is cheaper than reading strided output slots.
@@ -325,10 +321,8 @@ class PendingTransfer:
         rows = key_rows.to(device=like.device, dtype=rope_dtype)
         # (B, 1, T, rotary) -> (B, T, 1, 1, rotary): broadcast over layers and heads
         cos, sin = (t.transpose(1, 2).unsqueeze(2) for t in self.rope.get("apply", like.device, rope_dtype))
-        if self.compile_rope:
-            keys = compiled_rotate()(rows.view(rows_shape), cos, sin, rope_dtype)
-        else:  # in place in rows the maps made (a broadcast bias copied), else in a copy
-            keys = rotate_((writable(rows) if owned else rows.clone()).view(rows_shape), cos, sin)
+        # in place in rows the maps made (a broadcast bias copied), else in a copy
+        keys = rotate_((writable(rows) if owned else rows.clone()).view(rows_shape), cos, sin)
         values = writable(value_rows.to(device=like.device, dtype=dtype)).view(rows_shape)  # a broadcast bias: copied
         return tuple(t.to(dtype).permute(2, 0, 3, 1, 4) for t in (keys, values))
 

@@ -10,7 +10,6 @@ that applied it in the first place.
 from __future__ import annotations
 
 import copy
-import functools
 import importlib
 from typing import Any
 
@@ -160,23 +159,6 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1.mul_(cos[..., :half]).addcmul_(x2, sin[..., :half], value=-1)
     x2.mul_(cos[..., half:]).add_(kept)
     return x
-
-
-@functools.lru_cache(maxsize=1)
-def compiled_rotate():
-    """`rotate_into` through `torch.compile` (one fused loop instead of four passes); the returned function takes
-    `(x, cos, sin, dtype)` and returns a new contiguous tensor of `dtype`."""
-
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        rotary_dim = cos.shape[-1]
-        half = rotary_dim // 2
-        x1, x2 = x[..., :half], x[..., half:rotary_dim]
-        parts = [x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]]
-        if rotary_dim < x.shape[-1]:
-            parts.append(x[..., rotary_dim:].to(parts[0].dtype))
-        return torch.cat(parts, dim=-1).to(dtype).contiguous()
-
-    return torch.compile(rotate, dynamic=True)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, device) -> torch.Tensor:
