@@ -214,8 +214,10 @@ def test_a_compiled_target_converts_before_its_graph():
     def cache():
         return TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8)
 
+    beams = dict(GREEDY, num_beams=2)
     with torch.no_grad():
         want = target.generate(ids, cache=cache(), **GREEDY)
+        want_beams = target.generate(ids, cache=cache(), **beams)
         want_logits = target(ids[:, -8:], cache=cache()).logits
     original = target.forward
     try:
@@ -228,6 +230,7 @@ def test_a_compiled_target_converts_before_its_graph():
         target.forward = torch.compile(original, backend="eager", dynamic=True)
         with torch.no_grad():
             assert torch.equal(target.generate(ids, cache=cache(), **GREEDY), want)
+            assert torch.equal(target.generate(ids, cache=cache(), **beams), want_beams)  # rows expanded: converted so
             with pytest.raises(ValueError, match="differ from the prompt"):
                 target.generate(ids.flip(-1), cache=cache(), **GREEDY)
         target.forward = original
@@ -235,6 +238,12 @@ def test_a_compiled_target_converts_before_its_graph():
         compiled = torch.compile(target, backend="eager", dynamic=True)
         with torch.no_grad():
             torch.testing.assert_close(compiled(ids[:, -8:], cache=cache()).logits, want_logits, rtol=1e-5, atol=1e-5)
+        # fullgraph=True allows no break: converted first, the forward's graph is whole.
+        torch._dynamo.reset()
+        whole = torch.compile(target, backend="eager", dynamic=True, fullgraph=True)
+        converted = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8, model=target).convert_all()
+        with torch.no_grad():
+            torch.testing.assert_close(whole(ids[:, -8:], cache=converted).logits, want_logits, rtol=1e-5, atol=1e-5)
     finally:
         target.forward = original
         torch._dynamo.reset()

@@ -135,7 +135,8 @@ class TransferredCache(DynamicCache):
     `update`, that layer's KV is produced from the source cache (strip source RoPE -> map -> apply
     target RoPE, on the device and in the dtype of the incoming `key_states`), and the cache then behaves
     exactly like a `DynamicCache`. Pass it to stock `generate` (`cache=` or `past_key_values=`). Under `torch.compile`
-    (the target's forward or the whole module), the first forward converts every layer at once, before its graph.
+    (the target's forward or the whole module), the first forward converts every layer at once, before its graph (one
+    graph break, where its input is checked; later turns are not); with `fullgraph=True`, `convert_all()` first.
 
     The last `num_recompute_tokens` tokens of the source cache are *not* transferred: the target
     recomputes them itself, so `generate` can be called with the same full `input_ids` the source saw
@@ -250,7 +251,6 @@ class TransferredCache(DynamicCache):
         self._given_model = weakref.ref(model) if model is not None else None  # a compiled forward's conversion
         self._exact_pending = self.num_exact_layers > 0 and transferred > 0
         self._first_input_checked = False
-        self._converted_before_graph = False  # `_convert_before_graph` ran and the forward's masks are not built yet
         self._only_new_tokens = False  # the first forward fed only new tokens (a mask covering the cached ones)
 
     def _read_source(self, source_cache: Cache | tuple) -> tuple[dict[int, SourceLayer], int, int]:
@@ -342,10 +342,10 @@ class TransferredCache(DynamicCache):
             )
         if self._pending and not self._first_input_checked:
             self._first_contact()
-        elif self._converted_before_graph:
-            self._converted_before_graph = False  # the first forward, checked as it converted (compiled)
-        elif query_length > 1 and not self._pending:
-            self._check_continuation(query_length)  # a new turn (decode steps, one token each, skip this)
+        elif query_length > 1 and not self._pending and not torch.compiler.is_compiling():
+            # A new turn (decode steps, one token each, skip this). A compiled forward is checked at its first forward
+            # only: reading the stack would break its graph at every turn (and fail `fullgraph=True`).
+            self._check_continuation(query_length)
         # Masks and positions are built before any layer runs, so pending layers must already report
         # the sizes they will have once converted.
         if layer_idx not in self._pending:
@@ -379,7 +379,6 @@ class TransferredCache(DynamicCache):
         like = self._forward_like(caller)
         for layer_idx in sorted(self._pending):
             self._arrive(layer_idx, like, appended=False)  # laid out as a prefill's: the graph's guards on strides hold
-        self._converted_before_graph = True
 
     def _forward_like(self, caller: CallerInputs | None) -> torch.Tensor:
         """An empty `[rows, n_kv, 0, d]` tensor like the key states the running forward's layers will pass: its rows
