@@ -73,7 +73,8 @@ def connector_config(role: str, store: str, **extra):
     )
 
 
-def start_engine(model: Path, kv_transfer_config=None, max_model_len: int = 2048, single_process: bool = False):
+def start_engine(model: Path, kv_transfer_config=None, max_model_len: int = 2048, single_process: bool = False,
+                 compiled: bool = False):
     from vllm import LLM
 
     extra = {"distributed_executor_backend": "uni"} if single_process else {}
@@ -81,7 +82,7 @@ def start_engine(model: Path, kv_transfer_config=None, max_model_len: int = 2048
         **extra,
         model=str(model),
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=not compiled,
         max_model_len=max_model_len,
         seed=0,
         disable_log_stats=False,  # per-request metrics: time to first token
@@ -150,6 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="run each engine (scheduler and worker) inside this process: starts in seconds instead of about a "
         "minute here; a server runs them as subprocesses (the default)",
     )
+    parser.add_argument("--compiled", action="store_true",
+                        help="run the engines compiled (torch.compile; CUDA graphs on a GPU: vLLM's default) instead of "
+                        "eagerly (enforce_eager)")
     parser.add_argument("--json", help="write the summary and every conversation's tokens here")
     args = parser.parse_args(argv)
 
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"source engine: {source_model.name} (stores prompt KV in {store})", flush=True)
     started = time.perf_counter()
-    llm = start_engine(source_model, connector_config("kv_producer", store), max_model_len, args.single_process)
+    llm = start_engine(source_model, connector_config("kv_producer", store), max_model_len, args.single_process,
+                       args.compiled)
     print(f"  started in {time.perf_counter() - started:.0f} s", flush=True)
     turns = run(llm, prompts, args.turn_tokens)
     close(llm)
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     ):
         print(f"target engine: {target_model.name} {'with' if kv else 'without'} the connector", flush=True)
         started = time.perf_counter()
-        llm = start_engine(target_model, kv, max_model_len, args.single_process)
+        llm = start_engine(target_model, kv, max_model_len, args.single_process, args.compiled)
         print(f"  started in {time.perf_counter() - started:.0f} s", flush=True)
         results[name] = run(llm, conversations, args.new_tokens)
         close(llm)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 
 pytestmark = pytest.mark.vllm
 
@@ -593,16 +594,18 @@ def test_lmcache_store_backend(tmp_path, prompts):
         assert abs(lp.logprob - float(reference[token])) < 2e-3, (token, lp.logprob, float(reference[token]))
 
 
-def test_handoff_example_identity_is_exact(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--compiled"]], ids=["eager", "compiled"])
+def test_handoff_example_identity_is_exact(tmp_path, mode):
     """`examples/vllm_handoff.py --identity`: with an identity mapper the target engine's greedy tokens equal the
-    same engine's without the connector, and vLLM reports the mapped prefill as cached."""
+    same engine's without the connector, and vLLM reports the mapped prefill as cached; eagerly and with the engines
+    compiled (vLLM's default: the connector writes the blocks outside the compiled forward)."""
     _need_vllm()
     summary = tmp_path / "summary.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "vllm_handoff.py"), "--identity", "--conversations", "2",
-         "--prompt-tokens", "300", "--new-tokens", "24", "--single-process", "--json", str(summary)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+         "--prompt-tokens", "300", "--new-tokens", "24", "--single-process", "--json", str(summary), *mode],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(summary.read_text())
