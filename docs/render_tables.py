@@ -232,6 +232,12 @@ RESULTS = {
         "--source source --target target --mapper DIR --output FILE",
         "2026-12-05",
     ),
+    "ttft_vllm_deep_compiled": Result(
+        "research/vllm_serving/results/layerwise_ttft_deep_compiled.json",
+        f"{_ONE_THREAD} .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py --family examples/family_deep "
+        "--source source --target target --mapper DIR --compiled --output FILE",
+        "2026-12-05",
+    ),
     "l2s_three_exact": Result(
         f"{_CAS}/results/large_to_small_three_exact.json",
         f"python {_CAS}/content_at_speed.py --source large --target small --variants kv:3 res:2 res:2:-:-:none "
@@ -1112,6 +1118,10 @@ def ttft_vllm_deep() -> str:
     return _ttft_vllm("ttft_vllm_deep")
 
 
+def ttft_vllm_deep_compiled() -> str:
+    return _ttft_vllm("ttft_vllm_deep_compiled")
+
+
 TABLES = {
     "at-a-glance": at_a_glance,
     "fit-vs-source-only": fit_vs_source_only,
@@ -1137,6 +1147,7 @@ TABLES = {
     "deep-depth-window": deep_depth_window,
     "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
     "ttft-vllm-deep": ttft_vllm_deep,
+    "ttft-vllm-deep-compiled": ttft_vllm_deep_compiled,
 }
 
 

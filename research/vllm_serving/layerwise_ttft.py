@@ -30,6 +30,7 @@ the thread count torch uses). The load average when it starts and ends is record
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py \
         --family examples/family_deep --source source --target target --mapper DIR \
         --output research/vllm_serving/results/layerwise_ttft_deep.json
+    # the same with the target engine compiled (vLLM's default) instead of enforce_eager: --compiled
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--target", default="large", help="the target model's folder in --family")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=24)
+    parser.add_argument("--compiled", action="store_true",
+                        help="the target engine compiled (vLLM's default: torch.compile) instead of enforce_eager")
     parser.add_argument("--output", default=str(ROOT / "research" / "vllm_serving" / "results" / "layerwise_ttft.json"))
     args = parser.parse_args(argv)
     load_start, uptime_start = os.getloadavg(), subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -150,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     store = tempfile.mkdtemp(prefix="layerwise_ttft_store_")
     started = time.perf_counter()
     _store_prompts(family / args.source, store, prompts, max_len)
-    llm = _engine(family / args.target, _connector("kv_consumer", store, mapper=args.mapper), max_model_len=max_len)
+    llm = _engine(family / args.target, _connector("kv_consumer", store, mapper=args.mapper), max_model_len=max_len,
+                  compiled=args.compiled)
     worker = get_kv_transfer_group()  # the worker-side connector (engine in this process)
     log = _LoadLog()
     logging.getLogger("hf_kvtransfer").addHandler(log)
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "question": "TTFT of the target engine: own prefill vs the connector writing every layer first vs layer-wise, "
                     "mapped in the forward's thread or ahead on a background thread",
         "family": str(family), "source": args.source, "target": args.target, "mapper": args.mapper, "num_exact_layers": num_exact, "repeats": args.repeats,
+        "target_engine": "compiled" if args.compiled else "enforce_eager",
         "loads_written": log.counts,  # measured requests (after the warm-up)
         "torch_threads": threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "date": date, "load_average_start": [round(x, 2) for x in load_start], "uptime_start": uptime_start,

@@ -50,10 +50,10 @@ def _connector(role: str, store: str, **extra):
                             kv_connector_extra_config={"store": store, **extra})  # fmt: skip
 
 
-def _engine(model: Path, kv=None, max_model_len: int = 2048):
+def _engine(model: Path, kv=None, max_model_len: int = 2048, compiled: bool = False):
     from vllm import LLM
 
-    return LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0,
+    return LLM(model=str(model), dtype="float32", enforce_eager=not compiled, max_model_len=max_model_len, seed=0,
                distributed_executor_backend="uni", enable_prefix_caching=False, disable_log_stats=False,
                kv_transfer_config=kv)  # fmt: skip
 
