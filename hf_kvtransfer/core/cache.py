@@ -380,12 +380,12 @@ class TransferredCache(DynamicCache):
         for layer_idx in sorted(self._pending):
             self._arrive(layer_idx, like, appended=False)  # laid out as a prefill's: the graph's guards on strides hold
 
-    def _forward_like(self, caller: CallerInputs | None) -> torch.Tensor:
+    def _forward_like(self, caller: CallerInputs) -> torch.Tensor:
         """An empty `[rows, n_kv, 0, d]` tensor like the key states the running forward's layers will pass: its rows
         (from what it was fed), the model's device and dtype (autocast's where it is on)."""
         given = self._given_model() if self._given_model is not None else None
-        model = (caller.model if caller is not None else None) or self._exact_model or given
-        fed = None if caller is None else (caller.forward_ids if caller.forward_ids is not None else caller.forward_embeds)
+        model = caller.model or self._exact_model or given
+        fed = caller.forward_ids if caller.forward_ids is not None else caller.forward_embeds
         if model is None:
             raise ValueError(
                 "a compiled target converts this TransferredCache before its graph and needs the target model: pass "
@@ -397,8 +397,6 @@ class TransferredCache(DynamicCache):
         rows = fed.shape[0] if fed is not None else like.shape[0]
         return like.new_empty((rows, *like.shape[1:]))
 
-    # Both checks read the call stack (`caller.py`), which a compiled forward must not trace: they run eagerly there.
-    @torch.compiler.disable
     def _check_first_input(self) -> CallerInputs:
         """Check the first forward on the transferred tokens, before it builds positions and masks from them."""
         caller = CallerInputs.from_stack()
@@ -569,7 +567,6 @@ class TransferredCache(DynamicCache):
         self._exact_pending, self._exact_model, self._exact_prompt = False, None, None
         return self
 
-    @torch.compiler.disable
     def _check_continuation(self, query_length: int) -> None:
         caller = CallerInputs.from_stack()
         if caller.forward_ids is None or caller.direct:
