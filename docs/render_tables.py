@@ -223,8 +223,8 @@ RESULTS = {
     # Time to first token through vLLM: own prefill, written at once, layer-wise, mapped ahead.
     "ttft_vllm_s2l": Result(
         "research/vllm_serving/results/layerwise_ttft.json",
-        f"{_ONE_THREAD} .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py --mapper mappers/s2l",
-        "2026-12-04",
+        f"{_ONE_THREAD} .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py --mapper DIR",
+        "2026-12-05",
     ),
     "ttft_vllm_deep": Result(
         "research/vllm_serving/results/layerwise_ttft_deep.json",

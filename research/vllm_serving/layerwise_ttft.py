@@ -23,9 +23,8 @@ run with `OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE` (the script asks vLLM not t
 the thread count torch uses). The load average when it starts and ends is recorded.
 
     hf-kvtransfer fit --source examples/family/small --target examples/family/large \\
-        --dataset examples/family/calibration.txt --num-sequences 64 --exact-layers 2 --output mappers/s2l
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py \\
-        --mapper mappers/s2l
+        --dataset examples/family/calibration.txt --output DIR   # the default fit
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py --mapper DIR
     # the deep pair (24-layer target), with the mapper of its default fit (docs/results/deep-pair.md):
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE .venv-vllm/bin/python research/vllm_serving/layerwise_ttft.py \
         --family examples/family_deep --source source --target target --mapper DIR \
