@@ -151,6 +151,43 @@ RESULTS = {
         " --json FILE",
         "2026-12-05",
     ),
+    # The lever of the exact pass that skips the last exact layer's MLP: maps of the residual after its attention.
+    **{f"deep_mid_{part}{suffix}": Result(f"{_DEEP}/{stem}_mid_residual{suffix}_source_to_target.{ext}",
+                                          command, "2026-12-05")
+       for suffix, flags, mdir in (("", "", "DIR_MID"), ("_tolerance_8", " --exact-layers-tolerance 0.08", "DIR_MID_TOL8"))
+       for part, stem, ext, command in (
+           ("fit", "fit", "log", f"python {_CAS}/mid_residual.py cli fit -v --source examples/family_deep/source "
+            f"--target examples/family_deep/target --dataset examples/family_deep/calibration.txt{flags} --output {mdir}"),
+           ("mapper", "mapper_config", "json", f"({mdir}/config.json of that fit)"),
+           ("eval", "eval", "json", f"python {_CAS}/mid_residual.py cli eval --source examples/family_deep/source "
+            f"--target examples/family_deep/target --mapper {mdir} --text examples/family_deep/heldout.txt "
+            "--tasks recall,handoff --items 600 --json FILE"))},  # fmt: skip
+    "deep_mid_paired": Result(
+        f"{_DEEP}/mid_residual_paired_source_to_target.json",
+        f"python {_CAS}/paired_rows.py --eval default={_DEEP}/eval_window_source_to_target.json "
+        f"mid_residual={_DEEP}/eval_mid_residual_source_to_target.json "
+        f"mid_residual_tolerance_8={_DEEP}/eval_mid_residual_tolerance_8_source_to_target.json --best default --json FILE",
+        "2026-12-05",
+    ),
+    "deep_mid_boundary_tolerance_8": Result(
+        "research/probe_calibration/results/deep_boundary_mid_residual_tolerance_8.json",
+        f"{_ONE_THREAD} python {_CAS}/mid_residual.py research/probe_calibration/deep_boundary.py --mapper DIR_MID_TOL8 "
+        "--items 2000 --kinds eval probe --json FILE",
+        "2026-12-05",
+    ),
+    "deep_mid_split_compiled": Result(
+        f"{_DEEP}/time_split_mid_residual_tolerance_8_compiled_source_to_target.json",
+        f"{_ONE_THREAD} python {_CAS}/mid_residual.py time_split --family examples/family_deep --source source "
+        "--target target --mapper DIR_MID_TOL8 --also default=DIR --lengths 1024 4096 --rounds 9 --compile-target "
+        "--output FILE",
+        "2026-12-05",
+    ),
+    "deep_mid_split": Result(
+        f"{_DEEP}/time_split_mid_residual_source_to_target.json",
+        f"{_ONE_THREAD} python {_CAS}/mid_residual.py time_split --family examples/family_deep --source source "
+        "--target target --mapper DIR_MID --also tolerance_8=DIR_MID_TOL8 default=DIR --rounds 9 --output FILE",
+        "2026-12-05",
+    ),
     "deep_split_frontier_today": Result(
         f"{_DEEP}/time_split_frontier_lean_source_to_target.json",
         f"{_ONE_THREAD} python {_CAS}/time_split.py --family examples/family_deep --source source --target target "
@@ -1110,6 +1147,57 @@ def deep_lean_split() -> str:
     return "\n\n".join([table(header, rows, "rrrrrrrrrr"), note, sources("lean_split_deepw", "gate_split_deepw")])
 
 
+def _residual_maps(config: dict, where: str) -> str:
+    """'maps of the residual WHERE (rank R) alone' from a mapper config's residual input."""
+    residual = config["map_inputs"]["residual"]
+    rank = f"rank {residual['rank']}" if residual.get("rank") else "full rank"
+    alone = " and the source's K/V" if any(config["selected_layers"][config["num_exact_layers"]:]) else " alone"
+    return f"maps of the residual {where.format(layer=residual['layer'])} ({rank}){alone}"
+
+
+def deep_mid_residual() -> str:
+    """The deep pair with maps of the residual after the last exact layer's attention (its MLP skipped), fit at the
+    default tolerance and at 0.08, beside the default: content paired against the default, speed-ups from one run."""
+    split, paired = RESULTS["deep_mid_split"].load(), RESULTS["deep_mid_paired"].load()
+    lengths = sorted(split["lengths"], key=int)
+    rows_spec = (
+        ("the fit's default", RESULTS["gate_mapper_deepw"].load(), "gate_eval_deepw", "speedup_cpu_default",
+         "default", "entering layer {layer}"),
+        ("maps read after the attention", RESULTS["deep_mid_mapper"].load(), "deep_mid_eval", "speedup_cpu",
+         "mid_residual", "after layer {layer}'s attention"),
+        ("the same, --exact-layers-tolerance 0.08", RESULTS["deep_mid_mapper_tolerance_8"].load(),
+         "deep_mid_eval_tolerance_8", "speedup_cpu_tolerance_8", "mid_residual_tolerance_8",
+         "after layer {layer}'s attention"),
+    )  # fmt: skip
+    rows = []
+    for label, config, key, speed, name, where in rows_spec:
+        result, window = RESULTS[key].load(), config.get("exact_window")
+        recall, handoff = result["passage_recall"], result["handoff"]
+        rows.append([
+            label, f"{config['num_exact_layers']} of 24, " + (f"within {window} tokens" if window else "the whole prompt"),
+            _residual_maps(config, where), f"{pct(recall['retention'])} {ci(recall['retention_ci'])}",
+            f"{pct(handoff['retention'])} {ci(handoff['retention_ci'])}",
+            *(("-" if name == paired["best"] else points(_as_difference(paired["minus_best"][name][task])))
+              for task in ("passage_recall", "handoff")),
+            " / ".join(times(split["lengths"][n][speed]) for n in lengths),
+        ])  # fmt: skip
+    header = ["configuration", "exact layers", "maps", "passage recall retention [95% CI]",
+              "hand-off retention [95% CI]", "recall minus the default, paired", "hand-off minus the default, paired",
+              f"TTFT speed-up at {' / '.join(lengths)} tokens"]  # fmt: skip
+    note = (
+        "Content: `eval` on 600 held-out items per task, 2,000 bootstrap resamples; the paired columns give each row's "
+        "accuracy minus the default's on the same items, in points. Speed: one run timing the three rows in the same "
+        f"interleaved rounds ({split['rounds']} rounds, process CPU time, one thread, the target eager; load average "
+        f"{split['load_average_before'][0]:.2f} at the start). The two rows below the default were fit, scored and timed "
+        "through `research/content_at_speed/mid_residual.py`, which moves the residual's reading point in the "
+        "calibration pass and the exact pass alike; `plan`'s FLOPs do not know that point, so none are given."
+    )
+    keys = ["gate_mapper_deepw", "gate_eval_deepw", "deep_mid_fit", "deep_mid_mapper", "deep_mid_eval",
+            "deep_mid_fit_tolerance_8", "deep_mid_mapper_tolerance_8", "deep_mid_eval_tolerance_8", "deep_mid_paired",
+            "deep_mid_split"]  # fmt: skip
+    return "\n\n".join([table(header, rows, "llllrrrr"), note, sources(*keys)])
+
+
 def ttft_vllm_small_to_large() -> str:
     return _ttft_vllm("ttft_vllm_s2l")
 
@@ -1145,6 +1233,7 @@ TABLES = {
     "deep-boundary": deep_boundary,
     "deep-depth": deep_depth,
     "deep-depth-window": deep_depth_window,
+    "deep-mid-residual": deep_mid_residual,
     "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
     "ttft-vllm-deep": ttft_vllm_deep,
     "ttft-vllm-deep-compiled": ttft_vllm_deep_compiled,
