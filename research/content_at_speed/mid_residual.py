@@ -43,12 +43,13 @@ import torch
 import hf_kvtransfer.core.cache as cache_module
 import hf_kvtransfer.fitting.calibration_pass as calibration_module
 from hf_kvtransfer import KVMapper, TransferredCache
-from hf_kvtransfer.core.capture import cache_argument, capture_kv
+from hf_kvtransfer.core.capture import cache_argument
 from hf_kvtransfer.core.exact import PrefixCache, StopForward, decoder_layers
 from hf_kvtransfer.core.local_attention import attend_within
 
 MARK = "MID_RESIDUAL"
 _own_prefix = cache_module.own_prefix
+_capture_kv_and_inputs = calibration_module.capture_kv_and_inputs
 _from_pretrained = KVMapper.from_pretrained.__func__
 _compute_exact_layers = TransferredCache.compute_exact_layers
 # Whether the running exact pass reads the stream after the attention: always under `fit`, else per mapper.
@@ -76,32 +77,22 @@ def _after_attention(model, layer: int):
 
 @torch.no_grad()
 def capture_kv_and_inputs(model, input_ids, attention_mask=None, *, hidden_layers=(), key_projections=False):
-    """`core.capture.capture_kv_and_inputs` with each of `hidden_layers` read after that layer's attention."""
-    hidden, projected, hooks = {}, {}, []
+    """`core.capture.capture_kv_and_inputs` with each of `hidden_layers` read after that layer's attention (the
+    library's capture runs the forward; these hooks take the stream on the way)."""
+    hidden, hooks = {}, []
     for j in hidden_layers:
 
         def keep(module, args, j=j):
             hidden[j] = args[0].float()
 
         hooks.append(_after_attention(model, j).register_forward_pre_hook(keep))
-    if key_projections:
-        for t, layer in enumerate(decoder_layers(model)):
-
-            def keep_output(module, args, output, t=t):
-                projected[t] = output.float()
-
-            hooks.append(layer.self_attn.k_proj.register_forward_hook(keep_output))
     try:
-        keys, values = capture_kv(model, input_ids, attention_mask)
+        keys, values, _, proj = _capture_kv_and_inputs(
+            model, input_ids, attention_mask, key_projections=key_projections
+        )
     finally:
         for hook in hooks:
             hook.remove()
-    proj = None
-    if key_projections:
-        proj = [
-            projected[t].view(*projected[t].shape[:2], k.shape[1], k.shape[3]).transpose(1, 2)
-            for t, k in enumerate(keys)
-        ]
     return keys, values, hidden, proj
 
 
