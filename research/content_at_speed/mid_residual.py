@@ -128,11 +128,10 @@ def own_prefix(model, input_ids, attention_mask, position_ids, num_layers, hidde
 
 
 def _check_marks(argv: list[str]) -> None:
-    """Mark `fit`'s output; refuse a `--mapper` directory fit without this wrapper."""
-    for flag in ("--mapper",):
-        for i, arg in enumerate(argv[:-1]):
-            if arg == flag and not (Path(argv[i + 1].split("=", 1)[-1]) / MARK).exists():
-                raise SystemExit(f"{argv[i + 1]} was not fit through mid_residual.py (no {MARK} file): refit it here")
+    """Refuse a `--mapper` directory that was not fit through this wrapper (it would be read at the wrong point)."""
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--mapper" and not (Path(value) / MARK).exists():
+            raise SystemExit(f"{value} was not fit through mid_residual.py (no {MARK} file): refit it here")
 
 
 @contextlib.contextmanager
@@ -155,6 +154,9 @@ def patched(fit: bool) -> Iterator[None]:
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if len(sys.argv) > 1 else 2)
     what, argv = sys.argv[1], sys.argv[2:]
     _check_marks(argv)
     fit = what == "cli" and argv[:1] == ["fit"]
