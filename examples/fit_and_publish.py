@@ -1,7 +1,7 @@
 """Fit a mapper, check it on held-out text, save it, and publish it to the Hub (only with --repo-id).
 
 One pass over calibration text collects sufficient statistics; solving for several top-k is then cheap (no
-model runs). The best k on held-out text is saved with its evaluation in the config (the model card shows it).
+model runs). The best k on held-out text is saved with its evaluation in fit_report.json (the model card shows it).
 
     python examples/fit_and_publish.py --output-dir mappers/small-to-large
     python examples/fit_and_publish.py --output-dir mappers/small-to-large --repo-id you/small-to-large

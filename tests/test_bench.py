@@ -259,6 +259,9 @@ def test_cli_builds_the_bench_config_without_guessing_defaults(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)  # no family here
     with pytest.raises(cli.CLIError, match="no model family at examples/family"):
         config()
+    deep = REPO / "examples" / "family_deep"  # the deep pair's layout: source/ and target/
+    monkeypatch.setenv("HF_KVTRANSFER_FAMILY", str(deep))
+    assert config() == BenchConfig(str(deep / "source"), str(deep / "target"), random_weights=True)
     assert isinstance(cli.build_parser().parse_args(["bench"]), argparse.Namespace)
     with pytest.raises(ValueError, match="recompute_tokens must be >= 1"):
         BenchConfig("a", "b", recompute_tokens=0)

@@ -56,6 +56,13 @@ def test_required_items_closes_the_interval_at_the_measured_spread():
     assert required_items([-0.1] * 10 + [0.0] * 10, 0.05) is None  # the estimate itself is a loss beyond it
 
 
+@pytest.mark.parametrize("tolerance, text", [(0.05, "5 points"), (0.08, "8 points"), (0.025, "2.5 points")])
+def test_the_tolerance_reads_as_points_of_accuracy_not_a_relative_share(tolerance, text):
+    # The gate compares transfer - own accuracy with -tolerance: 0.05 is 5 points, which "5%" would misstate as a
+    # share of the target's own accuracy.
+    assert content_gate.tolerance_points(tolerance) == text
+
+
 class _FakeScores:
     """Stands in for `passage_recall` / `handoff`: the target's own answer is right on every item; the transfer of
     `mapper` is wrong on every `every[mapper]`-th item (0: never)."""

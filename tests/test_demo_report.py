@@ -3,6 +3,7 @@ tokens the fit's progress bar counts, "1 CPU thread"; and the fit's content prob
 and logs what each candidate scored (issue 39)."""
 
 import re
+from pathlib import Path
 
 import torch
 
@@ -43,7 +44,6 @@ def test_calibration_tokens_count_what_the_progress_bar_counts_and_threads_agree
 
 def test_maps_that_read_the_targets_residual_say_so():
     """The report names what the maps of a saved residual-alone mapper read, from the mapper itself."""
-    from pathlib import Path
 
     from hf_kvtransfer import KVMapper
     from hf_kvtransfer.commands.demo import _mapper_summary
@@ -56,6 +56,22 @@ def test_maps_that_read_the_targets_residual_say_so():
     line = next(ln for ln in format_demo(result).splitlines() if ln.startswith("maps:"))
     free = sum(not sel for sel in saved.config.selected_layers)
     assert free and f"residual entering layer {residual.layer}" in line and f"{free} of them read no source layer" in line, line
+
+
+def test_the_exact_layers_window_the_mapper_records_is_printed():
+    """A mapper whose fit chose a window for the exact layers' attention says how far back they read; one without
+    says nothing of a window (they read the whole prompt)."""
+
+    from hf_kvtransfer import KVMapper
+    from hf_kvtransfer.commands.demo import _mapper_summary
+
+    saved = KVMapper.from_pretrained(Path(__file__).parent / "fixtures" / "saved_mappers_nested" / "residual-alone")
+    lines = {}
+    for window in (None, 48):
+        result = _result(1)
+        result["mapper"].update(_mapper_summary(saved.with_config(exact_window=window), None))
+        lines[window] = next(ln for ln in format_demo(result).splitlines() if ln.startswith("exact layers:"))
+    assert "reaching back 48 tokens" in lines[48] and "reaching back" not in lines[None], lines
 
 
 def test_the_content_probe_shows_one_short_bar_and_logs_each_candidate(monkeypatch, caplog):
@@ -115,3 +131,19 @@ def test_the_content_probe_shows_one_short_bar_and_logs_each_candidate(monkeypat
     logged = [r.getMessage() for r in caplog.records]
     assert logged == [f"exact-layers probe: {k} of 4 layers exact: repeated-span retention {100 * r:.0f}% "
                       f"[{100 * r - 5:.0f}, {100 * r + 5:.0f}]" for k, r in retention.items()], logged  # fmt: skip
+
+
+def test_a_family_directory_holds_small_and_large_or_source_and_target(tmp_path):
+    """`--family` takes the bundled family's layout and the deep pair's; a directory with neither is refused with the
+    layouts named."""
+    import pytest
+
+    from hf_kvtransfer.commands.demo import family_pair, find_family
+
+    root = Path(__file__).resolve().parent.parent / "examples"
+    assert family_pair(find_family(root / "family")) == (root / "family" / "small", root / "family" / "large")
+    assert family_pair(find_family(root / "family_deep")) == (root / "family_deep" / "source", root / "family_deep" / "target")
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"small/ and large/ \(or source/ and target/\)"):
+        find_family(tmp_path)  # a source without a target

@@ -203,16 +203,17 @@ def test_plan_reports_the_first_token_and_residual_inputs_at_scale():
 
 def test_plan_says_which_map_inputs_are_practical_at_real_shapes():
     # Qwen3 14B -> 32B, 1 exact layer; the target's own weights from its config (meta device). The residual inputs at
-    # 2 positions: 2 x 63 x 2 x 5120 x 1024 weights, one multiply-add each per transferred token. (The token tables
+    # the default fit's 3 positions: 3 x 63 x 2 x 5120 x 1024 weights (bf16: 3.69 GiB), one multiply-add each per
+    # transferred token (2 x 4064 x 1,981,808,640 = 16.108 TFLOP). (The token tables
     # of the research plug-in, 146 GiB at this shape: tests/test_token_tables.py.)
     plan = plan_transfer("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", top_k=8, seq_len=4096, use_hub=False, num_exact_layers=1,
                          available_memory=2**40)  # fmt: skip
     text = format_plan(plan)
     residual = plan.map_inputs["residual"]
-    assert residual["parameters"] == 2 * 63 * 2 * 5120 * 1024 and residual["flops"] == 2 * (4096 - 32) * residual["parameters"]
-    line = next(ln for ln in text.splitlines() if "maps also reading the target's residual stream (2 positions x 5120 per mapped layer)" in ln)
-    assert ": 2.46 GiB, +10.739 TFLOP" in line and ": practical" in line, line
-    assert "to the first token with it (+1,321,205,760 mapper parameters" in text
+    assert residual["parameters"] == 3 * 63 * 2 * 5120 * 1024 and residual["flops"] == 2 * (4096 - 32) * residual["parameters"]
+    line = next(ln for ln in text.splitlines() if "maps also reading the target's residual stream (3 positions x 5120 per mapped layer)" in ln)
+    assert ": 3.69 GiB, +16.108 TFLOP" in line and ": practical" in line, line
+    assert "to the first token with it (+1,981,808,640 mapper parameters" in text
     assert 2 * plan.model_parameters["target"] > 60 * 2**30
 
 

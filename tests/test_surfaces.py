@@ -65,7 +65,8 @@ def test_commands(kind, family, tmp_path, capsys):
                   "--repeats", "1", "--warmup", "0", "--decode-steps", "1", "--threads", "1",
                   "--output-dir", str(tmp_path / "bench")],
         "eval": ["eval", "--source", source, "--target", target, "--mapper", path, "--text", str(family["corpus"]),
-                 "--tasks", "repeat,recall", "--items", "4", "--prefix-len", "32", "--json", str(tmp_path / "e.json")],
+                 "--tasks", "perplexity,repeat,recall", "--items", "4", "--prefix-len", "32", "--max-windows", "2",
+                 "--json", str(tmp_path / "e.json")],
         "demo": ["demo", "--source", source, "--target", target, "--mapper", path, "--text", str(family["corpus"]),
                  "--prompt", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12", "--max-new-tokens", "3", "--recall-items", "0"],
     }  # fmt: skip
@@ -76,6 +77,37 @@ def test_commands(kind, family, tmp_path, capsys):
         assert code == 0, f"{command} refused the {kind} mapper the fit saved: {captured.err}"
         if command == "info":  # what its arithmetic allows, from its config and weights alone
             assert "fewer FLOPs than the target's own prefill at 1024 tokens" in captured.out, captured.out
+
+
+@pytest.mark.parametrize("kind", ["source-only", "residual", "residual-alone"])
+def test_kv_r2_scores_each_map_as_the_transfer_runs_it(kind, family):
+    """`eval`'s K/V R^2 (its perplexity task) against sums written here: a source-only mapper's maps applied to the
+    source's captured K/V (every layer, as the fit scores them); a residual mapper's exact layers are the target's own
+    (R^2 1) and its mapped layers score below that."""
+    from hf_kvtransfer.core.capture import capture_kv
+    from hf_kvtransfer.core.map_inputs import exact_layers_needed
+    from hf_kvtransfer.evaluation.evaluate import kv_r2
+
+    source, target = family["models"]
+    mapper = KVMapper.from_pretrained(family["dirs"][kind])
+    ids = random_ids(3, 20, seed=5)
+    r2 = kv_r2(source, target, mapper, ids, progress=False)
+    if kind == "source-only":
+        src, own = capture_kv(source, ids), capture_kv(target, ids)
+        for t, selected in enumerate(mapper.config.selected_layers):
+            # every token but the last, which a transfer leaves to the target
+            feats = [torch.cat([s[i][:, :, :-1].transpose(1, 2).flatten(2) for i in selected], -1) for s in src]
+            with torch.no_grad():
+                mapped = mapper(t, *feats)
+            for name, pred, true in zip(("key", "value"), mapped, (own[0][t][:, :, :-1], own[1][t][:, :, :-1])):
+                centred = true - true.mean((0, 2), keepdim=True)  # per head and channel, over every token
+                per_head = 1 - ((true - pred) ** 2).sum((0, 2, 3)) / (centred**2).sum((0, 2, 3))
+                assert r2[name][t] == pytest.approx(float(per_head.mean()), abs=1e-4), (name, t)
+    else:
+        exact = exact_layers_needed(mapper.config)[0]
+        assert exact >= 1
+        assert all(r2[k][t] == pytest.approx(1.0, abs=1e-5) for k in r2 for t in range(exact)), r2
+        assert all(r2[k][t] < 0.9999 for k in r2 for t in range(exact, len(r2[k]))), r2
 
 
 def _cache(family, mapper, ids, mask=None):

@@ -497,6 +497,7 @@ def _add_demo(subparsers) -> None:
         """
         hf-kvtransfer demo
         hf-kvtransfer demo --family examples/family --exact-layers 4
+        hf-kvtransfer demo --family examples/family_deep      # the 8 -> 24-layer pair: about 13 minutes on one core
         hf-kvtransfer demo --source examples/family/small --target examples/family/large --mapper mappers/family \\
             --text examples/family/heldout.txt
         hf-kvtransfer demo --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --mapper my-org/qwen3-0.6b-to-1.7b-kv \\
@@ -506,7 +507,7 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--source", help="source model id or path (default: the bundled family's small model)")
     p.add_argument("--target", help="target model id or path (default: the bundled family's large model)")
     p.add_argument("--mapper", help="fitted mapper id or path (default: fit one on --calibration now)")
-    p.add_argument("--family", help="model family directory: small/, large/, calibration.txt, heldout.txt (default: $HF_KVTRANSFER_FAMILY, else examples/family, which the repository ships)")
+    p.add_argument("--family", help="model family directory: small/ and large/ (or source/ and target/), calibration.txt, heldout.txt (default: $HF_KVTRANSFER_FAMILY, else examples/family, which the repository ships)")
     p.add_argument("--calibration", help="text file to fit the mapper on (default: the family's calibration.txt)")
     p.add_argument("--num-sequences", type=int, default=64, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (default 256)")
@@ -761,7 +762,7 @@ def _add_plan(subparsers) -> None:
     # is the input's `plan_default_positions`.
     p.add_argument("--residual-positions", type=int, metavar="P",
                    help="cost maps that also read P positions (t, t-1, ...) of the target's residual stream after the "
-                   "exact layers: mapper size and FLOPs to the first token (default 2; 0 leaves it out)")
+                   "exact layers: mapper size and FLOPs to the first token (default 3, what a default fit reads; 0 leaves it out)")
     p.add_argument("--offline", action="store_true", help="never ask the Hub: local paths and the shipped configs only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_plan)
@@ -819,7 +820,7 @@ def _add_bench(subparsers) -> None:
 def _add_bench_models(p: argparse.ArgumentParser, unset: str) -> None:
     """`bench`'s models and mappers to time, and the transfer settings of time to first token."""
     p.add_argument("--source", default=unset, help="source model dir / Hub id (with --random-weights, its config); "
-                   f"default: the configs of {_BENCH_FAMILY}/small and large (or $HF_KVTRANSFER_FAMILY) with "
+                   f"default: the configs of {_BENCH_FAMILY}/small and large (or of $HF_KVTRANSFER_FAMILY's pair) with "
                    "random weights")  # fmt: skip
     p.add_argument("--target", default=unset, help="target model dir / Hub id")
     p.add_argument("--random-weights", action="store_true", default=unset,
@@ -896,16 +897,20 @@ def _bench_config(args):
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if hasattr(args, f.name)}
     if "source" not in given and "target" not in given:
+        from .demo import family_pair
+
         family = os.environ.get("HF_KVTRANSFER_FAMILY") or _BENCH_FAMILY
-        if not all(os.path.isfile(os.path.join(family, m, "config.json")) for m in ("small", "large")):
+        pair = family_pair(family, needs="config.json")
+        if pair is None:
             raise CLIError(
-                f"no --source/--target given and no model family at {family} (small/ and large/ with config.json)",
+                f"no --source/--target given and no model family at {family} (small/ and large/, or source/ and "
+                "target/, with config.json)",
                 "pass --source and --target (model folders or Hub ids; add --random-weights to time their configs "
                 "with random weights), run from the repository root, or set HF_KVTRANSFER_FAMILY",
             )
         if given.get("mappers"):
             raise CLIError("--mapper needs the --source and --target it was fit for")
-        given.update(source=os.path.join(family, "small"), target=os.path.join(family, "large"), random_weights=True)
+        given.update(source=str(pair[0]), target=str(pair[1]), random_weights=True)
     elif "source" not in given or "target" not in given:
         raise CLIError("give both --source and --target, or neither (random weights of the bundled family's configs)")
     source, target = given.pop("source"), given.pop("target")

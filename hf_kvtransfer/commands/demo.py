@@ -24,6 +24,7 @@ from ..evaluation.content import passage_recall
 from ..evaluation.evaluate import split_documents
 from ..evaluation.tasks import passage_recall_items
 from ..evaluation.timing import time_to_first_token
+from ..fitting.content_gate import tolerance_points
 from ..fitting.fit import fit_mapper
 
 logger = logging.getLogger(__name__)
@@ -34,24 +35,37 @@ REPO_FAMILY = Path("examples") / "family"
 DEFAULT_RECALL_ITEMS = 200
 
 
+# The pair directories a family holds, source first: the bundled family's, then the deep pair's.
+FAMILY_LAYOUTS = (("small", "large"), ("source", "target"))
+
+
+def family_pair(root: str | os.PathLike, needs: str = "model.safetensors") -> tuple[Path, Path] | None:
+    """`(source, target)` checkpoint directories of the family at `root`, each holding the file `needs` (None: it
+    holds neither layout)."""
+    for names in FAMILY_LAYOUTS:
+        if all((Path(root) / name / needs).is_file() for name in names):
+            return Path(root) / names[0], Path(root) / names[1]
+    return None
+
+
 def find_family(path: str | os.PathLike | None = None) -> Path:
-    """Locate a model family directory (`small/` and `large/` checkpoints, `calibration.txt`, `heldout.txt`):
-    `path`, else `$HF_KVTRANSFER_FAMILY`, else `examples/family` when the working directory holds it (the
-    repository root).
+    """Locate a model family directory (`small/` and `large/` checkpoints, or `source/` and `target/`, with
+    `calibration.txt` and `heldout.txt`): `path`, else `$HF_KVTRANSFER_FAMILY`, else `examples/family` when the
+    working directory holds it (the repository root).
 
     Raises:
         FileNotFoundError: with how to point at one (the repository ships a trained family; the wheel does not).
     """
     candidate = path or os.environ.get(FAMILY_ENV) or (REPO_FAMILY if REPO_FAMILY.is_dir() else None)
-    if candidate and all((Path(candidate) / name / "model.safetensors").is_file() for name in ("small", "large")):
+    if candidate and family_pair(candidate) is not None:
         return Path(candidate)
-    where = f"{candidate} has no small/ and large/ checkpoints" if candidate else (
+    where = f"{candidate} has no small/ and large/ (or source/ and target/) checkpoints" if candidate else (
         f"no family directory given (and no {REPO_FAMILY} here)"
     )
     raise FileNotFoundError(
         f"{where}: point --family (or ${FAMILY_ENV}) at a model family directory (small/ and large/ with "
-        "model.safetensors, calibration.txt, heldout.txt; the git repository ships one), or pass --source/--target "
-        "model ids"
+        "model.safetensors, calibration.txt, heldout.txt; the git repository ships examples/family and "
+        "examples/family_deep), or pass --source/--target model ids"
     )
 
 
@@ -162,7 +176,7 @@ def _resolve_pair(source: str | None, target: str | None, cfg: DemoConfig) -> tu
         raise ValueError("pass both --source and --target (or neither, for the bundled family)")
     if source is None:
         root = find_family(cfg.family)
-        source, target = str(root / "small"), str(root / "large")
+        source, target = map(str, family_pair(root))
         cfg = replace(cfg, calibration=cfg.calibration or root / "calibration.txt", text=cfg.text or root / "heldout.txt")
     return source, target, cfg
 
@@ -194,6 +208,7 @@ def _mapper_summary(kv_mapper: KVMapper, num_exact_layers: int | None) -> dict[s
             "calibration_stride": kv_mapper.config.calibration.get("stride"),
             "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
             "target_layers": kv_mapper.target_layout.num_layers,
+            "exact_window": kv_mapper.config.exact_window,  # None: the exact layers attend to the whole prompt
             # what the maps read beyond the source's K/V, each input's own phrase (`MapInputConfig.label`)
             "map_inputs": [label for s in kv_mapper.config.map_inputs.values() if (label := s.label(kv_mapper.config))],
             "source_free_layers": sum(not sel for sel in kv_mapper.config.selected_layers),
@@ -274,11 +289,18 @@ def _probe_clause(m: dict[str, Any]) -> str:
     """What chose the exact layers, in the words of the fit's decision."""
     if m.get("exact_layers_gate_tolerance") is not None:
         return (f" (the fit's content probe chose the cheapest configuration whose passage recall and hand-off stay within "
-                f"{m['exact_layers_gate_tolerance']:.0%} of the target's own on held-out probe questions)")  # fmt: skip
+                f"{tolerance_points(m['exact_layers_gate_tolerance'])} of accuracy of the target's own on held-out probe "
+                "questions)")  # fmt: skip
     if m.get("exact_layers_probe_retention"):
         return (f" (the fit's content probe chose the cheapest configuration that keeps "
                 f"{m['exact_layers_probe_retention']:.0%} of the target's copying from its context)")  # fmt: skip
     return ""
+
+
+def _window_clause(m: dict[str, Any]) -> str:
+    """How far back the exact layers attend over the transferred prompt (nothing: all of it)."""
+    window = m.get("exact_window")
+    return f" (their attention reaching back {window} tokens)" if window else ""
 
 
 def _calibration_tokens(m: dict[str, Any]) -> str:
@@ -311,7 +333,7 @@ def _mapper_lines(result: dict[str, Any]) -> list[str]:
         f"mapper: top_k={m['top_k']} lambda={m['ridge_lambda']} ({_calibration_tokens(m)}; "
         f"ready in {result['fit_seconds']:.1f} s)",
         f"exact layers: the target computes its first {m['num_exact_layers']} of {m['target_layers']} layers from the "
-        f"prompt's ids, the rest are mapped"
+        f"prompt's ids{_window_clause(m)}, the rest are mapped"
         + _probe_clause(m),
     ]
     if m.get("map_inputs"):

@@ -106,8 +106,16 @@ def capture_kv(
     Returns:
         `(keys, values)`: two lists with one float32 tensor `[batch, kv_heads, seq, head_dim]` per layer.
     """
-    cache = prefill(model, input_ids, attention_mask)
-    batch_size, seq_len = input_ids.shape
+    return stripped_kv(model, prefill(model, input_ids, attention_mask), attention_mask)
+
+
+@torch.no_grad()
+def stripped_kv(
+    model: PreTrainedModel, cache: DynamicCache, attention_mask: torch.Tensor | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The keys (RoPE stripped with `model`'s rotary embedding, at `generate`'s positions for `attention_mask`) and
+    values of every layer of `cache`, as float32 `[batch, kv_heads, seq, head_dim]` lists (`capture_kv`'s form)."""
+    batch_size, _, seq_len, _ = cache.layers[0].keys.shape
     position_ids = position_ids_from_mask(attention_mask, batch_size, seq_len, cache.layers[0].keys.device)
     rotary = getattr(getattr(model, "base_model", model), "rotary_emb", None)
     if rotary is None:

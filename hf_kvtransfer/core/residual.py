@@ -49,6 +49,8 @@ MapperConfig = Any
 
 # The RMS normalisation of the residual features (the same in the fit and the cache).
 RESIDUAL_EPS = 1e-6
+# The positions a default fit's maps read: the residual at t, t-1 and t-2 (`fit --residual-lags`; `plan` counts as many).
+DEFAULT_RESIDUAL_LAGS = (0, 1, 2)
 
 
 def residual_features(hidden: torch.Tensor, lags: list[int], attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,7 +228,8 @@ class ResidualInput(MapInput):
         res = residual_config(config)
         return res is not None and not res.in_tables
 
-    plan_label, plan_positions, plan_default_positions = "maps also reading the target's residual stream", "residual_positions", 2
+    plan_label, plan_positions = "maps also reading the target's residual stream", "residual_positions"
+    plan_default_positions = len(DEFAULT_RESIDUAL_LAGS)  # what a default fit's maps read
     plan_alone, plan_note = True, "the wider maps; the residual entering the last exact layer comes with the exact pass"
 
     @classmethod

@@ -29,8 +29,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..core.cache import TransferredCache
 from ..core.defaults import resolve_num_recompute_tokens
-from ..core.capture import cache_argument, capture_kv, prefill
+from ..core.capture import cache_argument, capture_kv, prefill, stripped_kv
 from ..core.loading import model_device
+from ..core.map_inputs import exact_layers_needed
 from ..core.mapper import KVMapper
 from ..core.options import with_options
 from .content import greedy_agreement, handoff, passage_recall, recall_by_depth, repeated_span_retention
@@ -336,28 +337,33 @@ def kv_r2(
     batch_size: int = 8,
     progress: bool = True,
 ) -> dict[str, list[float]]:
-    """Out-of-sample R^2 of the mapped (RoPE-stripped) keys and values against the target's own, per layer.
+    """Out-of-sample R^2 of the transferred (RoPE-stripped) keys and values against the target's own, per layer.
 
-    Head-averaged like the fit R^2 in the mapper config, on every token of `input_ids`.
+    The transferred ones are what `TransferredCache` holds once it has converted the prompt (all of it but the last
+    token, which a transfer leaves to the target), with the fewest exact layers the maps can run with: every layer's
+    map for maps of the source's K/V alone (also the layers a transfer computes itself), and for maps that read what
+    exact layers compute (the target's residual stream) those layers the target's own. Head-averaged like the fit
+    R^2 in the mapper config.
 
     Returns:
         `{"key": [L_t], "value": [L_t]}`.
     """
     tgt = mapper.target_layout
+    fewest = exact_layers_needed(mapper.config)[0]
     sums: dict[str, dict[str, torch.Tensor]] = {}
     count = 0
     bar = tqdm(total=input_ids.shape[0], desc="K/V R^2", unit="window", disable=not progress)
     for start in range(0, input_ids.shape[0], batch_size):
         ids = input_ids[start : start + batch_size]
-        src_k, src_v = capture_kv(source, ids.to(model_device(source)))
-        tgt_k, tgt_v = capture_kv(target, ids.to(model_device(target)))
-        count += ids.numel()
-        for t, selected in enumerate(mapper.config.selected_layers):
-            # (B, H, T, D) -> (B, T, H*D), layer-major like the fit
-            feats = [torch.cat([s[i].transpose(1, 2).flatten(2) for i in selected], dim=-1) for s in (src_k, src_v)]
-            pred_k, pred_v = mapper(t, feats[0], feats[1])
-            for kind, pred, true in (("key", pred_k, tgt_k[t]), ("value", pred_v, tgt_v[t])):
-                y = true.transpose(1, 2).flatten(0, 1).flatten(1).double().cpu()  # (N, H*D)
+        cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1, num_exact_layers=fewest,
+                                 model=target, gate=False).convert_all()  # fmt: skip
+        mapped = stripped_kv(target, cache)
+        own = capture_kv(target, ids.to(model_device(target)))
+        held = mapped[0][0].shape[2]
+        count += ids.shape[0] * held
+        for t in range(tgt.num_layers):
+            for kind, pred, true in (("key", mapped[0][t], own[0][t]), ("value", mapped[1][t], own[1][t])):
+                y = true[:, :, :held].transpose(1, 2).flatten(0, 1).flatten(1).double().cpu()  # (N, H*D)
                 p = pred.transpose(1, 2).flatten(0, 1).flatten(1).double().cpu()
                 acc = sums.setdefault(f"{kind}{t}", {"sse": 0, "sy": 0, "syy": 0})
                 acc["sse"] = acc["sse"] + ((y - p) ** 2).sum(0)

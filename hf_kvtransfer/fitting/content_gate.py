@@ -68,6 +68,11 @@ def required_items(differences: Sequence[float], tolerance: float, z: float = Z9
     return max(d.size, math.ceil((z * sd / margin) ** 2))
 
 
+def tolerance_points(tolerance: float) -> str:
+    """A tolerance as the gate applies it, in points of accuracy (0.05 -> `5 points`; not a relative 5%)."""
+    return f"{100 * tolerance:g} points"
+
+
 class ContentGate:
     """Scores candidate configurations on probe-split recall and hand-off items, paired with the target's own.
 
@@ -148,7 +153,7 @@ class ContentGate:
         name = "hand-off" if task == "handoff" else "passage recall"
         raise ContextUnusedError(
             f"content gate: the target's own {name} on {verdict['num_items']} probe items ({own:.1%}) is not "
-            f"{self.tolerance:.0%} above its answer without the context ({blind:.1%}), so the gate cannot tell a "
+            f"{tolerance_points(self.tolerance)} above its answer without the context ({blind:.1%}), so the gate cannot tell a "
             "transfer that keeps the content from one that loses it; check that both models run correctly with this "
             "device and dtype (e.g. --dtype float32), or fix the exact layers (--exact-layers N) to fit without it"
         )
@@ -175,7 +180,7 @@ class ContentGate:
                 verdict = self._task_verdict(self._per_item(task, mapper, num_exact_layers, stops))
             if verdict["decision"] == "undecided":
                 verdict["decision"] = "rejected"
-                verdict["why"] = f"a loss of {self.tolerance:.0%} is not ruled out on {verdict['num_items']} items"
+                verdict["why"] = f"a loss of {tolerance_points(self.tolerance)} is not ruled out on {verdict['num_items']} items"
             tasks[task] = verdict
             if verdict["decision"] == "rejected" and not every_task:
                 break  # one task that loses the content rejects the candidate: the other need not be scored
@@ -211,4 +216,4 @@ def gate_line(verdict: dict[str, Any] | None) -> str:
 
 
 __all__ = ["DEFAULT_GATE_ITEMS", "DEFAULT_TOLERANCE", "GATE_TASKS", "ContentGate", "ContextUnusedError", "gate_line",
-           "heldout_texts", "required_items"]
+           "heldout_texts", "required_items", "tolerance_points"]

@@ -47,7 +47,7 @@ from ..core.options import with_options
 from ..evaluation.content import repeated_span_retention
 from ..evaluation.metrics import retention_difference
 from ..evaluation.tasks import cued_recall_items, repeated_span_items
-from .content_gate import ContentGate, gate_line
+from .content_gate import ContentGate, gate_line, tolerance_points
 from .fit_inputs import fit_input_of
 from .probe_journal import ProbeJournal, scored
 
@@ -459,7 +459,7 @@ def choose_configuration(
     chosen_mapper, num_exact = candidates[best]
     report["chosen"] = num_exact
     report["chosen_inputs"] = rows[best]["inputs"]
-    kept = (f"passage recall and hand-off within {o.gate.tolerance:.0%} of the target's own answers (paired 95% "
+    kept = (f"passage recall and hand-off within {tolerance_points(o.gate.tolerance)} of the target's own answers (paired 95% "
             "interval, probe items)") if o.gate is not None else f"repeated-span retention >= {o.min_retention:.0%}"  # fmt: skip
     report["reason"] = f"the cheapest configuration (multiply-adds per token to the first token) that keeps {kept}"
     return _with_num_exact(chosen_mapper, num_exact), report
@@ -488,12 +488,12 @@ def _source_only_reason(
         return ("the candidates that keep the content cost no less than the target's own prefill: the "
                 f"target computes its whole cache itself (all {num_layers} layers exact)")  # fmt: skip
     if gate is not None and faithful_kv is not None and faithful_kv >= num_layers:
-        return (f"no mapped configuration keeps passage recall and hand-off within {gate.tolerance:.0%} of "
+        return (f"no mapped configuration keeps passage recall and hand-off within {tolerance_points(gate.tolerance)} of "
                 f"the target's own answers: the target computes its whole cache itself (all {num_layers} "
                 "layers exact)")  # fmt: skip
     if gate is not None and faithful_kv is not None:
         return (f"the fewest exact layers whose source-only transfer keeps passage recall and hand-off "
-                f"within {gate.tolerance:.0%} of the target's own answers (paired 95% interval)")  # fmt: skip
+                f"within {tolerance_points(gate.tolerance)} of the target's own answers (paired 95% interval)")  # fmt: skip
     return None
 
 

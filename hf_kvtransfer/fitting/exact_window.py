@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.mapper import KVMapper
-from .content_gate import ContentGate, gate_line
+from .content_gate import ContentGate, gate_line, tolerance_points
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def choose_exact_window(mapper: KVMapper, gate: ContentGate | None) -> tuple[int
         if verdict["accepted"]:
             report["chosen"] = window
             report["reason"] = (f"the smallest window whose passage recall and hand-off stay within "
-                                f"{gate.tolerance:.0%} of the target's own answers (paired 95% interval, probe items)")  # fmt: skip
+                                f"{tolerance_points(gate.tolerance)} of the target's own answers (paired 95% interval, probe items)")  # fmt: skip
             return window, report
     return None, {**report, "reason": "no window kept passage recall and hand-off: the whole prompt"}
 

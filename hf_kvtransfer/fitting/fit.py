@@ -45,7 +45,7 @@ from .config import (
     parse_top_k,
     resolve_config,
 )
-from .content_gate import ContentGate, gate_line, heldout_texts
+from .content_gate import ContentGate, gate_line, heldout_texts, tolerance_points
 from .exact_layers import choose_configuration, probe_stream
 from .exact_window import with_exact_window
 from .fit_inputs import FitInput, fit_input_named, registered_fit_inputs
@@ -584,7 +584,7 @@ def _probe_summary(report: dict[str, Any]) -> str:
             text += f", {gate_line(row['gate'])}"
         rows.append(text + (" (chosen)" if row.get("chosen") else ""))
     gate = report.get("gate") or {}
-    what = (f"content gate: recall and hand-off within {gate['tolerance']:.0%} of the target's own, paired"
+    what = (f"content gate: recall and hand-off within {tolerance_points(gate['tolerance'])} of the target's own, paired"
             if gate.get("used") else "screen only (no content gate)")  # fmt: skip
     return f"{what}; probe by candidate {'; '.join(rows)}"
 

@@ -35,6 +35,7 @@ from ..core.map_inputs import with_input
 from ..core.mapper import KVMapper, MapperConfig
 from ..core.mapper_types import RIDGE
 from ..core.residual import (
+    DEFAULT_RESIDUAL_LAGS,
     ResidualConfig,
     ResidualInput,
     residual_config,
@@ -47,7 +48,6 @@ from ..core.stats import KVLayout
 from .calibration_pass import CalibrationBatch
 from .fit_inputs import FitInput, register_fit_input
 
-DEFAULT_RESIDUAL_LAGS = (0, 1, 2)
 DEFAULT_RESIDUAL_LAMBDA = 0.01
 # The reduced-rank candidate keeps this fraction of the full-rank maps' fitted variance (`residual_variants`).
 RESIDUAL_RANK_ENERGY = 0.99
