@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import exact_identity_mapper, random_ids
 from hf_kvtransfer import FitConfig, TransferredCache, fit_mapper, prefill
@@ -264,3 +266,21 @@ def test_convert_layer_one_at_a_time_equals_convert_all(qwen3_model):
         assert torch.equal(keys, whole.layers[t].keys) and torch.equal(values, whole.layers[t].values)
     assert layered.num_pending_layers == 0 and layered.pending_nbytes == 0
     assert layered.convert_layer(0)[0] is layered.layers[0].keys
+
+
+@settings(max_examples=200, derandomize=True)
+@given(st.sets(st.integers(0, 80)))
+def test_skipped_candidates_are_summarised_as_runs_of_exact_layers(layers):
+    """The verbose fit logs one line per skip reason instead of one per skipped candidate: the runs it prints read
+    back as the same exact-layer counts."""
+    from hf_kvtransfer.fitting.exact_layers import _skipped_lines, _spans
+
+    text = _spans(sorted(layers))
+    back = set()
+    for part in filter(None, text.split(", ")):
+        a, _, b = part.partition("-")
+        back |= set(range(int(a), int(b or a) + 1))
+    assert back == layers
+    rows = [{"skipped": "fewer passed", "num_exact_layers": k} for k in sorted(layers) for _ in range(2)]
+    rows.append({"skipped": None, "num_exact_layers": 1})
+    assert _skipped_lines(rows) == ([f"{2 * len(layers)} skipped, {text} exact layers (fewer passed)"] if layers else [])

@@ -605,8 +605,11 @@ class _InputSearch:
             candidates.append((m, row["num_exact_layers"]))
             try:
                 candidates[-1] = (self.candidate(m, row, state), row["num_exact_layers"])
-            finally:
-                logger.info("configuration probe, candidate %d of %d: %s", index, len(candidates_in), _row_line(row))
+            finally:  # a skipped candidate is one line of the summary below (each is in the report)
+                level = logging.DEBUG if row.get("skipped") else logging.INFO
+                logger.log(level, "configuration probe, candidate %d of %d: %s", index, len(candidates_in), _row_line(row))
+        for line in _skipped_lines(rows):
+            logger.info("configuration probe: %s", line)
         return rows, candidates
 
     def candidate(self, m: KVMapper, row: dict[str, Any], state: dict[str, set]) -> KVMapper:
@@ -682,6 +685,27 @@ def _row_line(row: dict[str, Any]) -> str:
     if row.get("gate"):
         scores.append(f"content gate: {gate_line(row['gate'])}")
     return f"{what}: {', '.join(scores)}: {'passes' if row['passes'] else 'fails'}"
+
+
+def _skipped_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The skipped candidates by reason, one line each: `12 skipped, 4-6, 9 exact layers (a candidate with fewer exact
+    layers passed ...)`."""
+    by_reason: dict[str, list[int]] = {}
+    for row in rows:
+        if row.get("skipped"):
+            by_reason.setdefault(row["skipped"], []).append(row["num_exact_layers"])
+    return [f"{len(counts)} skipped, {_spans(sorted(set(counts)))} exact layers ({reason})" for reason, counts in by_reason.items()]
+
+
+def _spans(values: list[int]) -> str:
+    """Sorted integers as runs: `[1, 2, 3, 5]` -> `1-3, 5`."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _undecided(diff: dict[str, Any], max_loss: float) -> bool:
