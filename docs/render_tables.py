@@ -136,6 +136,15 @@ RESULTS = {
        for d, where, pair, src, tgt, flag, rounds in (
            ("deepw", _DEEP, "source_to_target", "source", "target", "--family examples/family_deep ", 9),
            ("s2lw", _GATE, "small_to_large", "small", "large", "", 7))},
+    # The deep default's configuration on a random-weight target shaped like Qwen3-0.6B (timing only).
+    "real_width": Result(
+        f"{_DEEP}/time_split_real_width.json",
+        f"python {_CAS}/real_width.py --output DIR --ranks full share 256 128; {_ONE_THREAD} python "
+        f"{_CAS}/time_split.py --family DIR --source source --target target --mapper DIR/mapper_full --also "
+        "share=DIR/mapper_rank_584 rank_256=DIR/mapper_rank_256 rank_128=DIR/mapper_rank_128 --lengths 1024 4096 "
+        "--rounds 5 --output FILE",
+        "2026-12-05",
+    ),
     **{f"deep_eval_window_recompute_{r}": Result(
         f"{_DEEP}/eval_window_recompute_{r}_source_to_target.json",
         "hf-kvtransfer eval --source examples/family_deep/source --target examples/family_deep/target --mapper DIR "
@@ -1147,6 +1156,35 @@ def deep_lean_split() -> str:
     return "\n\n".join([table(header, rows, "rrrrrrrrrr"), note, sources("lean_split_deepw", "gate_split_deepw")])
 
 
+def real_width() -> str:
+    """The deep default's configuration at a real model's width (random weights, timing only): the own prefill, the
+    transfer with full-rank maps stage by stage, and the whole transfer at each rank of the maps, with FLOP ratios."""
+    r = RESULTS["real_width"].load()
+    ranks = [("full", "transfer", ""), ("584 (the deep default's share)", "share", "_share"),
+             ("256", "rank_256", "_rank_256"), ("128", "rank_128", "_rank_128")]  # fmt: skip
+    rows = []
+    for n in sorted(r["lengths"], key=int):
+        row = r["lengths"][n]
+        for label, key, suffix in ranks:
+            speed = row[f"speedup_cpu{'_' + key if suffix else ''}"]
+            rows.append([n, label, f"{row['own']['cpu_ms']:,.0f}", f"{row[key]['cpu_ms']:,.0f}", times(speed),
+                         times(row[f"speedup_flops{suffix}"])])  # fmt: skip
+    header = ["prompt tokens", "rank of the maps", "own prefill (ms)", "transfer (ms)", "speed-up", "by FLOPs"]
+    split = ["prompt tokens", "exact pass (ms)", "maps, full rank", "recomputed tokens", "their forward alone",
+             "one token's forward", "bound: exact pass + their forward alone"]  # fmt: skip
+    split_rows = [[n, *(f"{r['lengths'][n][k]['cpu_ms']:,.0f}" for k in ("exact", "maps", "recomputed", "floor", "one_token")),
+                   times(r["lengths"][n]["speedup_cpu_bound"])] for n in sorted(r["lengths"], key=int)]  # fmt: skip
+    note = (
+        "A random-weight target shaped like Qwen3-0.6B (28 layers, 1024 wide, 16 query and 8 key/value heads of 128, "
+        "FFN 3072) with the deep default's configuration: 3 exact layers within 128 tokens, the other 25 mapped from "
+        "the residual entering layer 2 (t, t-1, t-2: 3,072 features), no source K/V, 32 recomputed tokens. Process CPU "
+        f"time, one thread, medians of {r['rounds']} interleaved rounds, 1-minute load average "
+        f"{r['load_average_before'][0]:.2f} at the start; every rank timed in the same rounds. The stages below are "
+        "the full-rank transfer's."
+    )
+    return "\n\n".join([table(header, rows, "rlrrrr"), table(split, split_rows, "rrrrrrr"), note, sources("real_width")])
+
+
 def _residual_maps(config: dict, where: str) -> str:
     """'maps of the residual WHERE (rank R) alone' from a mapper config's residual input."""
     residual = config["map_inputs"]["residual"]
@@ -1237,6 +1275,7 @@ TABLES = {
     "deep-depth": deep_depth,
     "deep-depth-window": deep_depth_window,
     "deep-mid-residual": deep_mid_residual,
+    "real-width": real_width,
     "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
     "ttft-vllm-deep": ttft_vllm_deep,
     "ttft-vllm-deep-compiled": ttft_vllm_deep_compiled,

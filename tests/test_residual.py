@@ -756,3 +756,97 @@ def test_inverse_rms_normalises_as_rms_norm():
     x = torch.randn(3, 7, 2, 16, generator=torch.Generator().manual_seed(0)) * 3
     torch.testing.assert_close(x * inverse_rms(x, 1e-6), torch.nn.functional.rms_norm(x, (16,), eps=1e-6),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+# -- statistics of the residual features alone (a real pair's source K/V would make the sums too large) -------------
+
+
+@pytest.fixture(scope="module")
+def residual_only(pair):
+    source, target, ids, _, _ = pair
+    stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=LAGS, stride=1, source_features=False)
+    calibration_pass(source, target, ids, consumers=[stats], progress=False)
+    return stats
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_residual_alone_maps_solve_alike_without_the_source_features(pair, residual_only, kind):
+    """Sums without the source's K/V give the maps of the residual alone: checked against a ridge on the residual
+    block built by hand, with the sums' size as `residual_statistics_nbytes` counts it."""
+    source, target, ids, base, _ = pair
+    stats = residual_only
+    fr = len(LAGS) * 64
+    held = sum(t.nbytes for sums in stats.sums.values() for t in sums.values())
+    assert held == residual_stats.residual_statistics_nbytes(stats.source_layout, stats.target_layout, 64, len(LAGS), 2,
+                                                             source_features=False)  # fmt: skip
+    assert stats.sums[(1, kind)]["gram"].shape == (fr, fr)
+    alone = solve_residual_mapper(base, stats, residual_layer=1, sources={2: []}, residual_lambda=0.01)
+    x, y, fs = _features_by_hand(source, target, ids, layer=1, kind=kind)
+    xr = x[:, fs:]
+    mu, sd = xr.mean(0), xr.std(0)
+    xs = (xr - mu) / sd
+    w = np.linalg.solve(xs.T @ xs / len(xs) + 0.01 * np.eye(fr), xs.T @ (y - y.mean(0)) / len(xs)) / sd[:, None]
+    np.testing.assert_allclose(alone.residual.weight(kind, 2).detach().double().numpy(), w.T, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(getattr(alone.layers[2], kind).bias.detach().double().numpy(), y.mean(0) - mu @ w,
+                               rtol=1e-3, atol=1e-4)  # fmt: skip
+    with pytest.raises(ValueError, match="hold no source features: target layer 2 cannot read source layers"):
+        solve_residual_mapper(base, stats, residual_layer=1)
+
+
+def test_without_the_source_features_the_variants_read_the_residual_alone(pair, residual_only, monkeypatch):
+    _, _, _, base, _ = pair
+    monkeypatch.setattr(residual_stats, "RESIDUAL_RANK_ENERGY", 0.8)  # so that a reduced rank is cheaper here
+    for layer in (0, 1):
+        variants = residual_stats.residual_variants(base, residual_only, residual_layer=layer)
+        assert [v.config.map_inputs["residual"].rank is None for v in variants] == [True, False][: len(variants)]
+        assert all(v.config.selected_layers[layer + 1 :] == [[]] * (2 - layer) for v in variants)
+        assert all(exact_layers._inputs_label(v).startswith("no source K/V + ") for v in variants)
+
+
+def _budget_fit(pair, monkeypatch, budget: int):
+    """A fit whose residual-input statistics get `budget` bytes: its log and the candidates the probe is handed."""
+    from hf_kvtransfer.fitting import fit_inputs
+
+    source, target, ids, _, _ = pair
+    handed = []
+
+    class Residual(residual_stats.ResidualFit):
+        def candidates(self, mapper, statistics, config):
+            handed.extend(super().candidates(mapper, statistics, config))
+            return handed
+
+    monkeypatch.setitem(fit_inputs.FIT_INPUTS, "residual", Residual)
+    monkeypatch.setattr(residual_stats, "RESIDUAL_STATISTICS_BYTES", budget)
+    logs = []
+    fit_mapper(source, target, ids, top_k=2, heldout_fraction=0, progress=False, stride=1, residual_lags=LAGS,
+               log=logs.append)  # fmt: skip
+    return [line for line in logs if line.startswith("residual-input")], handed
+
+
+def test_the_fit_keeps_to_the_residual_features_where_the_source_would_cost_residual_layers(pair, monkeypatch):
+    """The tiny pair's sums per residual layer, counted by hand: source K/V 2 x 2 x 16 and 2 lags x 64 residual
+    features against 3 x 2 x 16 target features, both kinds, float64."""
+    per_layer = {True: 16 * (192**2 + 192 * 96 + 192 + 192), False: 16 * (128**2 + 128 * 96 + 128 + 192)}
+    (line,), handed = _budget_fit(pair, monkeypatch, 2 * per_layer[True])  # room for both layers either way
+    assert line.startswith("residual-input statistics for residual layers [0, 1]") and "alone" not in line
+    assert any(v.config.selected_layers[2] for v in handed)  # maps reading source layers too
+    (line,), handed = _budget_fit(pair, monkeypatch, 2 * per_layer[False])  # with the source, only layer 0
+    assert line.startswith("residual-input statistics for residual layers [0, 1]") and "the residual features alone" in line
+    assert handed and not any(v.config.selected_layers[2] for v in handed)
+    assert {v.config.map_inputs["residual"].layer for v in handed} == {0, 1}
+    (line,), handed = _budget_fit(pair, monkeypatch, per_layer[False])  # one residual layer, without the source
+    assert "residual layers [0]" in line and "1 deeper residual layers over the budget" in line
+    assert "--max-statistics-memory raises it" in line
+    (line,), handed = _budget_fit(pair, monkeypatch, per_layer[False] - 1)
+    assert line.startswith("residual-input maps: not tried") and "--max-statistics-memory raises it" in line
+    assert handed == []
+
+
+def test_the_statistics_budget_is_the_fits_when_given(pair):
+    from hf_kvtransfer.fitting.config import FitConfig
+
+    source, target, _, _, _ = pair
+    logs = []
+    tight = FitConfig(max_statistics_memory=(16 * (128**2 + 128 * 96 + 128 + 192)) / 2**30, residual_lags=LAGS)
+    stats = residual_stats.ResidualFit().statistics(source, target, tight, logs.append)
+    assert stats.target_hidden_layers == (0,) and not stats.source_features, logs

@@ -10,7 +10,10 @@ optionally one reduced-rank projection of the residual block shared by every lay
 regression, the combinations of the residual features that carry the most of what the full-rank maps predict).
 
 Memory: per candidate J and kind, `(F_s + F_r)^2 + (F_s + F_r) * L_t * n_kv_t * d_t` float64 numbers, with
-`F_s = L_s * n_kv_s * d_s` and `F_r = len(lags) * hidden_size` (`residual_statistics_nbytes`).
+`F_s = L_s * n_kv_s * d_s` and `F_r = len(lags) * hidden_size` (`residual_statistics_nbytes`). With
+`source_features=False` the sums hold the residual features alone (`F_s = 0`): enough for the maps that read no
+source layer, and what the fit collects where a pair's source K/V would make the sums too large (a real pair's
+`F_s` is tens of thousands of features).
 
 Example:
     ```python
@@ -60,9 +63,10 @@ def has_key_norm(model: PreTrainedModel) -> bool:
     return getattr(body.layers[0].self_attn, "k_norm", None) is not None
 
 
-def residual_statistics_nbytes(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int, num_candidates: int) -> int:
+def residual_statistics_nbytes(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int, num_candidates: int,
+                               source_features: bool = True) -> int:  # fmt: skip
     """Bytes of `ResidualStatistics` for `num_candidates` residual layers (float64, both kinds)."""
-    f = source.total_dim + num_lags * hidden_size
+    f = (source.total_dim if source_features else 0) + num_lags * hidden_size
     return 8 * 2 * num_candidates * (f * f + f * target.total_dim + f + 2 * target.total_dim)
 
 
@@ -87,19 +91,26 @@ class ResidualStatistics:
         lags: Sequence[int] = DEFAULT_RESIDUAL_LAGS,
         key_before_norm: bool = False,
         stride: int = 1,
+        source_features: bool = True,
     ):
         self.source_layout, self.target_layout = source_layout, target_layout
         self.hidden_size, self.lags, self.stride = hidden_size, list(lags), stride
         self.key_before_norm = key_before_norm
+        self.source_features = source_features  # False: the residual features alone (maps reading no source layer)
         # What the calibration pass captures for this consumer.
         self.target_hidden_layers = tuple(layers)
         self.target_key_projections = key_before_norm
-        f = source_layout.total_dim + len(self.lags) * hidden_size
+        f = self.source_dim + len(self.lags) * hidden_size
         out = target_layout.total_dim
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
         self.count = {j: 0 for j in layers}
         self.sums = {(j, kind): {"x": zeros(f), "gram": zeros(f, f), "y": zeros(out), "cross": zeros(f, out),
                                  "yy": zeros(out)} for j in layers for kind in KINDS}  # fmt: skip
+
+    @property
+    def source_dim(self) -> int:
+        """The source features leading each row of the sums (0 without them)."""
+        return self.source_layout.total_dim if self.source_features else 0
 
     @classmethod
     def for_models(cls, source: PreTrainedModel, target: PreTrainedModel, layers: Sequence[int], **kwargs) -> "ResidualStatistics":
@@ -124,7 +135,8 @@ class ResidualStatistics:
             res = residual_features(batch.target_hidden[j], self.lags, batch.attention_mask).cpu()[keep].double()
             self.count[j] += int(keep.sum())
             for kind in KINDS:
-                x, y, s = torch.cat([sources[kind], res], dim=-1), targets[kind], self.sums[(j, kind)]
+                x = torch.cat([sources[kind], res], dim=-1) if self.source_features else res
+                y, s = targets[kind], self.sums[(j, kind)]
                 s["x"] += x.sum(0)
                 s["gram"] += x.T @ x
                 s["y"] += y.sum(0)
@@ -135,7 +147,8 @@ class ResidualStatistics:
     def run_key(self) -> dict:
         """What must match for a checkpoint of these sums to be resumed."""
         return {"residual": {"layers": list(self.target_hidden_layers), "lags": self.lags, "stride": self.stride,
-                             "key_before_norm": self.key_before_norm}}  # fmt: skip
+                             "key_before_norm": self.key_before_norm,
+                             **({} if self.source_features else {"source_features": False})}}  # fmt: skip
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         tensors = {f"{j}.{kind}.{name}": t.contiguous() for (j, kind), sums in self.sums.items() for name, t in sums.items()}
@@ -330,7 +343,10 @@ def _solve(
     selected source layers' features, then (when `reads`) the residual block, through `down` when given. Returns
     `(weight [F, out], bias [out], in-sample R^2)`; no inputs at all give the calibration mean (R^2 0)."""
     n, s = stats.count[layer], stats.sums[(layer, kind)]
-    fs, fr = stats.source_layout.total_dim, len(stats.lags) * stats.hidden_size
+    fs, fr = stats.source_dim, len(stats.lags) * stats.hidden_size
+    if selected and not stats.source_features:
+        raise ValueError(f"these residual statistics hold no source features: target layer {t} cannot read source "
+                         f"layers {selected} (solve with sources=[] for it)")  # fmt: skip
     idx = feature_index(selected, stats.source_layout.layer_dim)
     idx = torch.cat([idx, torch.arange(fs, fs + fr)]) if reads else idx
     width = stats.target_layout.layer_dim
@@ -385,19 +401,14 @@ def residual_variants(
        `RESIDUAL_RANK_ENERGY` of what the full-rank maps predict (`reduced_rank_projection`), where that cuts the
        maps' multiply-adds at least in half (the projection once per token, then a small map per layer).
 
+    Statistics without source features (`source_features=False`) give 4 and 5 only.
+
     Which of them keeps the content is the probe's question (`exact_layers.choose_configuration`), not this one's.
     """
     mapped = range(residual_layer + 1, stats.target_layout.num_layers)
-    last = [stats.source_layout.num_layers - 1]
-    gain = residual_r2_gain(mapper, stats, residual_layer, residual_lambda=residual_lambda)
-    copy_layer = max(gain, key=gain.get)
     kwargs = {"residual_lambda": residual_lambda, "residual_rank": residual_rank}
-    variants = [
-        solve_residual_mapper(mapper, stats, residual_layer, **kwargs),
-        solve_residual_mapper(mapper, stats, residual_layer, readers=[copy_layer], **kwargs),
-        solve_residual_mapper(mapper, stats, residual_layer, sources={t: last for t in mapped}, **kwargs),
-        solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped}, **kwargs),
-    ]
+    variants = _with_source_variants(mapper, stats, residual_layer, kwargs) if stats.source_features else []
+    variants.append(solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped}, **kwargs))
     if residual_rank is None and len(mapped):
         low = solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped},
                                     residual_lambda=residual_lambda, residual_energy=RESIDUAL_RANK_ENERGY)  # fmt: skip
@@ -410,12 +421,40 @@ def residual_variants(
     return list(unique.values())
 
 
+def _with_source_variants(mapper: KVMapper, stats: ResidualStatistics, residual_layer: int, kwargs: dict) -> list[KVMapper]:
+    """`residual_variants` 1-3: the maps that read source layers besides the residual."""
+    mapped = range(residual_layer + 1, stats.target_layout.num_layers)
+    last = [stats.source_layout.num_layers - 1]
+    gain = residual_r2_gain(mapper, stats, residual_layer, residual_lambda=kwargs["residual_lambda"])
+    copy_layer = max(gain, key=gain.get)
+    return [
+        solve_residual_mapper(mapper, stats, residual_layer, **kwargs),
+        solve_residual_mapper(mapper, stats, residual_layer, readers=[copy_layer], **kwargs),
+        solve_residual_mapper(mapper, stats, residual_layer, sources={t: last for t in mapped}, **kwargs),
+    ]
+
+
 # -- the residual input's fit side: statistics in the one calibration pass, candidates for the probe -----------------
 
-# The residual-input statistics a fit collects stay under this size (float64 on the CPU): for the bundled family a
-# few MiB per residual layer; for billion-parameter pairs they would be tens of GiB (the features are the source's
-# whole K/V plus lags x the target's hidden size), and the fit then keeps to source K/V maps.
+# The residual-input statistics a fit collects stay under this size (float64 on the CPU) unless the fit is given a
+# statistics budget (`max_statistics_memory`): for the bundled families a few MiB per residual layer. With the
+# source's whole K/V among the features, a billion-parameter pair would need tens of GiB per layer; without them (the
+# maps of the residual alone) a few GiB (`ResidualFit.statistics` takes the sums that cover more residual layers).
 RESIDUAL_STATISTICS_BYTES = 4 * 2**30
+
+
+def _statistics_line(stats: ResidualStatistics, per_layer: dict[bool, int], fits: dict[bool, int], budget: float,
+                     candidates: int) -> str:  # fmt: skip
+    """The fit log's line on the residual-input statistics it collects."""
+    layers = list(stats.target_hidden_layers)
+    line = f"residual-input statistics for residual layers {layers}: {len(layers) * per_layer[stats.source_features] / 2**20:,.1f} MiB (float64, CPU)"
+    if not stats.source_features:
+        line += (f", the residual features alone: with the source's K/V they would need {per_layer[True] / 2**20:,.1f} MiB per "
+                 f"layer ({fits[True]} within the budget), so only maps reading no source layer are tried")  # fmt: skip
+    if len(layers) < candidates:
+        line += (f"; {candidates - len(layers)} deeper residual layers over the budget of {budget / 2**20:,.0f} MiB "
+                 "(--max-statistics-memory raises it)")  # fmt: skip
+    return line
 
 
 def residual_candidates(num_layers: int) -> list[int]:
@@ -427,8 +466,11 @@ def residual_candidates(num_layers: int) -> list[int]:
 @register_fit_input
 class ResidualFit(FitInput):
     """The fit's search over maps reading the target's residual stream (`core/residual.py`): `ResidualStatistics` for
-    the shallowest residual layers whose sums fit in `RESIDUAL_STATISTICS_BYTES`, then `residual_variants` of each.
-    Searched with `residual_inputs="auto"` and `num_exact_layers="auto"` (the defaults) on a full-rank ridge fit."""
+    the shallowest residual layers whose sums fit in the budget (`max_statistics_memory`, else
+    `RESIDUAL_STATISTICS_BYTES`), then `residual_variants` of each. The sums hold the source's K/V too unless the
+    residual features alone cover more of the candidate layers (a real pair: its source K/V are tens of thousands of
+    features); then only the maps of the residual alone are tried. Searched with `residual_inputs="auto"` and
+    `num_exact_layers="auto"` (the defaults) on a full-rank ridge fit."""
 
     name, tag = ResidualInput.name, "res"
 
@@ -443,17 +485,20 @@ class ResidualFit(FitInput):
             return None
         layers = residual_candidates(text_config(target.config).num_hidden_layers)
         layout = (KVLayout.from_config(source.config), KVLayout.from_config(target.config), text_config(target.config).hidden_size)
-        per_layer = residual_statistics_nbytes(*layout, len(config.residual_lags), 1)
-        fits = min(len(layers), RESIDUAL_STATISTICS_BYTES // per_layer)
-        if fits == 0:
-            log(f"residual-input maps: not tried, their statistics would need {per_layer / 2**30:,.1f} GiB per residual "
-                f"layer (float64, CPU; the fit keeps them under {RESIDUAL_STATISTICS_BYTES / 2**30:.0f} GiB); source K/V "
-                "maps only")  # fmt: skip
+        budget = config.max_statistics_memory * 2**30 if config.max_statistics_memory else RESIDUAL_STATISTICS_BYTES
+        per_layer = {with_source: residual_statistics_nbytes(*layout, len(config.residual_lags), 1, with_source)
+                     for with_source in (True, False)}  # fmt: skip
+        fits = {with_source: min(len(layers), int(budget // n)) for with_source, n in per_layer.items()}
+        with_source = fits[True] >= fits[False]  # the source's K/V too, unless that costs residual layers
+        if fits[with_source] == 0:
+            log(f"residual-input maps: not tried, their statistics would need {per_layer[False] / 2**20:,.1f} MiB per "
+                f"residual layer (float64, CPU), over the budget of {budget / 2**20:,.0f} MiB (--max-statistics-memory "
+                "raises it); source K/V maps only")  # fmt: skip
             return None
-        layers = layers[:fits]  # the shallowest: they leave most of the target to map
+        layers = layers[: fits[with_source]]  # the shallowest: they leave most of the target to map
         stats = ResidualStatistics.for_models(source, target, layers, lags=config.residual_lags,
-                                              stride=config.residual_stride or config.stride)  # fmt: skip
-        log(f"residual-input statistics for residual layers {layers}: {fits * per_layer / 2**20:,.1f} MiB (float64, CPU)")
+                                              stride=config.residual_stride or config.stride, source_features=with_source)  # fmt: skip
+        log(_statistics_line(stats, per_layer, fits, budget, len(residual_candidates(stats.target_layout.num_layers))))
         return stats
 
     def candidates(self, mapper: KVMapper, statistics: ResidualStatistics, config: Any) -> list[KVMapper]:
