@@ -247,3 +247,46 @@ def test_plan_sets_the_first_token_beside_other_exact_layer_counts():
         assert total[m] - total[n] == pytest.approx((m - n) * (layer - maps), rel=1e-6)
     assert all(a > b for a, b in zip(by.values(), list(by.values())[1:]))
     assert "by exact layers       1: " in format_plan(plan)
+
+
+@pytest.mark.parametrize("rank", [3, 8, 1000])
+def test_residual_shared_rank_costs_what_a_saved_mapper_holds_and_computes(rank):
+    """`plan --residual-rank R`: the residual maps through one projection to rank R shared by every layer, as a fit
+    saves them. Against a mapper built with that residual input (its `down` and per-layer weights, and the FLOPs
+    its transfer counts), and a rank above the features capped at them."""
+    import dataclasses
+
+    from conftest import residual_pair
+    from hf_kvtransfer.commands.plan import map_input_costs
+    from hf_kvtransfer.core.map_inputs import map_inputs_of, with_input
+    from hf_kvtransfer.core.residual import ResidualConfig
+
+    source, target, _, base, _ = residual_pair()
+    lags, layer = (0, 1, 2), 1
+    config = dataclasses.replace(base.config, num_exact_layers=layer + 1)
+    mapper = KVMapper(with_input(config, "residual", ResidualConfig(layer, list(lags), rank=min(rank, 3 * 64))))
+    held = mapper.residual.down.numel() + sum(p.numel() for name, p in mapper.residual.named_parameters() if name != "down")
+    mapped, tokens = 3 - (layer + 1), 17
+    cost = map_input_costs(target.config, mapped, tokens, {"residual_positions": len(lags)}, ranks={"residual_rank": rank})["residual"]
+    assert cost.parameters == held and cost.features == 3 * 64
+    (residual,) = [inp for inp in map_inputs_of(mapper) if inp.name == "residual"]
+    assert cost.flops == residual.transfer_flops(tokens, set(range(layer + 1, 3)))
+
+
+def test_plan_cli_residual_rank_and_window_reach_the_residual_rows(capsys):
+    """Qwen3-0.6B -> 1.7B at rank 256: 3 x 2048 features into one projection, then 256 x (8 x 128) weights per map
+    of the 27 mapped layers' keys and values; the rows' first token counts the exact layers within the window, as
+    the plan's own first token does."""
+    from hf_kvtransfer.core.flops import exact_layers_flops
+    from hf_kvtransfer.commands.model_configs import load_model_config
+
+    args = ["plan", "--source", "Qwen/Qwen3-0.6B", "--target", "Qwen/Qwen3-1.7B", "--offline", "--seq-len", "1024",
+            "--exact-layers", "1", "--exact-window", "128", "--residual-rank", "256"]  # fmt: skip
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    row = out["map_inputs"]["residual"]
+    assert row["shared_rank"] == 256 and row["parameters"] == 3 * 2048 * 256 + 2 * 27 * 256 * 1024
+    windowed = exact_layers_flops(load_model_config("Qwen/Qwen3-1.7B", use_hub=False), 1024 - 32, 1, window=128)
+    assert row["first_token_flops_alone"]["exact_layers"] == windowed == out["first_token_flops"]["exact_layers"]
+    assert main(args) == 0
+    assert "through one projection to rank 256 shared by every map" in capsys.readouterr().out

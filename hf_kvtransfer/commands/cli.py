@@ -740,6 +740,8 @@ def _add_plan(subparsers) -> None:
         hf-kvtransfer plan --source meta-llama/Llama-3.2-1B --target meta-llama/Llama-3.2-3B --rank 256 --json
         hf-kvtransfer plan --source meta-llama/Llama-3.1-8B --target meta-llama/Llama-3.1-70B --exact-layers 4 \\
             --residual-positions 2 --offline
+        hf-kvtransfer plan --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --exact-layers 3 --exact-window 128 \\
+            --residual-rank 256 --seq-len 1024 --offline
         """,
     )
     p.add_argument("--source", required=True, help="Hub id, local model folder or config.json (known families work offline)")
@@ -763,6 +765,9 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--residual-positions", type=int, metavar="P",
                    help="cost maps that also read P positions (t, t-1, ...) of the target's residual stream after the "
                    "exact layers: mapper size and FLOPs to the first token (default 3, what a default fit reads; 0 leaves it out)")
+    p.add_argument("--residual-rank", type=int, metavar="R",
+                   help="cost those maps through one projection of the residual features to rank R shared by every "
+                   "layer, as `fit --residual-rank R` (or the fit's reduced-rank candidate) saves them (default: full rank)")
     p.add_argument("--offline", action="store_true", help="never ask the Hub: local paths and the shipped configs only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_plan)
@@ -778,6 +783,7 @@ def _run_plan(args) -> int:
         batch_size=args.batch_size, use_hub=not args.offline, num_exact_layers=args.exact_layers,
         num_recompute_tokens=args.recompute_tokens, exact_window=args.exact_window,
         **({} if args.residual_positions is None else {"residual_positions": args.residual_positions}),
+        **({} if args.residual_rank is None else {"residual_rank": args.residual_rank}),
         available_memory=int(args.available_memory * 2**30) if args.available_memory else None,
     )  # fmt: skip
     print(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if args.json else format_plan(plan))

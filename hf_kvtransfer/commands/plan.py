@@ -182,11 +182,14 @@ def _input_positions(cls: type[MapInput], positions: dict[str, int]) -> int:
 
 
 def _input_cost(cls: type[MapInput], target_config, num_mapped_layers: int, num_tokens: int, count: int,
-                rank: int | None, item: int) -> InputCost | None:  # fmt: skip
-    """`cls.cost` on `num_mapped_layers` layers over `num_tokens` tokens at `count` positions (None at 0)."""
+                rank: int | None, item: int, ranks: dict[str, int] | None = None) -> InputCost | None:  # fmt: skip
+    """`cls.cost` on `num_mapped_layers` layers over `num_tokens` tokens at `count` positions (None at 0), its shared
+    projection at `ranks[cls.plan_rank]` where named."""
     if num_mapped_layers < 0:
         raise ValueError(f"num_mapped_layers must be >= 0, got {num_mapped_layers}")
-    return cls.cost(PlanShape(text_config(target_config), num_mapped_layers, num_tokens, count, rank, item)) if count else None
+    shared = (ranks or {}).get(cls.plan_rank) if cls.plan_rank else None
+    shape = PlanShape(text_config(target_config), num_mapped_layers, num_tokens, count, rank, item, shared)
+    return cls.cost(shape) if count else None
 
 
 def map_input_costs(
@@ -196,14 +199,17 @@ def map_input_costs(
     positions: dict[str, int],
     rank: int | None = None,
     dtype: str | torch.dtype = "bfloat16",
+    ranks: dict[str, int] | None = None,
 ) -> dict[str, InputCost]:
     """What each registered map input would add to a mapper whose `num_mapped_layers` layers read it over `num_tokens`
     transferred tokens (`MapInput.cost`), by input name. `positions` maps an input's `plan_positions` option (e.g.
     "residual_positions") to how many positions it reads (an input not named: its `plan_default_positions`); an input
-    read at 0 positions is left out."""
+    read at 0 positions is left out. `ranks` maps an input's `plan_rank` option ("residual_rank") to the rank of the
+    projection its maps share (not named: none)."""
     item, costs = _itemsize(_dtype(dtype)), {}
     for cls in registered_map_inputs():
-        cost = _input_cost(cls, target_config, num_mapped_layers, num_tokens, _input_positions(cls, positions), rank, item)
+        count = _input_positions(cls, positions)
+        cost = _input_cost(cls, target_config, num_mapped_layers, num_tokens, count, rank, item, ranks)
         if cost is not None:
             costs[cls.name] = cost
     return costs
@@ -226,13 +232,15 @@ def map_input_rows(
     mapped = text_config(target_config).num_hidden_layers - at["num_exact_layers"]
     transferred = num_tokens - at["num_recompute_tokens"]
     rows = {}
-    for name, cost in map_input_costs(target_config, mapped, transferred, positions, at.get("rank"), dtype).items():
+    ranks = at.get("input_ranks")
+    for name, cost in map_input_costs(target_config, mapped, transferred, positions, at.get("rank"), dtype, ranks).items():
         cls = map_input_class(name)
         count = _input_positions(cls, positions)
         flops = first_token_flops(target_config, mapper, num_tokens, inputs={name: count}, **at)
         alone = first_token_flops(target_config, mapper, num_tokens, inputs={name: count}, source_inputs=False, **at) if cls.plan_alone else None
         rows[name] = {
             "label": cls.plan_label, "note": cls.plan_note, "positions": count if cls.plan_positions else None,
+            "shared_rank": (ranks or {}).get(cls.plan_rank) if cls.plan_rank else None,
             "features": cost.features, "parameters": cost.parameters, "bytes": cost.parameters * item, "flops": cost.flops,
             "target_weights_ratio": cost.parameters / target_parameters if target_parameters else None,
             "first_token_flops": flops, "first_token_flop_ratio": flops["own_prefill"] / flops["total"],
@@ -256,6 +264,7 @@ def first_token_flops(
     rank: int | None = None,
     source_inputs: bool = True,
     exact_window: int | None = None,
+    input_ranks: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """FLOPs to the target's first token for a `seq_len`-token prompt whose source cache is at hand, batch 1, by
     part, as `TransferredCache` computes it: the target's first `num_exact_layers` layers over the transferred
@@ -269,6 +278,7 @@ def first_token_flops(
     projections, so `exact_layers` is the same and only the wider maps cost more). `source_inputs=False`: maps that
     read those inputs only (a fit's "residual alone" variant), so no source K/V is mapped (`mapping` 0).
     `exact_window`: the exact layers attend within that many tokens (`MapperConfig.exact_window`; None: all).
+    `input_ranks`: an input's shared projection's rank by its `plan_rank` option (`{"residual_rank": 256}`).
 
     Returns:
         `{"own_prefill", "exact_layers", "mapping", "map_inputs", "recompute", "total"}` (total: the transfer).
@@ -283,7 +293,7 @@ def first_token_flops(
     # The maps of the layers after the exact ones, with what a loaded mapper's own inputs add (a planning mapper has
     # none: `inputs` costs them from the shapes).
     mapping = mapping_flops(mapper, transferred, num_exact_layers)
-    costs = [_input_cost(map_input_class(name), target_config, mapped, transferred, count, rank, _FLOPS_ONLY)
+    costs = [_input_cost(map_input_class(name), target_config, mapped, transferred, count, rank, _FLOPS_ONLY, input_ranks)
              for name, count in (inputs or {}).items()]  # fmt: skip
     parts = {
         "own_prefill": prefill_flops(target_config, seq_len)["total"],
@@ -333,6 +343,9 @@ class PlanOptions:
             (`MapInput.plan_positions`, e.g. "residual_positions": positions t, t-1, ... of the target's residual
             stream entering the last exact layer; an input not named here: its `plan_default_positions`); 0 leaves it
             out. Each such option is also accepted as a keyword of `plan_transfer` (`residual_positions=2`).
+        input_ranks: the rank of the projection an input's maps share, by its `plan_rank` option
+            (`MapInput.plan_rank`, e.g. "residual_rank", what `fit --residual-rank` saves; not named: none, each map
+            reads the input's features whole). Also accepted as a keyword (`residual_rank=256`).
         use_hub: False never touches the network.
     """
 
@@ -349,6 +362,7 @@ class PlanOptions:
     num_recompute_tokens: int | None = None
     exact_window: int | None = None
     input_positions: dict[str, int] | None = None
+    input_ranks: dict[str, int] | None = None
     use_hub: bool = True
 
 
@@ -375,7 +389,7 @@ def plan_transfer(
         'full'
         ```
     """
-    o = with_options(PlanOptions, options, _with_input_positions(keywords), "plan_transfer")
+    o = with_options(PlanOptions, options, _with_input_options(keywords), "plan_transfer")
     if o.seq_len < 1 or o.batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {o.seq_len} and {o.batch_size}")
     weight_dtype = _dtype(o.dtype)
@@ -404,13 +418,13 @@ def plan_transfer(
     )
 
 
-def _with_input_positions(keywords: dict[str, Any]) -> dict[str, Any]:
+def _with_input_options(keywords: dict[str, Any]) -> dict[str, Any]:
     """`plan_transfer`'s keywords with each input's positions option (`residual_positions=2`) moved into
-    `input_positions`."""
-    names = {cls.plan_positions for cls in registered_map_inputs() if cls.plan_positions}
-    moved = {k: keywords.pop(k) for k in list(keywords) if k in names}
-    if moved:
-        keywords["input_positions"] = {**(keywords.get("input_positions") or {}), **moved}
+    `input_positions`, and its rank option (`residual_rank=256`) into `input_ranks`."""
+    for field_name, attribute in (("input_positions", "plan_positions"), ("input_ranks", "plan_rank")):
+        names = {getattr(cls, attribute) for cls in registered_map_inputs() if getattr(cls, attribute)}
+        moved = {k: v for k in list(keywords) if k in names and (v := keywords.pop(k)) is not None}
+        keywords.update({field_name: {**(keywords.get(field_name) or {}), **moved}} if moved else {})
     return keywords
 
 
@@ -449,10 +463,11 @@ def _first_token(mapper, source_config, target_config, o: PlanOptions) -> dict[s
     mapping = mapping_flops(mapper, seq_len)
     exact = DEFAULT_NUM_EXACT_LAYERS if o.num_exact_layers is None else o.num_exact_layers
     recompute = resolve_num_recompute_tokens(o.num_recompute_tokens, seq_len)
-    at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=o.rank)
-    first = first_token_flops(target_config, mapper, seq_len, **at, exact_window=o.exact_window)
+    at = dict(num_exact_layers=exact, num_recompute_tokens=recompute, rank=o.rank, input_ranks=o.input_ranks,
+              exact_window=o.exact_window)  # fmt: skip
+    first = first_token_flops(target_config, mapper, seq_len, **at)
     counts, windowed_at = exact_layer_counts(tgt.num_layers, exact), o.exact_window or FIRST_WINDOW
-    sweeps = {w: {n: first_token_flops(target_config, mapper, seq_len, **{**at, "num_exact_layers": n}, exact_window=w)
+    sweeps = {w: {n: first_token_flops(target_config, mapper, seq_len, **{**at, "num_exact_layers": n, "exact_window": w})
                   for n in counts} for w in (None, windowed_at)}  # fmt: skip
     model_parameters = {"source": _model_parameters(source_config), "target": _model_parameters(target_config)}
     inputs = map_input_rows(target_config, mapper, seq_len, o.input_positions or {}, at, o.dtype, model_parameters["target"])
@@ -629,6 +644,8 @@ def _map_input_lines(plan: TransferPlan) -> list[str]:
     for row in plan.map_inputs.values():
         what = row["label"] + (f" ({row['positions']} positions x {row['features'] // row['positions']} per mapped layer)"
                                if row["positions"] and row["features"] else f" ({row['positions']} positions)" if row["positions"] else "")  # fmt: skip
+        if row.get("shared_rank"):
+            what += f" through one projection to rank {row['shared_rank']} shared by every map"
         flops = f"+{row['flops'] / 1e12:,.3f} TFLOP ({100 * row['flops'] / plan.prefill_flops:.2f}% of the prefill)" if row["flops"] else "no FLOPs (a look-up)"
         line = f"  {what}: {_bytes(row['bytes'])}, {flops}"
         ratio = row["target_weights_ratio"]

@@ -90,7 +90,8 @@ class MapInputConfig:
 class PlanShape:
     """A transfer `hf-kvtransfer plan` costs an input at, from the configs alone: the target's (text) config, the
     target layers mapped, the tokens transferred, the positions back the input reads (t, t-1, ...), the maps' rank
-    (None: full) and the bytes of one number at the plan's dtype."""
+    (None: full), the bytes of one number at the plan's dtype, and the rank of one projection of the input's
+    features that every map shares (`MapInput.plan_rank`; None: none)."""
 
     target_config: Any
     num_mapped_layers: int
@@ -98,6 +99,7 @@ class PlanShape:
     positions: int
     rank: int | None = None
     itemsize: int = 2
+    shared_rank: int | None = None
 
 
 @dataclass
@@ -138,6 +140,9 @@ class MapInput:
     plan_positions: ClassVar[str | None] = None
     # The positions `plan` costs it at when the caller names none for its `plan_positions` option.
     plan_default_positions: ClassVar[int] = 0
+    # The `plan_transfer` option that sets the rank of one projection of its features shared by every map, as a fit
+    # may save it (None: the input has no such projection).
+    plan_rank: ClassVar[str | None] = None
     # Whether `plan` also costs maps reading this input alone (no source K/V: `maps_layer_without_source`), and a
     # phrase on what its cost leaves out (e.g. what the exact pass computes anyway).
     plan_alone: ClassVar[bool] = False

@@ -229,6 +229,7 @@ class ResidualInput(MapInput):
         return res is not None and not res.in_tables
 
     plan_label, plan_positions = "maps also reading the target's residual stream", "residual_positions"
+    plan_rank = "residual_rank"
     plan_default_positions = len(DEFAULT_RESIDUAL_LAGS)  # what a default fit's maps read
     plan_alone, plan_note = True, "the wider maps; the residual entering the last exact layer comes with the exact pass"
 
@@ -238,11 +239,19 @@ class ResidualInput(MapInput):
         entering its last exact layer: `positions * hidden_size` more input features per map. Full rank: each map
         gets `features * (kv_heads * head_dim)` more weights; at `rank` r (a factored map, `up @ down`) only its
         `down` grows, by `r * features`. FLOPs: one multiply-add per added weight and token. The normalisation of
-        the residual (elementwise, no matrix product) is not counted."""
+        the residual (elementwise, no matrix product) is not counted. With `shared_rank` r (`fit --residual-rank`, or
+        the fit's reduced-rank candidate): one projection `[r, features]` shared by every map, then `r *
+        (kv_heads * head_dim)` weights per map (`ResidualMaps`)."""
         if shape.positions < 0 or shape.num_mapped_layers < 0:
             raise ValueError(f"residual positions and mapped layers must be >= 0, got {shape.positions}, {shape.num_mapped_layers}")
         layer_dim = KVLayout.from_config(shape.target_config).layer_dim
         features = shape.positions * text_config(shape.target_config).hidden_size
+        if shape.shared_rank is not None:
+            if shape.shared_rank < 1:
+                raise ValueError(f"residual_rank must be >= 1, got {shape.shared_rank}")
+            r = min(shape.shared_rank, features)
+            parameters = features * r + 2 * shape.num_mapped_layers * r * layer_dim
+            return InputCost(parameters=parameters, flops=2 * shape.num_tokens * parameters, features=features)
         per_map = features * (layer_dim if shape.rank is None else min(shape.rank, layer_dim))
         parameters = 2 * shape.num_mapped_layers * per_map  # key and value
         return InputCost(parameters=parameters, flops=2 * shape.num_tokens * parameters, features=features)
