@@ -130,7 +130,8 @@ class ResidualStatistics:
             keep &= batch.attention_mask.bool().cpu()
         target_keys = batch.target_key_projections if self.key_before_norm else batch.target_keys
         targets = {"key": _flat(target_keys).cpu()[keep].double(), "value": _flat(batch.target_values).cpu()[keep].double()}
-        sources = {"key": _flat(batch.source_keys).cpu()[keep].double(), "value": _flat(batch.source_values).cpu()[keep].double()}
+        sources = {"key": _flat(batch.source_keys).cpu()[keep].double(),
+                   "value": _flat(batch.source_values).cpu()[keep].double()} if self.source_features else {}  # fmt: skip
         for j in self.target_hidden_layers:
             res = residual_features(batch.target_hidden[j], self.lags, batch.attention_mask).cpu()[keep].double()
             self.count[j] += int(keep.sum())
