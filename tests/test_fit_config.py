@@ -114,3 +114,21 @@ def test_fit_mapper_takes_a_config_plus_overrides(linear_models):
         assert torch.equal(via_keywords.state_dict()[name], tensor)
     with pytest.raises(TypeError, match="unknown keyword argument"):
         fit_mapper(source, target, ids, top_k=1, tok_k=2)
+
+
+def test_one_statistics_budget_rule():
+    """Both kinds of the fit's sums take `max_statistics_memory` when given; else the K/V sums half the free memory and
+    the residual sums the fixed default (`fitting/budget.py`), which `FitConfig` validates the same way."""
+    from hf_kvtransfer.fitting.budget import RESIDUAL_STATISTICS_BYTES, statistics_budget
+
+    free = statistics_budget(None, free_bytes=10 * 2**30)
+    assert (free.kv_bytes, free.residual_bytes, free.given) == (5 * 2**30, RESIDUAL_STATISTICS_BYTES, False)
+    assert "half the free memory" in free.describe("kv") and "5 GiB" in free.describe("kv")
+    given = statistics_budget(2.5, free_bytes=10 * 2**30)
+    assert (given.kv_bytes, given.residual_bytes, given.given) == (int(2.5 * 2**30),) * 2 + (True,)
+    assert given.describe("residual") == "the budget of 2.5 GiB (--max-statistics-memory)"
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="max_statistics_memory must be > 0 GiB"):
+            statistics_budget(bad)
+        with pytest.raises(ValueError, match="max_statistics_memory must be > 0 GiB"):
+            FitConfig(max_statistics_memory=bad)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3Config
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from conftest import random_ids, tiny_model
 from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
@@ -290,3 +290,67 @@ def test_plan_cli_residual_rank_and_window_reach_the_residual_rows(capsys):
     assert row["first_token_flops_alone"]["exact_layers"] == windowed == out["first_token_flops"]["exact_layers"]
     assert main(args) == 0
     assert "through one projection to rank 256 shared by every map" in capsys.readouterr().out
+
+
+# -- the fit's statistics budget, as the fit applies it (`fitting/budget.py`) -----------------------------------------
+
+
+def _residual_bytes_per_layer(source_features: int, residual_features: int, target_features: int) -> int:
+    """The residual input's sums of one residual layer, counted by hand: for keys and for values, float64, the Gram
+    matrix of the features, their cross products with every target layer, the feature sums and the target's sums and
+    sums of squares."""
+    f = source_features + residual_features
+    return 2 * 8 * (f * f + f * target_features + f + 2 * target_features)
+
+
+@pytest.mark.parametrize("gib,layers,with_source", [(None, 1, False), (1, 0, False), (96, 27, False), (900, 27, True)])
+def test_plan_says_which_residual_layers_a_fit_collects_within_its_budget(gib, layers, with_source):
+    """Qwen3-0.6B -> 1.7B: 28 x 8 x 128 source features per kind, 3 positions x 2048 residual features, 27 candidate
+    residual layers (every one that leaves a layer to map). The default budget is 4 GiB; with the source's K/V the
+    sums of a layer are 33 GiB, without them 3.2 GiB."""
+    plan = plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", use_hub=False, available_memory=2**40,
+                         max_statistics_memory=gib)  # fmt: skip
+    row = plan.fit_input_statistics["residual"]
+    with_kv, alone = _residual_bytes_per_layer(28 * 8 * 128, 3 * 2048, 28 * 8 * 128), _residual_bytes_per_layer(0, 3 * 2048, 28 * 8 * 128)
+    assert (row["bytes_per_layer"], row["bytes_per_layer_residual_alone"]) == (with_kv, alone)
+    budget = 4 * 2**30 if gib is None else gib * 2**30
+    assert row["budget_bytes"] == budget
+    assert row["layers"] == list(range(layers)) and row["source_features"] == with_source
+    assert row["candidates"] == 27
+    assert min(27, budget // (with_kv if with_source else alone)) == layers  # the most that fit in the budget
+    text = format_plan(plan)
+    assert row["line"] in text
+    if not layers:
+        assert row["line"].startswith("residual-input maps: not tried")
+
+
+def test_plan_and_fit_take_the_same_budget():
+    """The plan's K/V mode and residual layers at a budget given in GiB are the ones the fit takes: the statistics
+    bytes against that budget (not the free memory), and the residual layers `ResidualFit` collects for the same
+    budget on real models of those configs."""
+    from hf_kvtransfer.fitting.config import FitConfig
+    from hf_kvtransfer.fitting.residual_stats import ResidualFit
+
+    free = plan_transfer(SOURCE, TARGET, top_k=1, available_memory=2**40)
+    full = 2 * free.statistics_bytes_full
+    assert free.fit_default_mode == "full"
+    tight = plan_transfer(SOURCE, TARGET, top_k=1, available_memory=2**40, max_statistics_memory=(full - 1) / 2**30)
+    assert tight.fit_default_mode == "two-stage" and tight.statistics_budget_bytes == full - 1
+    assert "--max-statistics-memory" in tight.statistics_budget_origin
+    per_layer = tight.fit_input_statistics["residual"]["bytes_per_layer"]
+    gib = 2.5 * per_layer / 2**30  # two residual layers with the source's K/V
+    plan = plan_transfer(SOURCE, TARGET, top_k=1, available_memory=2**40, max_statistics_memory=gib, residual_positions=2)
+    logs = []
+    stats = ResidualFit().statistics(Qwen3ForCausalLM(SOURCE), Qwen3ForCausalLM(TARGET),
+                                     FitConfig(max_statistics_memory=gib, residual_lags=(0, 1)), logs.append)  # fmt: skip
+    row = plan.fit_input_statistics["residual"]
+    assert list(stats.target_hidden_layers) == row["layers"] and stats.source_features == row["source_features"]
+    assert logs == [row["line"]]
+
+
+def test_plan_cli_max_statistics_memory(capsys):
+    assert main(["plan", "--source", "Qwen/Qwen3-0.6B", "--target", "Qwen/Qwen3-1.7B", "--offline", "--json",
+                 "--max-statistics-memory", "96"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["statistics_budget_bytes"] == 96 * 2**30 and out["fit_default_mode"] == "full"
+    assert out["fit_input_statistics"]["residual"]["layers"] == list(range(27))

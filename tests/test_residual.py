@@ -514,6 +514,7 @@ def test_the_fit_searches_every_registered_fit_input(pair, monkeypatch):
     """The fit takes its consumers and candidates from the fit-input registry (`fitting/fit_inputs.py`), not from a
     named input: a plug-in registered beside the residual's is asked too, and the residual's own consumer sees the
     calibration pass and hands its sums to its candidates."""
+    from hf_kvtransfer.fitting import budget as fit_budget
     from hf_kvtransfer.fitting import fit_inputs
 
     source, target, ids, _, _ = pair
@@ -805,6 +806,7 @@ def test_without_the_source_features_the_variants_read_the_residual_alone(pair, 
 
 def _budget_fit(pair, monkeypatch, budget: int):
     """A fit whose residual-input statistics get `budget` bytes: its log and the candidates the probe is handed."""
+    from hf_kvtransfer.fitting import budget as fit_budget
     from hf_kvtransfer.fitting import fit_inputs
 
     source, target, ids, _, _ = pair
@@ -816,7 +818,7 @@ def _budget_fit(pair, monkeypatch, budget: int):
             return handed
 
     monkeypatch.setitem(fit_inputs.FIT_INPUTS, "residual", Residual)
-    monkeypatch.setattr(residual_stats, "RESIDUAL_STATISTICS_BYTES", budget)
+    monkeypatch.setattr(fit_budget, "RESIDUAL_STATISTICS_BYTES", budget)
     logs = []
     fit_mapper(source, target, ids, top_k=2, heldout_fraction=0, progress=False, stride=1, residual_lags=LAGS,
                log=logs.append)  # fmt: skip

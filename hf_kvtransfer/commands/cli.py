@@ -742,6 +742,7 @@ def _add_plan(subparsers) -> None:
             --residual-positions 2 --offline
         hf-kvtransfer plan --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --exact-layers 3 --exact-window 128 \\
             --residual-rank 256 --seq-len 1024 --offline
+        hf-kvtransfer plan --source Qwen/Qwen3-0.6B --target Qwen/Qwen3-1.7B --max-statistics-memory 96 --offline
         """,
     )
     p.add_argument("--source", required=True, help="Hub id, local model folder or config.json (known families work offline)")
@@ -752,6 +753,10 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="sequences transferred at once (default 1)")
     p.add_argument("--dtype", default="bfloat16", help="mapper weights and KV caches: bfloat16 (default), float16, float32")
     p.add_argument("--available-memory", type=float, metavar="GIB", help="memory for the fit statistics (default: free RAM)")
+    p.add_argument("--max-statistics-memory", type=float, metavar="GIB",
+                   help="the fit's statistics budget, as `fit --max-statistics-memory`: which K/V statistics and how many "
+                   "residual layers a fit would collect within it (default: the fit's, half the free memory for the K/V "
+                   "sums and 4 GiB for the residual sums)")
     p.add_argument("--exact-layers", type=int, metavar="N",
                    help="target layers the transfer computes itself, for the first-token FLOPs (default: "
                    "TransferredCache's for a mapper that records none, 1; a fit's content probe chooses a mapper's)")
@@ -785,6 +790,7 @@ def _run_plan(args) -> int:
         **({} if args.residual_positions is None else {"residual_positions": args.residual_positions}),
         **({} if args.residual_rank is None else {"residual_rank": args.residual_rank}),
         available_memory=int(args.available_memory * 2**30) if args.available_memory else None,
+        max_statistics_memory=args.max_statistics_memory,
     )  # fmt: skip
     print(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if args.json else format_plan(plan))
     return 0

@@ -33,7 +33,9 @@ from ..core.options import with_options
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 from ..fitting.config import FitConfig, heldout_count
+from ..fitting.budget import StatisticsBudget, available_memory, statistics_budget
 from ..fitting.exact_window import FIRST_WINDOW
+from ..fitting.fit_inputs import registered_fit_inputs
 from .model_configs import load_model_config
 
 __all__ = [
@@ -101,8 +103,11 @@ class TransferPlan:
     # what `fit` does by default here
     available_memory_bytes: int
     statistics_budget_bytes: int
+    statistics_budget_origin: str  # where the fit takes that budget from (`StatisticsBudget.origin`)
     fit_default_mode: str
     fit_default_statistics_bytes: int
+    # the sums each searched map input collects beside them (`FitInput.planned_statistics`), by name
+    fit_input_statistics: dict[str, dict[str, Any]]
     # to the first token of a seq_len-token prompt at a configuration (`first_token_flops`)
     num_exact_layers: int
     num_recompute_tokens: int
@@ -333,6 +338,8 @@ class PlanOptions:
         seq_len, batch_size: the transfer the FLOPs and memory are computed for.
         dtype: weight dtype of the mapper and dtype of the KV caches ("bfloat16", "float16", "float32").
         available_memory: bytes where the fit's statistics would live (default: this machine's available RAM).
+        max_statistics_memory: the fit's statistics budget in GiB, as `fit --max-statistics-memory` (default: the
+            fit's, `budget.statistics_budget`).
         num_sequences, heldout_fraction, probe_tokens: the fit settings (defaults: `hf-kvtransfer fit`'s).
         num_exact_layers, num_recompute_tokens: the configuration the first-token FLOPs are counted at, for a prompt
             of `seq_len` tokens (defaults: `TransferredCache`'s for a mapper that records no exact layers, 1, and 32
@@ -355,6 +362,7 @@ class PlanOptions:
     dtype: str | torch.dtype = "bfloat16"
     batch_size: int = 1
     available_memory: int | None = None
+    max_statistics_memory: float | None = None
     num_sequences: int = FIT_NUM_SEQUENCES
     heldout_fraction: float = FIT_HELDOUT_FRACTION
     probe_tokens: int = FIT_PROBE_TOKENS
@@ -398,8 +406,11 @@ def plan_transfer(
     src, tgt = KVLayout.from_config(source_config), KVLayout.from_config(target_config)
     notes = _vocabulary_notes(source_config, target_config)
     mapper = planning_mapper(source_config, target_config, o.top_k, o.rank)
-    fit = _fit_memory(src, tgt, o.top_k, o.num_sequences, o.heldout_fraction, o.probe_tokens, o.available_memory)
+    available = o.available_memory if o.available_memory is not None else available_memory(torch.device("cpu"))
+    budget = statistics_budget(o.max_statistics_memory, available)
+    fit = _fit_memory(src, tgt, o.top_k, o.num_sequences, o.heldout_fraction, o.probe_tokens, budget)
     notes += fit.pop("notes")
+    fit["fit_input_statistics"] = _fit_input_statistics(src, tgt, target_config, o.input_positions or {}, budget)
     return TransferPlan(
         source=source_name,
         target=target_name,
@@ -498,11 +509,9 @@ def exact_layer_counts(num_layers: int, asked: int) -> list[int]:
 
 
 def _fit_memory(src: KVLayout, tgt: KVLayout, top_k: int, num_sequences: int, heldout_fraction: float,
-                probe_tokens: int, available_memory: int | None) -> dict[str, Any]:
-    """The fit's statistics (float64) by the functions `fit` sizes its own allocations with, and which mode the fit
-    picks with `available_memory` (default: this machine's); `TransferPlan`'s fields, and `notes`."""
-    from ..fitting.accumulate import available_memory as _available_memory
-
+                probe_tokens: int, budget: StatisticsBudget) -> dict[str, Any]:
+    """The fit's K/V statistics (float64) by the functions `fit` sizes its own allocations with, and which mode the fit
+    picks within `budget` (`budget.statistics_budget`, the fit's rule); `TransferPlan`'s fields, and `notes`."""
     notes = []
     stats_full = statistics_nbytes(src, tgt)
     stats_two_stage = block_statistics_nbytes(src, tgt, top_k)
@@ -512,20 +521,32 @@ def _fit_memory(src: KVLayout, tgt: KVLayout, top_k: int, num_sequences: int, he
     width = src.total_dim + tgt.total_dim
     probe = 2 * probe_tokens * width * 4 + 2 * probe_tokens * width * 8
 
-    available = int(available_memory) if available_memory is not None else _available_memory(torch.device("cpu"))
-    budget = available // 2  # accumulate.py: half the free memory where the statistics live
-    two_stage = stats_full * sets > budget
+    two_stage = budget.two_stage(stats_full * sets)
     mode = "two-stage" if two_stage else "full"
     fit_bytes = (stats_two_stage * sets + probe) if two_stage else stats_full * sets
-    if two_stage and fit_bytes > budget:
+    if two_stage and fit_bytes > budget.kv_bytes:
         notes.append(
             f"even two-stage statistics ({fit_bytes / 2**30:.1f} GiB) exceed the budget: fit on a larger machine or "
             "with a smaller --top-k"
         )
 
     return {"statistics_bytes_full": stats_full, "statistics_bytes_two_stage": stats_two_stage, "statistics_sets": sets,
-            "probe_bytes": probe, "available_memory_bytes": available, "statistics_budget_bytes": budget,
-            "fit_default_mode": mode, "fit_default_statistics_bytes": fit_bytes, "notes": notes}  # fmt: skip
+            "probe_bytes": probe, "available_memory_bytes": budget.free_bytes, "statistics_budget_bytes": budget.kv_bytes,
+            "statistics_budget_origin": budget.origin("kv"), "fit_default_mode": mode, "fit_default_statistics_bytes": fit_bytes, "notes": notes}  # fmt: skip
+
+
+def _fit_input_statistics(src: KVLayout, tgt: KVLayout, target_config, positions: dict[str, int],
+                          budget: StatisticsBudget) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """What each map input the fit searches collects beside the K/V sums within `budget`, at the positions the plan
+    costs it at (`FitInput.planned_statistics`), by name; an input costed at 0 positions is left out."""
+    hidden = text_config(target_config).hidden_size
+    rows = {}
+    for fit_input in registered_fit_inputs():
+        count = _input_positions(map_input_class(fit_input.name), positions)
+        row = fit_input.planned_statistics(src, tgt, hidden, count, budget) if count else None
+        if row is not None:
+            rows[fit_input.name] = row
+    return rows
 
 
 def _transfer_memory(src: KVLayout, tgt: KVLayout, top_k: int, tokens: int, weight_dtype: torch.dtype) -> dict[str, int]:
@@ -584,8 +605,10 @@ def format_plan(plan: TransferPlan) -> str:
         f"{' (fit + held-out)' if plan.statistics_sets == 2 else ''} = {_bytes(plan.statistics_bytes_full * plan.statistics_sets)}",
         f"  two-stage: {_bytes(plan.statistics_bytes_two_stage)} per set (at most), x{plan.statistics_sets} + "
         f"probe {_bytes(plan.probe_bytes)}",
-        f"  fit here:  {plan.fit_default_mode} ({_bytes(plan.fit_default_statistics_bytes)}; budget = half of "
-        f"{_bytes(plan.available_memory_bytes)} available)",
+        f"  fit here:  {plan.fit_default_mode} ({_bytes(plan.fit_default_statistics_bytes)}; budget "
+        f"{_bytes(plan.statistics_budget_bytes)} of {_bytes(plan.available_memory_bytes)} available: "
+        f"{plan.statistics_budget_origin})",
+        *(f"  {row['line']}" for row in plan.fit_input_statistics.values()),
         "",
         f"at {plan.seq_len} tokens (batch {plan.batch_size}, {plan.dtype}):",
         f"  target prefill {plan.prefill_flops / 1e12:,.3f} TFLOP vs transfer {plan.mapping_flops / 1e12:,.3f} TFLOP: "

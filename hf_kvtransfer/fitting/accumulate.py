@@ -41,6 +41,7 @@ from .calibration_pass import (
     dist_info,
     read_checkpoint_state,
 )
+from .budget import statistics_budget
 from .config import FitConfig, heldout_count
 
 logger = logging.getLogger(__name__)
@@ -376,18 +377,6 @@ def accumulate_statistics(
     return accumulator.train, accumulator.heldout
 
 
-def available_memory(device: torch.device) -> int:
-    """Free bytes where statistics would live (GPU free memory, or available RAM)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        import psutil
-
-        return psutil.virtual_memory().available
-    except ImportError:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def run_fit_pass(
     source: PreTrainedModel,
     target: PreTrainedModel,
@@ -414,12 +403,12 @@ def run_fit_pass(
     src_layout, tgt_layout = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
     nbytes = statistics_nbytes(src_layout, tgt_layout) * (2 if num_heldout else 1)
     device = torch.device(config.statistics_device) if config.statistics_device else default_statistics_device(target, nbytes)
-    budget = config.max_statistics_memory * 2**30 if config.max_statistics_memory else available_memory(device) // 2
-    two_stage = config.two_stage if config.two_stage is not None else (nbytes > budget and None not in config.top_k_values)
+    budget = statistics_budget(config.max_statistics_memory, device=device)
+    two_stage = config.two_stage if config.two_stage is not None else (budget.two_stage(nbytes) and None not in config.top_k_values)
     max_top_k = min(config.max_top_k, src_layout.num_layers)
     if rank == 0:
-        if nbytes > budget:
-            log(f"full statistics exceed the budget of {budget / 2**30:.2g} GiB")
+        if budget.two_stage(nbytes):
+            log(f"full statistics ({nbytes / 2**30:,.3g} GiB) exceed {budget.describe('kv')}")
         if two_stage:
             blocks = block_statistics_nbytes(src_layout, tgt_layout, max_top_k) * (2 if num_heldout else 1)
             log(
@@ -480,7 +469,6 @@ __all__ = [
     "AccumulationOptions",
     "StatisticsAccumulator",
     "accumulate_statistics",
-    "available_memory",
     "collect_statistics",
     "default_statistics_device",
     "new_statistics",

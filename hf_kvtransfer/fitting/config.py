@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 # No torch at import: `hf-kvtransfer --help` builds its options from this module's fields (importing torch takes seconds).
 from ..core.mapper_types import MLP, RIDGE
+from .budget import budget_bytes
 from .calibration import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, DEFAULT_SPLIT, DEFAULT_TEXT_FIELD
 
 if TYPE_CHECKING:
@@ -387,8 +388,8 @@ class FitConfig:
                 object.__setattr__(self, name, value)
             if value not in MAPPER_DTYPES:
                 raise ValueError(f"{name} must be one of {MAPPER_DTYPES}, got {value!r}")
-        if self.max_statistics_memory is not None and not self.max_statistics_memory > 0:
-            raise ValueError(f"max_statistics_memory must be > 0 GiB, got {self.max_statistics_memory}")
+        if self.max_statistics_memory is not None:
+            budget_bytes(self.max_statistics_memory)
         if self.rank is not None:
             object.__setattr__(self, "rank", str(self.rank))
             kwargs = parse_rank_spec(self.rank)

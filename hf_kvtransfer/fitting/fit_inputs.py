@@ -11,7 +11,9 @@ fit finds maps that read it:
   (`exact_layers.choose_configuration`) tries, each needing the exact layers its config says
   (`map_inputs.exact_layers_needed`);
 - `describe` and `twin`: a candidate's fields in the probe's report, and which candidate is the same maps at full
-  rank (a reduced-rank candidate is skipped once its full-rank twin failed).
+  rank (a reduced-rank candidate is skipped once its full-rank twin failed);
+- `planned_statistics`: what `statistics` would collect for a pair within a budget, from the two configs alone
+  (`hf-kvtransfer plan` reports it: the fit's own choice, before any model is loaded).
 
 The fit, the probe and their reports loop over the registered inputs; no module outside an input's own files names
 it. The library's one: `residual_stats.ResidualFit` (maps reading the target's residual stream). Add one: a subclass in
@@ -34,6 +36,8 @@ from typing import Any, ClassVar
 from transformers import PreTrainedModel
 
 from ..core.mapper import KVMapper
+from ..core.stats import KVLayout
+from .budget import StatisticsBudget
 
 # FitConfig (fitting/config.py) and a calibration consumer (calibration_pass.CalibrationConsumer): annotations only.
 FitConfig = Any
@@ -66,6 +70,13 @@ class FitInput:
         """`(key, reduced)`: candidates with the same key are the same maps at another rank; `reduced` when this one
         is reduced-rank (skipped once a full-rank twin failed the probe)."""
         return id(mapper), False
+
+    def planned_statistics(self, source: KVLayout, target: KVLayout, hidden_size: int, positions: int,
+                           budget: StatisticsBudget) -> dict[str, Any] | None:  # fmt: skip
+        """What `statistics` collects for a pair of these layouts (`hidden_size`: the target's; `positions`: what the
+        input reads per token) within `budget`, by the same rule: JSON fields and `line`, the fit's log line. None: this
+        input collects no sums of its own."""
+        return None
 
 
 FIT_INPUTS: dict[str, type[FitInput]] = {}

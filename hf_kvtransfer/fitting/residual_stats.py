@@ -48,6 +48,7 @@ from ..core.residual import (
 from ..core.ridge import feature_index
 from ..core.rope import text_config
 from ..core.stats import KVLayout
+from .budget import StatisticsBudget, statistics_budget
 from .calibration_pass import CalibrationBatch
 from .fit_inputs import FitInput, register_fit_input
 
@@ -437,24 +438,49 @@ def _with_source_variants(mapper: KVMapper, stats: ResidualStatistics, residual_
 
 # -- the residual input's fit side: statistics in the one calibration pass, candidates for the probe -----------------
 
-# The residual-input statistics a fit collects stay under this size (float64 on the CPU) unless the fit is given a
-# statistics budget (`max_statistics_memory`): for the bundled families a few MiB per residual layer. With the
-# source's whole K/V among the features, a billion-parameter pair would need tens of GiB per layer; without them (the
-# maps of the residual alone) a few GiB (`ResidualFit.statistics` takes the sums that cover more residual layers).
-RESIDUAL_STATISTICS_BYTES = 4 * 2**30
+@dataclasses.dataclass(frozen=True)
+class ResidualStatisticsChoice:
+    """Which residual-input sums a fit collects within its budget (`residual_statistics_choice`): the shallowest
+    `layers` of the `candidates`, with the source's K/V among the features (`source_features`) unless the residual
+    features alone cover more of them. `per_layer` and `within`: bytes per residual layer and layers within the
+    budget, with (True) and without (False) the source's K/V."""
+
+    layers: tuple[int, ...]
+    source_features: bool
+    per_layer: dict[bool, int]
+    within: dict[bool, int]
+    candidates: int
 
 
-def _statistics_line(stats: ResidualStatistics, per_layer: dict[bool, int], fits: dict[bool, int], budget: float,
-                     candidates: int) -> str:  # fmt: skip
-    """The fit log's line on the residual-input statistics it collects."""
-    layers = list(stats.target_hidden_layers)
-    line = f"residual-input statistics for residual layers {layers}: {len(layers) * per_layer[stats.source_features] / 2**20:,.1f} MiB (float64, CPU)"
-    if not stats.source_features:
+def residual_statistics_choice(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int,
+                               budget: int) -> ResidualStatisticsChoice:  # fmt: skip
+    """The residual-input sums that fit in `budget` bytes: as many of the shallowest candidate residual layers as fit
+    (they leave most of the target to map), with the source's K/V unless that costs residual layers (a tie keeps
+    them). No layer (`layers == ()`, `source_features` False) when even one layer's sums without the source exceed
+    the budget."""
+    candidates = residual_candidates(target.num_layers)
+    per_layer = {with_source: residual_statistics_nbytes(source, target, hidden_size, num_lags, 1, with_source)
+                 for with_source in (True, False)}  # fmt: skip
+    within = {with_source: min(len(candidates), int(budget // n)) for with_source, n in per_layer.items()}
+    with_source = within[True] >= within[False] and within[True] > 0
+    return ResidualStatisticsChoice(tuple(candidates[: within[with_source]]), with_source, per_layer, within,
+                                    len(candidates))  # fmt: skip
+
+
+def _statistics_line(choice: ResidualStatisticsChoice, budget: StatisticsBudget) -> str:
+    """The fit log's line on the residual-input statistics it collects (or why it collects none)."""
+    per_layer = choice.per_layer
+    if not choice.layers:
+        return (f"residual-input maps: not tried, their statistics would need {per_layer[False] / 2**20:,.1f} MiB per "
+                f"residual layer (float64, CPU), over {budget.describe('residual')}; source K/V maps only")  # fmt: skip
+    layers = list(choice.layers)
+    named = f"{layers[0]}-{layers[-1]}" if len(layers) > 4 and layers == list(range(layers[0], layers[-1] + 1)) else layers
+    line = f"residual-input statistics for residual layers {named}: {len(layers) * per_layer[choice.source_features] / 2**20:,.1f} MiB (float64, CPU)"
+    if not choice.source_features:
         line += (f", the residual features alone: with the source's K/V they would need {per_layer[True] / 2**20:,.1f} MiB per "
-                 f"layer ({fits[True]} within the budget), so only maps reading no source layer are tried")  # fmt: skip
-    if len(layers) < candidates:
-        line += (f"; {candidates - len(layers)} deeper residual layers over the budget of {budget / 2**20:,.0f} MiB "
-                 "(--max-statistics-memory raises it)")  # fmt: skip
+                 f"layer ({choice.within[True]} within the budget), so only maps reading no source layer are tried")  # fmt: skip
+    if len(layers) < choice.candidates:
+        line += f"; {choice.candidates - len(layers)} deeper residual layers over {budget.describe('residual')}"
     return line
 
 
@@ -467,8 +493,8 @@ def residual_candidates(num_layers: int) -> list[int]:
 @register_fit_input
 class ResidualFit(FitInput):
     """The fit's search over maps reading the target's residual stream (`core/residual.py`): `ResidualStatistics` for
-    the shallowest residual layers whose sums fit in the budget (`max_statistics_memory`, else
-    `RESIDUAL_STATISTICS_BYTES`), then `residual_variants` of each. The sums hold the source's K/V too unless the
+    the shallowest residual layers whose sums fit in the fit's budget (`residual_statistics_choice` within
+    `budget.statistics_budget`), then `residual_variants` of each. The sums hold the source's K/V too unless the
     residual features alone cover more of the candidate layers (a real pair: its source K/V are tens of thousands of
     features); then only the maps of the residual alone are tried. Searched with `residual_inputs="auto"` and
     `num_exact_layers="auto"` (the defaults) on a full-rank ridge fit."""
@@ -484,23 +510,16 @@ class ResidualFit(FitInput):
             log(f"residual-input maps: not tried for {kind} mapper (they extend a full-rank ridge map; "
                 "--residual-rank reduces theirs); source K/V maps only")  # fmt: skip
             return None
-        layers = residual_candidates(text_config(target.config).num_hidden_layers)
-        layout = (KVLayout.from_config(source.config), KVLayout.from_config(target.config), text_config(target.config).hidden_size)
-        budget = config.max_statistics_memory * 2**30 if config.max_statistics_memory else RESIDUAL_STATISTICS_BYTES
-        per_layer = {with_source: residual_statistics_nbytes(*layout, len(config.residual_lags), 1, with_source)
-                     for with_source in (True, False)}  # fmt: skip
-        fits = {with_source: min(len(layers), int(budget // n)) for with_source, n in per_layer.items()}
-        with_source = fits[True] >= fits[False]  # the source's K/V too, unless that costs residual layers
-        if fits[with_source] == 0:
-            log(f"residual-input maps: not tried, their statistics would need {per_layer[False] / 2**20:,.1f} MiB per "
-                f"residual layer (float64, CPU), over the budget of {budget / 2**20:,.0f} MiB (--max-statistics-memory "
-                "raises it); source K/V maps only")  # fmt: skip
+        budget = statistics_budget(config.max_statistics_memory)
+        choice = residual_statistics_choice(KVLayout.from_config(source.config), KVLayout.from_config(target.config),
+                                            text_config(target.config).hidden_size, len(config.residual_lags),
+                                            budget.residual_bytes)  # fmt: skip
+        log(_statistics_line(choice, budget))
+        if not choice.layers:
             return None
-        layers = layers[: fits[with_source]]  # the shallowest: they leave most of the target to map
-        stats = ResidualStatistics.for_models(source, target, layers, lags=config.residual_lags,
-                                              stride=config.residual_stride or config.stride, source_features=with_source)  # fmt: skip
-        log(_statistics_line(stats, per_layer, fits, budget, len(residual_candidates(stats.target_layout.num_layers))))
-        return stats
+        return ResidualStatistics.for_models(source, target, choice.layers, lags=config.residual_lags,
+                                             stride=config.residual_stride or config.stride,
+                                             source_features=choice.source_features)  # fmt: skip
 
     def candidates(self, mapper: KVMapper, statistics: ResidualStatistics, config: Any) -> list[KVMapper]:
         return [variant for layer in statistics.target_hidden_layers
@@ -514,18 +533,26 @@ class ResidualFit(FitInput):
         res = residual_config(mapper.config)
         return (res.layer, repr(mapper.config.selected_layers), repr(residual_readers(mapper.config))), res.rank is not None
 
+    def planned_statistics(self, source: KVLayout, target: KVLayout, hidden_size: int, positions: int,
+                           budget: StatisticsBudget) -> dict[str, Any]:  # fmt: skip
+        choice = residual_statistics_choice(source, target, hidden_size, positions, budget.residual_bytes)
+        return {"layers": list(choice.layers), "candidates": choice.candidates, "source_features": choice.source_features,
+                "bytes_per_layer": choice.per_layer[True], "bytes_per_layer_residual_alone": choice.per_layer[False],
+                "budget_bytes": budget.residual_bytes, "line": _statistics_line(choice, budget)}  # fmt: skip
+
 
 __all__ = [
     "DEFAULT_RESIDUAL_LAGS",
     "DEFAULT_RESIDUAL_LAMBDA",
     "RESIDUAL_RANK_ENERGY",
-    "RESIDUAL_STATISTICS_BYTES",
+    "ResidualStatisticsChoice",
     "ResidualFit",
     "ResidualStatistics",
     "has_key_norm",
     "reduced_rank_projection",
     "residual_candidates",
     "residual_r2_gain",
+    "residual_statistics_choice",
     "residual_statistics_nbytes",
     "residual_variants",
     "solve_residual_mapper",
