@@ -105,7 +105,7 @@ def test_cli_json(capsys):
     for key in ("mapper_parameters", "mapper_bytes", "statistics_bytes_full", "statistics_bytes_two_stage", "flop_ratio"):
         assert key in out
     assert out["mapper_weight_parameters"] == _paper_parameters(28, 8, 128, 8, 8, 128)
-    assert main(["plan", "--source", "Qwen/Qwen3-0.6B", "--target", "Qwen/Qwen3-1.7B", "--offline", "--top-k", "99"]) == 1
+    assert main(["plan", "--source", "Qwen/Qwen3-0.6B", "--target", "Qwen/Qwen3-1.7B", "--offline", "--top-k", "0"]) == 1
     assert "top_k must be in [1, 28]" in capsys.readouterr().err
 
 
@@ -354,3 +354,13 @@ def test_plan_cli_max_statistics_memory(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["statistics_budget_bytes"] == 96 * 2**30 and out["fit_default_mode"] == "full"
     assert out["fit_input_statistics"]["residual"]["layers"] == list(range(27))
+
+
+def test_a_top_k_past_the_source_depth_plans_every_source_layer_as_the_fit_does():
+    """The default k (8) on a 3-layer source: the fit reads every source layer (a k of 3), so the plan counts that
+    mapper (the paper's formula at k = 3) and says so."""
+    plan = plan_transfer(SOURCE, TARGET, top_k=8, available_memory=2**40)
+    assert plan.top_k == 3 and plan.mapper_weight_parameters == _paper_parameters(5, 4, 8, 3, 2, 16)
+    assert any("every source layer" in note for note in plan.notes)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 3\]"):
+        plan_transfer(SOURCE, TARGET, top_k=0, available_memory=2**40)

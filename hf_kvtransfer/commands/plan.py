@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -30,6 +31,7 @@ from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
 from ..core.map_inputs import InputCost, MapInput, PlanShape, map_input_class, registered_map_inputs
 from ..core.mapper_types import LOWRANK, RIDGE
 from ..core.options import with_options
+from ..core.ridge import effective_top_k
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
 from ..fitting.config import FitConfig, heldout_count
@@ -405,6 +407,9 @@ def plan_transfer(
     target_name, target_config = _as_config(target, o.use_hub)
     src, tgt = KVLayout.from_config(source_config), KVLayout.from_config(target_config)
     notes = _vocabulary_notes(source_config, target_config)
+    if effective_top_k(o.top_k, src.num_layers) is None:  # as the fit reads it: every source layer
+        notes.append(f"top_k {o.top_k} reaches the source's {src.num_layers} layers: every source layer, as fit reads it")
+        o = dataclasses.replace(o, top_k=src.num_layers)
     mapper = planning_mapper(source_config, target_config, o.top_k, o.rank)
     available = o.available_memory if o.available_memory is not None else available_memory(torch.device("cpu"))
     budget = statistics_budget(o.max_statistics_memory, available)
