@@ -514,7 +514,6 @@ def test_the_fit_searches_every_registered_fit_input(pair, monkeypatch):
     """The fit takes its consumers and candidates from the fit-input registry (`fitting/fit_inputs.py`), not from a
     named input: a plug-in registered beside the residual's is asked too, and the residual's own consumer sees the
     calibration pass and hands its sums to its candidates."""
-    from hf_kvtransfer.fitting import budget as fit_budget
     from hf_kvtransfer.fitting import fit_inputs
 
     source, target, ids, _, _ = pair
