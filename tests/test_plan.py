@@ -318,10 +318,15 @@ def test_plan_says_which_residual_layers_a_fit_collects_within_its_budget(gib, l
     assert row["layers"] == list(range(layers)) and row["source_features"] == with_source
     assert row["candidates"] == 27
     assert min(27, budget // (with_kv if with_source else alone)) == layers  # the most that fit in the budget
+    assert row["bytes"] == layers * (with_kv if with_source else alone)
     text = format_plan(plan)
     assert row["line"] in text
     if not layers:
-        assert row["line"].startswith("residual-input maps: not tried")
+        assert row["line"].startswith("residual-input maps: not tried") and "in all" not in text
+    else:  # the K/V sums the fit picks (full: two sets of 24.5 GiB here) and the residual sums together
+        assert plan.fit_default_statistics_bytes == 2 * plan.statistics_bytes_full
+        total = (2 * plan.statistics_bytes_full + row["bytes"]) / 2**30
+        assert f"in all:    {total:,.2f} GiB" in text
 
 
 def test_plan_and_fit_take_the_same_budget():

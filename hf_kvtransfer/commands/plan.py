@@ -590,6 +590,18 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _statistics_total_lines(plan: TransferPlan) -> list[str]:
+    """The fit's sums in all, where map inputs collect some beside the K/V sums (each kind has the whole budget)."""
+    extra = sum(row["bytes"] for row in plan.fit_input_statistics.values())
+    if not extra:
+        return []
+    total = plan.fit_default_statistics_bytes + extra
+    line = f"  in all:    {_bytes(total)} (the K/V sums and the map inputs' sums together)"
+    if total > plan.available_memory_bytes:
+        line += f", more than the {_bytes(plan.available_memory_bytes)} available: each kind has the whole budget"
+    return [line]
+
+
 def format_plan(plan: TransferPlan) -> str:
     """The plan as a short human-readable report."""
     s, t = plan.source_layout, plan.target_layout
@@ -614,6 +626,7 @@ def format_plan(plan: TransferPlan) -> str:
         f"{_bytes(plan.statistics_budget_bytes)} of {_bytes(plan.available_memory_bytes)} available: "
         f"{plan.statistics_budget_origin})",
         *(f"  {row['line']}" for row in plan.fit_input_statistics.values()),
+        *_statistics_total_lines(plan),
         "",
         f"at {plan.seq_len} tokens (batch {plan.batch_size}, {plan.dtype}):",
         f"  target prefill {plan.prefill_flops / 1e12:,.3f} TFLOP vs transfer {plan.mapping_flops / 1e12:,.3f} TFLOP: "

@@ -74,8 +74,8 @@ class FitInput:
     def planned_statistics(self, source: KVLayout, target: KVLayout, hidden_size: int, positions: int,
                            budget: StatisticsBudget) -> dict[str, Any] | None:  # fmt: skip
         """What `statistics` collects for a pair of these layouts (`hidden_size`: the target's; `positions`: what the
-        input reads per token) within `budget`, by the same rule: JSON fields and `line`, the fit's log line. None: this
-        input collects no sums of its own."""
+        input reads per token) within `budget`, by the same rule: JSON fields, with `bytes` (what it collects) and
+        `line` (the fit's log line). None: this input collects no sums of its own."""
         return None
 
 
