@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # OpenMP busy-waiting makes small ops cost milliseconds on a loaded 2-core machine (set before torch loads).
@@ -344,3 +347,14 @@ def scrambled_mapper(mapper):
         for p in out.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     return out
+
+
+def load_script(path: str | os.PathLike):
+    """A script of the repository (`research/`, `docs/`), imported as a module named after its file; it stays in
+    `sys.modules` (a dataclass looks its module up while it is built)."""
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

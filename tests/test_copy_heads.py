@@ -3,7 +3,6 @@ context: an ideal induction head scores near 1 and is the layer it reports, othe
 model folder with its own tokenizer and a text of one's own (copy score alone where the passage-recall items cannot
 be built)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from conftest import HANG_GUARD_S
+from conftest import HANG_GUARD_S, load_script
 from fit_fixtures import save_pair, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,10 +19,7 @@ SCRIPT = ROOT / "research" / "family_builder" / "copy_heads.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("copy_heads", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 class _InductionModel:

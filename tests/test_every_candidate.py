@@ -1,13 +1,11 @@
 """research/probe_calibration/every_candidate.py: the fit's configuration search with its skip-after-a-failed-count
 rule off, every other rule the library's. Checked against the library's own search on the same state."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import exact_identity_mapper, tiny_model
+from conftest import exact_identity_mapper, load_script, tiny_model
 from hf_kvtransfer.fitting import exact_layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,13 +17,7 @@ class Scored(Exception):
 
 @pytest.fixture(scope="module")
 def every():
-    path = ROOT / "research/probe_calibration/every_candidate.py"
-    spec = importlib.util.spec_from_file_location("every_candidate", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["every_candidate"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("every_candidate", None)
+    return load_script(ROOT / "research/probe_calibration/every_candidate.py")
 
 
 def _search():

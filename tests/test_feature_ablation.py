@@ -1,13 +1,12 @@
 """research/feature_ablation/feature_ablation.py on tiny random models: its baseline must be the library's mapper (selection, weights,
 held-out R^2) and its hand-built caches must score like `prefix_perplexity` (the harness's self-tests)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from fit_fixtures import make_tokenizer, save_pair, write_corpus
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "research" / "feature_ablation" / "feature_ablation.py"
@@ -15,12 +14,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "research" / "feature_ablatio
 
 @pytest.fixture(scope="module")
 def ablation():
-    spec = importlib.util.spec_from_file_location("feature_ablation", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    return load_script(EXAMPLE)
 
 
 @pytest.fixture(scope="module")

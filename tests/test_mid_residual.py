@@ -2,14 +2,12 @@
 residual stream after the last exact layer's attention (checked against a hooked forward of the whole target), the
 exact layers' keys and values stay the target's own, and mappers not fit through it transfer exactly as without it."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import random_ids, residual_pair
+from conftest import load_script, random_ids, residual_pair
 from hf_kvtransfer import TransferredCache
 from hf_kvtransfer.core import cache as cache_module
 from hf_kvtransfer.fitting import calibration_pass as calibration_module
@@ -19,13 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def mid():
-    path = ROOT / "research/content_at_speed/mid_residual.py"
-    spec = importlib.util.spec_from_file_location("mid_residual", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mid_residual"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("mid_residual", None)
+    return load_script(ROOT / "research/content_at_speed/mid_residual.py")
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
 """research/content_at_speed/paired_rows.py: each frontier row minus the best row, paired on the same items, checked
 against the saved evals' own per-item answers; rows scored on different items are refused."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEP = ROOT / "research/family_builder/results/deep_pair"
@@ -15,10 +15,7 @@ ROWS = {"default": "eval_source_to_target.json", "recompute_1": "eval_recompute_
 
 @pytest.fixture(scope="module")
 def paired_rows():
-    spec = importlib.util.spec_from_file_location("paired_rows", ROOT / "research/content_at_speed/paired_rows.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "research/content_at_speed/paired_rows.py")
 
 
 def accuracy(path: Path, task: str) -> float:

@@ -1,13 +1,12 @@
 """research/content_at_speed/real_width.py: the mappers it writes for timing at a real width have the configuration
 the fit chose on the deep pair (read here from that fit's saved config), and the target generates through them."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 from transformers import AutoModelForCausalLM
 
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
@@ -22,15 +21,10 @@ TINY_SOURCE = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, nu
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    path = ROOT / "research/content_at_speed/real_width.py"
-    spec = importlib.util.spec_from_file_location("real_width", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["real_width"] = module
-    spec.loader.exec_module(module)
+    module = load_script(ROOT / "research/content_at_speed/real_width.py")
     out = tmp_path_factory.mktemp("wide")
     folders = module.build(out, TINY_TARGET, TINY_SOURCE, ranks=("full", "share", "7"), rows=4)
-    yield out, folders
-    sys.modules.pop("real_width", None)
+    return out, folders
 
 
 def test_mappers_have_the_deep_defaults_configuration(built):

@@ -8,22 +8,17 @@ names a result file that is not in the repository.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _renderer():
-    spec = importlib.util.spec_from_file_location("render_tables", ROOT / "docs" / "render_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "docs" / "render_tables.py")
 
 
 render_tables = _renderer()

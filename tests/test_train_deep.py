@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "research" / "family_builder" / "train_deep.py"
@@ -18,11 +17,7 @@ HELDOUT = ROOT / "examples" / "family" / "heldout.txt"
 def train_deep():
     if not (TOKENIZER / "tokenizer.json").is_file() or not HELDOUT.is_file():
         pytest.skip("examples/family (tokenizer, heldout.txt) is missing")
-    spec = importlib.util.spec_from_file_location("train_deep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_deep"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")
