@@ -217,9 +217,12 @@ def test_store_holds_the_source_models_own_kv(small_to_large):
     model = AutoModelForCausalLM.from_pretrained(FAMILY / "small", dtype=torch.float32)
     with torch.no_grad():
         cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+    # vLLM's own kernels, not transformers': usually within 1e-6 of them, but one CI run's keys differed by up to 1.2e-4
+    # of their norm (values exactly equal); a wrong layer, position or layout is off by the tensor's own size.
     for s, layer in enumerate(cache.layers):
-        torch.testing.assert_close(stored[f"key.{s}"], layer.keys[0].transpose(0, 1), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(stored[f"value.{s}"], layer.values[0].transpose(0, 1), atol=1e-4, rtol=1e-4)
+        for kind, want in (("key", layer.keys[0]), ("value", layer.values[0])):
+            got, want = stored[f"{kind}.{s}"], want.transpose(0, 1)
+            assert got.shape == want.shape and float((got - want).norm() / want.norm()) < 1e-3, (kind, s)
 
 
 def test_replies_are_stored_with_their_prompt(small_to_large):
