@@ -46,7 +46,7 @@ with torch.no_grad():
     #    model's: only the follow-up (and the last 32 tokens before it, recomputed) is prefilled by the large model.
     follow_up = tokenizer("\n\n.. note::\n\n   ", return_tensors="pt").input_ids
     conversation = torch.cat([answer, follow_up], dim=-1)
-    cache = TransferredCache(small_cache, mapper)
+    cache = TransferredCache(small_cache, mapper, model=large)
     handed_over = large.generate(conversation, cache=cache, **greedy)
     reference = large.generate(conversation, **greedy)  # the large model re-reading everything itself
 

@@ -44,7 +44,7 @@ with torch.no_grad():
         model = models[name]
         if previous is not None:
             # Switch: the whole cache so far (both models' turns) becomes this model's cache.
-            cache = TransferredCache(cache, mappers[(previous, name)])
+            cache = TransferredCache(cache, mappers[(previous, name)], model=model)
         start = conversation.shape[1]
         out = model.generate(conversation, cache=cache, **greedy)
         own = model.generate(conversation, **greedy)  # the same model reading the conversation itself

@@ -44,7 +44,7 @@ prompt = "The :mod:`json` module provides an API"
 input_ids = tokenizer(prompt, return_tensors="pt").input_ids
 
 src_cache = prefill(source, input_ids)  # the source model's DynamicCache for the prompt
-cache = TransferredCache(src_cache, mapper)  # nothing mapped yet: layers convert as the target reaches them
+cache = TransferredCache(src_cache, mapper, model=target)  # nothing mapped yet: layers convert as the target reaches them
 with torch.no_grad():
     out = target.generate(input_ids, cache=cache, max_new_tokens=32, do_sample=False)
     own = target.generate(input_ids, max_new_tokens=32, do_sample=False)

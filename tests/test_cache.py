@@ -26,7 +26,7 @@ def _max_logit_diff(a, b):
 def test_greedy_single_prompt_matches_target_prefill(qwen3_model, mapper):
     ids = random_ids(1, 24, seed=2)
     ref = qwen3_model.generate(ids, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_recompute_tokens=1, model=qwen3_model)
     assert cache.num_pending_layers == 3  # nothing converted before generate
     out = qwen3_model.generate(ids, cache=cache, do_sample=False, **GEN)
     assert cache.num_pending_layers == 0
@@ -40,7 +40,7 @@ def test_past_key_values_name_still_works(qwen3_model, identity_mapper):
     ref = qwen3_model.generate(ids, do_sample=False, max_new_tokens=6)
     with pytest.warns(Warning):  # transformers' deprecation of the old name
         out = qwen3_model.generate(
-            ids, past_key_values=TransferredCache(prefill(qwen3_model, ids), identity_mapper), do_sample=False,
+            ids, past_key_values=TransferredCache(prefill(qwen3_model, ids), identity_mapper, model=qwen3_model), do_sample=False,
             max_new_tokens=6,
         )
     assert torch.equal(out, ref)
@@ -64,7 +64,7 @@ def test_options_object_and_keywords_are_the_same_transfer(qwen3_model, identity
 def test_left_padded_batch(qwen3_model, mapper):
     ids, mask = left_pad(random_ids(3, 28, seed=4), [28, 19, 9])
     ref = qwen3_model.generate(ids, attention_mask=mask, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), mapper, attention_mask=mask, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), mapper, attention_mask=mask, num_recompute_tokens=1, model=qwen3_model)
     out = qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
     assert torch.equal(out.sequences, ref.sequences)
     assert _max_logit_diff(out, ref) < 1e-4
@@ -74,7 +74,7 @@ def test_left_padding_without_mask_in_prefill_is_refused_before_output(qwen3_mod
     # The mask matters: a source cache built without it holds the pads at other positions (and attended by the
     # real tokens), so the target given the mask would answer differently from its own run: refused, not answered.
     ids, mask = left_pad(random_ids(2, 20, seed=4), [20, 8])
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1, model=qwen3_model)
     with pytest.raises(ValueError, match="pass the same attention_mask to `prefill` as to the target"):
         qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
     with pytest.raises(ValueError, match="differs from the mask the source cache was built with"):
@@ -85,7 +85,7 @@ def test_mask_given_to_prefill_and_generate_only_is_the_targets_own(qwen3_model,
     # issue 23: the mask reached prefill and generate but not TransferredCache; prefill records it on its cache.
     ids, mask = left_pad(random_ids(2, 20, seed=4), [20, 8])
     ref = qwen3_model.generate(ids, attention_mask=mask, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), identity_mapper, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids, attention_mask=mask), identity_mapper, num_recompute_tokens=1, model=qwen3_model)
     out = qwen3_model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **GEN)
     assert torch.equal(out.sequences, ref.sequences) and _max_logit_diff(out, ref) < 1e-3
 
@@ -94,7 +94,7 @@ def test_beam_search_expands_lazily(qwen3_model, mapper):
     ids = random_ids(1, 20, seed=5)
     kw = dict(num_beams=2, num_return_sequences=2, do_sample=False, max_new_tokens=8, min_new_tokens=8)
     ref = qwen3_model.generate(ids, **kw)
-    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), mapper), **kw)
+    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), mapper, model=qwen3_model), **kw)
     assert torch.equal(out, ref)
 
 
@@ -104,7 +104,7 @@ def test_seeded_sampling(qwen3_model, mapper):
     torch.manual_seed(11)
     ref = qwen3_model.generate(ids, **kw)
     torch.manual_seed(11)
-    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), mapper), **kw)
+    out = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), mapper, model=qwen3_model), **kw)
     assert torch.equal(out, ref)
 
 
@@ -115,7 +115,7 @@ def test_second_turn_on_same_cache(qwen3_model, mapper):
     turn2 = torch.cat([ref1, random_ids(1, 7, seed=8)], dim=1)
     ref2 = qwen3_model.generate(turn2, cache=own, do_sample=False, **GEN)
 
-    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_recompute_tokens=1, model=qwen3_model)
     out1 = qwen3_model.generate(ids, cache=cache, do_sample=False, max_new_tokens=6, min_new_tokens=6)
     assert torch.equal(out1, ref1)
     out2 = qwen3_model.generate(turn2, cache=cache, do_sample=False, **GEN)
@@ -126,7 +126,7 @@ def test_second_turn_on_same_cache(qwen3_model, mapper):
 @pytest.mark.parametrize("num_recompute_tokens", [1, 4])
 def test_recompute_tokens_only_new_tokens_fed(qwen3_model, identity_mapper, num_recompute_tokens):
     ids = random_ids(1, 16, seed=9)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=num_recompute_tokens)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=num_recompute_tokens, model=qwen3_model)
     assert cache.get_seq_length() == 16 - num_recompute_tokens
     with torch.no_grad():
         logits = qwen3_model(ids[:, 16 - num_recompute_tokens :], cache=cache).logits
@@ -137,7 +137,7 @@ def test_recompute_tokens_only_new_tokens_fed(qwen3_model, identity_mapper, num_
 
 def test_refeeding_whole_prompt_without_recompute_warns(qwen3_model, identity_mapper):
     ids = random_ids(1, 12, seed=10)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=0)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=0, model=qwen3_model)
     with pytest.warns(UserWarning, match="num_recompute_tokens"):
         qwen3_model.generate(ids, cache=cache, do_sample=False, max_new_tokens=2)
 
@@ -148,7 +148,7 @@ def test_cache_operations_before_conversion(qwen3_model, mapper):
     src_keys = [layer.keys.clone() for layer in src.layers]
 
     # crop before conversion == transferring the shorter prompt
-    cache = TransferredCache(src, mapper, num_recompute_tokens=1)
+    cache = TransferredCache(src, mapper, num_recompute_tokens=1, model=qwen3_model)
     cache.crop(-5)
     assert cache.get_seq_length() == 14
     with torch.no_grad():
@@ -157,7 +157,7 @@ def test_cache_operations_before_conversion(qwen3_model, mapper):
     assert (out - ref).abs().max().item() < 1e-4
 
     # batch_select + repeat before conversion, then reorder
-    cache = TransferredCache(src, mapper, num_recompute_tokens=1)
+    cache = TransferredCache(src, mapper, num_recompute_tokens=1, model=qwen3_model)
     cache.batch_select_indices(torch.tensor([1]))
     cache.batch_repeat_interleave(2)
     cache.reorder_cache(torch.tensor([1, 0]))
@@ -172,7 +172,7 @@ def test_cache_operations_before_conversion(qwen3_model, mapper):
 
 def test_cache_operations_after_conversion(qwen3_model, identity_mapper):
     ids = random_ids(1, 20, seed=13)
-    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids), identity_mapper, num_recompute_tokens=1, model=qwen3_model)
     own = DynamicCache(config=qwen3_model.config)
     with torch.no_grad():
         qwen3_model(ids[:, 19:], cache=cache)
@@ -188,7 +188,7 @@ def test_cache_operations_after_conversion(qwen3_model, identity_mapper):
 def test_source_layers_released_and_deepcopy_shares_mapper(qwen3_model, mapper):
     ids = random_ids(1, 10, seed=14)
     source_cache = prefill(qwen3_model, ids)
-    cache = TransferredCache(source_cache, mapper, num_recompute_tokens=1)
+    cache = TransferredCache(source_cache, mapper, num_recompute_tokens=1, model=qwen3_model)
     clone = copy.deepcopy(cache)
     assert clone.mapper is cache.mapper
     source_bytes = sum(t.nbytes for layer in source_cache.layers for t in (layer.keys, layer.values))
@@ -239,10 +239,10 @@ def test_error_for_wrong_target_model(qwen3_model, identity_mapper):
     ids = random_ids(1, 10, seed=17)
     deeper = tiny_model("qwen3", num_hidden_layers=4)
     with pytest.raises(ValueError, match="num_hidden_layers: mapper has 3, model has 4"):  # before any output
-        deeper.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper), max_new_tokens=2)
+        deeper.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper, model=deeper), max_new_tokens=2)
     wide = tiny_model("qwen3", num_hidden_layers=3, num_key_value_heads=4)
     with pytest.raises(ValueError, match="(?i)load the mapper made for this target"):
-        wide.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper), max_new_tokens=2)
+        wide.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), identity_mapper, model=wide), max_new_tokens=2)
 
 
 def test_sliding_window_source_that_dropped_tokens_is_refused():
@@ -260,7 +260,7 @@ def test_sliding_window_source_that_dropped_tokens_is_refused():
     # prefill keeps every token; the target's own sliding layers then hold only their window.
     kw = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
     ref = model.generate(ids, **kw)
-    out = model.generate(ids, cache=TransferredCache(prefill(model, ids), mapper), **kw)
+    out = model.generate(ids, cache=TransferredCache(prefill(model, ids), mapper, model=model), **kw)
     assert torch.equal(out, ref)
 
 
@@ -313,10 +313,9 @@ def test_group_members_land_on_their_own_layers_dtype(qwen3_model, grouped_ident
     # device would ask on its device) and must get its KV in that dtype, equal to the float32 result rounded.
     ids = random_ids(1, 10, seed=18)
     cache = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0, num_exact_layers=0)
-    shape = (1, 2, 0, grouped_identity_mapper.target_layout.head_dim)
-    cache.update(torch.empty(shape), torch.empty(shape), 0)
+    cache.convert_layer(0)
     assert cache.num_pending_layers == 2  # layers 1 and 2 were computed ahead, not converted
-    cache.update(torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16), 1)
+    cache.convert_layer(1, dtype=torch.bfloat16)
     ref = TransferredCache(prefill(qwen3_model, ids), grouped_identity_mapper, num_recompute_tokens=0, num_exact_layers=0).convert_all()
     assert cache.layers[1].keys.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.float32
     assert torch.equal(cache.layers[1].keys, ref.layers[1].keys.bfloat16())
@@ -335,7 +334,7 @@ def test_a_cache_computing_every_layer_recomputes_one_token_by_default(qwen3_mod
     every.config = replace(every.config, num_exact_layers=3)
     ids = random_ids(1, 80, seed=31)
     ref = qwen3_model.generate(ids, do_sample=False, **GEN)
-    cache = TransferredCache(prefill(qwen3_model, ids), every)
+    cache = TransferredCache(prefill(qwen3_model, ids), every, model=qwen3_model)
     assert cache.num_recompute_tokens == 1 and cache.get_seq_length() == 79
     out = qwen3_model.generate(ids, cache=cache, do_sample=False, **GEN)
     assert torch.equal(out.sequences, ref.sequences) and _max_logit_diff(out, ref) < 1e-4
@@ -358,7 +357,7 @@ def test_cache_operations_between_the_exact_pass_and_conversion(qwen3_model, ide
 
     mapper = scrambled_mapper(identity_mapper)
     ids = random_ids(2, 20, seed=21)
-    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=1, model=qwen3_model)
     cache.compute_exact_layers(qwen3_model, ids)
     if operation == "crop":
         cache.crop(-5)

@@ -23,6 +23,7 @@ def pair():
 
 def _cache(model, mapper, ids, **kwargs):
     kwargs.setdefault("num_recompute_tokens", 1)  # these tests feed the prompt's last token themselves
+    kwargs.setdefault("model", model)
     return TransferredCache(prefill(model, ids), mapper, **kwargs)
 
 
@@ -106,12 +107,26 @@ def test_a_second_generate_with_the_same_ids_says_what_to_pass(pair):
         model.generate(ids, cache=cache, **GREEDY)
 
 
+def test_a_second_generate_with_the_same_padded_batch_says_what_to_pass(pair):
+    # With padding, generate's positions are not the tokens' indices: its mask, shorter than what the cache holds
+    # and is fed, says that the input goes back into the cached tokens.
+    from conftest import left_pad
+
+    model, mapper = pair
+    ids, mask = left_pad(random_ids(2, 14, seed=12), [14, 9])
+    cache = TransferredCache(prefill(model, ids, attention_mask=mask), mapper, attention_mask=mask, model=model,
+                             num_recompute_tokens=1)  # fmt: skip
+    model.generate(ids, attention_mask=mask, cache=cache, **GREEDY)
+    with pytest.raises(ValueError, match="this cache already holds 25"):
+        model.generate(ids, attention_mask=mask, cache=cache, **GREEDY)
+
+
 def test_only_new_tokens_with_a_mask_covering_the_cache_are_exact(pair):
     model, mapper = pair
     prompt, new = random_ids(1, 15, seed=13), random_ids(1, 4, seed=14)
     full = torch.cat([prompt, new], dim=1)
     src = prefill(model, prompt)
-    cache = TransferredCache(src, mapper, num_recompute_tokens=0)
+    cache = TransferredCache(src, mapper, num_recompute_tokens=0, model=model)
     out = model.generate(new, attention_mask=torch.ones_like(full), cache=cache, **GREEDY)
     assert torch.equal(out[:, -12:], model.generate(full, **GREEDY)[:, -12:])
 
@@ -130,7 +145,7 @@ def test_a_model_with_fewer_layers_is_refused_before_output():
     smaller = tiny_model("qwen3", num_hidden_layers=2, seed=18)
     ids = random_ids(1, 12, seed=19)
     with pytest.raises(ValueError, match="num_hidden_layers: mapper has 3, model has 2"):
-        smaller.generate(ids, cache=_cache(source, mapper, ids), **GREEDY)
+        smaller.generate(ids, cache=TransferredCache(prefill(source, ids), mapper, model=smaller), **GREEDY)
 
 
 def test_direct_forward_of_the_recomputed_token_is_exact_and_of_another_is_refused(pair):
@@ -149,19 +164,19 @@ def test_direct_forward_of_the_recomputed_token_is_exact_and_of_another_is_refus
 def test_default_leaves_the_prompts_last_tokens_to_the_target(pair):
     model, mapper = pair
     ids = random_ids(2, 80, seed=23)
-    cache = TransferredCache(prefill(model, ids), mapper)
+    cache = TransferredCache(prefill(model, ids), mapper, model=model)
     # 32 by default, at most half a short prompt, at least one token for generate to feed
     assert (cache.num_recompute_tokens, cache.get_seq_length()) == (32, 48)
     assert [TransferredCache(prefill(model, ids[:, :n]), mapper).num_recompute_tokens for n in (1, 2, 5, 64)] == [1, 1, 2, 32]
     # the tail it leaves is what a direct forward feeds; feeding only the last token says how to fix the call
     torch.testing.assert_close(model(ids[:, 48:], cache=cache).logits, model(ids).logits[:, 48:], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"holds the first 48 of the prompt's 80 tokens.*feed `input_ids\[:, 48:\]`"):
-        model(ids[:, -1:], cache=TransferredCache(prefill(model, ids), mapper))
+        model(ids[:, -1:], cache=TransferredCache(prefill(model, ids), mapper, model=model))
     # under generate the first 48 tokens are really transferred: a scrambled mapper changes the output
     kw = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
     own = model.generate(ids, **kw)
-    same = model.generate(ids, cache=TransferredCache(prefill(model, ids), mapper), **kw)
-    lost = model.generate(ids, cache=TransferredCache(prefill(model, ids), scrambled_mapper(mapper)), **kw)
+    same = model.generate(ids, cache=TransferredCache(prefill(model, ids), mapper, model=model), **kw)
+    lost = model.generate(ids, cache=TransferredCache(prefill(model, ids), scrambled_mapper(mapper), model=model), **kw)
     assert torch.equal(same.sequences, own.sequences)
     assert (lost.scores[0] - own.scores[0]).abs().max() > 1e-2
 
@@ -192,7 +207,7 @@ def test_exact_first_layers_are_the_targets_own(num_exact_layers):
     zero = KVMapper(exact_identity_mapper(model).config)
     ids, mask = left_pad(random_ids(2, 16, seed=23), [16, 11])
     own = prefill(model, ids, attention_mask=mask)
-    cache = TransferredCache(prefill(model, ids, attention_mask=mask), zero, attention_mask=mask, num_exact_layers=num_exact_layers, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(model, ids, attention_mask=mask), zero, attention_mask=mask, num_exact_layers=num_exact_layers, num_recompute_tokens=1, model=model)
     with torch.no_grad():
         model(ids[:, -1:], attention_mask=mask, cache=cache)
     real = mask.bool()[:, :15]
@@ -212,7 +227,7 @@ def test_a_compiled_target_converts_before_its_graph():
     ids = random_ids(2, 24, seed=31)
 
     def cache():
-        return TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8)
+        return TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8, model=target)
 
     beams = dict(GREEDY, num_beams=2)
     with torch.no_grad():
@@ -223,9 +238,10 @@ def test_a_compiled_target_converts_before_its_graph():
     try:
         torch._dynamo.reset()
         with torch.no_grad():
-            explained = torch._dynamo.explain(original)(ids[:, -8:], cache=cache(), use_cache=True)
-        reasons = [str(b.reason) for b in explained.break_reasons]
-        assert reasons and all("_convert_before_graph" in reason for reason in reasons), reasons
+            told = cache()
+            explained = torch._dynamo.explain(target)(ids[:, -8:], cache=told, use_cache=True)
+        # converted where the model's hook tells the cache its input (the one break, before the forward's graph)
+        assert (explained.graph_count, told.num_pending_layers) == (1, 0), explained.break_reasons
         torch._dynamo.reset()
         target.forward = torch.compile(original, backend="eager", dynamic=True)
         with torch.no_grad():
@@ -249,23 +265,45 @@ def test_a_compiled_target_converts_before_its_graph():
         torch._dynamo.reset()
 
 
-def test_a_compiled_forward_that_hides_its_model_asks_for_it(monkeypatch):
-    # Where the call stack shows no model forward (another calling convention), a compiled forward cannot convert
-    # before its graph without the target: one line names the fix, and with `model=` it answers as eagerly.
+def test_a_cache_not_told_its_model_refuses_a_forward_in_one_line():
+    # Without model= no forward tells the cache what it is fed: eager or compiled, the first forward refuses before
+    # any output, naming the fix; with it, the compiled module answers as the eager target.
     from conftest import residual_pair
-    from hf_kvtransfer.core import caller
 
     source, target, _, _, (mapper,) = residual_pair((1,))
     ids = random_ids(1, 24, seed=32)
     with torch.no_grad():
-        want = target(ids[:, -8:], cache=TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8)).logits
-    monkeypatch.setattr(caller.CallerInputs, "from_stack", classmethod(lambda cls, max_frames=64: cls()))
+        want = target(ids[:, -8:], cache=TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8,
+                                                          model=target)).logits  # fmt: skip
+        with pytest.raises(ValueError, match=r"build it with model=target"):
+            target(ids[:, -8:], cache=TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8))
+        with pytest.raises(ValueError, match=r"build it with model=target"):
+            target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper), **GREEDY)
     compiled = torch.compile(target, backend="eager", dynamic=True)
     try:
-        with pytest.raises(ValueError, match="pass model=target"), torch.no_grad():
+        with pytest.raises(ValueError, match="build it with model=target"), torch.no_grad():
             compiled(ids[:, -8:], cache=TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8))
         told = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=8, model=target)
         with torch.no_grad():
             torch.testing.assert_close(compiled(ids[:, -8:], cache=told).logits, want, rtol=1e-5, atol=1e-5)
     finally:
         torch._dynamo.reset()
+
+
+def test_the_model_tells_every_cache_with_one_hook_and_a_copy_tells_its_own(pair):
+    # However many caches a model serves it gets one hook (and one generate wrapper); a deep copy of the model keeps
+    # them, bound to the copy, and a cache built for one model refuses the other's forward before any output.
+    import copy
+
+    model, mapper = pair
+    ids = random_ids(1, 16, seed=40)
+    for _ in range(3):
+        _cache(model, mapper, ids)
+    assert len(model._forward_pre_hooks) == 1
+    twin = copy.deepcopy(model)
+    assert twin.prepare_inputs_for_generation.__self__ is twin
+    out = twin.generate(ids, cache=_cache(twin, mapper, ids), **GREEDY)
+    assert torch.equal(out, model.generate(ids, **GREEDY))
+    assert len(twin._forward_pre_hooks) == 1
+    with pytest.raises(ValueError, match="build it with model=target"):
+        twin.generate(ids, cache=_cache(model, mapper, ids), **GREEDY)

@@ -219,7 +219,7 @@ def test_greedy_agreement(model, identity, broken):
                             num_bootstrap=20, progress=False)  # fmt: skip
     # First tokens, computed without generate: own = plain forward; transfer = the last prompt token on the cache.
     own_first = model(ids).logits[:, -1].argmax(-1)
-    cache = TransferredCache(prefill(model, ids), broken, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(model, ids), broken, num_recompute_tokens=1, model=model)
     transfer_first = model(ids[:, -1:], cache=cache).logits[:, -1].argmax(-1)
     assert lost["first_token_agreement_per_item"] == (own_first == transfer_first).double().tolist()
     assert lost["all_tokens_agreement"]["mean"] < 1.0

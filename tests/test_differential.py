@@ -207,6 +207,7 @@ def check_case(case, models):
         cache = TransferredCache(
             source_cache, mappers[case["mapper"]], attention_mask=mask if give["cache"] else None,
             num_recompute_tokens=case["num_recompute_tokens"], num_exact_layers=case["num_exact_layers"],
+            model=target,
         )  # fmt: skip
     except (ValueError, TypeError) as exc:
         _check_refusal(exc, 0, "TransferredCache(...)")

@@ -88,7 +88,7 @@ def test_fit_records_a_given_number_and_the_cache_uses_it(qwen3_model, calibrati
     mapper.save_pretrained(tmp_path / "m")
     assert "its first 2 of 3 layers" in (tmp_path / "m" / "README.md").read_text()
     ids = random_ids(1, 12, seed=5)
-    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_recompute_tokens=1, model=qwen3_model)
     assert cache.num_exact_layers == 2
     assert TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=0).num_exact_layers == 0
     # what the cache computes: the target's own layers 0-1 (the fit here maps the model onto itself imperfectly)
@@ -129,14 +129,14 @@ def test_exact_layers_without_prompt_ids_come_from_generate_or_refuse(qwen3_mode
     ids = random_ids(1, 10, seed=7)
     src = prefill(qwen3_model, ids)
     bare = tuple((layer.keys, layer.values) for layer in src.layers)  # a legacy cache: no prompt ids recorded
-    without = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1)
+    without = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1, model=qwen3_model)
     assert without.prompt_ids is None
     qwen3_model.generate(ids, cache=without, max_new_tokens=2, do_sample=False)
     own = prefill(qwen3_model, ids[:, :-1])
     for t in range(2):  # generate's sequence gave the ids: the exact layers were computed, not mapped to zero
         torch.testing.assert_close(without.layers[t].keys[:, :, :9], own.layers[t].keys, rtol=1e-5, atol=1e-5)
     # beam search repeats each prompt row: the ids are still generate's, one row per source row
-    beams = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1)
+    beams = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1, model=qwen3_model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         qwen3_model.generate(ids, cache=beams, max_new_tokens=2, num_beams=2, do_sample=False)
@@ -145,7 +145,7 @@ def test_exact_layers_without_prompt_ids_come_from_generate_or_refuse(qwen3_mode
         for row in range(2):
             torch.testing.assert_close(beams.layers[t].keys[row : row + 1, :, :9], own.layers[t].keys, rtol=1e-5, atol=1e-5)
     # A direct forward on a cache that knows no ids cannot compute them: one line naming the fix, nothing mapped.
-    direct = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1)
+    direct = TransferredCache(bare, mapper, num_exact_layers=2, num_recompute_tokens=1, model=qwen3_model)
     with pytest.raises(ValueError, match="does not know them: .*input_ids= to TransferredCache"):
         with torch.no_grad():
             qwen3_model(ids[:, -1:], cache=direct)
@@ -168,7 +168,7 @@ def test_no_getter_runs_the_exact_layers_forward(qwen3_model, monkeypatch):
     monkeypatch.setattr(cache_module, "own_prefix", recording)
     mapper = exact_identity_mapper(qwen3_model)
     ids = random_ids(2, 12, seed=3)
-    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=1, model=qwen3_model)
     out = qwen3_model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
     own = qwen3_model.generate(ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(out, own)
@@ -217,14 +217,14 @@ def test_inputs_embeds_calls_compute_the_exact_layers(qwen3_model):
     emb = qwen3_model.get_input_embeddings()
     r = 8
 
-    def cache():
-        return TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=r)
+    def cache(model=qwen3_model):  # the model whose forward runs on it: the causal LM, or its body alone
+        return TransferredCache(prefill(qwen3_model, ids), mapper, num_exact_layers=2, num_recompute_tokens=r, model=model)
 
     with torch.no_grad():
         own = qwen3_model(ids).logits[:, -r:]
         by_ids = qwen3_model(ids[:, -r:], cache=cache()).logits
         by_embeds = qwen3_model(inputs_embeds=emb(ids[:, -r:]), cache=cache()).logits
-        body = qwen3_model.model(inputs_embeds=emb(ids[:, -r:]), cache=cache()).last_hidden_state
+        body = qwen3_model.model(inputs_embeds=emb(ids[:, -r:]), cache=cache(qwen3_model.model)).last_hidden_state
     torch.testing.assert_close(by_ids, own, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(by_embeds, own, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(qwen3_model.lm_head(body), own, rtol=1e-4, atol=1e-4)

@@ -35,7 +35,7 @@ def test_linear_pair_selection_r2_and_generation(linear_models):
     ids = random_ids(2, 24, seed=7)
     kw = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True, output_logits=True)
     ref = target.generate(ids, **kw)
-    out = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper), **kw)
+    out = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper, model=target), **kw)
     assert torch.equal(out.sequences, ref.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 2e-3
 

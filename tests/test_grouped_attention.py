@@ -59,7 +59,7 @@ def test_a_transfer_switches_a_cpu_sdpa_target_and_answers_as_its_own_prefill():
     own = model.generate(ids, **kw)
     assert model.config._attn_implementation == "sdpa"
     cache = TransferredCache(prefill(model, ids, attention_mask=mask), exact_identity_mapper(model), attention_mask=mask,
-                             num_recompute_tokens=8)  # fmt: skip
+                             num_recompute_tokens=8, model=model)  # fmt: skip
     out = model.generate(ids, cache=cache, **kw)
     assert model.config._attn_implementation == GROUPED_SDPA
     assert torch.equal(out, own)
@@ -71,7 +71,7 @@ def test_the_recomputed_tokens_forward_is_the_same_with_either_attention(monkeyp
 
     def last_logits():
         cache = TransferredCache(prefill(model, ids, attention_mask=mask), exact_identity_mapper(model),
-                                 attention_mask=mask, num_recompute_tokens=12)  # fmt: skip
+                                 attention_mask=mask, num_recompute_tokens=12, model=model)  # fmt: skip
         with torch.no_grad():
             return model(ids[:, -12:], attention_mask=mask, cache=cache).logits
 

@@ -417,7 +417,7 @@ def test_card_metadata_round_trips_and_validates(hub_server, tmp_path):
         "from hf_kvtransfer import KVMapper, TransferredCache, prefill",
         f'mapper = KVMapper.from_pretrained("{repo_id}")',
         "src_cache = prefill(source, input_ids)",
-        "out = target.generate(input_ids, cache=TransferredCache(src_cache, mapper), max_new_tokens=64)",
+        "out = target.generate(input_ids, cache=TransferredCache(src_cache, mapper, model=target), max_new_tokens=64)",
     ):
         assert line in text
     assert f'AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-32B", revision="{"b" * 40}")' in text

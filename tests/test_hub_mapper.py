@@ -26,7 +26,7 @@ def test_push_pull_round_trip_and_cache_from_repo_id(hub_server, identity_mapper
     ids = random_ids(1, 16, seed=3)
     ref = qwen3_model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6)
     for _ in range(2):
-        cache = TransferredCache(prefill(qwen3_model, ids), repo, token=hub_server.write_token)
+        cache = TransferredCache(prefill(qwen3_model, ids), repo, token=hub_server.write_token, model=qwen3_model)
         out = qwen3_model.generate(ids, cache=cache, do_sample=False, max_new_tokens=6, min_new_tokens=6)
         assert torch.equal(out, ref)
     assert _load_mapper.cache_info().misses == 1 and _load_mapper.cache_info().hits == 1

@@ -161,7 +161,7 @@ def test_transferred_cache_generates_with_mlp_mapper(nonlinear_pair):
     ref = target.generate(ids, **kw)
 
     def first_step_error(mapper):
-        out = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper), **kw)
+        out = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper, model=target), **kw)
         assert out.sequences.shape == ref.sequences.shape
         # The first generated step reads the whole transferred prefix (later steps may follow other tokens).
         return (out.logits[0] - ref.logits[0]).abs().mean().item()

@@ -153,7 +153,7 @@ def test_first_token_flops_equal_a_real_transfer_under_torch_flop_counter(exact,
     cfg, seq = target.config, 24
     mapper = KVMapper(MapperConfig(source.config.to_dict(), cfg.to_dict(), [[0, 2]] * 4, top_k=2))
     ids = random_ids(1, seq, seed=3)
-    cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=recompute, num_exact_layers=exact)
+    cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=recompute, num_exact_layers=exact, model=target)
     with FlopCounterMode(display=False) as counter:
         target(ids[:, -recompute:], cache=cache, use_cache=True, logits_to_keep=1)
     got = first_token_flops(cfg, planning_mapper(source.config, cfg, 2), seq, num_exact_layers=exact,

@@ -101,7 +101,7 @@ def test_mapper_saved_before_the_gate_loads_without_one(identity_mapper, tmp_pat
 def _transfer_logits(model, mapper, ids, **kwargs):
     from hf_kvtransfer import TransferredCache, prefill
 
-    cache = TransferredCache(prefill(model, ids), mapper, **kwargs)
+    cache = TransferredCache(prefill(model, ids), mapper, model=model, **kwargs)
     with torch.no_grad():
         logits = model(ids[:, -cache.num_recompute_tokens :], cache=cache).logits
     return logits, cache
@@ -127,7 +127,7 @@ def test_gated_cache_serves_a_forward_of_more_rows_than_its_prompt(qwen3_model, 
 
     ids = random_ids(1, 24, seed=9)
     conts = random_ids(3, 2, seed=10)
-    cache = TransferredCache(prefill(qwen3_model, ids), scrambled, num_recompute_tokens=8, gate=QualityGateConfig(0.999))
+    cache = TransferredCache(prefill(qwen3_model, ids), scrambled, num_recompute_tokens=8, gate=QualityGateConfig(0.999), model=qwen3_model)
     feed = torch.cat([ids[:, -8:].expand(3, -1), conts], dim=1)
     with torch.no_grad():
         gated = qwen3_model(feed, cache=cache).logits
@@ -216,9 +216,9 @@ def test_generate_on_a_gated_cache_gives_the_targets_own_tokens_for_fallback_row
 
     ids = random_ids(2, 24, seed=3)
     own = qwen3_model.generate(ids, max_new_tokens=8, do_sample=False)
-    ungated = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), scrambled, gate=False),
+    ungated = qwen3_model.generate(ids, cache=TransferredCache(prefill(qwen3_model, ids), scrambled, gate=False, model=qwen3_model),
                                    max_new_tokens=8, do_sample=False)  # fmt: skip
     assert not torch.equal(ungated, own)  # the scrambled maps alone change the answer
-    cache = TransferredCache(prefill(qwen3_model, ids), scrambled, gate=QualityGateConfig(0.999))
+    cache = TransferredCache(prefill(qwen3_model, ids), scrambled, gate=QualityGateConfig(0.999), model=qwen3_model)
     assert torch.equal(qwen3_model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False), own)
     assert cache.transfer_status.fallback_rows == [0, 1]

@@ -54,6 +54,6 @@ def test_the_target_generates_through_them(built):
     ids = torch.randint(100, (1, 300), generator=torch.Generator().manual_seed(0))
     for folder in folders:
         mapper = KVMapper.from_pretrained(folder)
-        cache = TransferredCache(prefill(source, ids), mapper)
+        cache = TransferredCache(prefill(source, ids), mapper, model=target)
         out_ids = target.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
         assert out_ids.shape == (1, 303) and cache.num_exact_layers == mapper.num_exact_layers

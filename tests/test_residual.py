@@ -103,7 +103,7 @@ def test_cache_applies_the_map_and_the_targets_key_norm(pair, variant):
 def _check_residual_reader(source, target, mapper, attn):
     ids = random_ids(1, 24, seed=9)
     held = ids.shape[1] - 1
-    cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1, model=target)
     with torch.no_grad():
         target(ids[:, held:], cache=cache)
     # Written out: source K/V (stripped) and the target's own residual entering layer 1, map, k_norm, RoPE.
@@ -145,7 +145,7 @@ def test_the_key_norms_form_is_checked_once_per_module(pair, monkeypatch):
     ids = random_ids(1, 16, seed=2)
     for _ in range(3):
         with torch.no_grad():
-            target(ids[:, -1:], cache=TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1))
+            target(ids[:, -1:], cache=TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1, model=target))
     assert calls == [target.model.layers[2].self_attn.k_norm]
 
 
@@ -185,7 +185,7 @@ def test_checkpoint_round_trip_and_source_only_mappers_unchanged(pair, tmp_path)
     outs = []
     for m in (loaded, mapper):
         with torch.no_grad():
-            out = target(ids[:, -1:], cache=TransferredCache(prefill(source, ids), m, num_recompute_tokens=1)).logits
+            out = target(ids[:, -1:], cache=TransferredCache(prefill(source, ids), m, num_recompute_tokens=1, model=target)).logits
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1])
 
@@ -255,7 +255,7 @@ def test_refusals_say_why(pair):
     # Given the target, convert_all computes the exact layers and the residual the maps read: the same K/V as the
     # lazy conversion inside the target's own forward.
     eager = TransferredCache(src_cache, mapper, num_recompute_tokens=1, model=target).convert_all()
-    lazy = TransferredCache(src_cache, mapper, num_recompute_tokens=1)
+    lazy = TransferredCache(src_cache, mapper, num_recompute_tokens=1, model=target)
     with torch.no_grad():
         target(ids[:, -1:], cache=lazy)
     for a, b in zip(eager.layers, lazy.layers):
@@ -264,11 +264,11 @@ def test_refusals_say_why(pair):
     legacy = tuple((layer.keys, layer.values) for layer in src_cache.layers)  # no prompt ids
     with pytest.raises(ValueError, match="residual stream.*input_ids="):
         with torch.no_grad():
-            target(ids[:, -1:], cache=TransferredCache(legacy, mapper, num_recompute_tokens=1))
+            target(ids[:, -1:], cache=TransferredCache(legacy, mapper, num_recompute_tokens=1, model=target))
     with pytest.raises(ValueError, match="TransferredCache"):
         mapper(2, torch.zeros(1, 4, 64), torch.zeros(1, 4, 64))
     # generate knows the prompt (its input ids): a legacy cache works there.
-    out = target.generate(ids, cache=TransferredCache(legacy, mapper), max_new_tokens=2, do_sample=False)
+    out = target.generate(ids, cache=TransferredCache(legacy, mapper, model=target), max_new_tokens=2, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 2)
     res = mapper.config.map_inputs["residual"]
     with pytest.raises(ValueError, match=r"map_inputs.residual.layer must be in"):
@@ -445,7 +445,7 @@ def test_only_the_readers_read_the_residual(pair):
     ids = random_ids(1, 20, seed=4)
     caches = []
     for m in (mapper, base):
-        cache = TransferredCache(prefill(source, ids), m, num_recompute_tokens=1, num_exact_layers=1)
+        cache = TransferredCache(prefill(source, ids), m, num_recompute_tokens=1, num_exact_layers=1, model=target)
         with torch.no_grad():
             target(ids[:, -1:], cache=cache)
         caches.append(cache)
@@ -564,7 +564,7 @@ def test_residual_alone_and_mean_maps_match_direct_solves(pair, kind):
     # The cache: no source layer is read by a mapped layer of `alone` (layers 0-1 exact, 2 from the residual).
     assert 2 not in {t for readers in alone.consumers().values() for t in readers}
     test_ids = random_ids(1, 16, seed=11)
-    cache = TransferredCache(prefill(source, test_ids), alone, num_recompute_tokens=1)
+    cache = TransferredCache(prefill(source, test_ids), alone, num_recompute_tokens=1, model=target)
     with torch.no_grad():
         target(test_ids[:, -1:], cache=cache)
     assert cache.layers[2].keys.shape == (1, 2, 16, 16) and torch.isfinite(cache.layers[2].keys).all()
@@ -672,8 +672,8 @@ def test_maps_without_source_inputs_follow_beam_search(pair):
     ids = random_ids(1, 18, seed=12)
     kwargs = dict(max_new_tokens=4, num_beams=2, do_sample=False)
     with torch.no_grad():
-        lazy = target.generate(ids, cache=TransferredCache(prefill(source, ids), alone, num_recompute_tokens=2), **kwargs)
-        ahead = TransferredCache(prefill(source, ids), alone, num_recompute_tokens=2)
+        lazy = target.generate(ids, cache=TransferredCache(prefill(source, ids), alone, num_recompute_tokens=2, model=target), **kwargs)
+        ahead = TransferredCache(prefill(source, ids), alone, num_recompute_tokens=2, model=target)
         ahead.compute_exact_layers(target, ids).convert_all()
         ahead.batch_repeat_interleave(2)  # generate does not expand a given cache for its beams (a lazy one does)
         converted = target.generate(ids, cache=ahead, **kwargs)

@@ -111,8 +111,8 @@ def test_kv_r2_scores_each_map_as_the_transfer_runs_it(kind, family):
 
 
 def _cache(family, mapper, ids, mask=None):
-    source, _ = family["models"]
-    return TransferredCache(prefill(source, ids, attention_mask=mask), mapper, attention_mask=mask)
+    source, target = family["models"]
+    return TransferredCache(prefill(source, ids, attention_mask=mask), mapper, attention_mask=mask, model=target)
 
 
 @pytest.mark.parametrize("kind", SURFACE_KINDS)

@@ -96,7 +96,7 @@ def test_the_cache_adds_the_tables_to_what_the_maps_predict(pair):
     cos, sin = rotary_cos_sin(target.model.rotary_emb, positions, torch.device("cpu"))
 
     def run(m):
-        cache = TransferredCache(prefill(source, ids), m, num_recompute_tokens=1)
+        cache = TransferredCache(prefill(source, ids), m, num_recompute_tokens=1, model=target)
         with torch.no_grad():
             target(ids[:, held:], cache=cache)
         return cache
@@ -132,9 +132,9 @@ def test_generate_gives_the_tables_the_prompt_and_refusals_say_why(pair):
     legacy = tuple((layer.keys, layer.values) for layer in src_cache.layers)  # no prompt ids
     with pytest.raises(ValueError, match="token_tables.*input_ids="):
         with torch.no_grad():
-            target(ids[:, -1:], cache=TransferredCache(legacy, mapper, num_recompute_tokens=1))
+            target(ids[:, -1:], cache=TransferredCache(legacy, mapper, num_recompute_tokens=1, model=target))
     # generate's own sequence starts with the prompt: the same answer as with the ids given.
-    outs = [target.generate(ids, cache=TransferredCache(c, mapper), max_new_tokens=4, do_sample=False,
+    outs = [target.generate(ids, cache=TransferredCache(c, mapper, model=target), max_new_tokens=4, do_sample=False,
                             output_logits=True, return_dict_in_generate=True) for c in (legacy, src_cache)]  # fmt: skip
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     torch.testing.assert_close(outs[0].logits[0], outs[1].logits[0])
@@ -161,8 +161,8 @@ def test_tables_survive_a_round_trip_and_follow_beam_search(pair, tmp_path):
     ids = random_ids(1, 18, seed=4)
     # Beam search reorders the cache's rows before the layers are converted: tables follow the rows.
     kw = dict(max_new_tokens=3, num_beams=2, do_sample=False)
-    got = target.generate(ids, cache=TransferredCache(prefill(source, ids), loaded), **kw)
-    want = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper), **kw)
+    got = target.generate(ids, cache=TransferredCache(prefill(source, ids), loaded, model=target), **kw)
+    want = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper, model=target), **kw)
     assert torch.equal(got, want)
 
 
@@ -385,7 +385,7 @@ def test_the_embedding_residual_held_in_the_tables_transfers_the_same(pair, lags
         mask[1, :6] = 0
     outs = []
     for m in (mapper, folded):
-        cache = TransferredCache(prefill(source, ids, mask), m, num_recompute_tokens=1)
+        cache = TransferredCache(prefill(source, ids, mask), m, num_recompute_tokens=1, model=target)
         with torch.no_grad():
             logits = target(ids[:, -1:], attention_mask=mask, cache=cache).logits
         outs.append((logits, cache))
@@ -419,8 +419,8 @@ def test_folding_refuses_what_it_cannot_hold_and_survives_a_round_trip(pair, tmp
     assert mapper.num_parameters() - loaded.num_parameters() == sum(p.numel() for p in mapper.residual.parameters())
     ids = random_ids(1, 16, seed=8)
     kw = dict(max_new_tokens=3, do_sample=False)
-    got = target.generate(ids, cache=TransferredCache(prefill(source, ids), loaded), **kw)
-    want = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper), **kw)
+    got = target.generate(ids, cache=TransferredCache(prefill(source, ids), loaded, model=target), **kw)
+    want = target.generate(ids, cache=TransferredCache(prefill(source, ids), mapper, model=target), **kw)
     assert torch.equal(got, want)
     # A model whose layer-0 input depends on the position cannot hold it in tables.
     shifted = tiny_model("qwen3", num_hidden_layers=3, seed=1)
@@ -454,7 +454,7 @@ def test_the_first_layer_looked_up_is_the_targets_own(arch, batch, padded, seed)
         torch.testing.assert_close(got.transpose(1, 2)[keep], want.transpose(1, 2)[keep], rtol=1e-4, atol=1e-5)
     # The same answer as the projections give, through generate; more exact layers do not use the table.
     kw = dict(max_new_tokens=3, do_sample=False, attention_mask=mask)
-    outs = [target.generate(ids, cache=TransferredCache(prefill(source, ids, mask), m, attention_mask=mask), **kw)
+    outs = [target.generate(ids, cache=TransferredCache(prefill(source, ids, mask), m, attention_mask=mask, model=target), **kw)
             for m in (mapper, base)]  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     deeper = TransferredCache(prefill(source, ids, mask), mapper, attention_mask=mask, num_exact_layers=2,

@@ -765,7 +765,7 @@ def test_a_request_the_quality_gate_passes_is_transferred_and_scored_as_in_trans
     with torch.no_grad():
         src = small(torch.tensor([stored]), use_cache=True).past_key_values
         cache = TransferredCache(src, gated["mapper"], input_ids=torch.tensor([stored]),
-                                 gate=QualityGateConfig(threshold=-1.0))  # fmt: skip
+                                 gate=QualityGateConfig(threshold=-1.0), model=large)  # fmt: skip
         held = PROMPT_LEN - cache.num_recompute_tokens
         logits = large(torch.tensor([request[held:]]), past_key_values=cache,
                        position_ids=torch.arange(held, len(request)).unsqueeze(0), use_cache=True).logits  # fmt: skip

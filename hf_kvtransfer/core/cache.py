@@ -2,8 +2,8 @@
 
 This module is the cache object itself: what it reports before its layers are converted, when each is converted
 (on the first `update` of that layer), and the cache operations that must act on what is not converted yet. How a
-layer is converted lives in `conversion`, the target's own first layers in `exact`, the checks of what the caller
-fed in `caller`.
+layer is converted lives in `conversion`, the target's own first layers in `exact`, what the target is fed (told by
+a forward pre-hook on the target, and checked) in `told`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from .caller import CallerInputs, check_mask, check_prompt, first_difference
 from .conversion import PendingTransfer, RopeTables, SourceLayer
 from .exact import own_prefix
 from .grouped_attention import prefer_grouped_sdpa
@@ -31,6 +30,7 @@ from .map_inputs import ExactPass, first_layer_rows
 from .options import with_options
 from .quality_gate import PendingGate, QualityGateConfig, TransferStatus, run_gate
 from .rope import position_ids_from_mask
+from .told import ForwardInputs, Listener, check_mask, check_prompt, listen, refeeds_prompt
 
 @functools.lru_cache(maxsize=8)
 def _load_mapper(name_or_path: str, revision: str | None, token: str | bool | None) -> KVMapper:
@@ -128,13 +128,14 @@ class TransferOptions:
     token: str | bool | None = None
 
 
-class TransferredCache(DynamicCache):
+class TransferredCache(DynamicCache, Listener):
     """The target model's KV cache, converted from the source model's cache one layer at a time.
 
     Nothing is mapped at construction. The first time the target's attention layer `layer_idx` calls
     `update`, that layer's KV is produced from the source cache (strip source RoPE -> map -> apply
     target RoPE, on the device and in the dtype of the incoming `key_states`), and the cache then behaves
-    exactly like a `DynamicCache`. Pass it to stock `generate` (`cache=` or `past_key_values=`). Under `torch.compile`
+    exactly like a `DynamicCache`. Pass it to stock `generate` (`cache=` or `past_key_values=`), built with
+    `model=target`: the target tells it what each forward is fed (`told.py`). Under `torch.compile`
     (the target's forward or the whole module), the first forward converts every layer at once, before its graph (one
     graph break, where its input is checked; later turns are not); with `fullgraph=True`, `convert_all()` first.
 
@@ -174,11 +175,12 @@ class TransferredCache(DynamicCache):
             (`local_attention.py`: at long prompts their attention costs prompt x window instead of prompt^2).
             Default (None): the mapper's `exact_window`, which a fit records where its content gate accepts one
             (none: the whole prompt); 0: the whole prompt.
-        model: the target model the exact layers are computed with. Default: the model whose forward first runs
-            on the cache (`generate` or `target(...)`, with ids or `inputs_embeds`); give it to convert without a
-            forward (`convert_all`). A cache that must compute exact layers and has neither refuses with one line.
-            A target on CPU that uses transformers' `sdpa` attention with fewer key/value heads than query heads is
-            switched to `hf_kvtransfer.GROUPED_SDPA` when the cache meets it: the same attention and numbers,
+        model: the target model that runs on the cache (`generate` or `target(...)`, with ids or `inputs_embeds`;
+            `torch.compile(target)` too): the model then tells the cache what each forward is fed, before it runs
+            (`told.listen`), which is checked against the prompt, and computes the exact layers. A forward on a cache
+            built without it (or run by another model) refuses before any output; `convert_all` / `convert_layer`
+            need it only for exact layers (or `compute_exact_layers(model)` first). A target on CPU that uses
+            transformers' `sdpa` attention with fewer key/value heads than query heads is switched to `hf_kvtransfer.GROUPED_SDPA` when the cache meets it: the same attention and numbers,
             without copying each layer's cache per query head in the recomputed tokens' forward
             (`core/grouped_attention.py`).
         gate: the per-request quality gate (`quality_gate.py`). Default (None): the mapper's own
@@ -191,7 +193,7 @@ class TransferredCache(DynamicCache):
     Example:
         ```python
         src_cache = prefill(source, input_ids, attention_mask=mask)
-        cache = TransferredCache(src_cache, mapper, attention_mask=mask)
+        cache = TransferredCache(src_cache, mapper, attention_mask=mask, model=target)
         out = target.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=32)
         ```
     """
@@ -241,16 +243,17 @@ class TransferredCache(DynamicCache):
         self.prompt_ids = _prompt_ids(input_ids, source_cache, batch_size, length)
         if self.prompt_ids is not None:
             self._give_ids(self.prompt_ids)
+        model = getattr(model, "_orig_mod", model)  # torch.compile(target): heard through the module it wraps
         if model is not None:
             mapper.check_compatible(target_config=model.config)
             prefer_grouped_sdpa(model)
-        # What the exact layers are computed with: the target model (given, else the forward that first runs on the
-        # cache) and the prompt's ids (known here, else generate's sequence). Dropped once they are computed.
+            listen(model)  # its forwards tell the cache what they are fed (`hear`)
+        # What the exact layers are computed with: the target model and the prompt's ids. Dropped once computed.
         self._exact_model: PreTrainedModel | None = model if (self.num_exact_layers or self._gate) and transferred else None
-        self._exact_prompt: torch.Tensor | None = None
-        self._given_model = weakref.ref(model) if model is not None else None  # a compiled forward's conversion
         self._exact_pending = self.num_exact_layers > 0 and transferred > 0
-        self._first_input_checked = False
+        self._exact_prompt: torch.Tensor | None = None  # the prompt's ids from generate's sequence (`_learn_prompt`)
+        self._told: ForwardInputs | None = None  # the first forward's inputs, told by the model's hooks (`hear`)
+        self._model = weakref.ref(model) if model is not None else None  # the model whose forwards it hears
         self._only_new_tokens = False  # the first forward fed only new tokens (a mask covering the cached ones)
 
     def _read_source(self, source_cache: Cache | tuple) -> tuple[dict[int, SourceLayer], int, int]:
@@ -303,6 +306,8 @@ class TransferredCache(DynamicCache):
             shared.append(self._gate.source_cache)
         if self._exact_model is not None:
             shared.append(self._exact_model)  # the target model itself
+        if self._told is not None:
+            shared.append(self._told.model)
         if self._transfer is not None:  # (its RoPE tables' rotary modules are the mapper's)
             for state in self._transfer.inputs.values():  # an input's modules are the target's own
                 shared += list(state.values()) if isinstance(state, dict) else []
@@ -327,8 +332,8 @@ class TransferredCache(DynamicCache):
         return self._transfer.nbytes() if self._transfer is not None else 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if self._pending and not self._first_input_checked:
-            self._first_contact()
+        if self._pending and torch.compiler.is_compiling():
+            self._convert_before_graph()
         if layer_idx in self._pending:
             return self._transfer.length
         return super().get_seq_length(layer_idx)
@@ -340,12 +345,8 @@ class TransferredCache(DynamicCache):
                 "continue them (the whole conversation so far plus the new tokens), or only the new tokens together "
                 "with an attention_mask covering the cached ones"
             )
-        if self._pending and not self._first_input_checked:
-            self._first_contact()
-        elif query_length > 1 and not self._pending and not torch.compiler.is_compiling():
-            # A new turn (decode steps, one token each, skip this). A compiled forward is checked at its first forward
-            # only: reading the stack would break its graph at every turn (and fail `fullgraph=True`).
-            self._check_continuation(query_length)
+        if self._pending and torch.compiler.is_compiling():
+            self._convert_before_graph()
         # Masks and positions are built before any layer runs, so pending layers must already report
         # the sizes they will have once converted.
         if layer_idx not in self._pending:
@@ -359,58 +360,69 @@ class TransferredCache(DynamicCache):
         return length + query_length, 0
 
     # -- what the target is fed: never a silent wrong answer ------------------------------------------
-    def _first_contact(self) -> None:
-        """The first forward's first question to the cache (its length, or its mask sizes). Eagerly, the input is
-        checked here and each layer converted when it arrives (`update`). Under `torch.compile` everything is done
-        here at once (`_convert_before_graph`), so the traced layers find a plain cache."""
-        if torch.compiler.is_compiling():
-            self._convert_before_graph()
-        else:
-            self._check_first_input()
+    def listening(self) -> bool:
+        # A compiled forward hears only its first (where it converts): a graph cannot read its inputs at every turn.
+        return bool(self._pending) or not torch.compiler.is_compiling()
+
+    def hear(self, inputs: ForwardInputs, compiled: bool) -> None:
+        """Told by the target's forward pre-hook (`told.listen`) what the forward about to run on this cache is fed:
+        the input is checked here, before the forward builds positions and masks from the cache. A compiled forward
+        converts every layer here too (its one graph break; `_convert_before_graph`)."""
+        if self._model is None or inputs.model is not self._model():
+            return  # another model's forward: not what this cache was built for (`update` refuses it)
+        if not self._pending:
+            self._check_continuation(inputs)
+            return
+        self._told = inputs
+        self._check_first_input(inputs)
+        if compiled:
+            self._convert_every_layer()
 
     @torch.compiler.disable
     def _convert_before_graph(self) -> None:
-        """A compiled forward's first contact, run eagerly (one graph break): the input checked, then every pending
-        layer converted in the forward's rows, device and dtype. Converting one layer per `update` instead would
-        change the state each traced layer is guarded on (a recompile per layer) and break the graph in every one."""
-        caller = self._check_first_input()
+        """A compiled forward's first question to the cache (its length, or its mask sizes), run eagerly (one graph
+        break) where the model's hook ran outside the graph (`target.forward = torch.compile(...)`): every pending
+        layer converted in the forward's rows, device and dtype, so the traced layers find a plain cache. Converting
+        one layer per `update` instead would change the state each traced layer is guarded on (a recompile per
+        layer) and break the graph in every one. Eagerly each layer is converted when it arrives (`update`)."""
+        self._require_told()
+        self._convert_every_layer()
+
+    def _convert_every_layer(self) -> None:
         if self._transfer is None:
             return  # the forward re-feeds the prompt: it computes it itself
-        like = self._forward_like(caller)
+        like = self._forward_like(self._told)
         for layer_idx in sorted(self._pending):
             self._arrive(layer_idx, like, appended=False)  # laid out as a prefill's: the graph's guards on strides hold
 
-    def _forward_like(self, caller: CallerInputs) -> torch.Tensor:
+    def _require_told(self) -> None:
+        if self._told is None:
+            raise ValueError(
+                "a forward runs on this TransferredCache but the cache was not told what it is fed: build it with "
+                "model=target, the model whose forward runs on it (TransferredCache(src_cache, mapper, model=target))"
+            )
+
+    def _forward_like(self, told: ForwardInputs) -> torch.Tensor:
         """An empty `[rows, n_kv, 0, d]` tensor like the key states the running forward's layers will pass: its rows
         (from what it was fed), the model's device and dtype (autocast's where it is on)."""
-        given = self._given_model() if self._given_model is not None else None
-        model = caller.model or self._exact_model or given
-        fed = caller.forward_ids if caller.forward_ids is not None else caller.forward_embeds
-        if model is None:
-            raise ValueError(
-                "a compiled target converts this TransferredCache before its graph and needs the target model: pass "
-                "model=target to TransferredCache, or call cache.convert_all() before the compiled forward"
-            )
+        model, fed = told.model, told.fed
         param = model.get_input_embeddings().weight
         dtype = torch.get_autocast_dtype(param.device.type) if torch.is_autocast_enabled(param.device.type) else model.dtype
         like = self._like(param.device, dtype)
         rows = fed.shape[0] if fed is not None else like.shape[0]
         return like.new_empty((rows, *like.shape[1:]))
 
-    def _check_first_input(self) -> CallerInputs:
+    def _check_first_input(self, told: ForwardInputs) -> None:
         """Check the first forward on the transferred tokens, before it builds positions and masks from them."""
-        caller = CallerInputs.from_stack()
-        self._learn_model(caller.model)
-        if caller.forward_ids is None:
-            if caller.forward_embeds is not None:
-                self._first_input_checked = True
-                check_mask(caller, self._transfer.attention_mask, self._transfer.length)
-                self._check_embeds(caller.forward_embeds, caller.model or self._exact_model)
-            return caller  # generate asking for the length first (nothing fed yet), or a forward of inputs_embeds
-        self._first_input_checked = True
-        held, fed = self._transfer.length, caller.forward_ids
-        prompt = self.prompt_ids if self.prompt_ids is not None else (None if caller.direct else caller.sequence)
-        if held > 0 and prompt is not None and fed.shape[-1] >= held and first_difference(fed[:, :held], prompt[:, :held]) is None:
+        held = self._transfer.length
+        if told.ids is None:
+            if told.embeds is not None:
+                check_mask(told, self._transfer.attention_mask, held)
+                self._check_embeds(told.embeds, told.model)
+            return
+        fed = told.ids
+        prompt = self.prompt_ids if self.prompt_ids is not None else told.sequence
+        if refeeds_prompt(fed, prompt, held):
             # The forward re-feeds the transferred prompt from its start: transformers' assisted decoding and prompt
             # lookup do on their first step, as does generate with num_recompute_tokens=0. Appending it would hold
             # the prompt twice; the target computes it itself instead (exact, but nothing is saved).
@@ -418,20 +430,31 @@ class TransferredCache(DynamicCache):
                 f"the target is fed the {held} transferred prompt tokens again (assisted decoding and prompt lookup "
                 "re-feed the whole prompt on their first step; so does generate with num_recompute_tokens=0): it "
                 "recomputes them itself and the transferred cache is not used",
-                stacklevel=4,
+                stacklevel=5,
             )
-            self._pending.clear()
-            self._transfer = None
-            self._keep_prompt(fed.shape[-1] if caller.direct else caller.sequence.shape[-1])
-            return caller
-        self._only_new_tokens = check_prompt(caller, self.prompt_ids, held, fed.shape[-1], self.num_recompute_tokens)
-        check_mask(caller, self._transfer.attention_mask, held)
+            self._drop_transfer()
+            self._keep_prompt(fed.shape[-1] if told.direct else told.sequence.shape[-1])
+            return
+        self._only_new_tokens = check_prompt(told, self.prompt_ids, held, self.num_recompute_tokens)
+        check_mask(told, self._transfer.attention_mask, held)
         # From here the cache holds what the target is given: a later turn continues that, not the rest of the prompt
         # (generate on a prefix of the prompt goes on with its own tokens; assisted decoding's drafts are not given).
-        self._keep_prompt(held + fed.shape[-1] if caller.direct else max(caller.sequence.shape[-1], held))
-        if self.prompt_ids is None and not caller.direct:
-            self._learn_prompt(caller.sequence)
-        return caller
+        self._keep_prompt(held + fed.shape[-1] if told.direct else max(told.sequence.shape[-1], held))
+        if self.prompt_ids is None and not told.direct:
+            self._learn_prompt(told.sequence)
+
+    def _check_continuation(self, told: ForwardInputs) -> None:
+        """A later turn under generate (decode steps, one token each, skip this) continues the conversation held."""
+        if told.ids is None or told.direct or told.ids.shape[-1] <= 1 or self._only_new_tokens:
+            # Only new tokens (checked on the first forward): the sequence never holds the prompt, so later steps have
+            # no prompt to compare (prompt lookup's steps can be as long as the cache).
+            return
+        check_prompt(told, self.prompt_ids, self.get_seq_length(), self.num_recompute_tokens)
+
+    def _drop_transfer(self) -> None:
+        self._pending.clear()
+        self._transfer = None
+        self._exact_pending = False
 
     def _check_embeds(self, fed: torch.Tensor, model: PreTrainedModel | None) -> None:
         """A first forward of `inputs_embeds`: its ids are unknown, so only a re-fed prompt is recognised (the
@@ -452,19 +475,7 @@ class TransferredCache(DynamicCache):
             "num_recompute_tokens=0): it recomputes them itself and the transferred cache is not used",
             stacklevel=5,
         )
-        self._pending.clear()
-        self._transfer = None
-        self._exact_pending = False
-
-    def _learn_model(self, model: PreTrainedModel | None) -> None:
-        """The target model of the forward running on the cache: checked against the mapper's target (a model of
-        another shape never gets output) and kept for the exact layers when none was given (`model=`)."""
-        if model is None or model is self._exact_model:
-            return
-        self.mapper.check_compatible(target_config=model.config)
-        prefer_grouped_sdpa(model)  # the forward's attention over the cache: no per-head copies of it on CPU
-        if (self._exact_pending or self._gate is not None) and self._exact_model is None:
-            self._exact_model = model
+        self._drop_transfer()
 
     def _learn_prompt(self, sequence: torch.Tensor) -> None:
         """The prompt's ids from generate's sequence, for a cache built without them: it starts with the prompt
@@ -567,16 +578,6 @@ class TransferredCache(DynamicCache):
         self._exact_pending, self._exact_model, self._exact_prompt = False, None, None
         return self
 
-    def _check_continuation(self, query_length: int) -> None:
-        caller = CallerInputs.from_stack()
-        if caller.forward_ids is None or caller.direct:
-            return
-        if self._only_new_tokens:
-            # The caller feeds only new tokens (checked on the first forward): its sequence never holds the prompt,
-            # so later steps have no prompt to compare (prompt lookup's steps can be as long as the cache).
-            return
-        check_prompt(caller, self.prompt_ids, self.get_seq_length(), query_length, self.num_recompute_tokens)
-
     # -- conversion ---------------------------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -587,6 +588,7 @@ class TransferredCache(DynamicCache):
                 f"{self.mapper.config.target_model_id}); load the mapper made for this target model"
             )
         if layer_idx in self._pending:
+            self._require_told()
             self._arrive(layer_idx, key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

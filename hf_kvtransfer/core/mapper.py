@@ -231,7 +231,7 @@ class KVMapper(nn.Module):
     Example:
         ```python
         mapper = KVMapper.from_pretrained("mappers/small-to-large")
-        cache = TransferredCache(prefill(source, input_ids), mapper)
+        cache = TransferredCache(prefill(source, input_ids), mapper, model=target)
         out = target.generate(input_ids, cache=cache, max_new_tokens=32)
         ```
     """

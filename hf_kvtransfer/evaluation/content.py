@@ -656,7 +656,7 @@ def greedy_agreement(
     """Greedy generations of the target from its own prefill vs. from a `TransferredCache`, token for token.
 
     Both are stock `target.generate(input_ids, max_new_tokens=..., do_sample=False)`, the transfer with
-    `cache=TransferredCache(prefill(source, input_ids), mapper)`. EOS is suppressed (`min_new_tokens`), so every
+    `cache=TransferredCache(prefill(source, input_ids), mapper, model=target)`. EOS is suppressed (`min_new_tokens`), so every
     generation has `max_new_tokens` tokens to compare.
 
     Greedy agreement over many tokens is all-or-nothing: one flipped near-tie changes the rest of a generation. So

@@ -22,7 +22,7 @@ and hand-off too. The cheapest one that passes is recorded in the mapper.
 Example:
     ```python
     num_exact, report = choose_num_exact_layers(small, large, mapper, heldout_ids)
-    cache = TransferredCache(prefill(small, ids), mapper, num_exact_layers=num_exact)
+    cache = TransferredCache(prefill(small, ids), mapper, num_exact_layers=num_exact, model=large)
     ```
 """
 

@@ -121,7 +121,7 @@ def ttft(source, target, mapper, ids, num_exact, repeats):
     src_cache = prefill(source, ids)
 
     def transfer():
-        cache = TransferredCache(src_cache, mapper, num_exact_layers=num_exact)
+        cache = TransferredCache(src_cache, mapper, num_exact_layers=num_exact, model=target)
         target(ids[:, -cache.num_recompute_tokens:], use_cache=True, logits_to_keep=1, cache=cache)
 
     with torch.no_grad():

@@ -97,12 +97,12 @@ def main() -> None:
             target(ids[:, -1:], use_cache=True, logits_to_keep=1)
 
         def transfer(recompute: int | None = None, with_mapper=mapper):
-            cache = TransferredCache(src_cache, with_mapper, num_recompute_tokens=recompute)
+            cache = TransferredCache(src_cache, with_mapper, num_recompute_tokens=recompute, model=target)
             target(ids[:, -cache.num_recompute_tokens :], use_cache=True, logits_to_keep=1, cache=cache)
 
         def staged() -> list[tuple[float, float]]:
             marks = [clocks()]
-            cache = TransferredCache(src_cache, mapper)
+            cache = TransferredCache(src_cache, mapper, model=target)
             marks.append(clocks())
             cache.compute_exact_layers(target)
             marks.append(clocks())

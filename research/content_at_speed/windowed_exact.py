@@ -79,7 +79,7 @@ def speed(pair, mapper, windows, lengths, rounds: int) -> dict:
             pair.target(ids, use_cache=True, logits_to_keep=1)
 
         def transfer(w):
-            cache = TransferredCache(src, mapper, exact_window=w)
+            cache = TransferredCache(src, mapper, exact_window=w, model=pair.target)
             start = time.process_time()
             cache.compute_exact_layers(pair.target)
             exact = time.process_time() - start

@@ -118,7 +118,7 @@ def _phase(name: str, directory: str, seq_len: int) -> dict:
     before, _ = _rss()
     _reset_peak()
     with torch.no_grad():
-        cache = TransferredCache(source_cache, mapper, num_recompute_tokens=1)
+        cache = TransferredCache(source_cache, mapper, num_recompute_tokens=1, model=model)
         model(ids[:, -1:], past_key_values=cache, use_cache=True)
     after, peak = _rss()
     return {**out, "before": before, "peak": peak, "after": after, "stacked_bytes": _stacked_bytes(mapper)}

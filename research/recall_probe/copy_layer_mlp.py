@@ -60,7 +60,7 @@ class Features:
         self.rotary = build_rotary_embedding(tgt.config)
 
     def __call__(self, ids: torch.Tensor, held: int, recompute: int):
-        transferred = TransferredCache(prefill(self.src, ids), self.mapper, num_recompute_tokens=recompute)
+        transferred = TransferredCache(prefill(self.src, ids), self.mapper, num_recompute_tokens=recompute, model=self.tgt)
         logits = self.tgt(ids[:, -recompute:], cache=transferred).logits[0, -1]
         own = self.tgt(ids[:, :held], use_cache=True, output_hidden_states=True)
         cos, sin = rotary_cos_sin(self.rotary, torch.arange(held)[None], torch.device("cpu"))

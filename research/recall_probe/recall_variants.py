@@ -48,7 +48,7 @@ def main():
         with torch.no_grad():
             for it in items:
                 ids = torch.tensor([it.prompt_ids])
-                cache = TransferredCache(prefill(src, ids), mapper, num_recompute_tokens=args.recompute, num_exact_layers=num_exact)
+                cache = TransferredCache(prefill(src, ids), mapper, num_recompute_tokens=args.recompute, num_exact_layers=num_exact, model=tgt)
                 ok += int(tgt(ids[:, -args.recompute :], cache=cache).logits[0, -1].argmax() == it.answer_ids[0])
         return ok / len(items)
 

@@ -50,7 +50,7 @@ def main():
             ids = torch.tensor([it.prompt_ids])
             held = ids.shape[1] - r
             own = prefill(tgt, ids[:, :held])
-            transferred = TransferredCache(prefill(src, ids), mapper, num_recompute_tokens=r)
+            transferred = TransferredCache(prefill(src, ids), mapper, num_recompute_tokens=r, model=tgt)
             tgt(ids[:, -r:], cache=transferred)
             for s in swaps:
                 cache = DynamicCache()

@@ -41,7 +41,7 @@ def main() -> None:
         ids = torch.tensor(stream[i * 1024 : (i + 1) * 1024]).unsqueeze(0)
         logits, states = [], []
         for m in (mapper, folded):
-            cache = TransferredCache(prefill(pair.source, ids), m)
+            cache = TransferredCache(prefill(pair.source, ids), m, model=pair.target)
             with torch.no_grad():
                 logits.append(pair.target(ids[:, -cache.num_recompute_tokens :], cache=cache).logits[0, -1])
             states.append(torch.cat([torch.cat((layer.keys, layer.values)).flatten() for layer in cache.layers]))

@@ -93,7 +93,7 @@ def main():
     def caches(ids, held, r):
         captured.clear()
         captured["want"] = held
-        transferred = TransferredCache(prefill(src, ids), mapper, num_recompute_tokens=r)
+        transferred = TransferredCache(prefill(src, ids), mapper, num_recompute_tokens=r, model=tgt)
         logits = tgt(ids[:, -r:], cache=transferred).logits[0, -1]
         mapped_pre = {t: captured[t] for t in prenorm}
         captured.clear()

@@ -50,7 +50,7 @@ def main() -> None:
             pair.target(ids, use_cache=True, logits_to_keep=1)
 
         def transfer(m, r=None):
-            cache = TransferredCache(src_cache, m, num_recompute_tokens=r)
+            cache = TransferredCache(src_cache, m, num_recompute_tokens=r, model=pair.target)
             pair.target(ids[:, -cache.num_recompute_tokens:], use_cache=True, logits_to_keep=1, cache=cache)
 
         runs = {d: (m, None) for d, m in mappers.items()}

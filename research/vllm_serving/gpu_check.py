@@ -136,7 +136,7 @@ def main() -> None:
             for p in prompts[1:]:
                 ids = torch.tensor([p], device=dev)
                 cache = src(ids, use_cache=True).past_key_values
-                tc = TransferredCache(cache, mapper, input_ids=ids)
+                tc = TransferredCache(cache, mapper, input_ids=ids, model=tgt)
                 out = tgt.generate(ids, past_key_values=tc, max_new_tokens=args.new_tokens, do_sample=False)
                 ref["transformers"].append(out[0, length:].tolist())
                 ref["own_bf16"].append(tgt.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)[0, length:].tolist())

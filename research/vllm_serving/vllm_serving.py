@@ -104,7 +104,7 @@ def _transformers_answers(mapper_dir: str, family: Path, recall, handoff, answer
         src = small(torch.tensor([context]), use_cache=True).past_key_values
         r = resolve_num_recompute_tokens(extra.get("num_recompute_tokens"), len(context))
         cache = TransferredCache(src, mapper, num_recompute_tokens=r, input_ids=torch.tensor([context]),
-                                 num_exact_layers=num_exact)  # fmt: skip
+                                 num_exact_layers=num_exact, model=large)  # fmt: skip
         return greedy(large, ids, n, cache, start=len(context) - r)
 
     out = {"recall": {"transformers": [], "bf16": []}, "handoff": {"transformers": [], "bf16": []}}
