@@ -307,3 +307,19 @@ def test_the_model_tells_every_cache_with_one_hook_and_a_copy_tells_its_own(pair
     assert len(twin._forward_pre_hooks) == 1
     with pytest.raises(ValueError, match="build it with model=target"):
         twin.generate(ids, cache=_cache(model, mapper, ids), **GREEDY)
+    # A model given its own prepare_inputs_for_generation by another library (peft does) keeps it.
+    calls = []
+
+    def own(input_ids, *args, **kwargs):
+        calls.append(input_ids.shape[-1])
+        return type(twin).prepare_inputs_for_generation(other, input_ids, *args, **kwargs)
+
+    other = copy.deepcopy(model)
+    vars(other).pop("prepare_inputs_for_generation")
+    other.prepare_inputs_for_generation = own
+    out = other.generate(ids, cache=_cache(other, mapper, ids), **GREEDY)
+    assert torch.equal(out, model.generate(ids, **GREEDY)) and calls[0] == 16
+    changed = ids.clone()
+    changed[:, 0] = (changed[:, 0] + 1) % model.config.vocab_size  # what the forward is fed is the same: generate's
+    with pytest.raises(ValueError, match="differ from the prompt.*position 0"):  # sequence says it is another prompt
+        other.generate(changed, cache=_cache(other, mapper, ids), **GREEDY)

@@ -84,9 +84,11 @@ def listen(model: PreTrainedModel) -> None:
     if _tell_listener not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_tell_listener, with_kwargs=True)
     prepare = getattr(model, "prepare_inputs_for_generation", None)  # a model's body alone has none (no generate)
-    if prepare is not None and not hasattr(getattr(prepare, "__func__", None), "_tells"):
-        # Bound to the model (a deep copy rebinds it to the copy); the class's own method does the work.
-        model.prepare_inputs_for_generation = types.MethodType(_prepare_and_tell(type(model)), model)
+    if prepare is not None and not hasattr(getattr(prepare, "__func__", prepare), "_tells"):
+        # Bound to the model (a deep copy rebinds it to the copy). It calls the class's own method, or the one the
+        # model was given by another library (peft sets its own on the model), which it then holds.
+        own = vars(model).get("prepare_inputs_for_generation")
+        model.prepare_inputs_for_generation = types.MethodType(_prepare_and_tell(type(model), own), model)
 
 
 def _cache_in(args: tuple, kwargs: dict):
@@ -98,16 +100,18 @@ def _cache_in(args: tuple, kwargs: dict):
     return cache if isinstance(cache, Listener) else None
 
 
-def _prepare_and_tell(model_type: type):
-    """`model_type.prepare_inputs_for_generation`, telling the cache generate's sequence and mask first (with the
-    same signature: generate reads it)."""
-    prepare = model_type.prepare_inputs_for_generation
+def _prepare_and_tell(model_type: type, own=None):
+    """`model_type.prepare_inputs_for_generation` (or the model's `own`, already bound), telling the cache generate's
+    sequence and mask first (with the same signature: generate reads it)."""
+    prepare = own if own is not None else model_type.prepare_inputs_for_generation
 
     @functools.wraps(prepare)
     def prepare_and_tell(self, input_ids, *args, **kwargs):
         cache = _cache_in((), kwargs)
         if cache is not None and cache.listening():
             cache._generate_step = (input_ids, kwargs.get("attention_mask"))
+        if own is not None:
+            return own(input_ids, *args, **kwargs)
         return prepare(self, input_ids, *args, **kwargs)
 
     prepare_and_tell._tells = True
