@@ -246,7 +246,8 @@ def _reference_logprobs(small_to_large, ids, matched: int, **cache_kwargs):
     large = AutoModelForCausalLM.from_pretrained(FAMILY / "large", dtype=torch.float32)
     with torch.no_grad():
         src = small(torch.tensor([ids[:matched]]), use_cache=True).past_key_values
-        cache = TransferredCache(src, small_to_large["mapper"], input_ids=torch.tensor([ids[:matched]]), **cache_kwargs)
+        cache = TransferredCache(src, small_to_large["mapper"], input_ids=torch.tensor([ids[:matched]]), model=large,
+                                 **cache_kwargs)  # fmt: skip
         held = matched - cache.num_recompute_tokens
         out = large(torch.tensor([ids[held:]]), past_key_values=cache,
                     position_ids=torch.arange(held, len(ids)).unsqueeze(0), use_cache=True)  # fmt: skip
