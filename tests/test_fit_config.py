@@ -117,7 +117,7 @@ def test_fit_mapper_takes_a_config_plus_overrides(linear_models):
 
 
 def test_one_statistics_budget_rule():
-    """Both kinds of the fit's sums take `max_statistics_memory` when given; else the K/V sums half the free memory and
+    """Both kinds of the fit's sums take `max_statistics_memory` together when given; else the K/V sums half the free memory and
     the residual sums the fixed default (`fitting/budget.py`), which `FitConfig` validates the same way."""
     from hf_kvtransfer.fitting.budget import RESIDUAL_STATISTICS_BYTES, statistics_budget
 
@@ -127,6 +127,14 @@ def test_one_statistics_budget_rule():
     given = statistics_budget(2.5, free_bytes=10 * 2**30)
     assert (given.kv_bytes, given.residual_bytes, given.given) == (int(2.5 * 2**30),) * 2 + (True,)
     assert given.describe("residual") == "the budget of 2.5 GiB (--max-statistics-memory)"
+    # One total where both kinds live on the CPU: the residual sums get what the K/V sums leave; on a GPU the K/V sums
+    # take the GPU's memory and the residual sums keep the whole budget; the defaults are two budgets.
+    shared = given.after_kv(2**30, "cpu")
+    assert (shared.kv_bytes, shared.residual_bytes) == (int(2.5 * 2**30), int(1.5 * 2**30))
+    assert shared.describe("residual") == ("the budget of 1.5 GiB (what the K/V sums' 1 GiB leave of "
+                                           "--max-statistics-memory 2.5 GiB)")  # fmt: skip
+    assert given.after_kv(3 * 2**30, "cpu").residual_bytes == 0
+    assert given.after_kv(2**30, "cuda:0") == given and free.after_kv(2**30, "cpu") == free
     for bad in (0, -1.0):
         with pytest.raises(ValueError, match="max_statistics_memory must be > 0 GiB"):
             statistics_budget(bad)

@@ -2,6 +2,7 @@
 a real transfer's cache tensors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,17 +304,22 @@ def _residual_bytes_per_layer(source_features: int, residual_features: int, targ
     return 2 * 8 * (f * f + f * target_features + f + 2 * target_features)
 
 
-@pytest.mark.parametrize("gib,layers,with_source", [(None, 1, False), (1, 0, False), (96, 27, False), (900, 27, True)])
+@pytest.mark.parametrize("gib,layers,with_source", [(None, 1, False), (1, 0, False), (96, 14, False), (1000, 27, True)])
 def test_plan_says_which_residual_layers_a_fit_collects_within_its_budget(gib, layers, with_source):
     """Qwen3-0.6B -> 1.7B: 28 x 8 x 128 source features per kind, 3 positions x 2048 residual features, 27 candidate
-    residual layers (every one that leaves a layer to map). The default budget is 4 GiB; with the source's K/V the
-    sums of a layer are 33 GiB, without them 3.2 GiB."""
+    residual layers (every one that leaves a layer to map). The default budget is 4 GiB; a given one is a total, of
+    which the K/V sums take theirs first (full: two sets of 2 x (f^2 + f^2 + f + 2f) float64, f = 28 x 8 x 128; at
+    1 GiB two-stage, and more than the budget). With the source's K/V the residual sums of a layer are 33 GiB,
+    without them 3.2 GiB."""
     plan = plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", use_hub=False, available_memory=2**40,
                          max_statistics_memory=gib)  # fmt: skip
     row = plan.fit_input_statistics["residual"]
     with_kv, alone = _residual_bytes_per_layer(28 * 8 * 128, 3 * 2048, 28 * 8 * 128), _residual_bytes_per_layer(0, 3 * 2048, 28 * 8 * 128)
     assert (row["bytes_per_layer"], row["bytes_per_layer_residual_alone"]) == (with_kv, alone)
-    budget = 4 * 2**30 if gib is None else gib * 2**30
+    f = 28 * 8 * 128
+    kv_full = 2 * 2 * 8 * (2 * f * f + 3 * f)
+    given = None if gib is None else gib * 2**30
+    budget = 4 * 2**30 if given is None else given - kv_full if given >= kv_full else 0  # 1 GiB: two-stage, over it
     assert row["budget_bytes"] == budget
     assert row["layers"] == list(range(layers)) and row["source_features"] == with_source
     assert row["candidates"] == 27
@@ -335,6 +341,7 @@ def test_plan_and_fit_take_the_same_budget():
     budget on real models of those configs."""
     from hf_kvtransfer.fitting.config import FitConfig
     from hf_kvtransfer.fitting.residual_stats import ResidualFit
+    from hf_kvtransfer.fitting.accumulate import plan_kv_sums
 
     free = plan_transfer(SOURCE, TARGET, top_k=1, available_memory=2**40)
     full = 2 * free.statistics_bytes_full
@@ -343,12 +350,15 @@ def test_plan_and_fit_take_the_same_budget():
     assert tight.fit_default_mode == "two-stage" and tight.statistics_budget_bytes == full - 1
     assert "--max-statistics-memory" in tight.statistics_budget_origin
     per_layer = tight.fit_input_statistics["residual"]["bytes_per_layer"]
-    gib = 2.5 * per_layer / 2**30  # two residual layers with the source's K/V
+    gib = (full + 2.5 * per_layer) / 2**30  # the full K/V sums and residual layers (two or more at 2 positions)
     plan = plan_transfer(SOURCE, TARGET, top_k=1, available_memory=2**40, max_statistics_memory=gib, residual_positions=2)
     logs = []
-    stats = ResidualFit().statistics(Qwen3ForCausalLM(SOURCE), Qwen3ForCausalLM(TARGET),
-                                     FitConfig(max_statistics_memory=gib, residual_lags=(0, 1)), logs.append)  # fmt: skip
+    source, target = Qwen3ForCausalLM(SOURCE), Qwen3ForCausalLM(TARGET)
+    config = FitConfig(max_statistics_memory=gib, residual_lags=(0, 1), statistics_device="cpu")
+    kv = plan_kv_sums(source, target, FitConfig().num_sequences, config)
+    stats = ResidualFit().statistics(source, target, config, kv.residual_budget(), logs.append)
     row = plan.fit_input_statistics["residual"]
+    assert row["budget_bytes"] == int(gib * 2**30) - full and len(row["layers"]) >= 2
     assert list(stats.target_hidden_layers) == row["layers"] and stats.source_features == row["source_features"]
     assert logs == [row["line"]]
 
@@ -358,7 +368,16 @@ def test_plan_cli_max_statistics_memory(capsys):
                  "--max-statistics-memory", "96"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert out["statistics_budget_bytes"] == 96 * 2**30 and out["fit_default_mode"] == "full"
-    assert out["fit_input_statistics"]["residual"]["layers"] == list(range(27))
+    # One total: the residual sums (the residual features alone) get what the full K/V sums leave of the 96 GiB.
+    residual = out["fit_input_statistics"]["residual"]
+    left = 96 * 2**30 - out["fit_default_statistics_bytes"]
+    assert residual["layers"] == list(range(left // residual["bytes_per_layer_residual_alone"]))
+    assert 0 < len(residual["layers"]) < 27 and not residual["source_features"]
+    # docs/guides/plan.md quotes this run
+    guide = " ".join((Path(__file__).parents[1] / "docs/guides/plan.md").read_text(encoding="utf-8").split())
+    total = (out["fit_default_statistics_bytes"] + residual["bytes"]) / 2**30
+    assert f"residual entering layers 0-{residual['layers'][-1]}" in guide and f"(there, {total:.2f} GiB)" in guide
+    assert f"full K/V sums take {out['fit_default_statistics_bytes'] / 2**30:.2f} GiB" in guide
 
 
 def test_a_top_k_past_the_source_depth_plans_every_source_layer_as_the_fit_does():

@@ -522,7 +522,7 @@ def test_the_fit_searches_every_registered_fit_input(pair, monkeypatch):
     class Toy(fit_inputs.FitInput):
         name, tag = "toy", "toy"
 
-        def statistics(self, source, target, config, log):
+        def statistics(self, source, target, config, budget, log):
             calls.append("toy statistics")
             log("toy: not searched here")
 
@@ -843,11 +843,26 @@ def test_the_fit_keeps_to_the_residual_features_where_the_source_would_cost_resi
     assert handed == []
 
 
-def test_the_statistics_budget_is_the_fits_when_given(pair):
-    from hf_kvtransfer.fitting.config import FitConfig
-
-    source, target, _, _, _ = pair
+def _fit_logs(pair, **keywords) -> list[str]:
+    source, target, ids, _, _ = pair
     logs = []
-    tight = FitConfig(max_statistics_memory=(16 * (128**2 + 128 * 96 + 128 + 192)) / 2**30, residual_lags=LAGS)
-    stats = residual_stats.ResidualFit().statistics(source, target, tight, logs.append)
-    assert stats.target_hidden_layers == (0,) and not stats.source_features, logs
+    fit_mapper(source, target, ids, top_k=2, heldout_fraction=0, progress=False, stride=1, residual_lags=LAGS,
+               log=logs.append, **keywords)  # fmt: skip
+    return logs
+
+
+def test_a_given_statistics_budget_is_one_total_for_both_kinds_of_sums(pair):
+    """`max_statistics_memory` bounds the K/V sums and the residual sums together (both on the CPU here): the residual
+    sums get what the K/V sums leave. Sizes counted by hand: the K/V sums 2 x (64^2 + 64 x 96 + 64 + 2 x 96) float64
+    (2 source layers x 2 heads x 16 against 3 x 2 x 16), one residual layer without the source's K/V as in
+    `test_the_fit_keeps_to_the_residual_features_where_the_source_would_cost_residual_layers`."""
+    kv = 16 * (64**2 + 64 * 96 + 64 + 2 * 96)
+    alone = 16 * (128**2 + 128 * 96 + 128 + 192)
+    logs = _fit_logs(pair, max_statistics_memory=(kv + alone) / 2**30)
+    line = next(line for line in logs if line.startswith("residual-input"))
+    assert line.startswith("residual-input statistics for residual layers [0]") and "residual features alone" in line
+    assert f"what the K/V sums' {kv / 2**20:,.1f} MiB leave of --max-statistics-memory" in line, line
+    assert any(line.startswith("statistics: ") and "on cpu" in line for line in logs)  # the K/V sums in full, on CPU
+    logs = _fit_logs(pair, max_statistics_memory=(kv + alone - 1) / 2**30)  # one layer's room, less one byte
+    line = next(line for line in logs if line.startswith("residual-input"))
+    assert line.startswith("residual-input maps: not tried"), line

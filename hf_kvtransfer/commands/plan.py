@@ -34,8 +34,9 @@ from ..core.options import with_options
 from ..core.ridge import effective_top_k
 from ..core.rope import text_config
 from ..core.stats import KVLayout, block_statistics_nbytes, statistics_nbytes
-from ..fitting.config import FitConfig, heldout_count
+from ..fitting.accumulate import kv_sums_bytes
 from ..fitting.budget import StatisticsBudget, available_memory, statistics_budget
+from ..fitting.config import FitConfig, heldout_count
 from ..fitting.exact_window import FIRST_WINDOW
 from ..fitting.fit_inputs import registered_fit_inputs
 from .model_configs import load_model_config
@@ -415,7 +416,9 @@ def plan_transfer(
     budget = statistics_budget(o.max_statistics_memory, available)
     fit = _fit_memory(src, tgt, o.top_k, o.num_sequences, o.heldout_fraction, o.probe_tokens, budget)
     notes += fit.pop("notes")
-    fit["fit_input_statistics"] = _fit_input_statistics(src, tgt, target_config, o.input_positions or {}, budget)
+    # The plan's sums live on the CPU, so a given budget is one total: the map inputs' sums get what the K/V sums leave.
+    left = budget.after_kv(fit["fit_default_statistics_bytes"], "cpu")
+    fit["fit_input_statistics"] = _fit_input_statistics(src, tgt, target_config, o.input_positions or {}, left)
     return TransferPlan(
         source=source_name,
         target=target_name,
@@ -521,14 +524,10 @@ def _fit_memory(src: KVLayout, tgt: KVLayout, top_k: int, num_sequences: int, he
     stats_full = statistics_nbytes(src, tgt)
     stats_two_stage = block_statistics_nbytes(src, tgt, top_k)
     sets = 2 if heldout_count(num_sequences, heldout_fraction) else 1
-    # Two-stage probe: float32 features of `probe_tokens` tokens (keys and values), one kind at a time in float64
-    # with its centered copy while ranking layers (ridge.probe_single_source_r2).
-    width = src.total_dim + tgt.total_dim
-    probe = 2 * probe_tokens * width * 4 + 2 * probe_tokens * width * 8
-
     two_stage = budget.two_stage(stats_full * sets)
     mode = "two-stage" if two_stage else "full"
-    fit_bytes = (stats_two_stage * sets + probe) if two_stage else stats_full * sets
+    fit_bytes = kv_sums_bytes(src, tgt, sets, two_stage, top_k, probe_tokens)
+    probe = kv_sums_bytes(src, tgt, sets, True, top_k, probe_tokens) - stats_two_stage * sets
     if two_stage and fit_bytes > budget.kv_bytes:
         notes.append(
             f"even two-stage statistics ({fit_bytes / 2**30:.1f} GiB) exceed the budget: fit on a larger machine or "
@@ -591,14 +590,15 @@ def _count(n: int) -> str:
 
 
 def _statistics_total_lines(plan: TransferPlan) -> list[str]:
-    """The fit's sums in all, where map inputs collect some beside the K/V sums (each kind has the whole budget)."""
+    """The fit's sums in all, where map inputs collect some beside the K/V sums (within a given budget together; by
+    default each kind within its own)."""
     extra = sum(row["bytes"] for row in plan.fit_input_statistics.values())
     if not extra:
         return []
     total = plan.fit_default_statistics_bytes + extra
     line = f"  in all:    {_bytes(total)} (the K/V sums and the map inputs' sums together)"
     if total > plan.available_memory_bytes:
-        line += f", more than the {_bytes(plan.available_memory_bytes)} available: each kind has the whole budget"
+        line += f", more than the {_bytes(plan.available_memory_bytes)} available: --max-statistics-memory caps them"
     return [line]
 
 

@@ -137,7 +137,9 @@ class TransferredCache(DynamicCache, Listener):
     exactly like a `DynamicCache`. Pass it to stock `generate` (`cache=` or `past_key_values=`), built with
     `model=target`: the target tells it what each forward is fed (`told.py`). Under `torch.compile`
     (the target's forward or the whole module), the first forward converts every layer at once, before its graph (one
-    graph break, where its input is checked; later turns are not); with `fullgraph=True`, `convert_all()` first.
+    graph break, where its input is checked); with `fullgraph=True`, `convert_all()` first. Later turns are checked
+    when only the forward is compiled (`target.forward = torch.compile(...)`: the hooks run eagerly), not under
+    `torch.compile(target)`, whose graph holds the hook.
 
     The last `num_recompute_tokens` tokens of the source cache are *not* transferred: the target
     recomputes them itself, so `generate` can be called with the same full `input_ids` the source saw

@@ -41,7 +41,7 @@ from .calibration_pass import (
     dist_info,
     read_checkpoint_state,
 )
-from .budget import statistics_budget
+from .budget import StatisticsBudget, statistics_budget
 from .config import FitConfig, heldout_count
 
 logger = logging.getLogger(__name__)
@@ -377,6 +377,50 @@ def accumulate_statistics(
     return accumulator.train, accumulator.heldout
 
 
+@dataclass(frozen=True)
+class KVSumsPlan:
+    """Where the fit's K/V sums live and how large they get, decided once before the calibration pass
+    (`plan_kv_sums`): `run_fit_pass` accumulates them so, and the map inputs' sums get what they leave of the budget
+    (`residual_budget`)."""
+
+    device: torch.device
+    full_bytes: int  # the full statistics, every set (fit + held-out)
+    two_stage: bool
+    max_top_k: int
+    budget: StatisticsBudget
+    bytes: int  # what they take: the full statistics, or the two-stage blocks and probe
+
+    def residual_budget(self) -> StatisticsBudget:
+        """The budget the map inputs' sums collect within, once these sums have taken theirs."""
+        return self.budget.after_kv(self.bytes, self.device)
+
+
+def kv_sums_bytes(source: KVLayout, target: KVLayout, sets: int, two_stage: bool, top_k: int,
+                  probe_tokens: int) -> int:  # fmt: skip
+    """Bytes of the fit's K/V sums (float64, `sets` of them): the full statistics, or two-stage blocks of `top_k`
+    source layers per target layer plus the probe's features (`probe_tokens` tokens of keys and values, float32,
+    and one kind at a time in float64 with its centered copy while layers are ranked: `ridge.probe_single_source_r2`)."""
+    if not two_stage:
+        return statistics_nbytes(source, target) * sets
+    width = source.total_dim + target.total_dim
+    return block_statistics_nbytes(source, target, top_k) * sets + 2 * probe_tokens * width * (4 + 8)
+
+
+def plan_kv_sums(source: PreTrainedModel, target: PreTrainedModel, num_sequences: int, config: FitConfig) -> KVSumsPlan:
+    """The K/V sums of a fit of `config` over `num_sequences` calibration sequences: device (`config.statistics_device`,
+    else the target's GPU if they fit), full or two-stage (`config.two_stage`, else two-stage past the budget), within
+    the one budget rule (`budget.statistics_budget`)."""
+    src, tgt = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
+    sets = 2 if heldout_count(num_sequences, config.heldout_fraction) else 1
+    full = statistics_nbytes(src, tgt) * sets
+    device = torch.device(config.statistics_device) if config.statistics_device else default_statistics_device(target, full)
+    budget = statistics_budget(config.max_statistics_memory, device=device)
+    two_stage = config.two_stage if config.two_stage is not None else (budget.two_stage(full) and None not in config.top_k_values)
+    max_top_k = min(config.max_top_k, src.num_layers)
+    taken = kv_sums_bytes(src, tgt, sets, bool(two_stage), max_top_k, config.probe_tokens)
+    return KVSumsPlan(device, full, bool(two_stage), max_top_k, budget, taken)
+
+
 def run_fit_pass(
     source: PreTrainedModel,
     target: PreTrainedModel,
@@ -388,11 +432,12 @@ def run_fit_pass(
     metadata: dict[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
     group=None,
+    kv: KVSumsPlan | None = None,
 ) -> tuple[KVStatistics, KVStatistics | None]:
     """The calibration pass as a `FitConfig` describes it: held-out shard (the last sequences), statistics device,
     full or two-stage statistics (automatic when the full ones exceed the memory budget), checkpoints in
     `config.checkpoint_dir`, statistics kept in `config.stats_dir`. Both fitters (ridge, MLP) run it; the MLP
-    adds its feature collector to `consumers`.
+    adds its feature collector to `consumers`. `kv`: the caller's `plan_kv_sums` (else made here).
 
     Returns:
         `(fit statistics, held-out statistics or None)`, summed over `torch.distributed` ranks.
@@ -400,26 +445,20 @@ def run_fit_pass(
     log = log or logger.info
     rank, world = dist_info(group)
     num_heldout = heldout_count(input_ids.shape[0], config.heldout_fraction)
-    src_layout, tgt_layout = KVLayout.from_config(source.config), KVLayout.from_config(target.config)
-    nbytes = statistics_nbytes(src_layout, tgt_layout) * (2 if num_heldout else 1)
-    device = torch.device(config.statistics_device) if config.statistics_device else default_statistics_device(target, nbytes)
-    budget = statistics_budget(config.max_statistics_memory, device=device)
-    two_stage = config.two_stage if config.two_stage is not None else (budget.two_stage(nbytes) and None not in config.top_k_values)
-    max_top_k = min(config.max_top_k, src_layout.num_layers)
+    kv = kv or plan_kv_sums(source, target, input_ids.shape[0], config)
     if rank == 0:
-        if budget.two_stage(nbytes):
-            log(f"full statistics ({nbytes / 2**30:,.3g} GiB) exceed {budget.describe('kv')}")
-        if two_stage:
-            blocks = block_statistics_nbytes(src_layout, tgt_layout, max_top_k) * (2 if num_heldout else 1)
+        if kv.budget.two_stage(kv.full_bytes):
+            log(f"full statistics ({kv.full_bytes / 2**30:,.3g} GiB) exceed {kv.budget.describe('kv')}")
+        if kv.two_stage:
             log(
-                f"two-stage mode: probe on {config.probe_tokens} tokens, then only the blocks of the top {max_top_k} "
-                f"source layers per target layer: at most {blocks / 2**20:,.1f} MiB"
+                f"two-stage mode: probe on {config.probe_tokens} tokens, then only the blocks of the top {kv.max_top_k} "
+                f"source layers per target layer: at most {kv.bytes / 2**20:,.1f} MiB with the probe's features"
             )
     train, heldout = accumulate_statistics(
         source, target, input_ids, attention_mask, stride=config.stride, batch_size=config.batch_size,
         num_heldout=num_heldout, checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
-        statistics_device=device, metadata=metadata, progress=config.progress, group=group, two_stage=bool(two_stage),
-        probe_tokens=config.probe_tokens, max_top_k=max_top_k, ridge_lambdas=config.probe_lambdas,
+        statistics_device=kv.device, metadata=metadata, progress=config.progress, group=group, two_stage=kv.two_stage,
+        probe_tokens=config.probe_tokens, max_top_k=kv.max_top_k, ridge_lambdas=config.probe_lambdas,
         consumers=consumers, log=log if rank == 0 else (lambda line: None),
     )  # fmt: skip
     if config.stats_dir and rank == 0:
@@ -467,11 +506,14 @@ def collect_statistics(
 
 __all__ = [
     "AccumulationOptions",
+    "KVSumsPlan",
     "StatisticsAccumulator",
     "accumulate_statistics",
     "collect_statistics",
     "default_statistics_device",
+    "kv_sums_bytes",
     "new_statistics",
+    "plan_kv_sums",
     "read_checkpoint",
     "run_fit_pass",
     "statistics_from_checkpoint",

@@ -6,7 +6,9 @@ the fit and by `plan` alike.
 - The residual input's sums (`residual_stats.py`) live on the CPU; their budget decides how many residual layers the
   fit searches, and whether the sums also hold the source's K/V.
 
-`fit --max-statistics-memory GIB` sets both budgets. Without it the K/V sums may take half the free memory where they
+`fit --max-statistics-memory GIB` is one total: the K/V sums take what they need first (two-stage past the budget),
+and the residual sums what the K/V sums leave of it where both live in the same memory (the CPU; `after_kv`); with the
+K/V sums on a GPU each memory has the whole budget. Without it the K/V sums may take half the free memory where they
 live, and the residual sums `RESIDUAL_STATISTICS_BYTES`: each residual layer adds to every token of the calibration pass
 a product as wide as its features, so their default stays fixed rather than growing with the machine.
 """
@@ -14,7 +16,7 @@ a product as wide as its features, so their default stays fixed rather than grow
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the fit's config validates its budget with `budget_bytes` and imports no torch
@@ -47,6 +49,15 @@ class StatisticsBudget:
     residual_bytes: int
     given: bool
     free_bytes: int | None = None  # the free memory the K/V budget was taken from (None: not read)
+    kv_taken: int | None = None  # what the K/V sums took of a given budget both kinds share (`after_kv`)
+
+    def after_kv(self, kv_bytes: int, kv_device: torch.device | str) -> StatisticsBudget:
+        """The budget the residual sums have once the K/V sums take `kv_bytes` on `kv_device`: what they leave of a
+        given budget where both live in the CPU's memory; else unchanged (each memory its own budget, or the
+        defaults)."""
+        if not self.given or str(kv_device).split(":")[0] != "cpu":
+            return self
+        return replace(self, residual_bytes=max(self.kv_bytes - kv_bytes, 0), kv_taken=kv_bytes)
 
     def two_stage(self, full_bytes: int) -> bool:
         """Whether K/V sums of `full_bytes` (every set: fit and held-out) switch to two-stage statistics."""
@@ -54,6 +65,8 @@ class StatisticsBudget:
 
     def origin(self, kind: str) -> str:
         """Where the budget of `kind` ("kv" or "residual") comes from, and how to change it."""
+        if self.given and kind == "residual" and self.kv_taken is not None:
+            return f"what the K/V sums' {_size(self.kv_taken)} leave of --max-statistics-memory {_size(self.kv_bytes)}"
         if self.given:
             return "--max-statistics-memory"
         if kind == "kv":
@@ -67,7 +80,8 @@ class StatisticsBudget:
 
 def statistics_budget(max_statistics_memory: float | None, free_bytes: int | None = None,
                       device: torch.device | str = "cpu") -> StatisticsBudget:  # fmt: skip
-    """The fit's statistics budget: `max_statistics_memory` GiB for both kinds of sums when given; else half of
+    """The fit's statistics budget: `max_statistics_memory` GiB for both kinds of sums together when given (the
+    residual sums' share: `after_kv`); else half of
     `free_bytes` (default: `available_memory(device)`, where the K/V sums live) for the K/V sums and
     `RESIDUAL_STATISTICS_BYTES` for the residual sums."""
     if max_statistics_memory is not None:

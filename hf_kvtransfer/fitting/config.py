@@ -288,8 +288,9 @@ class FitConfig:
         "layers (default: automatic when the full statistics exceed the memory budget)", boolean_optional=True))
     probe_tokens: int = field(default=8192, metadata=_opt("tokens for the two-stage probe (default 8192)"))
     max_statistics_memory: float | None = field(default=None, metadata=_opt(
-        "budget for the statistics in GiB: the K/V sums switch to two-stage past it (default: half the free memory); "
-        "the residual input's sums stay within it (default 4 GiB)",
+        "budget for all the statistics in GiB: the K/V sums switch to two-stage past it, and the residual input's sums "
+        "get what they leave where both live on the CPU (default: half the free memory for the K/V sums, 4 GiB for the "
+        "residual sums)",
         metavar="GIB"))  # fmt: skip
     progress: bool = field(default=True, metadata=_opt("progress bars", cli=""))
     # -- MLP mapper (mapper_type="mlp"; paper: 2 x 1024 ReLU units, Adam, MSE)

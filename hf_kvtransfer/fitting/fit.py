@@ -32,7 +32,8 @@ from ..core.ridge import (
     sweep_heldout,
 )
 from ..core.stats import KINDS, BlockStatistics, KVStatistics
-from .accumulate import run_fit_pass
+from .accumulate import plan_kv_sums, run_fit_pass
+from .budget import StatisticsBudget
 from .calibration import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, build_calibration
 from .calibration_pass import as_token_tensor, dist_info
 from .config import (
@@ -437,9 +438,10 @@ def fit_mappers(
         mapper = with_exact_layers(source, target, mapper, ids, mask, config, log, tokenizer=tokenizer)
         return {mapper_name(config.top_k_values[0]): _with_quality_gate(source, target, mapper, ids, mask, config)}
     metadata = {"calibration": mapper_kwargs.pop("calibration")} if "calibration" in mapper_kwargs else None
-    searched = _input_statistics(source, target, config, log)
+    kv = plan_kv_sums(source, target, ids.shape[0], config)
+    searched = _input_statistics(source, target, config, kv.residual_budget(), log)
     train, heldout = run_fit_pass(source, target, ids, mask, config, consumers=[stats for _, stats in searched],
-                                  metadata=metadata, log=log)  # fmt: skip
+                                  metadata=metadata, log=log, kv=kv)  # fmt: skip
     logger.info("calibration pass: %.1f s", time.perf_counter() - started)
     # (no timings in the report of a closed-form fit: the same data must give the same files)
     mappers = solve_mappers(
@@ -486,10 +488,11 @@ def _with_quality_gate(source, target, mapper: KVMapper, ids, mask, config: FitC
     return calibrate_quality_gate(source, target, mapper, rows, config.quality_gate_quantile)
 
 
-def _input_statistics(source: PreTrainedModel, target: PreTrainedModel, config: FitConfig,
+def _input_statistics(source: PreTrainedModel, target: PreTrainedModel, config: FitConfig, budget: StatisticsBudget,
                       log) -> list[tuple[FitInput, Any]]:  # fmt: skip
-    """Each map input this fit searches (`fit_inputs.py`) with the calibration consumer collecting its sums."""
-    found = [(f, f.statistics(source, target, config, log or logger.info)) for f in registered_fit_inputs()]
+    """Each map input this fit searches (`fit_inputs.py`) with the calibration consumer collecting its sums within
+    `budget`."""
+    found = [(f, f.statistics(source, target, config, budget, log or logger.info)) for f in registered_fit_inputs()]
     return [(f, stats) for f, stats in found if stats is not None]
 
 

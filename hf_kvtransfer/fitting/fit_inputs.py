@@ -5,7 +5,8 @@ A map input (`core/map_inputs.MapInput`) says how a mapper applies it at transfe
 fit finds maps that read it:
 
 - `statistics`: the calibration consumer (`calibration_pass.CalibrationConsumer`) that collects, in the fit's one
-  calibration pass beside the source-only sums, what its solve needs; None when this fit does not search the input
+  calibration pass beside the source-only sums, what its solve needs within the budget the fit hands it
+  (`budget.StatisticsBudget.residual_bytes`: what the K/V sums leave); None when this fit does not search the input
   (its options switch it off, the mapper kind cannot take it, its sums would not fit in memory: it logs one line why);
 - `candidates`: from those sums and the source-only mapper, the mappers reading the input that the content probe
   (`exact_layers.choose_configuration`) tries, each needing the exact layers its config says
@@ -23,7 +24,7 @@ a module of the library is named in `BUILT_IN_FIT_INPUTS`.
 Example:
     ```python
     for fit_input in registered_fit_inputs():
-        consumer = fit_input.statistics(source, target, config, log)
+        consumer = fit_input.statistics(source, target, config, budget, log)
     ```
 """
 
@@ -52,10 +53,10 @@ class FitInput:
     # Its mark after the exact layers in the fit's one-line probe summary ("3+res").
     tag: ClassVar[str] = ""
 
-    def statistics(self, source: PreTrainedModel, target: PreTrainedModel, config: FitConfig,
+    def statistics(self, source: PreTrainedModel, target: PreTrainedModel, config: FitConfig, budget: StatisticsBudget,
                    log: Callable[[str], None]) -> Consumer | None:  # fmt: skip
-        """The calibration consumer collecting what `candidates` needs, or None (with one logged line why) when this
-        fit does not search the input."""
+        """The calibration consumer collecting what `candidates` needs within `budget` (the fit's, after its K/V sums),
+        or None (with one logged line why) when this fit does not search the input."""
         return None
 
     def candidates(self, mapper: KVMapper, statistics: Consumer, config: FitConfig) -> list[KVMapper]:

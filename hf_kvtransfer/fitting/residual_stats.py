@@ -48,7 +48,7 @@ from ..core.residual import (
 from ..core.ridge import feature_index
 from ..core.rope import text_config
 from ..core.stats import KVLayout
-from .budget import StatisticsBudget, statistics_budget
+from .budget import StatisticsBudget
 from .calibration_pass import CalibrationBatch
 from .fit_inputs import FitInput, register_fit_input
 
@@ -493,15 +493,15 @@ def residual_candidates(num_layers: int) -> list[int]:
 @register_fit_input
 class ResidualFit(FitInput):
     """The fit's search over maps reading the target's residual stream (`core/residual.py`): `ResidualStatistics` for
-    the shallowest residual layers whose sums fit in the fit's budget (`residual_statistics_choice` within
-    `budget.statistics_budget`), then `residual_variants` of each. The sums hold the source's K/V too unless the
+    the shallowest residual layers whose sums fit in the budget the fit hands it (`residual_statistics_choice` within
+    what the K/V sums leave: `budget.StatisticsBudget.after_kv`), then `residual_variants` of each. The sums hold the source's K/V too unless the
     residual features alone cover more of the candidate layers (a real pair: its source K/V are tens of thousands of
     features); then only the maps of the residual alone are tried. Searched with `residual_inputs="auto"` and
     `num_exact_layers="auto"` (the defaults) on a full-rank ridge fit."""
 
     name, tag = ResidualInput.name, "res"
 
-    def statistics(self, source: PreTrainedModel, target: PreTrainedModel, config: Any,
+    def statistics(self, source: PreTrainedModel, target: PreTrainedModel, config: Any, budget: StatisticsBudget,
                    log: Callable[[str], None]) -> ResidualStatistics | None:  # fmt: skip
         if config.residual_inputs != "auto" or config.num_exact_layers != "auto":
             return None
@@ -510,7 +510,6 @@ class ResidualFit(FitInput):
             log(f"residual-input maps: not tried for {kind} mapper (they extend a full-rank ridge map; "
                 "--residual-rank reduces theirs); source K/V maps only")  # fmt: skip
             return None
-        budget = statistics_budget(config.max_statistics_memory)
         choice = residual_statistics_choice(KVLayout.from_config(source.config), KVLayout.from_config(target.config),
                                             text_config(target.config).hidden_size, len(config.residual_lags),
                                             budget.residual_bytes)  # fmt: skip
