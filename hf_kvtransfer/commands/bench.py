@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub.utils import tqdm
 
 from ..core.cache import TransferredCache
 from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS, resolve_exact_window, resolve_num_exact_layers
@@ -49,6 +48,7 @@ from ..core.mapper import KVMapper
 from ..core.options import with_options
 from ..core.rope import text_config
 from ..core.stats import KVStatistics
+from ..core.progress import progress_bar
 from ..evaluation.evaluate import kv_r2
 from ..evaluation.timing import DEFAULT_SEQ_LENS, QUICK_SEQ_LENS, median_ms, synchronize, time_call, time_to_first_token
 from ..fitting.accumulate import collect_statistics
@@ -198,9 +198,9 @@ class BenchTiming:
 
 
 @torch.no_grad()
-def _stage_bar(stages: int, progress: bool) -> tuple[tqdm, Callable[[str, int], None]]:
+def _stage_bar(stages: int, progress: bool) -> tuple[Any, Callable[[str, int], None]]:
     """A progress bar over `stages` stages and `step(name, seq_len)`, which names a stage and advances the bar."""
-    bar = tqdm(total=stages, desc="bench", unit="stage", disable=not progress)
+    bar = progress_bar(total=stages, desc="bench", unit="stage", enabled=progress)
 
     def step(name: str, seq_len: int):
         bar.set_postfix_str(f"T={seq_len} {name}")

@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from huggingface_hub.utils import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from ..core.cache import TransferredCache
@@ -43,6 +42,7 @@ from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import cache_argument, prefill
 from ..core.loading import dtype_name, model_device
 from ..core.mapper import KVMapper
+from ..core.progress import progress_bar
 from .metrics import REFEED_WARNING, gap_recovered_over_items, mean_and_ci, retention_over_items
 from .multiple_choice import score_continuations
 from .tasks import NEEDLE_POSITIONS, HandoffItem, PassageRecallItem, RepeatedSpanItem, needle_grid
@@ -141,7 +141,7 @@ def _progress(
     chunks: Iterable[Sequence[int]], total: int, desc: str, progress: bool, unit: str = "item"
 ) -> Iterator[Sequence[int]]:
     """`chunks` (sequences of item indices), counted by a progress bar of `total` `unit`s."""
-    bar = tqdm(total=total, desc=desc, unit=unit, disable=not progress)
+    bar = progress_bar(total=total, desc=desc, unit=unit, enabled=progress)
     for chunk in chunks:
         yield chunk
         bar.update(len(chunk))

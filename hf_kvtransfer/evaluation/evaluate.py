@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from huggingface_hub.utils import tqdm
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
@@ -34,6 +33,7 @@ from ..core.loading import model_device
 from ..core.map_inputs import exact_layers_needed
 from ..core.mapper import KVMapper
 from ..core.options import with_options
+from ..core.progress import progress_bar
 from .content import greedy_agreement, handoff, passage_recall, recall_by_depth, repeated_span_retention
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 from .multiple_choice import MultipleChoiceItem, build_continuation_task, multiple_choice
@@ -255,7 +255,7 @@ class _PerplexityRun:
         nll = {"target": [], "transfer": [], "floor": []}
         sums = _Diagnostics() if diagnostics else None
         recorder = _AttentionRecorder(self.target) if diagnostics else None
-        bar = tqdm(total=input_ids.shape[0], desc="prefix perplexity", unit="window", disable=not progress)
+        bar = progress_bar(total=input_ids.shape[0], desc="prefix perplexity", unit="window", enabled=progress)
         try:
             for start in range(0, input_ids.shape[0], batch_size):
                 ids = input_ids[start : start + batch_size].to(model_device(self.target))
@@ -352,7 +352,7 @@ def kv_r2(
     fewest = exact_layers_needed(mapper.config)[0]
     sums: dict[str, dict[str, torch.Tensor]] = {}
     count = 0
-    bar = tqdm(total=input_ids.shape[0], desc="K/V R^2", unit="window", disable=not progress)
+    bar = progress_bar(total=input_ids.shape[0], desc="K/V R^2", unit="window", enabled=progress)
     for start in range(0, input_ids.shape[0], batch_size):
         ids = input_ids[start : start + batch_size]
         cache = TransferredCache(prefill(source, ids), mapper, num_recompute_tokens=1, num_exact_layers=fewest,
@@ -417,7 +417,7 @@ def multi_turn_drift(
     mappers = {("source", "target"): mapper, ("target", "source"): reverse_mapper}
     roles = [first if i % 2 == 0 else ("target" if first == "source" else "source") for i in range(num_turns)]
     sums = [{"kl": 0.0, "agree": 0.0, "nll": 0.0, "nll_standalone": 0.0, "tokens": 0} for _ in range(num_turns)]
-    bar = tqdm(total=num_rows, desc="multi-turn", unit="conversation", disable=not progress)
+    bar = progress_bar(total=num_rows, desc="multi-turn", unit="conversation", enabled=progress)
     for start in range(0, num_rows, batch_size):
         ids = input_ids[start : start + batch_size, : turn_len * num_turns]
         _conversation_turns(models, mappers, roles, ids, turn_len, sums)

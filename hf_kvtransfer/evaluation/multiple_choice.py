@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from huggingface_hub.utils import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from ..core.cache import TransferredCache
@@ -20,6 +19,7 @@ from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import cache_argument, prefill
 from ..core.loading import model_device
 from ..core.mapper import KVMapper
+from ..core.progress import progress_bar
 from .metrics import REFEED_WARNING, bootstrap_ci, normalized_retention
 
 
@@ -216,7 +216,7 @@ def multiple_choice(
     correct = {m: [] for m in _MODES}
     correct_norm = {m: [] for m in _MODES}
     used = set()
-    bar = tqdm(total=len(items), desc=desc, unit="item", disable=not progress)
+    bar = progress_bar(total=len(items), desc=desc, unit="item", enabled=progress)
     for item in items:
         r = min(resolve_num_recompute_tokens(num_recompute_tokens, len(item.context_ids), mapper, num_exact_layers), len(item.context_ids))
         used.add(r)

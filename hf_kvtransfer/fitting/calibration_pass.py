@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from huggingface_hub.utils import tqdm
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
@@ -32,6 +31,7 @@ from transformers import PreTrainedModel
 from ..core.capture import capture_kv, capture_kv_and_inputs
 from ..core.mapper import config_fingerprint
 from ..core.rope import check_supported, text_config
+from ..core.progress import progress_bar
 from .calibration import sample_hash
 
 logger = logging.getLogger(__name__)
@@ -276,9 +276,9 @@ def calibration_pass(
     order = _sequence_order(input_ids.shape[0], num_heldout, rank, world)
     state = _PassState(source, target, input_ids, attention_mask, consumers, saving, path, run, len(order), done)
     seq_len = input_ids.shape[1]
-    bar = tqdm(
+    bar = progress_bar(
         total=len(order) * seq_len, initial=done * seq_len, desc="calibration", unit="tok", unit_scale=True,
-        disable=not progress or rank != 0,
+        enabled=progress and rank == 0,
     )  # fmt: skip
     state.run_batches(_batches(order[done:], batch_size), checkpoint_every, bar)
     bar.close()

@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from huggingface_hub.utils import tqdm
 from transformers import PreTrainedModel
 
 from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
@@ -44,6 +43,7 @@ from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
 from ..core.mapper import KVMapper
 from ..core.map_inputs import exact_layers_needed
 from ..core.options import with_options
+from ..core.progress import progress_bar
 from ..evaluation.content import repeated_span_retention
 from ..evaluation.metrics import retention_difference
 from ..evaluation.tasks import cued_recall_items, repeated_span_items
@@ -169,7 +169,7 @@ def _probe_bisection(
     no-context scores once: they do not depend on k) and added to `report["tried"]`, under one progress bar."""
     baseline: dict[str, Any] | None = None
     # One bar for the stage, one step per candidate (what each scored goes to the log at INFO).
-    bar = tqdm(total=_bisection_steps(num_layers), desc="exact-layers probe", unit="candidate", disable=not progress)
+    bar = progress_bar(total=_bisection_steps(num_layers), desc="exact-layers probe", unit="candidate", enabled=progress)
 
     def retention(k: int) -> float | None:
         nonlocal baseline
@@ -594,7 +594,7 @@ class _InputSearch:
             report["cued_reference"] = {"num_exact_layers": num_layers, "retention": 1.0, "retention_ci": None}
         report["cued_max_loss"] = 1 - self.min_retention
         state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set()}
-        bar = tqdm(candidates_in, desc="configuration probe", unit="candidate", disable=not progress)
+        bar = progress_bar(candidates_in, desc="configuration probe", unit="candidate", enabled=progress)
         for index, m in enumerate(bar, 1):
             fit_input = fit_input_of(m)
             row = {"inputs": _inputs_label(m), "extends": fit_input.name if fit_input else None,

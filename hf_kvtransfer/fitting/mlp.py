@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 import torch
-from huggingface_hub.utils import tqdm
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -34,6 +33,7 @@ from ..core.mapper import KVMapper, MapperConfig
 from ..core.mapper_types import MLP
 from ..core.ridge import cholesky_solve, effective_top_k, feature_index, layer_scores, select_layers, solve_layers
 from ..core.stats import KINDS, KVLayout, KVStatistics, flatten_layers, statistics_nbytes, token_selection
+from ..core.progress import progress_bar
 from .accumulate import run_fit_pass
 from .calibration_pass import CalibrationBatch
 from .config import FitConfig, heldout_count
@@ -423,7 +423,7 @@ def _train_maps(collector, solutions, selected, layouts, config: FitConfig, devi
     src_layout, tgt_layout = layouts
     report: dict[str, dict[str, list]] = {kind: {} for kind in KINDS}
     state: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=tgt_layout.num_layers * 2 * config.mlp_epochs, desc="mlp", unit="epoch", disable=not config.progress)
+    bar = progress_bar(total=tgt_layout.num_layers * 2 * config.mlp_epochs, desc="mlp", unit="epoch", enabled=config.progress)
     for t, sel in enumerate(selected):
         columns = feature_index(sel, src_layout.layer_dim)
         target_columns = slice(t * tgt_layout.layer_dim, (t + 1) * tgt_layout.layer_dim)

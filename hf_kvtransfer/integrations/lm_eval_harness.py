@@ -31,13 +31,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "the lm-evaluation-harness adapter needs lm_eval: pip install 'hf-kvtransfer[lm-eval]' (or pip install lm_eval)"
     ) from exc
 
-from huggingface_hub.utils import tqdm
 
 from ..core.cache import TransferredCache
 from ..core.defaults import resolve_num_recompute_tokens
 from ..core.capture import cache_argument, prefill
 from ..core.loading import load_model
 from ..core.mapper import KVMapper
+from ..core.progress import progress_bar
 from ..evaluation.metrics import REFEED_WARNING
 from ..evaluation.multiple_choice import score_continuations
 
@@ -211,7 +211,7 @@ class KVTransferLM(LM):
 
     def _batched(self, pairs: list[tuple[list[int], list[int]]], desc: str, disable_tqdm: bool) -> list[tuple[float, bool]]:
         out = []
-        bar = tqdm(total=len(pairs), desc=desc, disable=disable_tqdm)
+        bar = progress_bar(total=len(pairs), desc=desc, enabled=not disable_tqdm)
         for start in range(0, len(pairs), self.batch_size):
             out.extend(self._score_batch(pairs[start : start + self.batch_size]))
             bar.update(min(self.batch_size, len(pairs) - start))
@@ -256,7 +256,7 @@ class KVTransferLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out = []
         device = next(self.target.parameters()).device
-        for request in tqdm(requests, desc="hf-kvtransfer generate", disable=disable_tqdm):
+        for request in progress_bar(requests, desc="hf-kvtransfer generate", enabled=not disable_tqdm):
             context, gen_kwargs = request.args[:2]
             gen_kwargs = dict(gen_kwargs or {})
             until = gen_kwargs.pop("until", None) or []

@@ -1,0 +1,70 @@
+"""Progress on long work: the one progress-bar factory of the library (calibration, the fit's probes, eval, bench).
+
+A bar shows only when the caller's `enabled` is on and huggingface_hub's switch allows it
+(`HF_HUB_DISABLE_PROGRESS_BARS=1` silences every bar). On a terminal it redraws in place. Written to a file or a pipe
+(a log, `nohup`, CI) a redraw-in-place bar piles its carriage returns into one long line that log lines get glued
+to, so there it prints a plain line instead, at most every `LOG_INTERVAL_S` seconds.
+
+Example:
+    ```python
+    bar = progress_bar(total=len(items), desc="passage recall", unit="item", enabled=progress)
+    for item in items:
+        ...
+        bar.update()
+    bar.close()
+    ```
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+from huggingface_hub.utils import tqdm
+
+# How often a bar written to a file or a pipe prints its line.
+LOG_INTERVAL_S = 30.0
+# What a bar writes to redraw in place or move between nested bars: a carriage return, cursor-up escapes.
+_REDRAW = re.compile(r"\r|\x1b\[A")
+
+
+class _Lines:
+    """A text stream that takes a bar's redraws and writes each as a line of its own."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._last = ""
+
+    def write(self, text: str) -> int:
+        for line in _REDRAW.split(text):
+            line = line.rstrip()
+            if line.strip() and line != self._last:  # closing redraws the last state: once is enough
+                self._stream.write(line + "\n")
+                self._last = line
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def progress_bar(iterable: Iterable | None = None, *, desc: str, enabled: bool = True,
+                 stream: TextIO | None = None, **options: Any) -> tqdm:  # fmt: skip
+    """A tqdm bar labelled `desc` (`options`: tqdm's, e.g. `total`, `unit`, `unit_scale`, `initial`), shown when
+    `enabled`; on a `stream` (default stderr) that is not a terminal, one plain line every `LOG_INTERVAL_S` seconds."""
+    stream = stream if stream is not None else sys.stderr
+    if not _is_terminal(stream):
+        options = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S, "ascii": True, "ncols": 100, **options}
+        stream = _Lines(stream)
+    return tqdm(iterable, desc=desc, disable=not enabled, file=stream, **options)
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+__all__ = ["LOG_INTERVAL_S", "progress_bar"]

@@ -1,0 +1,71 @@
+"""core/progress.py: a bar on a terminal redraws in place; on a file or a pipe it writes plain lines, rarely."""
+
+import importlib
+import io
+
+import pytest
+
+from hf_kvtransfer.core.progress import progress_bar
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def bars_on(monkeypatch):
+    """Progress bars allowed (the suite's conftest switches them off through huggingface_hub)."""
+    monkeypatch.setattr(importlib.import_module("huggingface_hub.utils.tqdm"), "HF_HUB_DISABLE_PROGRESS_BARS", False)
+
+
+def test_a_bar_in_a_log_writes_lines_that_log_lines_do_not_join(bars_on, monkeypatch):
+    from hf_kvtransfer.core import progress
+
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)
+    log = io.StringIO()
+    bar = progress_bar(total=4, desc="calibration", unit="tok", stream=log)
+    for _ in range(2):
+        bar.update()
+    log.write("a log line\n")  # what the fit's log prints while the bar runs
+    inner = progress_bar(total=2, desc="inner", stream=log, position=1, leave=False)  # a nested bar moves the cursor
+    inner.update(2)
+    inner.close()
+    bar.update(2)
+    bar.close()
+    text = log.getvalue()
+    assert "\r" not in text and "\x1b" not in text
+    lines = text.splitlines()
+    assert "a log line" in lines and all(line.startswith(("calibration:", "inner:", "a log line")) for line in lines)
+    assert lines[-1].startswith("calibration: 100%") and "4/4" in lines[-1]
+    assert len(lines) == len(set(lines))  # closing does not repeat the last line
+
+
+def test_a_bar_in_a_log_is_quiet_between_its_intervals(bars_on):
+    """1,000 updates well inside one interval (30 s): the first line and the last, not one line per update."""
+    log = io.StringIO()
+    bar = progress_bar(total=1000, desc="probe", stream=log)
+    for _ in range(1000):
+        bar.update()
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert 2 <= len(lines) <= 4 and lines[0].startswith("probe:   0%") and "1000/1000" in lines[-1], lines
+
+
+def test_a_bar_on_a_terminal_redraws_in_place(bars_on):
+    term = _Terminal()
+    bar = progress_bar(total=3, desc="eval", stream=term, mininterval=0)
+    bar.update(3)
+    bar.close()
+    assert "\r" in term.getvalue() and "eval: 100%" in term.getvalue()
+
+
+@pytest.mark.parametrize("hub_off", [False, True])
+def test_nothing_is_written_when_switched_off(hub_off, monkeypatch):
+    """`enabled=False`, or huggingface_hub's switch (`HF_HUB_DISABLE_PROGRESS_BARS=1`, as the suite runs) off."""
+    monkeypatch.setattr(importlib.import_module("huggingface_hub.utils.tqdm"), "HF_HUB_DISABLE_PROGRESS_BARS", hub_off)
+    log = io.StringIO()
+    bar = progress_bar(total=3, desc="eval", stream=log, enabled=hub_off)  # one of the two switches off
+    bar.update(3)
+    bar.close()
+    assert log.getvalue() == ""
