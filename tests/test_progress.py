@@ -69,3 +69,45 @@ def test_nothing_is_written_when_switched_off(hub_off, monkeypatch):
     bar.update(3)
     bar.close()
     assert log.getvalue() == ""
+
+
+def _segments(text: str) -> list[str]:
+    """What a terminal shows line by line once redraws are resolved, roughly: the pieces between \\r and \\n."""
+    return [piece for piece in text.replace("\r", "\n").split("\n") if piece.strip()]
+
+
+def test_a_line_printed_while_a_bar_runs_keeps_its_own_line(bars_on):
+    """On a terminal a plain print lands after the bar's last redraw, on its line; `write_line` makes the bar step
+    aside. In a log the bar's lines and the printed line are separate lines either way."""
+    from hf_kvtransfer.core.progress import write_line
+
+    term = _Terminal()
+    bar = progress_bar(total=3, desc="probe", stream=term, mininterval=0)
+    bar.update()
+    print("glued", file=term, end="\n")
+    write_line("apart", stream=term)
+    bar.update(2)
+    bar.close()
+    pieces = _segments(term.getvalue())
+    assert "apart" in pieces and "glued" not in pieces and any(p.endswith("glued") for p in pieces)
+    log = io.StringIO()
+    bar = progress_bar(total=3, desc="probe", stream=log)
+    write_line("apart", stream=log)
+    bar.update(3)
+    bar.close()
+    assert "apart" in log.getvalue().splitlines()
+
+
+def test_the_cli_log_handler_writes_each_record_on_its_own_line(bars_on, capsys):
+    import logging
+
+    from hf_kvtransfer.core.progress import LineHandler
+
+    logger = logging.getLogger("hf_kvtransfer.test_progress")
+    handler = LineHandler()
+    logger.addHandler(handler)
+    try:
+        logger.warning("a record")
+    finally:
+        logger.removeHandler(handler)
+    assert "a record\n" in capsys.readouterr().err

@@ -643,6 +643,7 @@ def _journaled_scores(where: Path | None) -> int:
 
 
 def _run_fit(args) -> int:
+    from ..core.progress import write_line
     from .workflow import fit_and_save, fit_checkpoint_dir
 
     config = fit_config_from_args(args)
@@ -651,7 +652,7 @@ def _run_fit(args) -> int:
             args.source, args.target, args.output, config, dtype=args.dtype, device_map=args.device_map,
             source_revision=args.source_revision, target_revision=args.target_revision,
             trust_remote_code=args.trust_remote_code, push_to_hub=args.push_to_hub, overwrite=args.overwrite,
-            log=lambda line: print(line, file=sys.stderr),
+            log=write_line,
         )  # fmt: skip
     except KeyboardInterrupt as exc:
         where = fit_checkpoint_dir(args.output, config)
@@ -712,11 +713,12 @@ def _add_solve(subparsers) -> None:
 
 
 def _run_solve(args) -> int:
+    from ..core.progress import write_line
     from .workflow import solve_and_save
 
     results = solve_and_save(
         args.stats_dir, args.output, fit_config_from_args(args), push_to_hub=args.push_to_hub, overwrite=args.overwrite,
-        log=lambda line: print(line, file=sys.stderr),
+        log=write_line,
     )  # fmt: skip
     _print_written(results)
     return 0
@@ -959,7 +961,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from ..core.progress import LineHandler
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
+                        handlers=[LineHandler()])  # fmt: skip
     debug = args.debug or os.environ.get("HF_DEBUG", "").lower() in ("1", "true", "yes")
     try:
         return int(args.func(args) or 0)

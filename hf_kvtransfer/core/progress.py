@@ -3,7 +3,9 @@
 A bar shows only when the caller's `enabled` is on and huggingface_hub's switch allows it
 (`HF_HUB_DISABLE_PROGRESS_BARS=1` silences every bar). On a terminal it redraws in place. Written to a file or a pipe
 (a log, `nohup`, CI) a redraw-in-place bar piles its carriage returns into one long line that log lines get glued
-to, so there it prints a plain line instead, at most every `LOG_INTERVAL_S` seconds.
+to, so there it prints a plain line instead, at most every `LOG_INTERVAL_S` seconds. Lines printed while a bar runs go
+through `write_line` (the CLI's log, and its logging handler `LineHandler`), so that on a terminal they do not join
+the bar either.
 
 Example:
     ```python
@@ -17,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from collections.abc import Iterable
@@ -60,6 +63,27 @@ def progress_bar(iterable: Iterable | None = None, *, desc: str, enabled: bool =
     return tqdm(iterable, desc=desc, disable=not enabled, file=stream, **options)
 
 
+def write_line(line: str, stream: TextIO | None = None) -> None:
+    """Print `line` on a line of its own beside any running bar: on a terminal the bars step aside and redraw below it
+    (a plain print would be glued to the bar's last redraw); elsewhere a plain line."""
+    stream = stream if stream is not None else sys.stderr
+    if _is_terminal(stream):
+        tqdm.write(line, file=stream)
+    else:
+        print(line, file=stream, flush=True)
+
+
+class LineHandler(logging.Handler):
+    """A logging handler that writes each record with `write_line`: for applications (the CLI installs it; the library
+    adds no handlers)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write_line(self.format(record))
+        except Exception:  # noqa: BLE001 - logging's contract: a handler reports its own failures
+            self.handleError(record)
+
+
 def _is_terminal(stream: TextIO) -> bool:
     try:
         return stream.isatty()
@@ -67,4 +91,4 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
-__all__ = ["LOG_INTERVAL_S", "progress_bar"]
+__all__ = ["LOG_INTERVAL_S", "LineHandler", "progress_bar", "write_line"]
