@@ -46,9 +46,9 @@ from ..core.capture import cache_argument, prefill
 from ..core.loading import DTYPES, check_device, load_model
 from ..core.mapper import KVMapper
 from ..core.options import with_options
+from ..core.progress import progress_bar
 from ..core.rope import text_config
 from ..core.stats import KVStatistics
-from ..core.progress import progress_bar
 from ..evaluation.evaluate import kv_r2
 from ..evaluation.timing import DEFAULT_SEQ_LENS, QUICK_SEQ_LENS, median_ms, synchronize, time_call, time_to_first_token
 from ..fitting.accumulate import collect_statistics

@@ -30,8 +30,8 @@ from transformers import PreTrainedModel
 
 from ..core.capture import capture_kv, capture_kv_and_inputs
 from ..core.mapper import config_fingerprint
-from ..core.rope import check_supported, text_config
 from ..core.progress import progress_bar
+from ..core.rope import check_supported, text_config
 from .calibration import sample_hash
 
 logger = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ from ..core.layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
 from ..core.loading import DTYPES, model_device
 from ..core.mapper import KVMapper, MapperConfig
 from ..core.mapper_types import MLP
+from ..core.progress import progress_bar
 from ..core.ridge import cholesky_solve, effective_top_k, feature_index, layer_scores, select_layers, solve_layers
 from ..core.stats import KINDS, KVLayout, KVStatistics, flatten_layers, statistics_nbytes, token_selection
-from ..core.progress import progress_bar
 from .accumulate import run_fit_pass
 from .calibration_pass import CalibrationBatch
 from .config import FitConfig, heldout_count
