@@ -111,3 +111,23 @@ def test_the_cli_log_handler_writes_each_record_on_its_own_line(bars_on, capsys)
     finally:
         logger.removeHandler(handler)
     assert "a record\n" in capsys.readouterr().err
+
+
+def test_transformers_bars_print_lines_off_a_terminal(bars_on, monkeypatch):
+    """transformers' own bar ("Loading weights") through the hook `transformers_bars_as_lines` sets: lines in a log,
+    left alone on a terminal."""
+    from transformers.utils import logging as transformers_logging
+
+    from hf_kvtransfer.core.progress import transformers_bars_as_lines
+
+    monkeypatch.setattr(transformers_logging, "_tqdm_active", True)
+    monkeypatch.setattr(transformers_logging, "_tqdm_hook", None)
+    transformers_bars_as_lines(_Terminal())
+    assert transformers_logging._tqdm_hook is None
+    log = io.StringIO()
+    transformers_bars_as_lines(log)
+    for _ in transformers_logging.tqdm(range(3), desc="Loading weights"):
+        pass
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and lines and all(line.startswith("Loading weights:") for line in lines), lines
+    assert "3/3" in lines[-1]

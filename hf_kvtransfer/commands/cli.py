@@ -961,10 +961,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from ..core.progress import LineHandler
+    from ..core.progress import LineHandler, transformers_bars_as_lines
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
                         handlers=[LineHandler()])  # fmt: skip
+    transformers_bars_as_lines()
     debug = args.debug or os.environ.get("HF_DEBUG", "").lower() in ("1", "true", "yes")
     try:
         return int(args.func(args) or 0)

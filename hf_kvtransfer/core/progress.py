@@ -5,7 +5,7 @@ A bar shows only when the caller's `enabled` is on and huggingface_hub's switch 
 (a log, `nohup`, CI) a redraw-in-place bar piles its carriage returns into one long line that log lines get glued
 to, so there it prints a plain line instead, at most every `LOG_INTERVAL_S` seconds. Lines printed while a bar runs go
 through `write_line` (the CLI's log, and its logging handler `LineHandler`), so that on a terminal they do not join
-the bar either.
+the bar either; off a terminal the CLI has transformers' own bars print lines too (`transformers_bars_as_lines`).
 
 Example:
     ```python
@@ -29,6 +29,8 @@ from huggingface_hub.utils import tqdm
 
 # How often a bar written to a file or a pipe prints its line.
 LOG_INTERVAL_S = 30.0
+# A bar off a terminal: a line at most every LOG_INTERVAL_S, drawn in ASCII at a fixed width.
+_LOG_OPTIONS = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S, "ascii": True, "ncols": 100}
 # What a bar writes to redraw in place or move between nested bars: a carriage return, cursor-up escapes.
 _REDRAW = re.compile(r"\r|\x1b\[A")
 
@@ -58,7 +60,7 @@ def progress_bar(iterable: Iterable | None = None, *, desc: str, enabled: bool =
     `enabled`; on a `stream` (default stderr) that is not a terminal, one plain line every `LOG_INTERVAL_S` seconds."""
     stream = stream if stream is not None else sys.stderr
     if not _is_terminal(stream):
-        options = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S, "ascii": True, "ncols": 100, **options}
+        options = {**_LOG_OPTIONS, **options}
         stream = _Lines(stream)
     return tqdm(iterable, desc=desc, disable=not enabled, file=stream, **options)
 
@@ -84,6 +86,25 @@ class LineHandler(logging.Handler):
             self.handleError(record)
 
 
+def transformers_bars_as_lines(stream: TextIO | None = None) -> None:
+    """Off a terminal, transformers' own bars ("Loading weights") print plain lines like the library's (through
+    transformers' tqdm hook; a transformers without one is left as it is). For applications: the CLI calls it (the
+    library leaves transformers' settings alone)."""
+    stream = stream if stream is not None else sys.stderr
+    from transformers.utils import logging as transformers_logging
+
+    set_hook = getattr(transformers_logging, "set_tqdm_hook", None)
+    if _is_terminal(stream) or set_hook is None:
+        return
+
+    def as_lines(factory, args, kwargs):
+        if "file" in kwargs or kwargs.get("disable"):
+            return factory(*args, **kwargs)
+        return factory(*args, **{**_LOG_OPTIONS, **kwargs, "file": _Lines(stream)})
+
+    set_hook(as_lines)
+
+
 def _is_terminal(stream: TextIO) -> bool:
     try:
         return stream.isatty()
@@ -91,4 +112,4 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
-__all__ = ["LOG_INTERVAL_S", "LineHandler", "progress_bar", "write_line"]
+__all__ = ["LOG_INTERVAL_S", "LineHandler", "progress_bar", "transformers_bars_as_lines", "write_line"]
