@@ -90,17 +90,17 @@ def transformers_bars_as_lines(stream: TextIO | None = None) -> None:
     """Off a terminal, transformers' own bars ("Loading weights") print plain lines like the library's (through
     transformers' tqdm hook; a transformers without one is left as it is). For applications: the CLI calls it (the
     library leaves transformers' settings alone)."""
-    stream = stream if stream is not None else sys.stderr
     from transformers.utils import logging as transformers_logging
 
     set_hook = getattr(transformers_logging, "set_tqdm_hook", None)
-    if _is_terminal(stream) or set_hook is None:
+    if _is_terminal(stream if stream is not None else sys.stderr) or set_hook is None:
         return
 
     def as_lines(factory, args, kwargs):
         if "file" in kwargs or kwargs.get("disable"):
             return factory(*args, **kwargs)
-        return factory(*args, **{**_LOG_OPTIONS, **kwargs, "file": _Lines(stream)})
+        lines = _Lines(stream if stream is not None else sys.stderr)  # stderr as it is when the bar starts
+        return factory(*args, **{**_LOG_OPTIONS, **kwargs, "file": lines})
 
     set_hook(as_lines)
 
