@@ -104,7 +104,7 @@ def test_the_content_probe_shows_one_short_bar_and_logs_each_candidate(monkeypat
             return False
 
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake)
-    monkeypatch.setattr(exact_layers, "tqdm", Bar)
+    monkeypatch.setattr(exact_layers, "progress_bar", Bar)
 
     class Layout:
         num_layers = 4
@@ -127,7 +127,7 @@ def test_the_content_probe_shows_one_short_bar_and_logs_each_candidate(monkeypat
     assert chosen == 3 and scored == [(1, False), (2, False), (3, False)]  # no bar of their own
     [bar] = bars
     assert bar.kwargs["desc"] == "exact-layers probe" and bar.kwargs["unit"] == "candidate"
-    assert bar.n == bar.total == 3 and not bar.kwargs["disable"]  # ends full though the bisection may try fewer
+    assert bar.n == bar.total == 3 and bar.kwargs["enabled"]  # ends full though the bisection may try fewer
     logged = [r.getMessage() for r in caplog.records]
     assert logged == [f"exact-layers probe: {k} of 4 layers exact: repeated-span retention {100 * r:.0f}% "
                       f"[{100 * r - 5:.0f}, {100 * r + 5:.0f}]" for k, r in retention.items()], logged  # fmt: skip
