@@ -82,6 +82,10 @@ def test_gate_saved_and_loaded_with_mapper(identity_mapper, tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())["quality_gate"]
     assert saved == {"threshold": 0.97, "quantile": 0.01, "num_prompts": 200, "prompt_length": 256}
     assert KVMapper.from_pretrained(tmp_path).config.quality_gate == QualityGateConfig(0.97, 0.01, 200, 256)
+    # The card a user reads on the Hub says what the gate does to a request, with its threshold and where it came from.
+    card = (tmp_path / "README.md").read_text()
+    assert "**Per-request quality gate**: a request row whose mapped K/V come within a cosine of 0.9700" in card
+    assert "the 0.01 quantile of the score over 200 held-out prompts of 256 tokens" in card
 
 
 def test_mapper_saved_before_the_gate_loads_without_one(identity_mapper, tmp_path):

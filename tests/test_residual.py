@@ -13,7 +13,7 @@ from rope_reference import apply_rope
 from hf_kvtransfer import KVMapper, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.core.capture import capture_kv
 from hf_kvtransfer.core.key_norm import KeyNormConfig, inverse_rms
-from hf_kvtransfer.core.map_inputs import with_input
+from hf_kvtransfer.core.map_inputs import maps_read, with_input
 from hf_kvtransfer.core.residual import RESIDUAL_EPS, add_product, residual_features, residual_input_features
 from hf_kvtransfer.core.rope import rotary_cos_sin
 from hf_kvtransfer.fitting import exact_layers, residual_stats
@@ -599,9 +599,7 @@ def test_variants_pick_the_layer_that_gains_most_from_the_residual(pair):
     assert readers[0] is None and readers[1] == [max(gain, key=gain.get)]
     assert variants[2].config.selected_layers[1:] == [[1], [1]] and variants[-1].config.selected_layers[1:] == [[], []]
     # The probe's table names what each one reads (two of them differ only in the source layers).
-    from hf_kvtransfer.fitting import exact_layers
-
-    labels = [exact_layers._inputs_label(v) for v in variants]
+    labels = [maps_read(v.config) for v in variants]
     assert labels[0].startswith("source K/V + target residual entering layer 0") and "read by every mapped layer" in labels[0]
     assert f"read by layer {readers[1][0]}" in labels[1]
     assert labels[2].startswith("source layer 1's K/V + ") and labels[-1].startswith("no source K/V + ")
@@ -800,7 +798,7 @@ def test_without_the_source_features_the_variants_read_the_residual_alone(pair, 
         variants = residual_stats.residual_variants(base, residual_only, residual_layer=layer)
         assert [v.config.map_inputs["residual"].rank is None for v in variants] == [True, False][: len(variants)]
         assert all(v.config.selected_layers[layer + 1 :] == [[]] * (2 - layer) for v in variants)
-        assert all(exact_layers._inputs_label(v).startswith("no source K/V + ") for v in variants)
+        assert all(maps_read(v.config).startswith("no source K/V + ") for v in variants)
 
 
 def _budget_fit(pair, monkeypatch, budget: int):

@@ -9,6 +9,7 @@ gives the same logits.
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,6 +78,51 @@ def test_commands(kind, family, tmp_path, capsys):
         assert code == 0, f"{command} refused the {kind} mapper the fit saved: {captured.err}"
         if command == "info":  # what its arithmetic allows, from its config and weights alone
             assert "fewer FLOPs than the target's own prefill at 1024 tokens" in captured.out, captured.out
+
+
+# The first-layer table computes its exact layer by a look-up, not as the target's own prefill does.
+@pytest.mark.parametrize("kind", [k for k in SURFACE_KINDS if k != "first-layer-table"])
+def test_info_says_what_the_transfer_does(kind, family, capsys):
+    """`info`'s exact layers, what the maps read and the recomputed tokens, against the transfer itself at its
+    defaults: the leading layers whose K/V equal the target's own prefill's, whether the mapped layers move when the
+    source's cache does, and how many prompt tokens the cache leaves to the target's forward; a gate is named."""
+    out = _info_against_transfer(family["dirs"][kind], family, capsys)
+    assert ("gate:        a request row whose mapped K/V" in out) == (kind == "quality-gate"), out
+
+
+def test_info_of_a_mapper_that_maps_no_layer(family, tmp_path, capsys):
+    """A fit that keeps every layer exact (no map kept the content): nothing mapped, one recomputed token."""
+    mapper = KVMapper.from_pretrained(family["dirs"]["source-only"])
+    mapper.config = replace(mapper.config, num_exact_layers=len(mapper.config.selected_layers))
+    mapper.save_pretrained(tmp_path / "all-exact")
+    out = _info_against_transfer(tmp_path / "all-exact", family, capsys)
+    assert "maps:        none" in out and "the prompt's last 1 token(s)" in out, out
+
+
+def _info_against_transfer(path, family, capsys) -> str:
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    source, target = family["models"]
+    mapper = KVMapper.from_pretrained(path)
+    ids = random_ids(1, 80, seed=6) % 60 + 4
+    with torch.no_grad():
+        own, src, moved = prefill(target, ids), prefill(source, ids), prefill(source, ids)
+        for layer in moved.layers:
+            layer.keys, layer.values = layer.keys + 1, layer.values - 1
+        fresh = TransferredCache(src, mapper, model=target)
+        a = TransferredCache(src, mapper, model=target).convert_all()
+        b = TransferredCache(moved, mapper, model=target).convert_all()
+    n = len(own.layers)
+    same = [torch.allclose(a.layers[t].keys, own.layers[t].keys[..., : a.layers[t].keys.shape[-2], :], atol=1e-5)
+            for t in range(n)]  # fmt: skip
+    exact = same.index(False) if False in same else n
+    assert f"its first {exact} of {n} layer(s) itself" in out, out
+    assert f"the prompt's last {ids.shape[1] - fresh.get_seq_length()} token(s)" in out, out
+    maps = next(line for line in out.splitlines() if line.startswith("maps:"))
+    if exact < n:
+        reads_source = any(not torch.equal(a.layers[t].keys, b.layers[t].keys) for t in range(exact, n))
+        assert f"{n - exact} mapped layer(s)" in maps and ("no source K/V" not in maps) == reads_source, out
+    return out
 
 
 @pytest.mark.parametrize("kind", ["source-only", "residual", "residual-alone"])

@@ -257,12 +257,38 @@ def _run_info(args) -> int:
     # Describe only a mapper that loads: opened as `from_pretrained` opens it (every shard, shapes, finite values).
     mapper = KVMapper.from_pretrained(str(path), local_files_only=True)
     report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
-    print(_format_info(config, checkpoint_info(path)["total_size"], report, mapper_first_token(mapper)))
+    lines = _format_info(config, checkpoint_info(path)["total_size"], report, mapper_first_token(mapper),
+                         _transfer_lines(mapper, report))  # fmt: skip
+    print(lines)
     return 0
 
 
+def _transfer_lines(mapper, report: dict) -> list[str]:
+    """What a transfer with `mapper` does at its defaults (`resolve_transfer`, as the cache resolves them): the layers
+    the target computes, how far back they attend, what the other layers' maps read, the prompt's recomputed tokens."""
+    from ..core.defaults import resolve_transfer
+    from ..core.map_inputs import maps_read
+
+    settings = resolve_transfer(mapper, num_tokens=2**31)  # a long prompt: the recomputed tokens are not capped
+    layers, exact = len(mapper.config.selected_layers), settings.num_exact_layers
+    reason = (report.get("exact_layers") or {}).get("reason")
+    lines = [f"exact:       the target computes its first {exact} of {layers} layer(s) itself"
+             + (" (the default: this mapper records none)" if mapper.config.num_exact_layers is None else "")
+             + (f"; {reason}" if reason else "")]  # fmt: skip
+    if settings.exact_window:
+        lines.append(f"window:      the exact layers attend within {settings.exact_window} tokens of each token "
+                     "(the recomputed tokens to the whole prompt)")  # fmt: skip
+    lines.append(f"maps:        {layers - exact} mapped layer(s), reading: {maps_read(mapper.config)}" if exact < layers
+                 else "maps:        none (the target computes every layer: the transfer is its own cache)")  # fmt: skip
+    lines.append(f"recomputed:  the prompt's last {settings.num_recompute_tokens} token(s) run through the target "
+                 "(at most half of a short prompt)")  # fmt: skip
+    if mapper.config.quality_gate is not None:
+        lines.append(f"gate:        {mapper.config.quality_gate.describe()}")
+    return lines
+
+
 def _format_info(config: dict, weights_bytes: int, report: dict | None = None,
-                 first_token: dict[int, dict[str, int]] | None = None) -> str:  # fmt: skip
+                 first_token: dict[int, dict[str, int]] | None = None, transfer: list[str] = ()) -> str:  # fmt: skip
     def fp(which: str) -> str:
         f = config.get(f"{which}_fingerprint", {})
         name = config.get(f"{which}_model_id") or "?"
@@ -282,17 +308,7 @@ def _format_info(config: dict, weights_bytes: int, report: dict | None = None,
     ]
     if config.get("rank"):
         lines.append("rank:        K/V per target layer " + ", ".join(f"{k}/{v}" for k, v in config["rank"]))
-    from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
-
-    exact = config.get("num_exact_layers")
-    lines.append(
-        f"exact:       the target computes its first {DEFAULT_NUM_EXACT_LAYERS if exact is None else exact} layer(s) itself"
-        + (" (the default: this mapper records none)" if exact is None else "")
-        + (f"; {(report or {})['exact_layers']['reason']}" if (report or {}).get("exact_layers", {}).get("reason") else "")
-    )
-    if config.get("exact_window"):
-        lines.append(f"window:      the exact layers attend within {config['exact_window']} tokens of each token "
-                     "(the recomputed tokens to the whole prompt)")  # fmt: skip
+    lines += transfer
     if first_token:
         (n, f), *rest = first_token.items()
         more = "".join(f", {g['own_prefill'] / g['total']:.2f}x at {m}" for m, g in rest)

@@ -13,6 +13,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from .config_migration import migrate_config
 from .map_inputs import registered_map_inputs
+from .quality_gate import QualityGateConfig
 from .mapper_types import LOWRANK, RIDGE
 
 LIBRARY_NAME = "hf-kvtransfer"
@@ -215,6 +216,8 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
         facts.append(("Prompt tokens the target recomputes (default `num_recompute_tokens`)", str(config["num_recompute_tokens"])))
     for inp in registered_map_inputs():  # what the maps read beyond the source's K/V, each input's own lines
         facts += inp.card_facts(config)
+    if config.get("quality_gate"):
+        facts.append(("Per-request quality gate", QualityGateConfig.from_value(config["quality_gate"]).describe()))
     if isinstance(probe, dict):
         if probe.get("reason"):
             facts.append(("Why", _cell(probe["reason"])))

@@ -296,6 +296,28 @@ def model_layers_needed(config: MapperConfig) -> int:
     return max((s.model_layers_needed(config) for s in config.map_inputs.values()), default=0)
 
 
+def maps_read(config: MapperConfig) -> str:
+    """What a mapper's maps read, in one phrase for every surface (the fit's log and report, `info`, the card): the
+    source's K/V, then each input's own phrase (`MapInputConfig.label`) in the order they apply. E.g. "no source K/V
+    + target residual entering layer 2 (t, t-1, t-2, rank 73) read by every mapped layer"."""
+    mapped = range(exact_layers_needed(config)[0], len(config.selected_layers))  # the layers the inputs leave to map
+    parts = [s.label(config) for s in config.map_inputs.values()]
+    return " + ".join([_source_label(config, mapped) if mapped.start else "source K/V", *(p for p in parts if p)])
+
+
+def _source_label(config: MapperConfig, mapped: range) -> str:
+    """Which source K/V the maps of the `mapped` layers read."""
+    alone = [t for t in mapped if not config.selected_layers[t]]
+    read = {tuple(config.selected_layers[t]) for t in mapped}
+    if not alone and len(read) == 1 and len(next(iter(read))) == 1:  # e.g. the last source layer only
+        return f"source layer {next(iter(read))[0]}'s K/V"
+    if not alone:
+        return "source K/V"
+    if len(alone) == len(mapped):
+        return "no source K/V"
+    return f"source K/V (none for layer{'s' if len(alone) > 1 else ''} {', '.join(map(str, alone))})"
+
+
 def with_input(config: MapperConfig, name: str, settings: MapInputConfig | None) -> MapperConfig:
     """A copy of `config` with input `name` set to `settings` (None: without it); validated as a new config."""
     inputs = {k: v for k, v in config.map_inputs.items() if k != name}

@@ -47,6 +47,13 @@ class QualityGateConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def describe(self) -> str:
+        """What the gate does to a request, in one sentence for `info` and the model card."""
+        where = (f"the {self.quantile:g} quantile of the score over {self.num_prompts} held-out prompts of "
+                 f"{self.prompt_length} tokens" if self.num_prompts else f"the {self.quantile:g} quantile of the score")  # fmt: skip
+        return (f"a request row whose mapped K/V come within a cosine of {self.threshold:.4f} of the target's own on "
+                f"the recomputed tokens is served from them, a lower one from the target's own prefill ({where})")
+
     @classmethod
     def from_value(cls, value: QualityGateConfig | dict | None) -> QualityGateConfig | None:
         if value is None or isinstance(value, cls):

@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
 from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
 from ..core.mapper import KVMapper
-from ..core.map_inputs import exact_layers_needed
+from ..core.map_inputs import exact_layers_needed, maps_read
 from ..core.options import with_options
 from ..core.progress import progress_bar
 from ..evaluation.content import repeated_span_retention
@@ -233,31 +233,7 @@ def _percent(value: float | None, ci: Sequence[float] | None) -> str:
     return f"{value:.0%}" + (f" [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]" if ci else "")
 
 
-
-
 # -- the search over configurations: exact layers x map inputs, by retention and time to the first token ---------
-
-def _inputs_label(mapper: KVMapper) -> str:
-    """What a candidate's maps read, for the frontier: the source's K/V, then each input's own phrase
-    (`MapInputConfig.label`) in the order they apply."""
-    c = mapper.config
-    mapped = range(exact_layers_needed(c)[0], len(c.selected_layers))  # the layers the inputs leave to map
-    parts = [s.label(c) for s in c.map_inputs.values()]
-    return " + ".join([_source_label(c, mapped) if mapped.start else "source K/V", *(p for p in parts if p)])
-
-
-def _source_label(c, mapped: range) -> str:
-    """Which source K/V the maps of the `mapped` layers read."""
-    alone = [t for t in mapped if not c.selected_layers[t]]
-    read = {tuple(c.selected_layers[t]) for t in mapped}
-    if not alone and len(read) == 1 and len(next(iter(read))) == 1:  # e.g. the last source layer only
-        return f"source layer {next(iter(read))[0]}'s K/V"
-    if not alone:
-        return "source K/V"
-    if len(alone) == len(mapped):
-        return "no source K/V"
-    return f"source K/V (none for layer{'s' if len(alone) > 1 else ''} {', '.join(map(str, alone))})"
-
 
 # Timing rounds of the candidates: each round times every candidate once, then the target's own prefill. The figures
 # are reported (the frontier's speed-ups); they decide nothing: the choice is by `configuration_cost`.
@@ -338,7 +314,7 @@ def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | N
         verdict = gate.judge(mapper, k)
         row = next((r for r in rows if r["num_exact_layers"] == k), None)
         if row is None:
-            row = {"inputs": _inputs_label(mapper), "num_exact_layers": k, "retention": None, "retention_ci": None,
+            row = {"inputs": maps_read(mapper.config), "num_exact_layers": k, "retention": None, "retention_ci": None,
                    "passes": True}  # fmt: skip
             rows.append(row)
         row["gate"] = verdict
@@ -470,7 +446,7 @@ def _source_only_rows(
 ) -> tuple[list[dict[str, Any]], int | None]:
     """The source-only answer's rows (each exact-layer count the screen tried, and those the gate judged) and its
     exact layers: the screen's `chosen_kv`, or with a gate the fewest from there on that it accepts."""
-    source_rows = [{"inputs": _inputs_label(mapper), **row,
+    source_rows = [{"inputs": maps_read(mapper.config), **row,
                     "passes": row["retention"] is not None and row["retention"] >= o.min_retention}
                    for row in report["tried"]]  # fmt: skip
     faithful_kv = _gate_source_only(o.gate, mapper, chosen_kv, num_layers, source_rows)
@@ -562,7 +538,7 @@ class _InputSearch:
         self.more_cued = self.more_reference = self.cued_reference = None
 
     def probe(self, name: str, items, m: KVMapper, num_exact: int) -> dict[str, Any]:
-        logger.debug("configuration probe (%s, %d items): %d exact, %s", name, len(items), num_exact, _inputs_label(m))
+        logger.debug("configuration probe (%s, %d items): %d exact, %s", name, len(items), num_exact, maps_read(m.config))
         r = scored(self.journal, name, m, num_exact, items, lambda: repeated_span_retention(
             self.source, self.target, m, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, num_exact_layers=num_exact,
             progress=False, reference=self.references.get(name),
@@ -597,7 +573,7 @@ class _InputSearch:
         bar = progress_bar(candidates_in, desc="configuration probe", unit="candidate", enabled=progress)
         for index, m in enumerate(bar, 1):
             fit_input = fit_input_of(m)
-            row = {"inputs": _inputs_label(m), "extends": fit_input.name if fit_input else None,
+            row = {"inputs": maps_read(m.config), "extends": fit_input.name if fit_input else None,
                    **(fit_input.describe(m) if fit_input else {}), "num_exact_layers": exact_layers_needed(m.config)[0],
                    "retention": None, "retention_ci": None, "cued_retention": None, "cued_retention_ci": None,
                    "passes": False}  # fmt: skip
@@ -630,7 +606,7 @@ class _InputSearch:
             return m
         if self.refine is not None:
             m = self.refine(m)
-            row["inputs"] = _inputs_label(m)
+            row["inputs"] = maps_read(m.config)
         r = self.probe("repeated spans", self.spans, m, num_exact)
         row.update(retention=r["retention"], retention_ci=r["retention_ci"])
         if r["retention"] is not None and r["retention"] >= self.min_retention:

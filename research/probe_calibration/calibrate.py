@@ -30,7 +30,7 @@ from hf_kvtransfer.evaluation.metrics import mean_and_ci
 from hf_kvtransfer.evaluation.tasks import handoff_items, passage_recall_items
 from hf_kvtransfer.fitting.config import FitConfig, heldout_count
 from hf_kvtransfer.fitting.content_gate import ContentGate, heldout_texts
-from hf_kvtransfer.fitting.exact_layers import _inputs_label
+from hf_kvtransfer.core.map_inputs import maps_read
 
 FAMILY = Path(__file__).resolve().parents[2] / "examples" / "family"
 NAMES = {"small": "small", "large": "large"}
@@ -57,8 +57,8 @@ def candidates_of(source, target, tok):
     num_heldout = heldout_count(ids.shape[0], config.heldout_fraction)
     texts = heldout_texts(tok, ids[-num_heldout:])
     mapper, layers = captured["mapper"], target.config.num_hidden_layers
-    out = [(f"{k} exact, {_inputs_label(mapper)}", mapper, k) for k in range(1, layers)]
-    out += [(f"{residual_layer(m) + 1} exact, {_inputs_label(m)}", m, residual_layer(m) + 1)
+    out = [(f"{k} exact, {maps_read(mapper.config)}", mapper, k) for k in range(1, layers)]
+    out += [(f"{residual_layer(m) + 1} exact, {maps_read(m.config)}", m, residual_layer(m) + 1)
             for m in captured["residual"]]  # fmt: skip
     return out, texts
 
