@@ -278,7 +278,7 @@ def _transfer_lines(mapper, report: dict) -> list[str]:
     if settings.exact_window:
         lines.append(f"window:      the exact layers attend within {settings.exact_window} tokens of each token "
                      "(the recomputed tokens to the whole prompt)")  # fmt: skip
-    lines.append(f"maps:        {layers - exact} mapped layer(s), reading: {maps_read(mapper.config)}" if exact < layers
+    lines.append(f"maps:        {layers - exact} mapped layer(s), reading: {maps_read(mapper.config, exact)}" if exact < layers
                  else "maps:        none (the target computes every layer: the transfer is its own cache)")  # fmt: skip
     lines.append(f"recomputed:  the prompt's last {settings.num_recompute_tokens} token(s) run through the target "
                  "(at most half of a short prompt)")  # fmt: skip
@@ -422,6 +422,7 @@ def _with_exact_window(mapper, window: int | None):
 def _run_eval(args) -> int:
     from pathlib import Path
 
+    from ..core.map_inputs import maps_read
     from ..core.mapper import KVMapper
     from ..evaluation.evaluate import evaluate
     from ..evaluation.multiple_choice import load_multiple_choice
@@ -445,6 +446,7 @@ def _run_eval(args) -> int:
         "exact_layers_origin": origin_of_exact_layers(mapper, args.exact_layers),
         "num_target_layers": mapper.target_layout.num_layers,
         "num_recompute_tokens": "default" if args.recompute is None else args.recompute,
+        "maps_read": maps_read(mapper.config, mapper.resolve_num_exact_layers(args.exact_layers)),
     }
     print(f"eval: every transfer with {eval_settings(settings)}", flush=True)
     results = evaluate(
@@ -457,7 +459,7 @@ def _run_eval(args) -> int:
         batch_size=args.batch_size, seed=args.seed,
     )
     results["config"].update(source=args.source, target=args.target, mapper=args.mapper, text=args.text)
-    results["config"].update({k: settings[k] for k in ("exact_layers_origin", "num_target_layers")})
+    results["config"].update({k: settings[k] for k in ("exact_layers_origin", "num_target_layers", "maps_read")})
     _write_eval_results(args, results)
     return 0
 

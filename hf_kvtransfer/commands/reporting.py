@@ -194,6 +194,8 @@ def eval_settings(config: dict[str, Any]) -> str:
     )
     if len(values) > 1:
         text += " (" + ", ".join(f"{task}: {u}" for task, u in used.items()) + ")"
+    if config.get("maps_read") and config["num_exact_layers"] < (config.get("num_target_layers") or math.inf):
+        text += f"; the mapped layers read {config['maps_read']}"
     return text
 
 

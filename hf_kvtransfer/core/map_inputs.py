@@ -296,11 +296,14 @@ def model_layers_needed(config: MapperConfig) -> int:
     return max((s.model_layers_needed(config) for s in config.map_inputs.values()), default=0)
 
 
-def maps_read(config: MapperConfig) -> str:
-    """What a mapper's maps read, in one phrase for every surface (the fit's log and report, `info`, the card): the
+def maps_read(config: MapperConfig, num_exact_layers: int | None = None) -> str:
+    """What a mapper's maps read, in one phrase for every surface (the fit's log and report, `info`, `eval`): the
     source's K/V, then each input's own phrase (`MapInputConfig.label`) in the order they apply. E.g. "no source K/V
-    + target residual entering layer 2 (t, t-1, t-2, rank 73) read by every mapped layer"."""
-    mapped = range(exact_layers_needed(config)[0], len(config.selected_layers))  # the layers the inputs leave to map
+    + target residual entering layer 2 (t, t-1, t-2, rank 73) read by every mapped layer". The source's K/V are named
+    for the layers after `num_exact_layers` (None: those the inputs leave to map; without inputs, "source K/V")."""
+    needed = exact_layers_needed(config)[0]
+    first = needed if num_exact_layers is None else max(needed, num_exact_layers)
+    mapped = range(first, len(config.selected_layers))
     parts = [s.label(config) for s in config.map_inputs.values()]
     return " + ".join([_source_label(config, mapped) if mapped.start else "source K/V", *(p for p in parts if p)])
 
