@@ -349,3 +349,62 @@ def test_every_eval_task_has_a_step():
     from hf_kvtransfer.evaluation.evaluate import _TASKS, EVAL_TASKS
 
     assert tuple(_TASKS) == EVAL_TASKS  # the steps run in the order the tasks are listed (and reported)
+
+
+def _eval_setup(tmp_path):
+    """A saved tiny pair (one model as both: its transfer is exact), its mapper and a text, for `eval` runs."""
+    if not (tmp_path / "model").is_dir():
+        model = tiny_model("qwen3", num_hidden_layers=2, seed=4)
+        model.save_pretrained(tmp_path / "model")
+        _number_tokenizer().save_pretrained(tmp_path / "model")
+        exact_identity_mapper(model).save_pretrained(tmp_path / "mapper")
+        words = [f"w{i}" for i in range(30)] + ["the", "of", "is", "value", "."]
+        rng = np.random.default_rng(0)
+        (tmp_path / "text.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(40)) + "\n")
+    return ["eval", "--source", str(tmp_path / "model"), "--target", str(tmp_path / "model"), "--mapper",
+            str(tmp_path / "mapper"), "--text", str(tmp_path / "text.txt"), "--tasks", "repeat,recall",
+            "--items", "6"]  # fmt: skip
+
+
+def test_an_interrupted_eval_resumes_with_its_finished_tasks(tmp_path, capsys, monkeypatch):
+    """Ctrl-C after the first task: that task's results are kept beside --json and the same command reads them back
+    instead of running it again; the results equal an uninterrupted run's, and the journal is gone once they are
+    written. Another option (more items) runs every task afresh."""
+    from hf_kvtransfer.evaluation import evaluate as evaluate_module
+
+    args = _eval_setup(tmp_path)
+    assert main([*args, "--json", str(tmp_path / "whole.json")]) == 0
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    calls = {"repeat": 0, "recall": 0}
+    run_repeat, run_recall = evaluate_module.repeated_span_retention, evaluate_module.passage_recall
+
+    def repeat(*a, **k):
+        calls["repeat"] += 1
+        return run_repeat(*a, **k)
+
+    def interrupted_recall(*a, **k):
+        calls["recall"] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate_module, "repeated_span_retention", repeat)
+    monkeypatch.setattr(evaluate_module, "passage_recall", interrupted_recall)
+    out = tmp_path / "resumed.json"
+    capsys.readouterr()
+    assert main([*args, "--json", str(out)]) == 130
+    err = capsys.readouterr().err
+    journal = tmp_path / "resumed.json.journal.jsonl"
+    assert f"1 finished task(s) are kept in {journal}" in err and "run the same command again" in err, err
+    assert journal.is_file() and not out.exists() and calls == {"repeat": 1, "recall": 1}
+    monkeypatch.setattr(evaluate_module, "passage_recall", run_recall)
+    assert main([*args, "--json", str(out)]) == 0
+    assert calls == {"repeat": 1, "recall": 1}  # the repeat task was read back, not run
+    assert "1 finished task(s) read back from" in capsys.readouterr().out
+    resumed = json.loads(out.read_text())
+    assert resumed == whole and not journal.exists()
+    # Another option: nothing read back (the journal of the interrupted run is for 6 items).
+    monkeypatch.setattr(evaluate_module, "passage_recall", interrupted_recall)
+    assert main([*args, "--json", str(out)]) == 130
+    capsys.readouterr()
+    monkeypatch.setattr(evaluate_module, "passage_recall", run_recall)
+    assert main([*args[:-1], "5", "--json", str(out)]) == 0
+    assert calls["repeat"] == 3 and json.loads(out.read_text())["repeated_span"]["num_items"] != whole["repeated_span"]["num_items"]

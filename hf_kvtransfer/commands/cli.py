@@ -404,7 +404,8 @@ def _add_eval(subparsers) -> None:
     p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype both models are loaded in (default float32)")
-    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--json", help="write the results as JSON here; while it runs, each finished task is kept beside it "
+                   "(FILE.journal.jsonl), so the same command run again after an interruption resumes")
     p.add_argument("--markdown", help="write the markdown tables here (they are printed either way)")
     p.add_argument("--plot", help="write a PNG of per-layer cosine / R^2, content tasks and per-turn drift (needs matplotlib)")
     p.set_defaults(func=_run_eval)
@@ -424,7 +425,7 @@ def _run_eval(args) -> int:
 
     from ..core.map_inputs import maps_read
     from ..core.mapper import KVMapper
-    from ..evaluation.evaluate import evaluate
+    from ..evaluation.evaluate import eval_journal, evaluate
     from ..evaluation.multiple_choice import load_multiple_choice
     from .reporting import eval_settings, origin_of_exact_layers
 
@@ -449,19 +450,43 @@ def _run_eval(args) -> int:
         "maps_read": maps_read(mapper.config, mapper.resolve_num_exact_layers(args.exact_layers)),
     }
     print(f"eval: every transfer with {eval_settings(settings)}", flush=True)
-    results = evaluate(
-        source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"), tasks=args.tasks,
-        num_content_items=args.items, max_new_tokens=args.max_new_tokens, prefix_len=args.prefix_len,
-        depth_lengths=args.depth_lengths, depth_items=args.depth_items,
-        max_windows=args.max_windows, num_recompute_tokens=args.recompute, num_exact_layers=args.exact_layers,
-        continuation=not args.no_continuation, context_len=args.context_len, num_items=args.num_items,
-        multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,
-        batch_size=args.batch_size, seed=args.seed,
-    )
+    journal = eval_journal(_eval_journal_path(args.json), source, target) if args.json else None
+    try:
+        results = evaluate(
+            source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"), tasks=args.tasks,
+            num_content_items=args.items, max_new_tokens=args.max_new_tokens, prefix_len=args.prefix_len,
+            depth_lengths=args.depth_lengths, depth_items=args.depth_items,
+            max_windows=args.max_windows, num_recompute_tokens=args.recompute, num_exact_layers=args.exact_layers,
+            continuation=not args.no_continuation, context_len=args.context_len, num_items=args.num_items,
+            multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,
+            batch_size=args.batch_size, seed=args.seed, journal=journal,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        args.interrupted_message = _eval_interrupted(journal)
+        raise
+    if journal is not None and journal.reused:
+        print(f"eval: {journal.reused} finished task(s) read back from {journal.path}", flush=True)
     results["config"].update(source=args.source, target=args.target, mapper=args.mapper, text=args.text)
     results["config"].update({k: settings[k] for k in ("exact_layers_origin", "num_target_layers", "maps_read")})
     _write_eval_results(args, results)
+    if journal is not None:
+        journal.path.unlink(missing_ok=True)  # the results are written: nothing left to resume
     return 0
+
+
+def _eval_journal_path(json_path: str) -> Path:
+    """Where `eval --json FILE` keeps its finished tasks while it runs: FILE.journal.jsonl."""
+    return Path(json_path).with_name(Path(json_path).name + ".journal.jsonl")
+
+
+def _eval_interrupted(journal) -> str:
+    """What an interrupted `eval` says: the finished tasks kept for a rerun, or that there are none to keep."""
+    if journal is None:
+        return "interrupted; nothing is kept without --json (with --json FILE, finished tasks are kept to resume from)"
+    if not journal.entries:
+        return f"interrupted before a task finished; running the command again starts over (journal: {journal.path})"
+    return (f"interrupted; {len(journal.entries)} finished task(s) are kept in {journal.path}\n"
+            "hint: run the same command again to resume from there")  # fmt: skip
 
 
 def _check_eval_args(args) -> None:

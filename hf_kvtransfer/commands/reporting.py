@@ -49,6 +49,9 @@ def transfer_settings(
     exact = f"{num_exact_layers}{of} target layers exact" + (f" ({origin})" if origin else "")
     if exact_window and num_exact_layers > 1:
         exact += f", attending within {exact_window} tokens"
+    every_layer = bool(num_layers) and num_exact_layers >= num_layers
+    if num_recompute_tokens is None and every_layer:
+        return f"{exact}, 1 recomputed token (TransferredCache's default when every layer is exact)"
     if num_recompute_tokens is None:
         default = f"{DEFAULT_NUM_RECOMPUTE_TOKENS} recomputed tokens, at most half a shorter prompt"
         return f"{exact}, {default} (TransferredCache's default)"
@@ -56,7 +59,9 @@ def transfer_settings(
         recompute = f"{'/'.join(map(str, num_recompute_tokens))} recomputed tokens by prompt length"
     else:
         recompute = f"{num_recompute_tokens} recomputed token{'s' if num_recompute_tokens != 1 else ''}"
-    if recompute_default:
+    if recompute_default and every_layer:
+        recompute += " (TransferredCache's default when every layer is exact)"
+    elif recompute_default:
         recompute += f" (TransferredCache's default: {DEFAULT_NUM_RECOMPUTE_TOKENS}, at most half a shorter prompt)"
     return f"{exact}, {recompute}"
 

@@ -14,7 +14,11 @@ retention of perplexity is `(nll_floor - nll_transfer) / (nll_floor - nll_target
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
@@ -28,6 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..core.cache import TransferredCache
 from ..core.defaults import resolve_num_recompute_tokens
+from ..core.journal import ResultJournal, model_identity
 from ..core.capture import cache_argument, capture_kv, prefill, stripped_kv
 from ..core.loading import model_device
 from ..core.map_inputs import exact_layers_needed
@@ -43,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "EVAL_TASKS",
+    "eval_journal",
     "evaluate",
     "kv_r2",
     "multi_turn_drift",
@@ -610,6 +616,7 @@ def evaluate(
     *,
     multiple_choice_items: Sequence[MultipleChoiceItem] | None = None,
     reverse_mapper: KVMapper | None = None,
+    journal: ResultJournal | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Run the evaluation suite for one (source, target, mapper) on a text: perplexity, tasks, diagnostics.
@@ -621,6 +628,9 @@ def evaluate(
         config: the options (`EvalConfig`); any of its fields may be given as a keyword instead (`tasks=...`).
         multiple_choice_items: a task to score too (e.g. `load_multiple_choice("hellaswag.jsonl", tok)`).
         reverse_mapper: a target -> source mapper; enables the multi-turn handoff.
+        journal: keeps each finished task's results on disk (`eval_journal`): a task this journal holds for the same
+            models, mapper, text and options is read back instead of run again, so an interrupted run resumes.
+            Its results are then as JSON gives them back (lists, not tuples), read back or not.
 
     Returns:
         A JSON-serializable dict: `prefix_perplexity`, `kv_r2`, `continuation`, `multiple_choice`, `multi_turn`,
@@ -643,7 +653,7 @@ def evaluate(
     run = _TaskRun(source, target, mapper, cfg, tokenizer, documents, docs, content, multiple_choice_items, reverse_mapper)
     for name, task in _TASKS.items():
         if name in selected:
-            task(run, results)
+            results.update(_task_results(run, name, task, journal))
     # What each task's transfers used (the default resolves per prompt length: 32, at most half a shorter prompt).
     results["config"]["num_recompute_tokens_used"] = {
         name: res["num_recompute_tokens"]
@@ -651,6 +661,28 @@ def evaluate(
         if name != "config" and isinstance(res, dict) and "num_recompute_tokens" in res
     }
     return results
+
+
+def eval_journal(path: str | os.PathLike, source: PreTrainedModel, target: PreTrainedModel) -> ResultJournal:
+    """The journal of `evaluate`'s finished tasks at `path` for these two models (`core/journal.py`)."""
+    return ResultJournal(path, {"kind": "eval", "source": model_identity(source), "target": model_identity(target)})
+
+
+def _task_results(run: _TaskRun, name: str, task: Callable[..., None], journal: ResultJournal | None) -> dict[str, Any]:
+    """What task `name` adds to the results: run, or read back from `journal` when it holds this task for the same
+    mapper, exact layers, inputs (the text's tokens, the choice items, the reverse mapper) and options."""
+    def compute() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        task(run, out)
+        return out if journal is None else json.loads(json.dumps(out))  # as --json writes them
+
+    if journal is None:
+        return compute()
+    options = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k not in ("tasks", "progress")}
+    reverse = journal.fingerprint(run.reverse_mapper) if run.reverse_mapper is not None else None
+    inputs = hashlib.sha256(repr((run.docs, run.multiple_choice_items, reverse)).encode()).hexdigest()
+    num_exact = run.mapper.resolve_num_exact_layers(run.cfg.num_exact_layers)
+    return journal.score(name, run.mapper, num_exact, [inputs], compute, **options)
 
 
 def _selected_tasks(cfg: EvalConfig, multiple_choice_items, reverse_mapper) -> list[str]:
