@@ -270,17 +270,9 @@ def _number_tokenizer():
 
 def test_eval_cli_recall(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    model = tiny_model("qwen3", num_hidden_layers=2, seed=4)
-    model.save_pretrained(tmp_path / "model")
-    _number_tokenizer().save_pretrained(tmp_path / "model")
-    exact_identity_mapper(model).save_pretrained(tmp_path / "mapper")
-    words = [f"w{i}" for i in range(30)] + ["the", "of", "is", "value", "."]
-    rng = np.random.default_rng(0)
-    (tmp_path / "text.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(40)) + "\n")
     out = tmp_path / "eval.json"
-    args = ["eval", "--source", str(tmp_path / "model"), "--target", str(tmp_path / "model"), "--mapper",
-            str(tmp_path / "mapper"), "--text", str(tmp_path / "text.txt"), "--tasks", "recall", "--items", "4",
-            "--json", str(out), "--plot", str(tmp_path / "eval.png")]  # fmt: skip
+    args = [*_eval_setup(tmp_path), "--tasks", "recall", "--items", "4", "--json", str(out),
+            "--plot", str(tmp_path / "eval.png")]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "| passage recall accuracy | 4 |" in printed
@@ -352,7 +344,7 @@ def test_every_eval_task_has_a_step():
 
 
 def _eval_setup(tmp_path):
-    """A saved tiny pair (one model as both: its transfer is exact), its mapper and a text, for `eval` runs."""
+    """`eval`'s arguments on a saved tiny pair (one model as both: its transfer is exact), its mapper and a text."""
     if not (tmp_path / "model").is_dir():
         model = tiny_model("qwen3", num_hidden_layers=2, seed=4)
         model.save_pretrained(tmp_path / "model")
@@ -362,8 +354,7 @@ def _eval_setup(tmp_path):
         rng = np.random.default_rng(0)
         (tmp_path / "text.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(40)) + "\n")
     return ["eval", "--source", str(tmp_path / "model"), "--target", str(tmp_path / "model"), "--mapper",
-            str(tmp_path / "mapper"), "--text", str(tmp_path / "text.txt"), "--tasks", "repeat,recall",
-            "--items", "6"]  # fmt: skip
+            str(tmp_path / "mapper"), "--text", str(tmp_path / "text.txt")]  # fmt: skip
 
 
 def test_an_interrupted_eval_resumes_with_its_finished_tasks(tmp_path, capsys, monkeypatch):
@@ -372,7 +363,7 @@ def test_an_interrupted_eval_resumes_with_its_finished_tasks(tmp_path, capsys, m
     written. Another option (more items) runs every task afresh."""
     from hf_kvtransfer.evaluation import evaluate as evaluate_module
 
-    args = _eval_setup(tmp_path)
+    args = [*_eval_setup(tmp_path), "--tasks", "repeat,recall", "--items", "6"]
     assert main([*args, "--json", str(tmp_path / "whole.json")]) == 0
     whole = json.loads((tmp_path / "whole.json").read_text())
     calls = {"repeat": 0, "recall": 0}
