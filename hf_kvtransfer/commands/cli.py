@@ -719,6 +719,8 @@ _SUBCOMMANDS += [_add_fit]
 
 
 def _print_written(results) -> None:
+    from ..core.map_inputs import maps_read
+
     def mean(values):
         return f"{sum(values) / len(values):.4f}" if values else "-"
 
@@ -731,6 +733,8 @@ def _print_written(results) -> None:
             + f", {mapper.num_parameters():,} parameters ({next(mapper.parameters()).dtype})".replace("torch.", "")
             + f", {mapper.num_exact_layers} of {mapper.target_layout.num_layers} target layers computed exactly"
             + (f" within a window of {c.exact_window} tokens" if c.exact_window else "")
+            + (f", the others mapped from {maps_read(c, mapper.num_exact_layers)}"
+               if mapper.num_exact_layers < mapper.target_layout.num_layers else "")  # fmt: skip
         )
 
 
