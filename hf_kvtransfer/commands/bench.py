@@ -44,6 +44,7 @@ from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS, resolve_exact_window, 
 from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
 from ..core.capture import cache_argument, prefill
 from ..core.loading import DTYPES, check_device, load_model
+from ..core.map_inputs import maps_read
 from ..core.mapper import KVMapper
 from ..core.options import with_options
 from ..core.progress import progress_bar
@@ -349,6 +350,7 @@ def _bench_settings(source, target, mappers: dict[str, KVMapper], first: str, se
         settings["ttft_defaults"] = {
             "num_exact_layers": mapper.resolve_num_exact_layers(o.num_exact_layers),
             "exact_window": mapper.config.exact_window,
+            "maps_read": maps_read(mapper.config, mapper.resolve_num_exact_layers(o.num_exact_layers)),
             "exact_layers_origin": origin if origin is not None else origin_of_exact_layers(mapper, o.num_exact_layers),
             "num_recompute_tokens": o.num_recompute_tokens,  # None: TransferredCache's default
             "num_recompute_tokens_default": DEFAULT_NUM_RECOMPUTE_TOKENS,
@@ -624,7 +626,8 @@ def run(config: BenchConfig, announce: Callable[[str], None] | None = None) -> d
     mappers = {n: m.to(device) if n in named else m.to(device, default) for n, m in mappers.items()}
     if config.ttft and announce is not None:
         exact = first.resolve_num_exact_layers(config.exact_layers)
-        announce(ttft_settings_line(exact, len(first.layers), origin, config.recompute_tokens, first.config.exact_window))
+        announce(ttft_settings_line(exact, len(first.layers), origin, config.recompute_tokens, first.config.exact_window,
+                                    maps_read(first.config, exact)))  # fmt: skip
     report = run_benchmark(
         source, target, mappers, seq_lens=config.seq_lens, repeats=config.repeats, warmup=config.warmup,
         decode_steps=config.decode_steps, measure_ttft=config.ttft, measure_decode=config.decode,

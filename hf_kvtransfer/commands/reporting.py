@@ -39,10 +39,29 @@ def transfer_settings(
     num_recompute_tokens: int | Sequence[int] | None,
     recompute_default: bool = False,
     exact_window: int | None = None,
+    maps_read: str | None = None,
 ) -> str:
     """`"4 of 8 target layers exact (recorded by the mapper's fit), 32 recomputed tokens (TransferredCache's default:
-    ...)"`: what the target computed itself in a transfer. `num_recompute_tokens`: the number used, the numbers used
-    by prompt length, or None (not resolved yet: the default); `recompute_default` says it is the default."""
+    ...); the mapped layers read ..."`: what the target computed itself in a transfer, and what the maps of the other
+    layers read (`maps_clause`). `num_recompute_tokens`: the number used, the numbers used by prompt length, or None
+    (not resolved yet: the default); `recompute_default` says it is the default."""
+    computed = _computed_settings(num_exact_layers, num_layers, origin, num_recompute_tokens, recompute_default,
+                                  exact_window)  # fmt: skip
+    return computed + maps_clause(num_exact_layers, num_layers, maps_read)
+
+
+def maps_clause(num_exact_layers: int, num_layers: int | None, maps_read: str | None) -> str:
+    """`"; the mapped layers read ..."` (`map_inputs.maps_read`), or nothing when every layer is exact or it is not
+    known (results written before it was recorded)."""
+    if not maps_read or num_exact_layers >= (num_layers or math.inf):
+        return ""
+    return f"; the mapped layers read {maps_read}"
+
+
+def _computed_settings(num_exact_layers: int, num_layers: int | None, origin: str | None,
+                       num_recompute_tokens: int | Sequence[int] | None, recompute_default: bool,
+                       exact_window: int | None) -> str:  # fmt: skip
+    """`transfer_settings`' part on what the target computed itself."""
     from ..core.defaults import DEFAULT_NUM_RECOMPUTE_TOKENS
 
     of = f" of {num_layers}" if num_layers else ""
@@ -80,10 +99,11 @@ ALL_MAPPED = "all mapped: 0 exact layers, 1 recomputed token (lossy where the ma
 
 def ttft_settings_line(
     num_exact_layers: int, num_layers: int, origin: str | None, num_recompute_tokens: int | None,
-    exact_window: int | None = None,
+    exact_window: int | None = None, maps_read: str | None = None,
 ) -> str:
     """The line `bench` prints before it times: what time to first token at the defaults and all mapped use."""
-    defaults = transfer_settings(num_exact_layers, num_layers, origin, num_recompute_tokens, exact_window=exact_window)
+    defaults = transfer_settings(num_exact_layers, num_layers, origin, num_recompute_tokens, exact_window=exact_window,
+                                 maps_read=maps_read)  # fmt: skip
     return f"time to first token at the mapper's defaults: {defaults}; beside it, {ALL_MAPPED}"
 
 
@@ -199,9 +219,7 @@ def eval_settings(config: dict[str, Any]) -> str:
     )
     if len(values) > 1:
         text += " (" + ", ".join(f"{task}: {u}" for task, u in used.items()) + ")"
-    if config.get("maps_read") and config["num_exact_layers"] < (config.get("num_target_layers") or math.inf):
-        text += f"; the mapped layers read {config['maps_read']}"
-    return text
+    return text + maps_clause(config["num_exact_layers"], config.get("num_target_layers"), config.get("maps_read"))
 
 
 # Content tasks (content_eval.py): results key, label, per-setting score, whether it is an accuracy.
@@ -492,7 +510,7 @@ def _ttft_line(settings: dict[str, Any], results: list[dict[str, Any]]) -> str:
     recompute = (used[0] if len(used) == 1 else used) if default else defaults["num_recompute_tokens"]
     at_defaults = transfer_settings(
         defaults["num_exact_layers"], settings.get("num_target_layers"), defaults["exact_layers_origin"], recompute,
-        default, defaults.get("exact_window"),
+        default, defaults.get("exact_window"), defaults.get("maps_read"),
     )
     return (
         f"Time to first token ({settings['ttft_mapper']}; the target's own prefill vs the transfer, logits of the "
