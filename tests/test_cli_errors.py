@@ -271,6 +271,12 @@ BAD_INPUTS = {
         lambda f: ["someone/no-such-model", "could not reach the Hub"], "down",
     ),
     "push without a token": (lambda f: ["push", str(f["good"]), "someone/m"], lambda f: ["--token"], "server"),
+    # Said before the run, not when a long one ends and would lose its results.
+    "eval --json into a missing folder": (
+        lambda f: ["eval", "--source", str(f["source"]), "--target", str(f["target"]), "--mapper", str(f["good"]),
+                   "--text", str(f["corpus"]), "--json", "results/typo/eval.json"],
+        lambda f: ["--json results/typo/eval.json", "does not exist"], "down",
+    ),
 }
 
 

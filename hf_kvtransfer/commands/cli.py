@@ -98,6 +98,17 @@ def _require_files(args: argparse.Namespace, *dests: str) -> None:
             raise FileNotFoundError(missing_local_path_message(value, f"{flag} file", bare=True))
 
 
+def _require_output_folders(args: argparse.Namespace, *dests: str) -> None:
+    """Fail before anything runs when an output file option's folder does not exist (`--json out/x.json`): the
+    results of a long run would otherwise be lost when it ends."""
+    for dest in dests:
+        value = getattr(args, dest, None)
+        folder = os.path.dirname(os.path.abspath(value)) if value else None
+        if folder is not None and not os.path.isdir(folder):
+            flag = "--" + dest.replace("_", "-")
+            raise CLIError(f"{flag} {value}: the folder {folder} does not exist", "create it first, or write elsewhere")
+
+
 def _other_pair_hint(exc: BaseException, args: argparse.Namespace) -> str | None:
     """A mapper loaded for models it was not fit for: the fit command for these models."""
     if not (isinstance(exc, ValueError) and "this mapper was fit for" in str(exc)):
@@ -510,6 +521,7 @@ def _check_eval_args(args) -> None:
     except ValueError as exc:
         raise CLIError(str(exc), "e.g. --tasks perplexity,recall,handoff; `hf-kvtransfer eval --help` describes each") from exc
     _require_files(args, "text", "mc")
+    _require_output_folders(args, "json", "markdown", "plot")
 
 
 def _write_eval_results(args, results: dict) -> None:
