@@ -204,7 +204,7 @@ def test_run_benchmark_report_and_files(tmp_path, monkeypatch):
     said = "**at the mapper's defaults**, 2 of 3 target layers exact (recorded by the mapper's fit), 4/32 recomputed tokens"
     assert said + " by prompt length (TransferredCache's default: 32" in table
     # ... and what the maps of the third layer read (a source-only mapper with k = 2: both source layers).
-    assert "32, at most half a shorter prompt); the mapped layers read source K/V; beside it" in table
+    assert "32, at most half a shorter prompt); what the mapped layers read: source K/V; beside it" in table
     assert "all mapped: 0 exact layers, 1 recomputed token" in table and "TTFT all mapped ms (x faster; lossy)" in table
     assert paths["plot"].stat().st_size > 1000
 

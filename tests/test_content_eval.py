@@ -281,7 +281,7 @@ def test_eval_cli_recall(tmp_path, capsys):
     assert printed.splitlines()[0].startswith(f"eval: {said}")
     assert "Every transfer: 1 of 2 target layers exact" in printed
     # ... and what the mapped layer reads (this mapper: layer 1 from source layer 1 alone).
-    assert printed.splitlines()[0].endswith("; the mapped layers read source layer 1's K/V")
+    assert printed.splitlines()[0].endswith("; what the mapped layers read: source layer 1's K/V")
     results = json.loads(out.read_text())
     assert results["config"]["tasks"] == ["recall"] and "prefix_perplexity" not in results
     assert results["config"]["num_exact_layers"] == 1 and results["config"]["num_target_layers"] == 2

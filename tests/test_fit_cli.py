@@ -84,7 +84,7 @@ def test_cli_subprocess_fit_matches_in_memory_fit(pair, tmp_path):
     assert _leftovers(out) == ["mapper"]  # no checkpoint or temp directory left behind
     mapper = KVMapper.from_pretrained(out)
     # What the other layers' maps read, said as `info` and `eval` say it (these maps read the source's K/V alone).
-    assert mapper.num_exact_layers < len(mapper.layers) and ", the others mapped from source" in proc.stdout, proc.stdout
+    assert mapper.num_exact_layers < len(mapper.layers) and "; what the other layers' maps read: source" in proc.stdout, proc.stdout
 
     # Reference: the plain in-memory path on independently packed ids.
     ids, _ = build_calibration(make_tokenizer(), corpus, num_sequences=NUM_SEQUENCES, seq_len=SEQ_LEN)

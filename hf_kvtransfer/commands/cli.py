@@ -745,7 +745,7 @@ def _print_written(results) -> None:
             + f", {mapper.num_parameters():,} parameters ({next(mapper.parameters()).dtype})".replace("torch.", "")
             + f", {mapper.num_exact_layers} of {mapper.target_layout.num_layers} target layers computed exactly"
             + (f" within a window of {c.exact_window} tokens" if c.exact_window else "")
-            + (f", the others mapped from {maps_read(c, mapper.num_exact_layers)}"
+            + (f"; what the other layers' maps read: {maps_read(c, mapper.num_exact_layers)}"
                if mapper.num_exact_layers < mapper.target_layout.num_layers else "")  # fmt: skip
         )
 

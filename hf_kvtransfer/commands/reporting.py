@@ -42,7 +42,7 @@ def transfer_settings(
     maps_read: str | None = None,
 ) -> str:
     """`"4 of 8 target layers exact (recorded by the mapper's fit), 32 recomputed tokens (TransferredCache's default:
-    ...); the mapped layers read ..."`: what the target computed itself in a transfer, and what the maps of the other
+    ...); what the mapped layers read: ..."`: what the target computed itself in a transfer, and what the maps of the other
     layers read (`maps_clause`). `num_recompute_tokens`: the number used, the numbers used by prompt length, or None
     (not resolved yet: the default); `recompute_default` says it is the default."""
     computed = _computed_settings(num_exact_layers, num_layers, origin, num_recompute_tokens, recompute_default,
@@ -51,11 +51,11 @@ def transfer_settings(
 
 
 def maps_clause(num_exact_layers: int, num_layers: int | None, maps_read: str | None) -> str:
-    """`"; the mapped layers read ..."` (`map_inputs.maps_read`), or nothing when every layer is exact or it is not
+    """`"; what the mapped layers read: ..."` (`map_inputs.maps_read`), or nothing when every layer is exact or it is not
     known (results written before it was recorded)."""
     if not maps_read or num_exact_layers >= (num_layers or math.inf):
         return ""
-    return f"; the mapped layers read {maps_read}"
+    return f"; what the mapped layers read: {maps_read}"
 
 
 def _computed_settings(num_exact_layers: int, num_layers: int | None, origin: str | None,

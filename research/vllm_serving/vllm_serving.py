@@ -122,6 +122,18 @@ def _transformers_answers(mapper_dir: str, family: Path, recall, handoff, answer
     return out
 
 
+def _mapper_summary(mapper_dir: str, num_exact_layers: int | None, allow_lossy: bool) -> dict:
+    """What the connector's transfers computed with this mapper: its exact layers (0 when every layer is mapped on
+    purpose), their window, and what the other layers' maps read."""
+    from hf_kvtransfer import KVMapper
+    from hf_kvtransfer.core.map_inputs import maps_read
+
+    mapper = KVMapper.from_pretrained(mapper_dir)
+    exact = 0 if allow_lossy and num_exact_layers is None else mapper.resolve_num_exact_layers(num_exact_layers)
+    return {"num_exact_layers": exact, "num_target_layers": len(mapper.layers), "exact_window": mapper.config.exact_window,
+            "maps_read": maps_read(mapper.config, exact)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mapper", required=True, help="small -> large mapper directory")
@@ -181,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     reference = None if args.skip_transformers else _transformers_answers(args.mapper, family, recall, handoff,
                                                                           answers1, extra)  # fmt: skip
 
-    result = {"items": args.items, "connector_options": extra, "engine_seconds": round(engine_seconds, 1)}
+    result = {"items": args.items, "connector_options": extra, "engine_seconds": round(engine_seconds, 1),
+              "mapper": _mapper_summary(args.mapper, args.num_exact_layers, args.allow_lossy)}  # fmt: skip
     answers = {"recall": [it.answer_ids for it in recall], "handoff": [it.answer2_ids for it in handoff]}
     for task in ("recall", "handoff"):
         right = {name: np.array([r["tokens"] == list(a) for r, a in zip(runs[name][task], answers[task])], float)
