@@ -399,3 +399,7 @@ def test_an_interrupted_eval_resumes_with_its_finished_tasks(tmp_path, capsys, m
     monkeypatch.setattr(evaluate_module, "passage_recall", run_recall)
     assert main([*args[:-1], "5", "--json", str(out)]) == 0
     assert calls["repeat"] == 3 and json.loads(out.read_text())["repeated_span"]["num_items"] != whole["repeated_span"]["num_items"]
+    # A run that stops before any task finished leaves no journal behind (Ctrl-C in the first task, or an error).
+    monkeypatch.setattr(evaluate_module, "repeated_span_retention", interrupted_recall)
+    assert main([*args, "--json", str(out)]) == 130
+    assert "before a task finished" in capsys.readouterr().err and not journal.exists()

@@ -472,8 +472,11 @@ def _run_eval(args) -> int:
             multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,
             batch_size=args.batch_size, seed=args.seed, journal=journal,
         )  # fmt: skip
-    except KeyboardInterrupt:
-        args.interrupted_message = _eval_interrupted(journal)
+    except BaseException as exc:
+        if journal is not None and not journal.entries:
+            journal.path.unlink(missing_ok=True)  # no task finished: nothing to resume from
+        if isinstance(exc, KeyboardInterrupt):
+            args.interrupted_message = _eval_interrupted(journal)
         raise
     if journal is not None and journal.reused:
         print(f"eval: {journal.reused} finished task(s) read back from {journal.path}", flush=True)
@@ -495,7 +498,7 @@ def _eval_interrupted(journal) -> str:
     if journal is None:
         return "interrupted; nothing is kept without --json (with --json FILE, finished tasks are kept to resume from)"
     if not journal.entries:
-        return f"interrupted before a task finished; running the command again starts over (journal: {journal.path})"
+        return "interrupted before a task finished; running the command again starts over"
     return (f"interrupted; {len(journal.entries)} finished task(s) are kept in {journal.path}\n"
             "hint: run the same command again to resume from there")  # fmt: skip
 
