@@ -268,9 +268,8 @@ def _run_info(args) -> int:
     # Describe only a mapper that loads: opened as `from_pretrained` opens it (every shard, shapes, finite values).
     mapper = KVMapper.from_pretrained(str(path), local_files_only=True)
     report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
-    lines = _format_info(config, checkpoint_info(path)["total_size"], report, mapper_first_token(mapper),
-                         _transfer_lines(mapper, report))  # fmt: skip
-    print(lines)
+    print(_format_info(config, checkpoint_info(path)["total_size"], report, mapper_first_token(mapper),
+                       _transfer_lines(mapper, report)))  # fmt: skip
     return 0
 
 
@@ -462,30 +461,37 @@ def _run_eval(args) -> int:
     }
     print(f"eval: every transfer with {eval_settings(settings)}", flush=True)
     journal = eval_journal(_eval_journal_path(args.json), source, target) if args.json else None
-    try:
-        results = evaluate(
-            source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"), tasks=args.tasks,
-            num_content_items=args.items, max_new_tokens=args.max_new_tokens, prefix_len=args.prefix_len,
-            depth_lengths=args.depth_lengths, depth_items=args.depth_items,
-            max_windows=args.max_windows, num_recompute_tokens=args.recompute, num_exact_layers=args.exact_layers,
-            continuation=not args.no_continuation, context_len=args.context_len, num_items=args.num_items,
-            multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,
-            batch_size=args.batch_size, seed=args.seed, journal=journal,
-        )  # fmt: skip
-    except BaseException as exc:
-        if journal is not None and not journal.entries:
-            journal.path.unlink(missing_ok=True)  # no task finished: nothing to resume from
-        if isinstance(exc, KeyboardInterrupt):
-            args.interrupted_message = _eval_interrupted(journal)
-        raise
-    if journal is not None and journal.reused:
-        print(f"eval: {journal.reused} finished task(s) read back from {journal.path}", flush=True)
+    results = _journaled(args, journal, lambda: evaluate(
+        source, target, mapper, tokenizer, Path(args.text).read_text(encoding="utf-8"), tasks=args.tasks,
+        num_content_items=args.items, max_new_tokens=args.max_new_tokens, prefix_len=args.prefix_len,
+        depth_lengths=args.depth_lengths, depth_items=args.depth_items,
+        max_windows=args.max_windows, num_recompute_tokens=args.recompute, num_exact_layers=args.exact_layers,
+        continuation=not args.no_continuation, context_len=args.context_len, num_items=args.num_items,
+        multiple_choice_items=items, reverse_mapper=reverse, num_turns=args.turns, turn_len=args.turn_len,
+        batch_size=args.batch_size, seed=args.seed, journal=journal,
+    ))  # fmt: skip
     results["config"].update(source=args.source, target=args.target, mapper=args.mapper, text=args.text)
     results["config"].update({k: settings[k] for k in ("exact_layers_origin", "num_target_layers", "maps_read")})
     _write_eval_results(args, results)
     if journal is not None:
         journal.path.unlink(missing_ok=True)  # the results are written: nothing left to resume
     return 0
+
+
+def _journaled(args, journal, run):
+    """`run()` with `eval`'s journal: on a stop before any task finished the journal goes (nothing to resume from),
+    on Ctrl-C the message says what is kept; tasks read back are said once the run ends."""
+    try:
+        results = run()
+    except BaseException as exc:
+        if journal is not None and not journal.entries:
+            journal.path.unlink(missing_ok=True)
+        if isinstance(exc, KeyboardInterrupt):
+            args.interrupted_message = _eval_interrupted(journal)
+        raise
+    if journal is not None and journal.reused:
+        print(f"eval: {journal.reused} finished task(s) read back from {journal.path}", flush=True)
+    return results
 
 
 def _eval_journal_path(json_path: str) -> Path:
