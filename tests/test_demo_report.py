@@ -16,7 +16,8 @@ def _result(threads: int) -> dict:
     return {
         "source": "s", "target": "t", "fit_seconds": 1.0, "prompt": "p", "prompt_tokens": 3,
         "mapper": {"top_k": 8, "ridge_lambda": 0.01, "calibration_tokens": 4096, "calibration_tokens_read": 16384,
-                   "calibration_stride": 4, "num_exact_layers": 1, "target_layers": 8},
+                   "calibration_stride": 4, "num_exact_layers": 1, "target_layers": 8,
+                   "maps_read": "source K/V"},
         "answers": {"own": "a", "transfer": "a"}, "same_tokens": {"prefix": 1, "of": 1},
         "recall": {"num_items": n, "accuracy": {k: {"mean": v} for k, v in acc.items()},
                    "retention": (acc["transfer"] - acc["no_context"]) / (acc["own"] - acc["no_context"]),
@@ -43,19 +44,24 @@ def test_calibration_tokens_count_what_the_progress_bar_counts_and_threads_agree
 
 
 def test_maps_that_read_the_targets_residual_say_so():
-    """The report names what the maps of a saved residual-alone mapper read, from the mapper itself."""
+    """The report names what the maps of a saved residual-alone mapper read, from the mapper itself: the residual
+    layer its config records, and no source K/V where no mapped layer selects a source layer."""
 
     from hf_kvtransfer import KVMapper
     from hf_kvtransfer.commands.demo import _mapper_summary
 
-    result = _result(1)
-    assert not any(ln.startswith("maps:") for ln in format_demo(result).splitlines())
     saved = KVMapper.from_pretrained(Path(__file__).parent / "fixtures" / "saved_mappers_nested" / "residual-alone")
     residual = saved.config.map_inputs["residual"]
+    result = _result(1)
     result["mapper"].update(_mapper_summary(saved, None))
     line = next(ln for ln in format_demo(result).splitlines() if ln.startswith("maps:"))
-    free = sum(not sel for sel in saved.config.selected_layers)
-    assert free and f"residual entering layer {residual.layer}" in line and f"{free} of them read no source layer" in line, line
+    exact, layers = result["mapper"]["num_exact_layers"], len(saved.config.selected_layers)
+    none_read = not any(saved.config.selected_layers[exact:])
+    assert f"the {layers - exact} mapped layers read" in line and f"residual entering layer {residual.layer}" in line
+    assert ("no source K/V" in line) == none_read and none_read, line
+    everything_exact = _result(1)
+    everything_exact["mapper"].update(num_exact_layers=8)
+    assert not any(ln.startswith("maps:") for ln in format_demo(everything_exact).splitlines())
 
 
 def test_the_exact_layers_window_the_mapper_records_is_printed():

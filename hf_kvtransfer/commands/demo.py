@@ -18,6 +18,7 @@ import torch
 from ..core.cache import TransferredCache
 from ..core.capture import cache_argument, prefill
 from ..core.loading import load_pair
+from ..core.map_inputs import maps_read
 from ..core.mapper import KVMapper
 from ..core.options import with_options
 from ..evaluation.content import passage_recall
@@ -209,9 +210,8 @@ def _mapper_summary(kv_mapper: KVMapper, num_exact_layers: int | None) -> dict[s
             "num_exact_layers": kv_mapper.resolve_num_exact_layers(num_exact_layers),
             "target_layers": kv_mapper.target_layout.num_layers,
             "exact_window": kv_mapper.config.exact_window,  # None: the exact layers attend to the whole prompt
-            # what the maps read beyond the source's K/V, each input's own phrase (`MapInputConfig.label`)
-            "map_inputs": [label for s in kv_mapper.config.map_inputs.values() if (label := s.label(kv_mapper.config))],
-            "source_free_layers": sum(not sel for sel in kv_mapper.config.selected_layers),
+            # what the mapped layers read, in the phrase of every other surface (fit, info, eval, bench)
+            "maps_read": maps_read(kv_mapper.config, kv_mapper.resolve_num_exact_layers(num_exact_layers)),
             "exact_layers_probe_retention": (
                 exact_report.get("min_retention")
                 if num_exact_layers is None and kv_mapper.config.num_exact_layers is not None else None
@@ -336,12 +336,8 @@ def _mapper_lines(result: dict[str, Any]) -> list[str]:
         f"prompt's ids{_window_clause(m)}, the rest are mapped"
         + _probe_clause(m),
     ]
-    if m.get("map_inputs"):
-        free = m.get("source_free_layers") or 0
-        lines.append(
-            f"maps: the mapped layers also read: {'; '.join(m['map_inputs'])} (computed in the exact layers)"
-            + (f"; {free} of them read no source layer (that input alone)" if free else "")
-        )
+    if m["num_exact_layers"] < m["target_layers"]:
+        lines.append(f"maps: the {m['target_layers'] - m['num_exact_layers']} mapped layers read: {m['maps_read']}")
     return lines
 
 
