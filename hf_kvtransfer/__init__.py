@@ -49,7 +49,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; the same names as _EXPORT
     from .core.capture import capture_kv, prefill
     from .core.hub import MapperHubError
     from .core.lowrank import reduce_mapper_rank
-    from .core.mapper import KVMapper, MapperConfig
+    from .core.mapper import KVMapper
+    from .core.mapper_config import MapperConfig
     from .core.residual import residual_input_features
     from .core.stats import KVLayout, KVStatistics
     from .fitting.accumulate import collect_statistics

@@ -497,7 +497,8 @@ def test_card_has_the_frontier_table(pair):
     assert "| -1.0 [-4.0, +2.0] on 128 | +0.0 [-3.0, +3.0] on 256 | yes | 20.0 / 50.0 | 2.50x | yes |" in card
     assert "low end is above -5 points on each, 128 items per task, up to 512" in card
     assert "512 prompt tokens, 1 thread, medians of process CPU time over 5 interleaved rounds" in card
-    assert "**Maps also read**: the target's residual stream entering layer 1 (readers: every mapped layer)" in card
+    assert "**What the mapped layers read**: source K/V + target residual entering layer 1 (" in card
+    assert "among\nthem what the target computed in its exact layers (its own residual stream)" in card  # the method
 
 
 def test_fit_with_residual_inputs_runs_the_statistics_in_the_same_pass(pair):

@@ -69,9 +69,17 @@ def test_saved_mapper_loads_and_transfers_as_it_did(path, pair, tmp_path):
 @pytest.mark.parametrize("kind", NESTED_KINDS)
 def test_a_card_rendered_from_a_flat_config_says_what_the_nested_one_says(kind):
     # `push_mapper_dir` renders a card from config.json when a folder has none: an older, flat config must still
-    # list what the maps read.
-    from hf_kvtransfer.core.card import render_model_card
+    # say what the mapped layers read, in the words `info` uses for the loaded mapper (test_surfaces checks those
+    # words against what a transfer does).
+    from conftest import tables_plugin
 
+    from hf_kvtransfer import KVMapper
+    from hf_kvtransfer.core.card import render_model_card
+    from hf_kvtransfer.core.map_inputs import maps_read
+
+    tables_plugin()  # the plug-in kinds' inputs registered, whatever ran before
     flat, nested = (render_model_card(json.loads((root / kind / "config.json").read_text())) for root in (FIXTURES, NESTED_FIXTURES))
     assert str(flat) == str(nested)
-    assert "Maps also read" in str(flat) or "Layer 0's keys and values" in str(flat)
+    mapper = KVMapper.from_pretrained(NESTED_FIXTURES / kind)
+    read = maps_read(mapper.config, mapper.resolve_num_exact_layers(None))
+    assert f"- **What the mapped layers read**: {read}\n" in str(flat), (kind, read)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -119,9 +121,16 @@ def _info_against_transfer(path, family, capsys) -> str:
     assert f"its first {exact} of {n} layer(s) itself" in out, out
     assert f"the prompt's last {ids.shape[1] - fresh.get_seq_length()} token(s)" in out, out
     maps = next(line for line in out.splitlines() if line.startswith("maps:"))
+    # The model card `save_pretrained` wrote says the same of the transfer.
+    card = (Path(path) / "README.md").read_text(encoding="utf-8")
+    card_maps = [line for line in card.splitlines() if line.startswith("- **What the mapped layers read**")]
+    assert f"its first {exact} of {n} layers" in card, card
     if exact < n:
         reads_source = any(not torch.equal(a.layers[t].keys, b.layers[t].keys) for t in range(exact, n))
         assert f"{n - exact} mapped layer(s)" in maps and ("no source K/V" not in maps) == reads_source, out
+        assert len(card_maps) == 1 and ("no source K/V" not in card_maps[0]) == reads_source, card_maps
+    else:
+        assert not card_maps and "the target computes every layer itself" in card, card
     return out
 
 

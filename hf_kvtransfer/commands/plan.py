@@ -143,7 +143,8 @@ def _as_config(model: str | os.PathLike | PreTrainedConfig, use_hub: bool) -> tu
 def planning_mapper(source_config: PreTrainedConfig, target_config: PreTrainedConfig, top_k: int, rank: int | None = None):
     """A ridge `KVMapper` of the right shapes on the meta device (no memory): each target layer reads `top_k` source
     layers (which ones does not change any size), `rank` caps each map's rank (None = full)."""
-    from ..core.mapper import KVMapper, MapperConfig
+    from ..core.mapper import KVMapper
+    from ..core.mapper_config import MapperConfig
 
     src, tgt = KVLayout.from_config(source_config), KVLayout.from_config(target_config)
     if not 1 <= top_k <= src.num_layers:

@@ -12,7 +12,9 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from .config_migration import migrate_config
-from .map_inputs import registered_map_inputs
+from .defaults import resolve_num_exact_layers
+from .map_inputs import exact_layers_needed, maps_read, registered_map_inputs
+from .mapper_config import MapperConfig
 from .quality_gate import QualityGateConfig
 from .mapper_types import LOWRANK, RIDGE
 
@@ -94,6 +96,7 @@ def render_model_card(
         frontier_gate=_frontier_gate((report or {}).get("exact_layers")),
         layers=_layer_rows(config),
         top_k=config.get("top_k"),
+        **_transfer_facts(config),
         has_revisions=bool(config.get("source_revision") or config.get("target_revision")),
         has_heldout=bool(config.get("heldout_r2_key") or config.get("heldout_r2_value")),
         r2_summary=_r2_summary(config),
@@ -205,6 +208,21 @@ def _fit_facts(config: dict) -> list[tuple[str, str]]:
     return facts
 
 
+def _transfer_facts(config: dict) -> dict[str, Any]:
+    """A default transfer with this mapper: its exact layers as the cache resolves them, what the mapped layers read
+    (the phrase of `fit`, `info` and `eval`; None when every layer is exact), whether every layer is exact, and whether
+    the maps read what the target computes in its exact layers (`exact_layers_needed`: its residual stream). Nothing
+    for a partial config that no mapper could load (the card skips what it does not know)."""
+    try:
+        mapper_config = MapperConfig.from_dict(config)
+    except (TypeError, KeyError, ValueError):
+        return {"default_exact": None, "maps_read": None, "all_exact": False, "maps_read_target": False}
+    exact = resolve_num_exact_layers(mapper_config, None)
+    mapped = exact < len(mapper_config.selected_layers)
+    return {"default_exact": exact, "maps_read": maps_read(mapper_config, exact) if mapped else None,
+            "all_exact": not mapped, "maps_read_target": mapped and exact_layers_needed(mapper_config)[0] > 0}
+
+
 def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
     """What `TransferredCache` computes itself with this mapper, and the content probe that chose it."""
     chosen = config.get("num_exact_layers")
@@ -214,7 +232,10 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
         facts.append(("Computed by the target (default `num_exact_layers`)", f"its first {chosen} of {num_layers} layers"))
     if config.get("num_recompute_tokens") is not None:
         facts.append(("Prompt tokens the target recomputes (default `num_recompute_tokens`)", str(config["num_recompute_tokens"])))
-    for inp in registered_map_inputs():  # what the maps read beyond the source's K/V, each input's own lines
+    transfer = _transfer_facts(config)
+    if transfer["maps_read"] is not None:
+        facts.append(("What the mapped layers read", transfer["maps_read"]))
+    for inp in registered_map_inputs():  # what else an input tells of itself
         facts += inp.card_facts(config)
     if config.get("quality_gate"):
         facts.append(("Per-request quality gate", QualityGateConfig.from_value(config["quality_gate"]).describe()))
@@ -341,7 +362,7 @@ def _layer_rows(config: dict) -> list[dict[str, str]]:
     for t, sources in enumerate(config.get("selected_layers") or []):
         rows.append({
             "target": str(t),
-            "sources": ", ".join(str(s) for s in sources) if isinstance(sources, list) else _cell(sources),
+            "sources": (", ".join(str(s) for s in sources) or "none") if isinstance(sources, list) else _cell(sources),
             "r2_key": _at(config.get("fit_r2_key"), t),
             "r2_value": _at(config.get("fit_r2_value"), t),
             "heldout_key": _at(config.get("heldout_r2_key"), t),

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from .mapper import KVMapper, config_fingerprint
+from .mapper import KVMapper
+from .mapper_config import config_fingerprint
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import logging
 
 import torch
 
-from .mapper import KVMapper, MapperConfig
+from .mapper import KVMapper
+from .mapper_config import MapperConfig
 from .mapper_types import LOWRANK, RIDGE
 from .ridge import (
     centered_statistics,

@@ -51,7 +51,7 @@ class MapInputConfig:
         return 0
 
     def label(self, config: MapperConfig) -> str | None:
-        """Its phrase in the fit's frontier of configurations (what the maps read), or None for none."""
+        """Its phrase in what the mapped layers read (`maps_read`: every surface that says it), or None for none."""
         return None
 
     def maps_layer_without_source(self, config: MapperConfig, layer_idx: int) -> bool:
@@ -214,7 +214,8 @@ class MapInput:
 
     @staticmethod
     def card_facts(config: dict[str, Any]) -> list[tuple[str, str]]:
-        """Its lines in the model card, `(what, value)`, from a saved config's dict (`config.json`)."""
+        """More lines of its own in the model card, `(what, value)`, from a saved config's dict (`config.json`), beyond
+        its phrase in what the mapped layers read (`label`, which the card shows through `maps_read`)."""
         return []
 
     def group_readers(self, group: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -271,12 +271,9 @@ class ResidualInput(MapInput):
     @staticmethod
     def card_facts(config: dict[str, Any]) -> list[tuple[str, str]]:
         res = (config.get("map_inputs") or {}).get("residual")
-        if res is None:
+        if res is None or not res.get("in_tables"):
             return []
-        held = "; held in rows per token id, a look-up of the ids" if res.get("in_tables") else ""
-        readers = ", ".join(map(str, res.get("readers") or ["every mapped layer"]))
-        return [("Maps also read", f"the target's residual stream entering layer {res['layer']} "
-                 f"(readers: {readers}{held})")]  # fmt: skip
+        return [("The residual's part of the maps", "held in rows per token id, a look-up of the ids")]
 
     def transfer_flops(self, tokens: int, layers: set[int]) -> int:
         # The shared projection (`project`, on the exact pass's residual), then each converted reader's K and V weights.

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from ..core.capture import capture_kv, capture_kv_and_inputs
-from ..core.mapper import config_fingerprint
+from ..core.mapper_config import config_fingerprint
 from ..core.progress import progress_bar
 from ..core.rope import check_supported, text_config
 from .calibration import sample_hash

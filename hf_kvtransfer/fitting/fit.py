@@ -21,7 +21,8 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.lowrank import lowrank_mapper, reduced_rank_heldout_r2
-from ..core.mapper import KVMapper, MapperConfig
+from ..core.mapper import KVMapper
+from ..core.mapper_config import MapperConfig
 from ..core.mapper_types import MLP
 from ..core.ridge import (
     effective_top_k,

@@ -29,7 +29,8 @@ from transformers import PreTrainedModel
 
 from ..core.layer_maps import DEFAULT_MLP_CONFIG, MLPKindMap
 from ..core.loading import DTYPES, model_device
-from ..core.mapper import KVMapper, MapperConfig
+from ..core.mapper import KVMapper
+from ..core.mapper_config import MapperConfig
 from ..core.mapper_types import MLP
 from ..core.progress import progress_bar
 from ..core.ridge import cholesky_solve, effective_top_k, feature_index, layer_scores, select_layers, solve_layers

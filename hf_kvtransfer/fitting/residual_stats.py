@@ -35,7 +35,8 @@ from transformers import PreTrainedModel
 from ..core.key_norm import KeyNormConfig, KeyNormInput
 from ..core.lowrank import rank_for_energy
 from ..core.map_inputs import with_input
-from ..core.mapper import KVMapper, MapperConfig
+from ..core.mapper import KVMapper
+from ..core.mapper_config import MapperConfig
 from ..core.mapper_types import RIDGE
 from ..core.residual import (
     DEFAULT_RESIDUAL_LAGS,

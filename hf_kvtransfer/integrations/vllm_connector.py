@@ -110,7 +110,7 @@ except ImportError as exc:  # pragma: no cover - only without vLLM
 
 from ..core.defaults import resolve_num_exact_layers, resolve_num_recompute_tokens
 from ..core.map_inputs import exact_layers_needed, model_layers_needed
-from ..core.mapper import MapperConfig, config_fingerprint
+from ..core.mapper_config import MapperConfig, config_fingerprint
 from ..core.quality_gate import QualityGateConfig, gate_scores
 from . import transfer_status as ts
 from .kv_store import FileKVStore, KVStore, StoredKV, build_lmcache_store, prompt_key
