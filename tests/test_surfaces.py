@@ -125,6 +125,8 @@ def _info_against_transfer(path, family, capsys) -> str:
     card = (Path(path) / "README.md").read_text(encoding="utf-8")
     card_maps = [line for line in card.splitlines() if line.startswith("- **What the mapped layers read**")]
     assert f"its first {exact} of {n} layers" in card, card
+    marked = [t for t in range(n) if f"| {t} (computed by the target) |" in card]
+    assert marked == list(range(exact)), (marked, exact)  # the per-layer table marks the layers not mapped
     if exact < n:
         reads_source = any(not torch.equal(a.layers[t].keys, b.layers[t].keys) for t in range(exact, n))
         assert f"{n - exact} mapped layer(s)" in maps and ("no source K/V" not in maps) == reads_source, out

@@ -358,10 +358,11 @@ def _at(values: Any, i: int) -> str:
 
 
 def _layer_rows(config: dict) -> list[dict[str, str]]:
-    rows = []
+    """One row per target layer; the layers a default transfer computes itself are marked."""
+    rows, exact = [], _transfer_facts(config)["default_exact"] or 0
     for t, sources in enumerate(config.get("selected_layers") or []):
         rows.append({
-            "target": str(t),
+            "target": f"{t} (computed by the target)" if t < exact else str(t),
             "sources": (", ".join(str(s) for s in sources) or "none") if isinstance(sources, list) else _cell(sources),
             "r2_key": _at(config.get("fit_r2_key"), t),
             "r2_value": _at(config.get("fit_r2_value"), t),
