@@ -165,8 +165,10 @@ def small_to_large(tmp_path_factory, prompts):
     # The default engine runs last: it deletes and corrupts store entries.
     for name, extra in (("recompute 8", {"num_recompute_tokens": 8}), ("lossy", {"allow_lossy": True}),
                         ("layer-wise", {"layerwise_load": True, "map_ahead": True}), ("default", {})):  # fmt: skip
-        target = _engine(str(FAMILY / "large"), _connector("kv_consumer", store, mapper=str(mapper_dir), **extra),
-                         enable_prefix_caching=False)  # fmt: skip
+        with _records("hf_kvtransfer") as records:
+            target = _engine(str(FAMILY / "large"), _connector("kv_consumer", store, mapper=str(mapper_dir), **extra),
+                             enable_prefix_caching=False)  # fmt: skip
+        outs[f"{name} start log"] = [r.getMessage() for r in records]
         if name == "layer-wise":
             # The engine's first transfer (before its attention is seen calling wait_for_layer_load), then another.
             # Layers mapped ahead on the background thread (the engine's setting), then in the forward's thread.
@@ -418,6 +420,16 @@ def test_a_layer_that_fails_to_map_ahead_fails_its_load_and_nothing_after_it_is_
     written = [bool(layer.kv_cache.any()) for layer in layers.values()]
     assert written == [True] * 4 + [False] * 4
     assert reached == [0, 1, 2, 3, 4]  # none after the failed one
+
+
+def test_the_engine_says_what_a_hand_off_does_when_it_starts(small_to_large):
+    """The target engine's start-up log names the exact layers the mapper records (2, set by the fixture; none with
+    allow_lossy) and what the mapped layers read: the orthogonal mapper's maps read one source layer each."""
+    outs = small_to_large["outs"]
+    for name, exact in (("default", 2), ("lossy", 0)):
+        said = [m for m in outs[f"{name} start log"] if "the mapped layers read" in m]
+        assert len(said) == 1 and f"its first {exact} of 8 layers itself" in said[0], said
+        assert said[0].endswith("the mapped layers read: source K/V"), said
 
 
 def test_only_exact_stored_prefixes_are_used(small_to_large):

@@ -109,7 +109,7 @@ except ImportError as exc:  # pragma: no cover - only without vLLM
     ) from exc
 
 from ..core.defaults import resolve_num_exact_layers, resolve_num_recompute_tokens
-from ..core.map_inputs import exact_layers_needed, model_layers_needed
+from ..core.map_inputs import exact_layers_needed, maps_read, model_layers_needed
 from ..core.mapper_config import MapperConfig, config_fingerprint
 from ..core.quality_gate import QualityGateConfig, gate_scores
 from . import transfer_status as ts
@@ -433,6 +433,12 @@ class HFKVTransferConnector(KVConnectorBase_V1):
                     "any loses the context), so a hand-off saves nothing: this engine prefills every request "
                     "itself (allow_lossy=True maps every layer instead)", self.mapper_id, num_target,
                 )  # fmt: skip
+        elif role == KVConnectorRole.SCHEDULER:  # what a hand-off does, in the words of `info`, `fit` and `eval`
+            logger.info(
+                "hf-kvtransfer: mapper %s: the target computes its first %d of %d layers itself; the mapped layers "
+                "read: %s", self.mapper_id, self.num_exact_layers, num_target,
+                maps_read(self.mapper_config, self.num_exact_layers),
+            )  # fmt: skip
         gate = self.gate = self.mapper_config.quality_gate if self.use_quality_gate and self.serves else None
         policy = self._kv_transfer_config.kv_load_failure_policy
         if gate is not None and role == KVConnectorRole.SCHEDULER and policy == "fail":
