@@ -78,6 +78,7 @@ def render_model_card(
     source_id, target_id = config.get("source_model_id"), config.get("target_model_id")
     source_fp, target_fp = config.get("source_fingerprint") or {}, config.get("target_fingerprint") or {}
     calibration = config.get("calibration") or {}
+    transfer = _transfer_facts(config)
     return ModelCard.from_template(
         _card_data(config, (source_id, target_id), (source_fp, target_fp), calibration),
         template_str=_template_text(),
@@ -89,14 +90,14 @@ def render_model_card(
         target=_model_facts(target_id, config.get("target_revision"), target_fp, "TARGET_MODEL_ID"),
         fit=_fit_facts(config) + _checkpoint_facts(checkpoint),
         calibration=_calibration_facts(calibration),
-        exact=_exact_layer_facts(config, (report or {}).get("exact_layers"))
+        exact=_exact_layer_facts(config, transfer, (report or {}).get("exact_layers"))
         + _window_facts(config, (report or {}).get("exact_window")),
         frontier=_frontier_rows((report or {}).get("exact_layers")),
         frontier_timing=_frontier_timing((report or {}).get("exact_layers")),
         frontier_gate=_frontier_gate((report or {}).get("exact_layers")),
-        layers=_layer_rows(config),
+        layers=_layer_rows(config, transfer["default_exact"] or 0),
         top_k=config.get("top_k"),
-        **_transfer_facts(config),
+        **transfer,
         has_revisions=bool(config.get("source_revision") or config.get("target_revision")),
         has_heldout=bool(config.get("heldout_r2_key") or config.get("heldout_r2_value")),
         r2_summary=_r2_summary(config),
@@ -223,7 +224,7 @@ def _transfer_facts(config: dict) -> dict[str, Any]:
             "all_exact": not mapped, "maps_read_target": mapped and exact_layers_needed(mapper_config)[0] > 0}
 
 
-def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
+def _exact_layer_facts(config: dict, transfer: dict[str, Any], probe: Any) -> list[tuple[str, str]]:
     """What `TransferredCache` computes itself with this mapper, and the content probe that chose it."""
     chosen = config.get("num_exact_layers")
     num_layers = (config.get("target_fingerprint") or {}).get("num_hidden_layers")
@@ -232,7 +233,6 @@ def _exact_layer_facts(config: dict, probe: Any) -> list[tuple[str, str]]:
         facts.append(("Computed by the target (default `num_exact_layers`)", f"its first {chosen} of {num_layers} layers"))
     if config.get("num_recompute_tokens") is not None:
         facts.append(("Prompt tokens the target recomputes (default `num_recompute_tokens`)", str(config["num_recompute_tokens"])))
-    transfer = _transfer_facts(config)
     if transfer["maps_read"] is not None:
         facts.append(("What the mapped layers read", transfer["maps_read"]))
     for inp in registered_map_inputs():  # what else an input tells of itself
@@ -357,9 +357,9 @@ def _at(values: Any, i: int) -> str:
     return _number(values[i]) if isinstance(values, list) and i < len(values) else "–"
 
 
-def _layer_rows(config: dict) -> list[dict[str, str]]:
-    """One row per target layer; the layers a default transfer computes itself are marked."""
-    rows, exact = [], _transfer_facts(config)["default_exact"] or 0
+def _layer_rows(config: dict, exact: int) -> list[dict[str, str]]:
+    """One row per target layer; the first `exact`, which a default transfer computes itself, are marked."""
+    rows = []
     for t, sources in enumerate(config.get("selected_layers") or []):
         rows.append({
             "target": f"{t} (computed by the target)" if t < exact else str(t),
