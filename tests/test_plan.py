@@ -388,3 +388,73 @@ def test_a_top_k_past_the_source_depth_plans_every_source_layer_as_the_fit_does(
     assert any("every source layer" in note for note in plan.notes)
     with pytest.raises(ValueError, match=r"top_k must be in \[1, 3\]"):
         plan_transfer(SOURCE, TARGET, top_k=0, available_memory=2**40)
+
+
+# -- docs/guides/plan.md quotes `plan`'s own numbers (it is exempt from test_quoted_figures: nothing there is measured)
+
+GUIDE = Path(__file__).parents[1] / "docs" / "guides" / "plan.md"
+ORGS = {"Qwen": "Qwen", "Llama": "meta-llama"}
+
+
+def _plan_json(capsys, source: str, target: str, *options: str) -> dict:
+    def hub_id(name: str) -> str:
+        return f"{ORGS[next(o for o in ORGS if name.startswith(o))]}/{name}"
+
+    capsys.readouterr()
+    assert main(["plan", "--source", hub_id(source), "--target", hub_id(target), "--offline", "--json", *options]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _agrees(quoted: str, value: float) -> bool:
+    """`quoted` is `value` as printed: equal up to half a unit of its last digit."""
+    decimals = len(quoted.split(".")[1]) if "." in quoted else 0
+    return abs(float(quoted) - value) <= 0.5 * 10**-decimals + 1e-9
+
+
+def _rows(section: str, cells: int) -> list[list[str]]:
+    text = GUIDE.read_text(encoding="utf-8").split(f"## {section}")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if " -> " in line and line.startswith("|")
+            and not line.startswith("| source")]
+    assert rows and all(len(r) == cells for r in rows), rows
+    return rows
+
+
+def test_the_guides_table_of_pairs_is_what_plan_computes(capsys):
+    """'Some pairs': every number of every row against `plan --offline --json` at the defaults (k = 8, 4096 tokens,
+    bf16): parameters, the mapper's size, the statistics, the FLOPs and their ratio, the transfer's memory."""
+    gib = 2**30
+    for name, params, size, stats, flops, ratio, memory in _rows("Some pairs", 7):
+        out = _plan_json(capsys, *name.split(" -> "))
+        want = [(params.split()[0], out["mapper_parameters"] / 1e9), (size.split()[0], out["mapper_bytes"] / gib),
+                (stats.split()[0], out["statistics_bytes_full"] / gib), (stats.split()[2], out["statistics_bytes_two_stage"] / gib),
+                (flops.split()[0], out["mapping_flops"] / 1e12), (flops.split()[2], out["prefill_flops"] / 1e12),
+                (ratio.rstrip("x"), out["flop_ratio"]), (memory.split()[0], out["target_cache_bytes"] / gib),
+                (memory.split()[2], out["transfer_working_bytes"] / gib)]  # fmt: skip
+        wrong = [(q, v) for q, v in want if not _agrees(q, v)]
+        assert not wrong, (name, wrong)
+
+
+def test_the_guides_first_token_figures_are_what_plan_computes(capsys):
+    """'To the first token': the table at 4 exact layers (source K/V maps, with the residual, the residual alone),
+    the reduced ranks of the prose, and the ratios by exact layers."""
+    import re
+
+    for name, own, kv, residual, alone in _rows("To the first token, and maps that read the target's residual stream", 5):
+        out = _plan_json(capsys, *name.split(" -> "), "--exact-layers", "4", "--seq-len", "4096")
+        res = out["map_inputs"]["residual"]
+        want = [out["first_token_flops"]["own_prefill"] / 1e12, out["first_token_flops"]["total"] / 1e12,
+                out["first_token_flop_ratio"], res["first_token_flops"]["total"] / 1e12, res["first_token_flop_ratio"],
+                res["parameters"] / 1e9, 100 * res["parameters"] / out["mapper_parameters"],
+                res["first_token_flops_alone"]["total"] / 1e12, res["first_token_flop_ratio_alone"]]  # fmt: skip
+        texts = re.findall(r"\d+(?:\.\d+)?", " ".join((own, kv, residual, alone)))
+        assert len(texts) == len(want) and all(_agrees(q, v) for q, v in zip(texts, want)), (name, texts, want)
+    guide = " ".join(GUIDE.read_text(encoding="utf-8").split())
+    for rank in (1024, 256):
+        res = _plan_json(capsys, "Qwen3-14B", "Qwen3-32B", "--exact-layers", "4", "--seq-len", "4096",
+                         "--residual-rank", str(rank))["map_inputs"]["residual"]  # fmt: skip
+        flops, ratio = re.search(rf"(\d+\.\d) TFLOP at rank {rank} \((\d+\.\d)x", guide).groups()
+        assert _agrees(flops, res["first_token_flops_alone"]["total"] / 1e12), (rank, flops)
+        assert _agrees(ratio, res["first_token_flop_ratio_alone"]), (rank, ratio)
+    by_exact = _plan_json(capsys, "Qwen3-14B", "Qwen3-32B")["first_token_flop_ratio_by_exact_layers"]
+    quoted = re.search(r"(\d+\.\d)x fewer FLOPs with 1 exact layer, (\d+\.\d)x with 8, (\d+\.\d)x with 16, (\d+\.\d)x with 32", guide)
+    assert all(_agrees(q, by_exact[n]) for q, n in zip(quoted.groups(), ("1", "8", "16", "32"))), (quoted.groups(), by_exact)

@@ -1,4 +1,5 @@
-"""Every percentage and speed-up the README and the results pages quote comes from a result file.
+"""Every percentage and speed-up the README, the method, the guides and the results pages quote comes from a result
+file.
 
 A figure such as `97.8%` or `1.98x` in a page's prose (outside code blocks and generated tables) must be a value
 of a result file named in the same section of the page (or in the page's opening, before its first `##`), as
@@ -26,20 +27,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Results pages whose figures are not checked (none: a page whose prose predates the rule would be listed here).
 PENDING: list[str] = []
-# Pages whose figures are checked: the README, the docs home, the changelog and every results page.
-CHECKED = ["README.md", "docs/index.md", "docs/changelog.md"] + [
+# Pages whose figures are computed from model configs by `hf-kvtransfer plan`, the same on any machine, not measured:
+# `tests/test_plan.py` checks them against `plan_transfer`.
+COMPUTED = ["docs/guides/plan.md"]
+# Pages whose figures are checked: the README, the docs home, the changelog, the method, every guide and every
+# results page.
+CHECKED = ["README.md", "docs/index.md", "docs/changelog.md", "docs/method.md"] + [
     page
-    for page in sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "results").glob("*.md"))
-    if page not in PENDING
+    for folder in ("guides", "results")
+    for page in sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / folder).glob("*.md"))
+    if page not in PENDING + COMPUTED
 ]
 
 # Figures that are settings or goals, not results: a pattern matched around the figure, and why.
 NOT_RESULTS = [
-    (r"95% (?:bootstrap )?(?:CI|confidence|interval)|95% CIs?\b|\(95% CI", "the level of a confidence interval"),
+    (r"95%\s+(?:bootstrap\s+)?(?:CI|confidence|interval)|95% CIs?\b|\(95% CI", "the level of a confidence interval"),
     (r"paired 95% interval", "the level of a confidence interval"),
     (r">= ?\d+(?:\.\d+)?(?:%|x)", "a goal or a threshold, not a measurement"),
     (r"keeps? 9[05]% of (?:the|its) (?:target's )?copying", "the fit's probe threshold (min_retention)"),
     (r"not 5% below", "the fit's cued-recall margin"),
+    (r"last 10% of the\s+sequences|keeps the 90%", "the fit's held-out fraction, a setting"),
+    (r"keep 95% of it", "the exact-layer probe's threshold, a setting"),
+    (r"chance \(25%\)", "the chance level of a four-way choice"),
+    (r"\b1?00?% means", "the ends of a scale, defined"),
 ]
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
