@@ -1,5 +1,5 @@
-"""Every percentage and speed-up the README, the method, the guides and the results pages quote comes from a result
-file.
+"""Every percentage and speed-up the README, the method, the guides, the results pages and the bundled families'
+READMEs quote comes from a result file.
 
 A figure such as `97.8%` or `1.98x` in a page's prose (outside code blocks and generated tables) must be a value
 of a result file named in the same section of the page (or in the page's opening, before its first `##`), as
@@ -30,9 +30,10 @@ PENDING: list[str] = []
 # Pages whose figures are computed from model configs by `hf-kvtransfer plan`, the same on any machine, not measured:
 # `tests/test_plan.py` checks them against `plan_transfer`.
 COMPUTED = ["docs/guides/plan.md"]
-# Pages whose figures are checked: the README, the docs home, the changelog, the method, every guide and every
-# results page.
-CHECKED = ["README.md", "docs/index.md", "docs/changelog.md", "docs/method.md"] + [
+# Pages whose figures are checked: the README, the docs home, the changelog, the method, every guide, every results
+# page and the bundled families' READMEs.
+CHECKED = ["README.md", "docs/index.md", "docs/changelog.md", "docs/method.md", "examples/family/README.md",
+           "examples/family_deep/README.md"] + [
     page
     for folder in ("guides", "results")
     for page in sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / folder).glob("*.md"))
