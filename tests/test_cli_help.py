@@ -128,6 +128,8 @@ _TINY = {
 _PARSE_ONLY = re.compile(r"^hf-kvtransfer bench |^hf-kvtransfer (?!plan ).*(Qwen/|meta-llama/)")
 
 
+# Slow (every example of every --help, the deep pair's demo among them: about 9 minutes on 2 cores; .ci/run runs it).
+@pytest.mark.slow
 def test_every_help_example_runs_from_the_repository_root(tmp_path, monkeypatch, capsys, hub_server):
     """Each example as printed, from a folder laid out like the repository root (examples/ is the repository's):
     fits, solves, infos, evals, demos, pushes (to the test Hub, as its org) and plans run with tiny sizes; bench and

@@ -82,6 +82,8 @@ def test_fit_and_publish_saves_a_loadable_mapper(fitted_mapper):
     assert (fitted_mapper / "README.md").is_file()
 
 
+# Slow (the demo as a user runs it: its fit with the whole content probe, about 4 minutes on 2 cores; .ci/run runs it).
+@pytest.mark.slow
 def test_demo_without_arguments(tmp_path):
     out = _run([sys.executable, str(EXAMPLES / "demo.py"), "--recall-items", "8", *PROBE_ITEMS, "--json", str(tmp_path / "demo.json")])
     assert "target on the transferred cache" in out and "recall" in out and "Q: " in out
