@@ -57,7 +57,8 @@ def test_maps_that_read_the_targets_residual_say_so():
     line = next(ln for ln in format_demo(result).splitlines() if ln.startswith("maps:"))
     exact, layers = result["mapper"]["num_exact_layers"], len(saved.config.selected_layers)
     none_read = not any(saved.config.selected_layers[exact:])
-    assert f"the {layers - exact} mapped layers read" in line and f"residual entering layer {residual.layer}" in line
+    mapped = f"the {layers - exact} mapped layer{'s' if layers - exact > 1 else ''} read"
+    assert mapped in line and f"residual entering layer {residual.layer}" in line, line
     assert ("no source K/V" in line) == none_read and none_read, line
     everything_exact = _result(1)
     everything_exact["mapper"].update(num_exact_layers=8)

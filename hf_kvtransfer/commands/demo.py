@@ -336,8 +336,9 @@ def _mapper_lines(result: dict[str, Any]) -> list[str]:
         f"prompt's ids{_window_clause(m)}, the rest are mapped"
         + _probe_clause(m),
     ]
-    if m["num_exact_layers"] < m["target_layers"]:
-        lines.append(f"maps: the {m['target_layers'] - m['num_exact_layers']} mapped layers read: {m['maps_read']}")
+    mapped = m["target_layers"] - m["num_exact_layers"]
+    if mapped:
+        lines.append(f"maps: the {mapped} mapped layer{'s' if mapped > 1 else ''} read: {m['maps_read']}")
     return lines
 
 
