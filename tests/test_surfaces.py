@@ -127,12 +127,16 @@ def _info_against_transfer(path, family, capsys) -> str:
     assert f"its first {exact} of {n} layers" in card, card
     marked = [t for t in range(n) if f"| {t} (computed by the target) |" in card]
     assert marked == list(range(exact)), (marked, exact)  # the per-layer table marks the layers not mapped
+    reads_source = any(not torch.equal(a.layers[t].keys, b.layers[t].keys) for t in range(exact, n))
     if exact < n:
-        reads_source = any(not torch.equal(a.layers[t].keys, b.layers[t].keys) for t in range(exact, n))
         assert f"{n - exact} mapped layer(s)" in maps and ("no source K/V" not in maps) == reads_source, out
         assert len(card_maps) == 1 and ("no source K/V" not in card_maps[0]) == reads_source, card_maps
     else:
         assert not card_maps and "the target computes every layer itself" in card, card
+    # k (source layers per target layer) is marked unused exactly when no mapped layer moves with the source's cache.
+    top_k = next(line for line in out.splitlines() if line.startswith("top_k:"))
+    card_k = next(line for line in card.splitlines() if line.startswith("- **Source layers per target layer (k)**"))
+    assert ("(not used:" not in top_k) == reads_source and ("(not used:" not in card_k) == reads_source, (top_k, card_k)
     return out
 
 

@@ -269,8 +269,17 @@ def _run_info(args) -> int:
     mapper = KVMapper.from_pretrained(str(path), local_files_only=True)
     report = json.loads((path / REPORT_NAME).read_text()) if (path / REPORT_NAME).is_file() else {}
     print(_format_info(config, checkpoint_info(path)["total_size"], report, mapper_first_token(mapper),
-                       _transfer_lines(mapper, report)))  # fmt: skip
+                       _transfer_lines(mapper, report), _top_k_note(mapper)))  # fmt: skip
     return 0
+
+
+def _top_k_note(mapper) -> str:
+    """" (not used: ...)" when the default transfer reads no source layer, so `top_k` plays no part in it."""
+    from ..core.defaults import resolve_num_exact_layers
+    from ..core.map_inputs import top_k_unused
+
+    why = top_k_unused(mapper.config, resolve_num_exact_layers(mapper, None))
+    return f" ({why})" if why else ""
 
 
 def _transfer_lines(mapper, report: dict) -> list[str]:
@@ -298,7 +307,8 @@ def _transfer_lines(mapper, report: dict) -> list[str]:
 
 
 def _format_info(config: dict, weights_bytes: int, report: dict | None = None,
-                 first_token: dict[int, dict[str, int]] | None = None, transfer: list[str] = ()) -> str:  # fmt: skip
+                 first_token: dict[int, dict[str, int]] | None = None, transfer: list[str] = (),
+                 top_k_note: str = "") -> str:  # fmt: skip
     def fp(which: str) -> str:
         f = config.get(f"{which}_fingerprint", {})
         name = config.get(f"{which}_model_id") or "?"
@@ -312,7 +322,7 @@ def _format_info(config: dict, weights_bytes: int, report: dict | None = None,
         f"mapper:      {config.get('mapper_type')} (hf-kvtransfer {config.get('library_version')})",
         f"source:      {fp('source')}",
         f"target:      {fp('target')}",
-        f"top_k:       {config.get('top_k')}    ridge_lambda: {config.get('ridge_lambda')}",
+        f"top_k:       {config.get('top_k')}{top_k_note}    ridge_lambda: {config.get('ridge_lambda')}",
         f"parameters:  {config.get('num_parameters') or 0:,} ({weights_bytes / 2**20:.1f} MiB on disk"
         + (f", {config['dtype']})" if config.get("dtype") else ")"),
     ]

@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from .config_migration import migrate_config
 from .defaults import resolve_num_exact_layers
-from .map_inputs import exact_layers_needed, maps_read, registered_map_inputs
+from .map_inputs import exact_layers_needed, maps_read, registered_map_inputs, top_k_unused
 from .mapper_config import MapperConfig
 from .quality_gate import QualityGateConfig
 from .mapper_types import LOWRANK, RIDGE
@@ -88,7 +88,7 @@ def render_model_card(
         mapper_type=config.get("mapper_type", RIDGE),
         source=_model_facts(source_id, config.get("source_revision"), source_fp, "SOURCE_MODEL_ID"),
         target=_model_facts(target_id, config.get("target_revision"), target_fp, "TARGET_MODEL_ID"),
-        fit=_fit_facts(config) + _checkpoint_facts(checkpoint),
+        fit=_fit_facts(config, transfer["top_k_unused"]) + _checkpoint_facts(checkpoint),
         calibration=_calibration_facts(calibration),
         exact=_exact_layer_facts(config, transfer, (report or {}).get("exact_layers"))
         + _window_facts(config, (report or {}).get("exact_window")),
@@ -96,7 +96,7 @@ def render_model_card(
         frontier_timing=_frontier_timing((report or {}).get("exact_layers")),
         frontier_gate=_frontier_gate((report or {}).get("exact_layers")),
         layers=_layer_rows(config, transfer["default_exact"] or 0),
-        top_k=config.get("top_k"),
+        top_k=None if transfer["top_k_unused"] else config.get("top_k"),
         **transfer,
         has_revisions=bool(config.get("source_revision") or config.get("target_revision")),
         has_heldout=bool(config.get("heldout_r2_key") or config.get("heldout_r2_value")),
@@ -190,10 +190,11 @@ def _model_facts(model_id: str | None, revision: str | None, fingerprint: dict, 
     }
 
 
-def _fit_facts(config: dict) -> list[tuple[str, str]]:
+def _fit_facts(config: dict, top_k_unused: str = "") -> list[tuple[str, str]]:
     facts = [("Mapper type", _cell(config.get("mapper_type", RIDGE)))]
     if config.get("top_k") is not None:
-        facts.append(("Source layers per target layer (k)", _number(config["top_k"])))
+        note = f" ({top_k_unused})" if top_k_unused else ""
+        facts.append(("Source layers per target layer (k)", _number(config["top_k"]) + note))
     if config.get("ridge_lambda") is not None and config.get("mapper_type", RIDGE) in (RIDGE, LOWRANK):
         facts.append(("Ridge lambda (on centered data)", _plain(config["ridge_lambda"])))
     for key, value in (config.get("mlp") or {}).items():
@@ -217,11 +218,13 @@ def _transfer_facts(config: dict) -> dict[str, Any]:
     try:
         mapper_config = MapperConfig.from_dict(config)
     except (TypeError, KeyError, ValueError):
-        return {"default_exact": None, "maps_read": None, "all_exact": False, "maps_read_target": False}
+        return {"default_exact": None, "maps_read": None, "all_exact": False, "maps_read_target": False,
+                "top_k_unused": ""}  # fmt: skip
     exact = resolve_num_exact_layers(mapper_config, None)
     mapped = exact < len(mapper_config.selected_layers)
     return {"default_exact": exact, "maps_read": maps_read(mapper_config, exact) if mapped else None,
-            "all_exact": not mapped, "maps_read_target": mapped and exact_layers_needed(mapper_config)[0] > 0}
+            "all_exact": not mapped, "maps_read_target": mapped and exact_layers_needed(mapper_config)[0] > 0,
+            "top_k_unused": top_k_unused(mapper_config, exact)}
 
 
 def _exact_layer_facts(config: dict, transfer: dict[str, Any], probe: Any) -> list[tuple[str, str]]:

@@ -309,6 +309,17 @@ def maps_read(config: MapperConfig, num_exact_layers: int | None = None) -> str:
     return " + ".join([_source_label(config, mapped) if mapped.start else "source K/V", *(p for p in parts if p)])
 
 
+def top_k_unused(config: MapperConfig, num_exact_layers: int) -> str:
+    """Why a mapper's `top_k` plays no part in a transfer with `num_exact_layers` exact layers, in a few words ("" when
+    some mapped layer reads source K/V): `info` and the card say so beside k."""
+    first = max(exact_layers_needed(config)[0], num_exact_layers)
+    if first >= len(config.selected_layers):
+        return "not used: the target computes every layer"
+    if not any(config.selected_layers[t] for t in range(first, len(config.selected_layers))):
+        return "not used: the mapped layers read no source K/V"
+    return ""
+
+
 def _source_label(config: MapperConfig, mapped: range) -> str:
     """Which source K/V the maps of the `mapped` layers read."""
     alone = [t for t in mapped if not config.selected_layers[t]]
