@@ -1,16 +1,19 @@
 """Content evaluations (content_eval.py): each score against an independent computation, a plain forward of the
 target over the whole sequence; with the model mapped onto itself by an exact identity map, transfer == own."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import VOCAB, exact_identity_mapper, random_ids, scrambled_mapper, tiny_model
 from fit_fixtures import SPECIALS, make_tokenizer
-from hf_kvtransfer import TransferredCache, prefill
+from hf_kvtransfer import KVMapper, TransferredCache, prefill
 from hf_kvtransfer.commands.cli import main
+from hf_kvtransfer.evaluation.evaluate import evaluate
 from hf_kvtransfer.evaluation.content import greedy_agreement, handoff, passage_recall, repeated_span_retention
 from hf_kvtransfer.evaluation.metrics import gap_recovered_over_items, mean_and_ci, retention_over_items
 from hf_kvtransfer.evaluation.tasks import HandoffItem, PassageRecallItem, repeated_span_items
@@ -403,3 +406,73 @@ def test_an_interrupted_eval_resumes_with_its_finished_tasks(tmp_path, capsys, m
     monkeypatch.setattr(evaluate_module, "repeated_span_retention", interrupted_recall)
     assert main([*args, "--json", str(out)]) == 130
     assert "before a task finished" in capsys.readouterr().err and not journal.exists()
+
+
+class _RecordingConfig:
+    """An `EvalConfig` that records which of its fields are read."""
+
+    def __init__(self, cfg):
+        self._cfg, self.read = cfg, set()
+
+    def __getattr__(self, name):
+        self.read.add(name)
+        return getattr(self._cfg, name)
+
+
+def test_each_task_reads_only_the_options_its_journal_key_holds(tmp_path, monkeypatch):
+    """An eval journal keys a task by the options it declares (`_TASKS`), so a rerun with another value of any other
+    option reads it back: every task, run with a config that records what it reads, reads no other option."""
+    from hf_kvtransfer.evaluation import evaluate as evaluate_module
+    from hf_kvtransfer.evaluation.multiple_choice import MultipleChoiceItem
+
+    _eval_setup(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    mapper = KVMapper.from_pretrained(tmp_path / "mapper")
+    reads: dict[str, set[str]] = {}
+
+    def recorded(run, name, journal):
+        recording = _RecordingConfig(run.cfg)
+        out: dict = {}
+        evaluate_module._TASKS[name].step(dataclasses.replace(run, cfg=recording), out)
+        reads[name] = recording.read - {"progress"}  # progress bars change no result
+        return out
+
+    monkeypatch.setattr(evaluate_module, "_task_results", recorded)
+    choices = [MultipleChoiceItem(context_ids=[5, 6, 7, 8], choice_ids=[[9], [10]], label=0)] * 2
+    lines = (tmp_path / "text.txt").read_text().splitlines()
+    text = f"\n{tokenizer.eos_token}\n".join("\n".join(lines[i : i + 10]) for i in range(0, len(lines), 10))  # 4 documents
+    evaluate(model, model, mapper, tokenizer, text, tasks=list(evaluate_module._TASKS), multiple_choice_items=choices,
+             reverse_mapper=mapper, num_content_items=4, num_items=4, context_len=16, continuation_len=4, num_choices=2,
+             prefix_len=32, max_windows=4, num_turns=2, turn_len=16, depth_lengths=(256,), depth_items=2, max_conversations=2,
+             num_bootstrap=10, progress=False)  # fmt: skip
+    assert set(reads) == set(evaluate_module._TASKS)
+    for name, task in evaluate_module._TASKS.items():
+        assert reads[name] <= set(task.options), (name, reads[name] - set(task.options))
+
+
+def test_a_rerun_with_another_depth_option_reads_the_other_tasks_back(tmp_path, capsys, monkeypatch):
+    """`--depth-lengths` changes the depth task alone: a rerun with another value reads recall back from the journal
+    of an interrupted run and runs the depth task again."""
+    from hf_kvtransfer.evaluation import evaluate as evaluate_module
+
+    args = [*_eval_setup(tmp_path), "--tasks", "recall,depth", "--items", "6", "--depth-items", "2"]
+    out = tmp_path / "eval.json"
+    calls = {"recall": 0}
+    run_recall, run_depth = evaluate_module.passage_recall, evaluate_module.recall_by_depth
+
+    def recall(*a, **k):
+        calls["recall"] += 1
+        return run_recall(*a, **k)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate_module, "passage_recall", recall)
+    monkeypatch.setattr(evaluate_module, "recall_by_depth", interrupted)
+    assert main([*args, "--depth-lengths", "256", "--json", str(out)]) == 130
+    monkeypatch.setattr(evaluate_module, "recall_by_depth", run_depth)
+    capsys.readouterr()
+    assert main([*args, "--depth-lengths", "320", "--json", str(out)]) == 0
+    assert calls["recall"] == 1 and "1 finished task(s) read back from" in capsys.readouterr().out
+    assert json.loads(out.read_text())["recall_by_depth"]["lengths"] == [320]

@@ -14,7 +14,6 @@ retention of perplexity is `(nll_floor - nll_transfer) / (nll_floor - nll_target
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -22,7 +21,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -651,9 +650,9 @@ def evaluate(
     results: dict[str, Any] = {"config": _config_block(cfg, mapper, docs, selected)}
     content = _content_items(tokenizer, documents, docs, selected, cfg)
     run = _TaskRun(source, target, mapper, cfg, tokenizer, documents, docs, content, multiple_choice_items, reverse_mapper)
-    for name, task in _TASKS.items():
+    for name in _TASKS:
         if name in selected:
-            results.update(_task_results(run, name, task, journal))
+            results.update(_task_results(run, name, journal))
     # What each task's transfers used (the default resolves per prompt length: 32, at most half a shorter prompt).
     results["config"]["num_recompute_tokens_used"] = {
         name: res["num_recompute_tokens"]
@@ -668,21 +667,27 @@ def eval_journal(path: str | os.PathLike, source: PreTrainedModel, target: PreTr
     return ResultJournal(path, {"kind": "eval", "source": model_identity(source), "target": model_identity(target)})
 
 
-def _task_results(run: _TaskRun, name: str, task: Callable[..., None], journal: ResultJournal | None) -> dict[str, Any]:
+def _task_results(run: _TaskRun, name: str, journal: ResultJournal | None) -> dict[str, Any]:
     """What task `name` adds to the results: run, or read back from `journal` when it holds this task for the same
-    mapper, exact layers, inputs (the text's tokens, the choice items, the reverse mapper) and options."""
+    mapper, exact layers, inputs (the text's tokens, the task's items, the choice items, the reverse mapper) and the
+    options the task reads."""
+    task = _TASKS[name]
+
     def compute() -> dict[str, Any]:
         out: dict[str, Any] = {}
-        task(run, out)
+        task.step(run, out)
         return out if journal is None else json.loads(json.dumps(out))  # as --json writes them
 
     if journal is None:
         return compute()
-    options = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k not in ("tasks", "progress")}
+    options = {k: getattr(run.cfg, k) for k in task.options}
     reverse = journal.fingerprint(run.reverse_mapper) if run.reverse_mapper is not None else None
-    inputs = hashlib.sha256(repr((run.docs, run.multiple_choice_items, reverse)).encode()).hexdigest()
+    items = run.content.get(name)
+    items = items.tolist() if isinstance(items, torch.Tensor) else items  # a tensor's repr elides its middle
+    inputs = (run.docs, items, run.multiple_choice_items, reverse)
+    digest = hashlib.sha256(repr(inputs).encode()).hexdigest()
     num_exact = run.mapper.resolve_num_exact_layers(run.cfg.num_exact_layers)
-    return journal.score(name, run.mapper, num_exact, [inputs], compute, **options)
+    return journal.score(name, run.mapper, num_exact, [digest], compute, **options)
 
 
 def _selected_tasks(cfg: EvalConfig, multiple_choice_items, reverse_mapper) -> list[str]:
@@ -813,15 +818,25 @@ def _multi_turn(run: _TaskRun, results: dict[str, Any]) -> None:
     )  # fmt: skip
 
 
-# The tasks of `evaluate` in the order they run (and their results appear): name -> step.
-_TASKS: dict[str, Callable[..., None]] = {
-    "perplexity": _perplexity,
-    "continuation": _continuation,
-    "repeat": _repeat,
-    "recall": _recall,
-    "handoff": _handoff,
-    "agreement": _agreement,
-    "depth": _depth,
-    "multiple-choice": _multiple_choice,
-    "multi-turn": _multi_turn,
+class _Task(NamedTuple):
+    step: Callable[[_TaskRun, dict[str, Any]], None]
+    options: tuple[str, ...]  # the `EvalConfig` fields the step reads (its items are keyed by what they hold)
+
+
+# Read by every task that hands the target a transferred cache (`_TaskRun.common`; `progress` changes no result).
+_COMMON = ("num_exact_layers", "num_bootstrap", "seed")
+
+# The tasks of `evaluate` in the order they run (and their results appear). An eval journal keys each task by the
+# options it reads, so a rerun with another value of an option that only other tasks read keeps its results.
+_TASKS: dict[str, _Task] = {
+    "perplexity": _Task(_perplexity, ("prefix_len", "max_windows", "num_recompute_tokens", "batch_size", *_COMMON)),
+    "continuation": _Task(_continuation, ("context_len", "continuation_len", "num_choices", "num_items",
+                                          "num_recompute_tokens", *_COMMON)),  # fmt: skip
+    "repeat": _Task(_repeat, ("num_recompute_tokens", "batch_size", *_COMMON)),
+    "recall": _Task(_recall, ("num_recompute_tokens", *_COMMON)),
+    "handoff": _Task(_handoff, ("num_recompute_tokens", *_COMMON)),
+    "agreement": _Task(_agreement, ("max_new_tokens", "num_recompute_tokens", "batch_size", *_COMMON)),
+    "depth": _Task(_depth, ("num_recompute_tokens", *_COMMON)),
+    "multiple-choice": _Task(_multiple_choice, ("num_recompute_tokens", *_COMMON)),
+    "multi-turn": _Task(_multi_turn, ("num_turns", "turn_len", "max_conversations", "batch_size")),
 }
