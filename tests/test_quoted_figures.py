@@ -1,5 +1,5 @@
-"""Every percentage and speed-up the README, the method, the guides, the results pages and the bundled families'
-READMEs quote comes from a result file.
+"""Every percentage and speed-up the README, the method, the guides, the results pages, the bundled families'
+READMEs and the studies' READMEs under research/ quote comes from a result file.
 
 A figure such as `97.8%` or `1.98x` in a page's prose (outside code blocks and generated tables) must be a value
 of a result file named in the same section of the page (or in the page's opening, before its first `##`), as
@@ -25,18 +25,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Results pages whose figures are not checked (none: a page whose prose predates the rule would be listed here).
-PENDING: list[str] = []
+# Pages whose figures are not checked yet: study notes whose prose predates the rule and quotes prototype runs whose
+# result files were not kept, or shares of a stage computed from a result file's times.
+PENDING: list[str] = ["research/content_at_speed/README.md", "research/speed_levers/README.md",
+                      "research/token_tables/README.md"]  # fmt: skip
 # Pages whose figures are computed from model configs by `hf-kvtransfer plan`, the same on any machine, not measured:
 # `tests/test_plan.py` checks them against `plan_transfer`.
 COMPUTED = ["docs/guides/plan.md"]
 # Pages whose figures are checked: the README, the docs home, the changelog, the method, every guide, every results
-# page and the bundled families' READMEs.
+# page, the bundled families' READMEs and every study's README under research/.
 CHECKED = ["README.md", "docs/index.md", "docs/changelog.md", "docs/method.md", "examples/family/README.md",
            "examples/family_deep/README.md"] + [
     page
-    for folder in ("guides", "results")
-    for page in sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / folder).glob("*.md"))
+    for pattern in ("docs/guides/*.md", "docs/results/*.md", "research/*/README.md")
+    for page in sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob(pattern))
     if page not in PENDING + COMPUTED
 ]
 
