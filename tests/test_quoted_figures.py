@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Pages whose figures are not checked yet: study notes whose prose predates the rule and quotes prototype runs whose
 # result files were not kept, or shares of a stage computed from a result file's times.
-PENDING: list[str] = ["research/content_at_speed/README.md", "research/speed_levers/README.md",
+PENDING: list[str] = ["research/speed_levers/README.md",
                       "research/token_tables/README.md"]  # fmt: skip
 # Pages whose figures are computed from model configs by `hf-kvtransfer plan`, the same on any machine, not measured:
 # `tests/test_plan.py` checks them against `plan_transfer`.
