@@ -27,8 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Pages whose figures are not checked yet: study notes whose prose predates the rule and quotes prototype runs whose
 # result files were not kept, or shares of a stage computed from a result file's times.
-PENDING: list[str] = ["research/speed_levers/README.md",
-                      "research/token_tables/README.md"]  # fmt: skip
+PENDING: list[str] = ["research/speed_levers/README.md"]
 # Pages whose figures are computed from model configs by `hf-kvtransfer plan`, the same on any machine, not measured:
 # `tests/test_plan.py` checks them against `plan_transfer`.
 COMPUTED = ["docs/guides/plan.md"]
