@@ -190,10 +190,10 @@ def _model_facts(model_id: str | None, revision: str | None, fingerprint: dict, 
     }
 
 
-def _fit_facts(config: dict, top_k_unused: str = "") -> list[tuple[str, str]]:
+def _fit_facts(config: dict, k_unused: str = "") -> list[tuple[str, str]]:
     facts = [("Mapper type", _cell(config.get("mapper_type", RIDGE)))]
     if config.get("top_k") is not None:
-        note = f" ({top_k_unused})" if top_k_unused else ""
+        note = f" ({k_unused})" if k_unused else ""
         facts.append(("Source layers per target layer (k)", _number(config["top_k"]) + note))
     if config.get("ridge_lambda") is not None and config.get("mapper_type", RIDGE) in (RIDGE, LOWRANK):
         facts.append(("Ridge lambda (on centered data)", _plain(config["ridge_lambda"])))
