@@ -220,23 +220,17 @@ class TransferredCache(DynamicCache, Listener):
         source_config = getattr(source_cache, "source_model_config", None)
         if source_config is not None:
             mapper.check_compatible(source_config=source_config, strict=o.strict)
-        sources, length, batch_size = self._read_source(source_cache)
+        sources, length, batch_size, device = self._read_source(source_cache)
         attention_mask = _prompt_mask(attention_mask, source_cache, batch_size, length)
         settings = resolve_transfer(mapper, length, o.num_exact_layers, num_recompute_tokens, o.exact_window)
         self.num_exact_layers, self.num_recompute_tokens = settings.num_exact_layers, settings.num_recompute_tokens
         self.exact_window = settings.exact_window
         transferred = length - self.num_recompute_tokens
-        gate = mapper.config.quality_gate if o.gate is None or o.gate is True else (o.gate or None)
-        self.transfer_status = TransferStatus((True,) * batch_size, None, gate.threshold if gate else None)
-        self._gate = None
-        if gate is not None and self.num_recompute_tokens > 0 and transferred > 0:
-            full_positions = position_ids_from_mask(attention_mask, batch_size, length, next(iter(sources.values())).keys.device if sources else "cpu")
-            self._gate = PendingGate(gate, source_cache, attention_mask, full_positions)
+        positions = position_ids_from_mask(attention_mask, batch_size, length, device)
+        self._gate = self._pending_gate(o.gate, source_cache, attention_mask, positions, batch_size, transferred)
         for layer in sources.values():
             layer.keys, layer.values = layer.keys[:, :, :transferred], layer.values[:, :, :transferred]
-        device = next(iter(sources.values())).keys.device
-        position_ids = position_ids_from_mask(attention_mask, batch_size, length, device)[:, :transferred]
-        rope = RopeTables(mapper.rotary, position_ids)
+        rope = RopeTables(mapper.rotary, positions[:, :transferred])
         mask = attention_mask[:, :transferred] if attention_mask is not None else None
         self._transfer: PendingTransfer | None = PendingTransfer(mapper, sources, rope, transferred, batch_size, mask)
         self._pending = set(range(len(self.layers)))
@@ -245,12 +239,24 @@ class TransferredCache(DynamicCache, Listener):
         self.prompt_ids = _prompt_ids(input_ids, source_cache, batch_size, length)
         if self.prompt_ids is not None:
             self._give_ids(self.prompt_ids)
-        model = getattr(model, "_orig_mod", model)  # torch.compile(target): heard through the module it wraps
+        self._attach_model(getattr(model, "_orig_mod", model), transferred)  # torch.compile(target): the module it wraps
+
+    def _pending_gate(self, gate: Any, source_cache, attention_mask, positions: torch.Tensor, batch_size: int,
+                      transferred: int) -> PendingGate | None:  # fmt: skip
+        """The per-request quality gate asked for (`gate`: None or True, the mapper's own; False: off; or a
+        `QualityGateConfig`), pending until the first forward; sets the status every row starts with."""
+        gate = self.mapper.config.quality_gate if gate is None or gate is True else (gate or None)
+        self.transfer_status = TransferStatus((True,) * batch_size, None, gate.threshold if gate else None)
+        if gate is None or self.num_recompute_tokens == 0 or transferred == 0:
+            return None
+        return PendingGate(gate, source_cache, attention_mask, positions)
+
+    def _attach_model(self, model: PreTrainedModel | None, transferred: int) -> None:
+        """Listen to the target model's forwards (`hear`) and keep it for the exact layers (dropped once computed)."""
         if model is not None:
-            mapper.check_compatible(target_config=model.config)
+            self.mapper.check_compatible(target_config=model.config)
             prefer_grouped_sdpa(model)
             listen(model)  # its forwards tell the cache what they are fed (`hear`)
-        # What the exact layers are computed with: the target model and the prompt's ids. Dropped once computed.
         self._exact_model: PreTrainedModel | None = model if (self.num_exact_layers or self._gate) and transferred else None
         self._exact_pending = self.num_exact_layers > 0 and transferred > 0
         self._exact_prompt: torch.Tensor | None = None  # the prompt's ids from generate's sequence (`_learn_prompt`)
@@ -258,8 +264,9 @@ class TransferredCache(DynamicCache, Listener):
         self._model = weakref.ref(model) if model is not None else None  # the model whose forwards it hears
         self._only_new_tokens = False  # the first forward fed only new tokens (a mask covering the cached ones)
 
-    def _read_source(self, source_cache: Cache | tuple) -> tuple[dict[int, SourceLayer], int, int]:
-        """The source layers the mapper reads, checked against the mapper's source layout."""
+    def _read_source(self, source_cache: Cache | tuple) -> tuple[dict[int, SourceLayer], int, int, torch.device]:
+        """The source layers the mapper reads, checked against the mapper's source layout; the prompt's length, the
+        batch size and the device of the source's cache."""
         mapper, layout = self.mapper, self.mapper.source_layout
         layers = _source_layers(source_cache)
         if len(layers) != layout.num_layers:
@@ -299,7 +306,7 @@ class TransferredCache(DynamicCache, Listener):
             if keys is None or keys.ndim != 4 or keys.numel() == 0:
                 raise ValueError("source cache layer 0 is empty; run the source prefill before transferring")
             length, batch_size = keys.shape[-2], keys.shape[0]
-        return sources, length, batch_size
+        return sources, length, batch_size, keys.device
 
     def __deepcopy__(self, memo):
         # Share the mapper and rotary modules: a copy of a cache must not copy model-sized weights.
