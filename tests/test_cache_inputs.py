@@ -63,6 +63,26 @@ def test_normal_generate_neither_warns_nor_differs(pair):
     assert torch.equal(out, model.generate(ids, **GREEDY))
 
 
+@pytest.mark.parametrize("call", ["generate", "forward at its positions"])
+def test_a_prompt_whose_end_repeats_its_start_is_no_refeed(pair, call):
+    """A span twice, its second half left to the target: the target is fed the very ids the cache holds, but after
+    them (generate feeds the end of its sequence; a direct forward says its positions). That is the prompt's end, not
+    the prompt fed again: no warning, and the target's own output from the transferred cache."""
+    model, mapper = pair
+    half = random_ids(1, 8, seed=9)
+    ids = torch.cat([half, half], dim=1)
+    cache = _cache(model, mapper, ids, num_recompute_tokens=8)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        if call == "generate":
+            out, ref = model.generate(ids, cache=cache, **GREEDY), model.generate(ids, **GREEDY)
+            assert torch.equal(out, ref)
+        else:
+            out = model(half, cache=cache, position_ids=torch.arange(8, 16)[None]).logits
+            torch.testing.assert_close(out, model(ids).logits[:, 8:], rtol=1e-4, atol=1e-4)
+    assert cache.get_seq_length() >= 16  # the transferred 8 and what the target computed after them
+
+
 def test_another_prompt_of_the_same_length_is_refused(pair):
     model, mapper = pair
     a, b = random_ids(1, 16, seed=5), random_ids(1, 16, seed=6)

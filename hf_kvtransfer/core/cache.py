@@ -431,7 +431,7 @@ class TransferredCache(DynamicCache, Listener):
             return
         fed = told.ids
         prompt = self.prompt_ids if self.prompt_ids is not None else told.sequence
-        if refeeds_prompt(fed, prompt, held):
+        if refeeds_prompt(told, prompt, held):
             # The forward re-feeds the transferred prompt from its start: transformers' assisted decoding and prompt
             # lookup do on their first step, as does generate with num_recompute_tokens=0. Appending it would hold
             # the prompt twice; the target computes it itself instead (exact, but nothing is saved).

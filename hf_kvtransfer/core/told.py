@@ -150,13 +150,19 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
     return int(differs[0]) if differs.numel() else None
 
 
-def refeeds_prompt(fed: torch.Tensor, prompt_ids: torch.Tensor | None, held: int) -> bool:
-    """Whether a forward feeds the cached prompt again from its start (assisted decoding's and prompt lookup's first
-    step, or generate with every prompt token cached)."""
-    return (
-        held > 0 and prompt_ids is not None and fed.shape[-1] >= held
-        and first_difference(fed[:, :held], prompt_ids[:, :held]) is None
-    )
+def refeeds_prompt(inputs: ForwardInputs, prompt_ids: torch.Tensor | None, held: int) -> bool:
+    """Whether a forward feeds the `held` cached prompt tokens again from its start (assisted decoding's and prompt
+    lookup's first step, or generate with every prompt token cached). Under generate only a forward fed generate's
+    whole sequence can, and a forward at positions after the cached ones cannot: a prompt whose tail repeats its head
+    is then not taken for a re-feed."""
+    fed = inputs.ids
+    if held == 0 or prompt_ids is None or fed.shape[-1] < held:
+        return False
+    if inputs.sequence is not None and fed.shape[-1] < inputs.sequence.shape[-1]:
+        return False  # generate feeds what the cache does not hold: the end of its sequence
+    if inputs.positions is not None and int(inputs.positions[..., 0].min()) >= held:
+        return False
+    return first_difference(fed[:, :held], prompt_ids[:, :held]) is None
 
 
 def check_prompt(inputs: ForwardInputs, prompt_ids: torch.Tensor | None, held: int, num_recompute_tokens: int) -> bool:
