@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +15,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # OpenMP busy-waiting makes small ops cost milliseconds on a loaded 2-core machine (set before torch loads).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# The mappers `demo` fits and keeps (`commands/demo_mapper.py`) go to a folder of this run, not the user's cache.
+os.environ["HF_KVTRANSFER_CACHE"] = tempfile.mkdtemp(prefix="hf-kvtransfer-tests-")
+atexit.register(shutil.rmtree, os.environ["HF_KVTRANSFER_CACHE"], ignore_errors=True)
 
 import pytest
 import torch

@@ -2,6 +2,7 @@
 tokens the fit's progress bar counts, "1 CPU thread"; and the fit's content probe shows one short bar per stage
 and logs what each candidate scored (issue 39)."""
 
+import json
 import re
 from pathlib import Path
 
@@ -154,3 +155,38 @@ def test_a_family_directory_holds_small_and_large_or_source_and_target(tmp_path)
     (tmp_path / "source" / "model.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"small/ and large/ \(or source/ and target/\)"):
         find_family(tmp_path)  # a source without a target
+
+
+def test_a_second_demo_reads_the_mapper_the_first_fitted(tmp_path, monkeypatch, capsys):
+    """A demo without a mapper keeps the one it fits: the same command again reads it instead of fitting (the fit
+    is not called), says where from, and answers as the first run did; other options, or --refit, fit anew."""
+    from fit_fixtures import save_pair, write_corpus
+
+    import hf_kvtransfer.commands.demo as demo
+    from hf_kvtransfer.commands.cli import main
+
+    monkeypatch.setenv("HF_KVTRANSFER_CACHE", str(tmp_path / "cache"))
+    source, target = save_pair(tmp_path)
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    args = ["demo", "--source", str(source), "--target", str(target), "--calibration", str(corpus), "--prompt",
+            "the cat sat on the mat", "--recall-items", "0", "--num-sequences", "6", "--seq-len", "48",
+            "--exact-layers-items", "8", "--max-new-tokens", "4"]  # fmt: skip
+    fits = []
+    real_fit = demo.fit_mapper
+    monkeypatch.setattr(demo, "fit_mapper", lambda *a, **k: fits.append(k) or real_fit(*a, **k))
+    assert main([*args, "--json", str(tmp_path / "first.json")]) == 0
+    first_out = capsys.readouterr().out
+    assert len(fits) == 1 and "ready in" in first_out
+    [kept] = [p for p in (tmp_path / "cache" / "demo").iterdir()]
+    assert (kept / "config.json").is_file() and not (kept / "checkpoint").exists()  # the fit's checkpoint is gone
+    assert fits[0]["checkpoint_dir"] == str(kept / "checkpoint")  # where an interrupted fit resumes from
+    assert main([*args, "--json", str(tmp_path / "second.json")]) == 0
+    second_out = capsys.readouterr().out
+    assert len(fits) == 1 and f"fitted by an earlier demo, read from {kept}" in second_out, second_out
+    first, second = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("first", "second"))
+    assert second["answers"] == first["answers"] and second["mapper"] == first["mapper"]
+    assert second["mapper_read_from"] == str(kept) and first["mapper_read_from"] is None
+    assert main([*args, "--refit"]) == 0 and len(fits) == 2  # asked to fit again
+    assert main([*args[:-1], "5"]) == 0 and len(fits) == 2  # the answer's length is no fit option
+    assert main([*args, "--num-sequences", "8"]) == 0 and len(fits) == 3  # another calibration sample
+    assert len(list((tmp_path / "cache" / "demo").iterdir())) == 2

@@ -598,6 +598,10 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--text", help="documents to draw recall questions' distractors from (default: the family's heldout.txt)")
     p.add_argument("--recall-items", type=int, default=200,
                    help="held-out passage-recall questions behind the retention number (default 200; 0 = skip)")
+    p.add_argument("--refit", action="store_true",
+                   help="fit the mapper again: without --mapper a demo keeps the mapper it fits (in "
+                        "$HF_KVTRANSFER_CACHE, default ~/.cache/huggingface/hf-kvtransfer/demo) and a later demo with "
+                        "the same models and options reads it")
     p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
     p.add_argument("--json", help="write the demo's numbers as JSON here")
     p.set_defaults(func=_run_demo)
@@ -619,6 +623,7 @@ def _run_demo(args) -> int:
         max_new_tokens=args.max_new_tokens, calibration=args.calibration, num_sequences=args.num_sequences,
         seq_len=args.seq_len, top_k=top_k, num_exact_layers=args.exact_layers, text=args.text,
         recall_items=args.recall_items, device=args.device, exact_layers_items=args.exact_layers_items,
+        refit=args.refit,
     )
     print(format_demo(result))
     if args.json:

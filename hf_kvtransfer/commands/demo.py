@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from ..evaluation.tasks import passage_recall_items
 from ..evaluation.timing import time_to_first_token
 from ..fitting.content_gate import tolerance_points
 from ..fitting.fit import fit_mapper
+from .demo_mapper import CHECKPOINT, keep_mapper, kept_mapper_dir, read_kept_mapper
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,8 @@ class DemoConfig:
         progress: progress bars.
         exact_layers_items: the fit's option of that name (items per content probe; default `FitConfig`'s, 64):
             fewer make the fit faster and its choice less sure.
+        refit: fit the mapper again even where an earlier demo kept one for the same models and options
+            (`demo_mapper.py`).
     """
 
     family: str | os.PathLike | None = None
@@ -107,6 +111,7 @@ class DemoConfig:
     device: str | torch.device = "cpu"
     progress: bool = True
     exact_layers_items: int | None = None
+    refit: bool = False
 
 
 def run_demo(
@@ -141,9 +146,10 @@ def run_demo(
     result: dict[str, Any] = {"source": source, "target": target}
 
     start = time.perf_counter()
-    kv_mapper = _demo_mapper(mapper, src_model, tgt_model, tokenizer, cfg)
+    kv_mapper, read_from = _demo_mapper(mapper, src_model, tgt_model, tokenizer, cfg)
     kv_mapper.check_compatible(src_model.config, tgt_model.config)
     result["fit_seconds"] = time.perf_counter() - start
+    result["mapper_read_from"] = None if read_from is None else str(read_from)
     result["mapper"] = _mapper_summary(kv_mapper, cfg.num_exact_layers)
 
     docs = split_documents(Path(cfg.text).read_text(encoding="utf-8"), tokenizer.eos_token) if cfg.text else []
@@ -182,21 +188,30 @@ def _resolve_pair(source: str | None, target: str | None, cfg: DemoConfig) -> tu
     return source, target, cfg
 
 
-def _demo_mapper(mapper: str | KVMapper | None, src_model, tgt_model, tokenizer, cfg: DemoConfig) -> KVMapper:
-    """The mapper given (loaded when a path or id), else one fitted on `cfg.calibration`."""
+def _demo_mapper(mapper: str | KVMapper | None, src_model, tgt_model, tokenizer,
+                 cfg: DemoConfig) -> tuple[KVMapper, Path | None]:  # fmt: skip
+    """The mapper given (loaded when a path or id), else the one an earlier demo kept for these models and options
+    (and the folder it was read from), else one fitted on `cfg.calibration`, then kept (`demo_mapper.py`)."""
     if isinstance(mapper, KVMapper):
-        return mapper
+        return mapper, None
     if mapper is not None:
-        return KVMapper.from_pretrained(mapper)
+        return KVMapper.from_pretrained(mapper), None
     if cfg.calibration is None:
         raise ValueError("with --source/--target, pass --mapper (a fitted mapper) or --calibration FILE to fit one")
     # all sequences fit the mapper (no held-out shard: the retention below is measured on other text)
     given = {"top_k": cfg.top_k, "exact_layers_items": cfg.exact_layers_items}
     fit_options = {name: value for name, value in given.items() if value is not None}  # else FitConfig's
-    return fit_mapper(
-        src_model, tgt_model, cfg.calibration, tokenizer=tokenizer, num_sequences=cfg.num_sequences,
-        seq_len=cfg.seq_len, heldout_fraction=0, progress=cfg.progress, **fit_options,
-    )  # fmt: skip
+    options = {"num_sequences": cfg.num_sequences, "seq_len": cfg.seq_len, "heldout_fraction": 0, **fit_options}
+    folder = kept_mapper_dir(src_model, tgt_model, cfg.calibration, options)
+    kept = None if cfg.refit else read_kept_mapper(folder)
+    if kept is not None:
+        return kept, folder
+    if cfg.refit:
+        shutil.rmtree(folder / CHECKPOINT, ignore_errors=True)  # a fit from the start, not resumed
+    fitted = fit_mapper(src_model, tgt_model, cfg.calibration, tokenizer=tokenizer, progress=cfg.progress,
+                        checkpoint_dir=str(folder / CHECKPOINT), **options)  # fmt: skip
+    keep_mapper(fitted, folder)
+    return fitted, None
 
 
 def _mapper_summary(kv_mapper: KVMapper, num_exact_layers: int | None) -> dict[str, Any]:
@@ -297,6 +312,13 @@ def _probe_clause(m: dict[str, Any]) -> str:
     return ""
 
 
+def _ready(result: dict[str, Any]) -> str:
+    """How the mapper came to be: fitted now, or read from the folder an earlier demo kept it in."""
+    if result.get("mapper_read_from"):
+        return f"fitted by an earlier demo, read from {result['mapper_read_from']} in {result['fit_seconds']:.1f} s; --refit fits again"
+    return f"ready in {result['fit_seconds']:.1f} s"
+
+
 def _window_clause(m: dict[str, Any]) -> str:
     """How far back the exact layers attend over the transferred prompt (nothing: all of it)."""
     window = m.get("exact_window")
@@ -330,8 +352,7 @@ def _mapper_lines(result: dict[str, Any]) -> list[str]:
     lines = [
         f"source: {result['source']}",
         f"target: {result['target']}",
-        f"mapper: top_k={m['top_k']} lambda={m['ridge_lambda']} ({_calibration_tokens(m)}; "
-        f"ready in {result['fit_seconds']:.1f} s)",
+        f"mapper: top_k={m['top_k']} lambda={m['ridge_lambda']} ({_calibration_tokens(m)}; {_ready(result)})",
         f"exact layers: the target computes its first {m['num_exact_layers']} of {m['target_layers']} layers from the "
         f"prompt's ids{_window_clause(m)}, the rest are mapped"
         + _probe_clause(m),
