@@ -190,3 +190,25 @@ def test_a_second_demo_reads_the_mapper_the_first_fitted(tmp_path, monkeypatch, 
     assert main([*args[:-1], "5"]) == 0 and len(fits) == 2  # the answer's length is no fit option
     assert main([*args, "--num-sequences", "8"]) == 0 and len(fits) == 3  # another calibration sample
     assert len(list((tmp_path / "cache" / "demo").iterdir())) == 2
+
+
+def test_a_demo_whose_cache_folder_cannot_be_written_still_answers(tmp_path, monkeypatch, capsys, caplog):
+    """A cache path that cannot hold a folder (a file there): the demo fits without a checkpoint, answers, and says
+    in one warning where it could not keep the mapper and what to set."""
+    from fit_fixtures import save_pair, write_corpus
+
+    from hf_kvtransfer.commands.cli import main
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("HF_KVTRANSFER_CACHE", str(blocker))
+    source, target = save_pair(tmp_path)
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    args = ["demo", "--source", str(source), "--target", str(target), "--calibration", str(corpus), "--prompt",
+            "the cat sat on the mat", "--recall-items", "0", "--num-sequences", "6", "--seq-len", "48",
+            "--exact-layers-items", "8", "--max-new-tokens", "2"]  # fmt: skip
+    with caplog.at_level("WARNING"):
+        assert main(args) == 0
+    assert "ready in" in capsys.readouterr().out
+    warned = [r.getMessage() for r in caplog.records if "cannot keep the fitted mapper" in r.getMessage()]
+    assert len(warned) == 1 and "HF_KVTRANSFER_CACHE" in warned[0], warned

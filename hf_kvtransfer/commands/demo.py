@@ -28,7 +28,7 @@ from ..evaluation.tasks import passage_recall_items
 from ..evaluation.timing import time_to_first_token
 from ..fitting.content_gate import tolerance_points
 from ..fitting.fit import fit_mapper
-from .demo_mapper import CHECKPOINT, keep_mapper, kept_mapper_dir, read_kept_mapper
+from .demo_mapper import CHECKPOINT, keep_mapper, kept_mapper_dir, read_kept_mapper, writable
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +208,11 @@ def _demo_mapper(mapper: str | KVMapper | None, src_model, tgt_model, tokenizer,
         return kept, folder
     if cfg.refit:
         shutil.rmtree(folder / CHECKPOINT, ignore_errors=True)  # a fit from the start, not resumed
+    keep = writable(folder)
     fitted = fit_mapper(src_model, tgt_model, cfg.calibration, tokenizer=tokenizer, progress=cfg.progress,
-                        checkpoint_dir=str(folder / CHECKPOINT), **options)  # fmt: skip
-    keep_mapper(fitted, folder)
+                        checkpoint_dir=str(folder / CHECKPOINT) if keep else None, **options)  # fmt: skip
+    if keep:
+        keep_mapper(fitted, folder)
     return fitted, None
 
 

@@ -66,12 +66,31 @@ def read_kept_mapper(folder: Path) -> KVMapper | None:
         return None
 
 
+def writable(folder: Path) -> bool:
+    """Whether a demo can keep its mapper in `folder` (made when missing); if not, it says so and keeps nothing."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".writable"
+        probe.write_bytes(b"")
+        probe.unlink()
+        return True
+    except OSError as exc:
+        logger.warning("demo: cannot keep the fitted mapper in %s (%s); set $%s to a writable folder to keep it",
+                       folder, exc, CACHE_ENV)  # fmt: skip
+        return False
+
+
 def keep_mapper(mapper: KVMapper, folder: Path) -> None:
-    """Save a fitted mapper in `folder` for later demos, and drop the checkpoint its fit no longer needs."""
-    mapper.save_pretrained(str(folder))
+    """Save a fitted mapper in `folder` for later demos, and drop the checkpoint its fit no longer needs. A failure
+    to save is said and the demo goes on with the mapper in memory (the fit is not lost)."""
+    try:
+        mapper.save_pretrained(str(folder))
+    except OSError as exc:
+        logger.warning("demo: the fitted mapper could not be kept in %s (%s)", folder, exc)
+        return
     shutil.rmtree(folder / CHECKPOINT, ignore_errors=True)
     logger.info("demo: the fitted mapper is kept in %s; a demo with the same models and options reads it (--refit "
                 "fits again)", folder)  # fmt: skip
 
 
-__all__ = ["CACHE_ENV", "CHECKPOINT", "keep_mapper", "kept_mapper_dir", "kept_mapper_root", "read_kept_mapper"]
+__all__ = ["CACHE_ENV", "CHECKPOINT", "keep_mapper", "kept_mapper_dir", "kept_mapper_root", "read_kept_mapper", "writable"]
