@@ -431,7 +431,7 @@ def test_each_task_reads_only_the_options_its_journal_key_holds(tmp_path, monkey
     mapper = KVMapper.from_pretrained(tmp_path / "mapper")
     reads: dict[str, set[str]] = {}
 
-    def recorded(run, name, journal):
+    def recorded(run, name):
         recording = _RecordingConfig(run.cfg)
         out: dict = {}
         evaluate_module._TASKS[name].step(dataclasses.replace(run, cfg=recording), out)
@@ -476,3 +476,31 @@ def test_a_rerun_with_another_depth_option_reads_the_other_tasks_back(tmp_path, 
     assert main([*args, "--depth-lengths", "320", "--json", str(out)]) == 0
     assert calls["recall"] == 1 and "1 finished task(s) read back from" in capsys.readouterr().out
     assert json.loads(out.read_text())["recall_by_depth"]["lengths"] == [320]
+
+
+def test_an_interrupted_depth_task_resumes_from_its_finished_cells(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the third of six cells of the depth task: the two finished cells are kept, the rerun scores only the
+    four others and says so, and its results equal an uninterrupted run's."""
+    from hf_kvtransfer.evaluation import content
+
+    args = [*_eval_setup(tmp_path), "--tasks", "depth", "--depth-lengths", "256", "320", "--depth-items", "2"]
+    assert main([*args, "--json", str(tmp_path / "whole.json")]) == 0
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    real, calls = content.passage_recall, []
+
+    def interrupted_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(content, "passage_recall", interrupted_third)
+    out = tmp_path / "resumed.json"
+    capsys.readouterr()
+    assert main([*args, "--json", str(out)]) == 130
+    assert "2 depth cell(s) are kept in" in capsys.readouterr().err
+    calls.clear()
+    monkeypatch.setattr(content, "passage_recall", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert main([*args, "--json", str(out)]) == 0
+    assert len(calls) == 4 and "2 depth cell(s) read back from" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == whole

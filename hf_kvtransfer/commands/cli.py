@@ -424,7 +424,7 @@ def _add_eval(subparsers) -> None:
     p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype both models are loaded in (default float32)")
-    p.add_argument("--json", help="write the results as JSON here; while it runs, each finished task is kept beside it "
+    p.add_argument("--json", help="write the results as JSON here; while it runs, each finished task (and depth cell) is kept beside it "
                    "(FILE.journal.jsonl), so the same command run again after an interruption resumes")
     p.add_argument("--markdown", help="write the markdown tables here (they are printed either way)")
     p.add_argument("--plot", help="write a PNG of per-layer cosine / R^2, content tasks and per-turn drift (needs matplotlib)")
@@ -500,8 +500,18 @@ def _journaled(args, journal, run):
             args.interrupted_message = _eval_interrupted(journal)
         raise
     if journal is not None and journal.reused:
-        print(f"eval: {journal.reused} finished task(s) read back from {journal.path}", flush=True)
+        print(f"eval: {_kept(journal.reused_names)} read back from {journal.path}", flush=True)
     return results
+
+
+def _kept(names) -> str:
+    """Results of `eval`'s journal in words: "2 finished task(s)", "1 finished task(s) and 3 depth cell(s)"."""
+    from ..evaluation.evaluate import DEPTH_CELL
+
+    cells = names.get(DEPTH_CELL, 0)
+    tasks = sum(names.values()) - cells
+    return " and ".join(part for part, n in ((f"{tasks} finished task(s)", tasks), (f"{cells} {DEPTH_CELL}(s)", cells))
+                        if n) or "nothing"  # fmt: skip
 
 
 def _eval_journal_path(json_path: str) -> Path:
@@ -515,7 +525,7 @@ def _eval_interrupted(journal) -> str:
         return "interrupted; nothing is kept without --json (with --json FILE, finished tasks are kept to resume from)"
     if not journal.entries:
         return "interrupted before a task finished; running the command again starts over"
-    return (f"interrupted; {len(journal.entries)} finished task(s) are kept in {journal.path}\n"
+    return (f"interrupted; {_kept(journal.kept_names())} are kept in {journal.path}\n"
             "hint: run the same command again to resume from there")  # fmt: skip
 
 

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,9 @@ class ResultJournal:
         self.path = Path(path)
         self.context = {"format": FORMAT, **context}
         self.entries: dict[str, Any] = {}
+        self.names: dict[str, str | None] = {}  # key -> what was computed (None in a journal written before names)
         self.reused = 0
+        self.reused_names: Counter[str | None] = Counter()
         self._fingerprints: dict[int, tuple[KVMapper, str]] = {}  # id -> (the mapper, kept alive; its hash)
         if self.path.is_file():
             self._read()
@@ -62,14 +65,19 @@ class ResultJournal:
         key = self._key(what, mapper, num_exact, items, settings)
         if key in self.entries:
             self.reused += 1
+            self.reused_names[what] += 1
             return json.loads(self.entries[key])
         result = compute()
         text = _exact_json(result)
         if text is not None:
-            self.entries[key] = text
+            self.entries[key], self.names[key] = text, what
             with self.path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps({"key": key, "result": result}, allow_nan=False) + "\n")
+                f.write(json.dumps({"key": key, "what": what, "result": result}, allow_nan=False) + "\n")
         return result
+
+    def kept_names(self) -> Counter[str | None]:
+        """How many results the journal holds, by what was computed."""
+        return Counter(self.names.get(key) for key in self.entries)
 
     def _key(self, what: str, mapper: KVMapper, num_exact: int, items: Sequence, settings: dict[str, Any]) -> str:
         h = hashlib.sha256(json.dumps([what, num_exact, settings], sort_keys=True, default=str).encode())
@@ -104,6 +112,7 @@ class ResultJournal:
             except ValueError:
                 continue  # a line cut short when the run was killed mid-write: that result is computed again
             self.entries[entry["key"]] = json.dumps(entry["result"], allow_nan=False)
+            self.names[entry["key"]] = entry.get("what")
 
 
 def _canonical(config) -> str:

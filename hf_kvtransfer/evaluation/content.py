@@ -517,6 +517,7 @@ def recall_by_depth(
     distractor_texts: Sequence[str] | None = None,
     seed: int = 0,
     grid: list | None = None,
+    score_cell: Callable[[list, Callable[[], dict]], dict] | None = None,
     **recall_options: Any,
 ) -> dict[str, Any]:
     """Passage recall over a grid of context lengths x needle positions (`tasks.needle_grid`): where in a long
@@ -525,6 +526,8 @@ def recall_by_depth(
 
     Every cell asks the same facts (the positions of one length share their haystack), so cells differ only in
     length and depth. `recall_options` go to `passage_recall` (`num_recompute_tokens`, `num_exact_layers`, ...).
+    `score_cell(items, compute)` gives each cell's result, `compute()` by default: `evaluate` reads cells an
+    interrupted run finished back from its journal.
 
     Returns:
         `{"lengths", "positions", "items", "cells": [{"context_tokens", "position", "accuracy": {setting: {"mean",
@@ -533,12 +536,17 @@ def recall_by_depth(
     """
     if grid is None:
         grid = needle_grid(tokenizer, lengths, positions, items, seed, distractor_texts=distractor_texts)
+    keep = ("accuracy", "retention", "retention_ci", "retention_undefined", "gap_recovered", "gap_recovered_ci",
+            "transfer_minus_own", "num_recompute_tokens", "num_exact_layers")  # fmt: skip
+
+    def compute(cell: list) -> dict[str, Any]:
+        res = passage_recall(source, target, mapper, cell, seed=seed, **recall_options)
+        return {k: res.get(k) for k in keep}
+
     cells = []
     for length, position, cell in grid:
-        res = passage_recall(source, target, mapper, cell, seed=seed, **recall_options)
-        keep = ("accuracy", "retention", "retention_ci", "retention_undefined", "gap_recovered",
-                "gap_recovered_ci", "transfer_minus_own", "num_recompute_tokens", "num_exact_layers")  # fmt: skip
-        cells.append({"context_tokens": length, "position": position, **{k: res.get(k) for k in keep}})
+        res = compute(cell) if score_cell is None else score_cell(cell, lambda cell=cell: compute(cell))
+        cells.append({"context_tokens": length, "position": position, **res})
     # The grid is the one record of what was scored (a caller's grid included).
     return {"lengths": list(dict.fromkeys(c["context_tokens"] for c in cells)),
             "positions": list(dict.fromkeys(c["position"] for c in cells)),

@@ -649,10 +649,11 @@ def evaluate(
     docs = _tokenize_documents(tokenizer, documents)
     results: dict[str, Any] = {"config": _config_block(cfg, mapper, docs, selected)}
     content = _content_items(tokenizer, documents, docs, selected, cfg)
-    run = _TaskRun(source, target, mapper, cfg, tokenizer, documents, docs, content, multiple_choice_items, reverse_mapper)
+    run = _TaskRun(source, target, mapper, cfg, tokenizer, documents, docs, content, multiple_choice_items, reverse_mapper,
+                   journal)  # fmt: skip
     for name in _TASKS:
         if name in selected:
-            results.update(_task_results(run, name, journal))
+            results.update(_task_results(run, name))
     # What each task's transfers used (the default resolves per prompt length: 32, at most half a shorter prompt).
     results["config"]["num_recompute_tokens_used"] = {
         name: res["num_recompute_tokens"]
@@ -667,27 +668,17 @@ def eval_journal(path: str | os.PathLike, source: PreTrainedModel, target: PreTr
     return ResultJournal(path, {"kind": "eval", "source": model_identity(source), "target": model_identity(target)})
 
 
-def _task_results(run: _TaskRun, name: str, journal: ResultJournal | None) -> dict[str, Any]:
-    """What task `name` adds to the results: run, or read back from `journal` when it holds this task for the same
-    mapper, exact layers, inputs (the text's tokens, the task's items, the choice items, the reverse mapper) and the
-    options the task reads."""
+def _task_results(run: _TaskRun, name: str) -> dict[str, Any]:
+    """What task `name` adds to the results: run, or read back from the run's journal (`_TaskRun.score`: keyed by
+    the task's items and the options it reads)."""
     task = _TASKS[name]
 
     def compute() -> dict[str, Any]:
         out: dict[str, Any] = {}
         task.step(run, out)
-        return out if journal is None else json.loads(json.dumps(out))  # as --json writes them
+        return out
 
-    if journal is None:
-        return compute()
-    options = {k: getattr(run.cfg, k) for k in task.options}
-    reverse = journal.fingerprint(run.reverse_mapper) if run.reverse_mapper is not None else None
-    items = run.content.get(name)
-    items = items.tolist() if isinstance(items, torch.Tensor) else items  # a tensor's repr elides its middle
-    inputs = (run.docs, items, run.multiple_choice_items, reverse)
-    digest = hashlib.sha256(repr(inputs).encode()).hexdigest()
-    num_exact = run.mapper.resolve_num_exact_layers(run.cfg.num_exact_layers)
-    return journal.score(name, run.mapper, num_exact, [digest], compute, **options)
+    return run.score(name, run.content.get(name), compute, task.options)
 
 
 def _selected_tasks(cfg: EvalConfig, multiple_choice_items, reverse_mapper) -> list[str]:
@@ -734,6 +725,21 @@ class _TaskRun:
     content: dict[str, Any]  # the content tasks' items (`_content_items`)
     multiple_choice_items: Sequence[MultipleChoiceItem] | None
     reverse_mapper: KVMapper | None
+    journal: ResultJournal | None = None  # finished tasks (and depth cells) kept on disk (`eval_journal`)
+
+    def score(self, what: str, items: Any, compute: Callable[[], dict[str, Any]], options: Sequence[str]) -> dict[str, Any]:
+        """`compute()`, or its result read back from the journal when it holds `what` for the same mapper, exact
+        layers, inputs (the text's tokens, `items`, the choice items, the reverse mapper) and values of `options`.
+        With a journal the result is as JSON gives it back (lists, not tuples), read back or not."""
+        if self.journal is None:
+            return compute()
+        values = {k: getattr(self.cfg, k) for k in options}
+        reverse = self.journal.fingerprint(self.reverse_mapper) if self.reverse_mapper is not None else None
+        items = items.tolist() if isinstance(items, torch.Tensor) else items  # a tensor's repr elides its middle
+        digest = hashlib.sha256(repr((self.docs, items, self.multiple_choice_items, reverse)).encode()).hexdigest()
+        num_exact = self.mapper.resolve_num_exact_layers(self.cfg.num_exact_layers)
+        return self.journal.score(what, self.mapper, num_exact, [digest], lambda: json.loads(json.dumps(compute())),
+                                  **values)  # fmt: skip
 
     @property
     def models(self) -> tuple:
@@ -802,6 +808,7 @@ def _depth(run: _TaskRun, results: dict[str, Any]) -> None:
     results["recall_by_depth"] = recall_by_depth(
         *run.models, run.tokenizer, grid=run.content["depth"], seed=cfg.seed, num_recompute_tokens=run.fed,
         num_exact_layers=cfg.num_exact_layers, num_bootstrap=cfg.num_bootstrap, progress=cfg.progress,
+        score_cell=lambda items, compute: run.score(DEPTH_CELL, items, compute, _TASKS["depth"].options),
     )  # fmt: skip
 
 
@@ -822,6 +829,9 @@ class _Task(NamedTuple):
     step: Callable[[_TaskRun, dict[str, Any]], None]
     options: tuple[str, ...]  # the `EvalConfig` fields the step reads (its items are keyed by what they hold)
 
+
+# What an eval journal keeps a finished cell of the depth task as (the task itself is kept under its name).
+DEPTH_CELL = "depth cell"
 
 # Read by every task that hands the target a transferred cache (`_TaskRun.common`; `progress` changes no result).
 _COMMON = ("num_exact_layers", "num_bootstrap", "seed")
