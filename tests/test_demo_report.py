@@ -175,9 +175,10 @@ def test_a_second_demo_reads_the_mapper_the_first_fitted(tmp_path, monkeypatch, 
     real_fit = demo.fit_mapper
     monkeypatch.setattr(demo, "fit_mapper", lambda *a, **k: fits.append(k) or real_fit(*a, **k))
     assert main([*args, "--json", str(tmp_path / "first.json")]) == 0
-    first_out = capsys.readouterr().out
+    first_out, first_err = capsys.readouterr()
     assert len(fits) == 1 and "ready in" in first_out
     [kept] = [p for p in (tmp_path / "cache" / "demo").iterdir()]
+    assert f"demo: the fitted mapper is kept in {kept}" in first_err, first_err
     assert (kept / "config.json").is_file() and not (kept / "checkpoint").exists()  # the fit's checkpoint is gone
     assert fits[0]["checkpoint_dir"] == str(kept / "checkpoint")  # where an interrupted fit resumes from
     assert main([*args, "--json", str(tmp_path / "second.json")]) == 0
@@ -186,6 +187,7 @@ def test_a_second_demo_reads_the_mapper_the_first_fitted(tmp_path, monkeypatch, 
     first, second = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("first", "second"))
     assert second["answers"] == first["answers"] and second["mapper"] == first["mapper"]
     assert second["mapper_read_from"] == str(kept) and first["mapper_read_from"] is None
+    assert first["mapper_kept_in"] == str(kept) and second["mapper_kept_in"] is None
     assert main([*args, "--refit"]) == 0 and len(fits) == 2  # asked to fit again
     assert main([*args[:-1], "5"]) == 0 and len(fits) == 2  # the answer's length is no fit option
     assert main([*args, "--num-sequences", "8"]) == 0 and len(fits) == 3  # another calibration sample
@@ -209,6 +211,7 @@ def test_a_demo_whose_cache_folder_cannot_be_written_still_answers(tmp_path, mon
             "--exact-layers-items", "8", "--max-new-tokens", "2"]  # fmt: skip
     with caplog.at_level("WARNING"):
         assert main(args) == 0
-    assert "ready in" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "ready in" in out and "is kept in" not in err
     warned = [r.getMessage() for r in caplog.records if "cannot keep the fitted mapper" in r.getMessage()]
     assert len(warned) == 1 and "HF_KVTRANSFER_CACHE" in warned[0], warned

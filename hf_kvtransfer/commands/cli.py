@@ -636,6 +636,9 @@ def _run_demo(args) -> int:
         refit=args.refit,
     )
     print(format_demo(result))
+    if result.get("mapper_kept_in"):
+        print(f"demo: the fitted mapper is kept in {result['mapper_kept_in']}: the same demo again reads it "
+              "(--refit fits anew)", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
     return 0

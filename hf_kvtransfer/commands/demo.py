@@ -146,10 +146,10 @@ def run_demo(
     result: dict[str, Any] = {"source": source, "target": target}
 
     start = time.perf_counter()
-    kv_mapper, read_from = _demo_mapper(mapper, src_model, tgt_model, tokenizer, cfg)
+    kv_mapper, kept = _demo_mapper(mapper, src_model, tgt_model, tokenizer, cfg)
     kv_mapper.check_compatible(src_model.config, tgt_model.config)
     result["fit_seconds"] = time.perf_counter() - start
-    result["mapper_read_from"] = None if read_from is None else str(read_from)
+    result.update({k: None if v is None else str(v) for k, v in kept.items()})  # mapper_read_from, mapper_kept_in
     result["mapper"] = _mapper_summary(kv_mapper, cfg.num_exact_layers)
 
     docs = split_documents(Path(cfg.text).read_text(encoding="utf-8"), tokenizer.eos_token) if cfg.text else []
@@ -189,13 +189,15 @@ def _resolve_pair(source: str | None, target: str | None, cfg: DemoConfig) -> tu
 
 
 def _demo_mapper(mapper: str | KVMapper | None, src_model, tgt_model, tokenizer,
-                 cfg: DemoConfig) -> tuple[KVMapper, Path | None]:  # fmt: skip
-    """The mapper given (loaded when a path or id), else the one an earlier demo kept for these models and options
-    (and the folder it was read from), else one fitted on `cfg.calibration`, then kept (`demo_mapper.py`)."""
+                 cfg: DemoConfig) -> tuple[KVMapper, dict[str, Path | None]]:  # fmt: skip
+    """The mapper given (loaded when a path or id), else the one an earlier demo kept for these models and options,
+    else one fitted on `cfg.calibration`, then kept (`demo_mapper.py`); and the folder it was read from
+    (`mapper_read_from`) or kept in (`mapper_kept_in`)."""
+    none = {"mapper_read_from": None, "mapper_kept_in": None}
     if isinstance(mapper, KVMapper):
-        return mapper, None
+        return mapper, none
     if mapper is not None:
-        return KVMapper.from_pretrained(mapper), None
+        return KVMapper.from_pretrained(mapper), none
     if cfg.calibration is None:
         raise ValueError("with --source/--target, pass --mapper (a fitted mapper) or --calibration FILE to fit one")
     # all sequences fit the mapper (no held-out shard: the retention below is measured on other text)
@@ -205,15 +207,13 @@ def _demo_mapper(mapper: str | KVMapper | None, src_model, tgt_model, tokenizer,
     folder = kept_mapper_dir(src_model, tgt_model, cfg.calibration, options)
     kept = None if cfg.refit else read_kept_mapper(folder)
     if kept is not None:
-        return kept, folder
+        return kept, {**none, "mapper_read_from": folder}
     if cfg.refit:
         shutil.rmtree(folder / CHECKPOINT, ignore_errors=True)  # a fit from the start, not resumed
     keep = writable(folder)
     fitted = fit_mapper(src_model, tgt_model, cfg.calibration, tokenizer=tokenizer, progress=cfg.progress,
                         checkpoint_dir=str(folder / CHECKPOINT) if keep else None, **options)  # fmt: skip
-    if keep:
-        keep_mapper(fitted, folder)
-    return fitted, None
+    return fitted, {**none, "mapper_kept_in": folder if keep and keep_mapper(fitted, folder) else None}
 
 
 def _mapper_summary(kv_mapper: KVMapper, num_exact_layers: int | None) -> dict[str, Any]:

@@ -80,17 +80,16 @@ def writable(folder: Path) -> bool:
         return False
 
 
-def keep_mapper(mapper: KVMapper, folder: Path) -> None:
+def keep_mapper(mapper: KVMapper, folder: Path) -> bool:
     """Save a fitted mapper in `folder` for later demos, and drop the checkpoint its fit no longer needs. A failure
-    to save is said and the demo goes on with the mapper in memory (the fit is not lost)."""
+    to save is said and the demo goes on with the mapper in memory (the fit is not lost); returns whether it is kept."""
     try:
         mapper.save_pretrained(str(folder))
     except OSError as exc:
         logger.warning("demo: the fitted mapper could not be kept in %s (%s)", folder, exc)
-        return
+        return False
     shutil.rmtree(folder / CHECKPOINT, ignore_errors=True)
-    logger.info("demo: the fitted mapper is kept in %s; a demo with the same models and options reads it (--refit "
-                "fits again)", folder)  # fmt: skip
+    return True
 
 
 __all__ = ["CACHE_ENV", "CHECKPOINT", "keep_mapper", "kept_mapper_dir", "kept_mapper_root", "read_kept_mapper", "writable"]
