@@ -609,9 +609,9 @@ def _add_demo(subparsers) -> None:
     p.add_argument("--recall-items", type=int, default=200,
                    help="held-out passage-recall questions behind the retention number (default 200; 0 = skip)")
     p.add_argument("--refit", action="store_true",
-                   help="fit the mapper again: without --mapper a demo keeps the mapper it fits (in "
-                        "$HF_KVTRANSFER_CACHE, default ~/.cache/huggingface/hf-kvtransfer/demo) and a later demo with "
-                        "the same models and options reads it")
+                   help="fit the mapper again: without --mapper a demo keeps the mapper it fits (in demo/ of "
+                        "$HF_KVTRANSFER_CACHE, default ~/.cache/huggingface/hf-kvtransfer) and a later demo with the "
+                        "same models and options reads it")
     p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
     p.add_argument("--json", help="write the demo's numbers as JSON here")
     p.set_defaults(func=_run_demo)
