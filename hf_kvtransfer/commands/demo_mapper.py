@@ -8,8 +8,13 @@ interrupted fit leaves its checkpoint and its probe journal there, and the next 
 
 Example:
     ```python
-    folder = kept_mapper_dir(source, target, "calibration.txt", {"num_sequences": 64, "seq_len": 256})
-    mapper = read_kept_mapper(folder) or fit_and_keep(...)
+    options = {"num_sequences": 64, "seq_len": 256}
+    folder = kept_mapper_dir(source, target, "calibration.txt", options)
+    mapper = read_kept_mapper(folder)
+    if mapper is None and writable(folder):
+        mapper = fit_mapper(source, target, "calibration.txt", tokenizer=tokenizer,
+                            checkpoint_dir=str(folder / CHECKPOINT), **options)
+        keep_mapper(mapper, folder)
     ```
 """
 
