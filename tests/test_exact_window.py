@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import exact_identity_mapper, left_pad, random_ids, tiny_model
+from conftest import ARCHITECTURES, exact_identity_mapper, left_pad, random_ids, tiny_model
 from hf_kvtransfer import KVMapper, MapperConfig, TransferredCache, prefill
 from hf_kvtransfer.core.defaults import resolve_transfer
 from hf_kvtransfer.core.exact import own_prefix
@@ -48,11 +48,12 @@ def test_a_padding_mask_is_kept_inside_the_window():
     torch.testing.assert_close(got[0], want.transpose(1, 2)[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("window", [1, 4, 7])
-def test_windowed_exact_keys_are_the_target_reading_only_the_window(window):
+@pytest.mark.parametrize("arch,window", [("qwen3", 1), ("qwen3", 4)] + [(arch, 7) for arch in sorted(ARCHITECTURES)])
+def test_windowed_exact_keys_are_the_target_reading_only_the_window(arch, window):
     """With 2 exact layers, layer 1's keys and values at position i depend on layer 0's output there, which with a
-    window sees tokens i-W+1..i only: the target's own forward of just those tokens, at their positions, gives them."""
-    model = tiny_model("qwen3", num_hidden_layers=3, seed=2)
+    window sees tokens i-W+1..i only: the target's own forward of just those tokens, at their positions, gives them
+    (for every supported architecture: scaled and partial RoPE, a fused QKV projection)."""
+    model = tiny_model(arch, num_hidden_layers=3, seed=2)
     ids = random_ids(1, 24, seed=3)
     positions = torch.arange(24)[None]
     kv, hidden = own_prefix(model, ids, None, positions, 2, hidden_of=1, window=window)
