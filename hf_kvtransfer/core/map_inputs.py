@@ -302,9 +302,7 @@ def maps_read(config: MapperConfig, num_exact_layers: int | None = None) -> str:
     source's K/V, then each input's own phrase (`MapInputConfig.label`) in the order they apply. E.g. "no source K/V
     + target residual entering layer 2 (t, t-1, t-2, rank 73) read by every mapped layer". The source's K/V are named
     for the layers after `num_exact_layers` (None: those the inputs leave to map; without inputs, "source K/V")."""
-    needed = exact_layers_needed(config)[0]
-    first = needed if num_exact_layers is None else max(needed, num_exact_layers)
-    mapped = range(first, len(config.selected_layers))
+    mapped = _mapped_layers(config, num_exact_layers)
     parts = [s.label(config) for s in config.map_inputs.values()]
     return " + ".join([_source_label(config, mapped) if mapped.start else "source K/V", *(p for p in parts if p)])
 
@@ -312,12 +310,19 @@ def maps_read(config: MapperConfig, num_exact_layers: int | None = None) -> str:
 def top_k_unused(config: MapperConfig, num_exact_layers: int) -> str:
     """Why a mapper's `top_k` plays no part in a transfer with `num_exact_layers` exact layers, in a few words ("" when
     some mapped layer reads source K/V): `info` and the card say so beside k."""
-    first = max(exact_layers_needed(config)[0], num_exact_layers)
-    if first >= len(config.selected_layers):
+    mapped = _mapped_layers(config, num_exact_layers)
+    if not mapped:
         return "not used: the target computes every layer"
-    if not any(config.selected_layers[t] for t in range(first, len(config.selected_layers))):
+    if not any(config.selected_layers[t] for t in mapped):
         return "not used: the mapped layers read no source K/V"
     return ""
+
+
+def _mapped_layers(config: MapperConfig, num_exact_layers: int | None) -> range:
+    """The layers a transfer maps: after `num_exact_layers` and those the map inputs need computed (None: those)."""
+    needed = exact_layers_needed(config)[0]
+    first = needed if num_exact_layers is None else max(needed, num_exact_layers)
+    return range(first, len(config.selected_layers))
 
 
 def _source_label(config: MapperConfig, mapped: range) -> str:
