@@ -47,6 +47,13 @@ _ONE_THREAD = "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE"
 _GATE = "research/defaults/results/gate"  # the CLI's default fit with the content gate, both directions
 _DEEP = "research/family_builder/results/deep_pair"  # the same on the deep pair (examples/family_deep)
 
+
+def _paired_command(rows: tuple[tuple[str, str], ...], best: str | None = None) -> str:
+    """`paired_rows.py` over the deep pair's eval files: (row name, file stem before `source_to_target.json`)."""
+    files = " ".join(f"{name}={_DEEP}/eval_{stem}source_to_target.json" for name, stem in rows)
+    return f"python {_CAS}/paired_rows.py --eval {files}" + (f" --best {best}" if best else "") + " --json FILE"
+
+
 # Every result file a table reads. DIR, DIR_1 and DIR_OFF are the mapper folders of those runs: DIR a fit at the
 # defaults, DIR_1 the same mapper with num_recompute_tokens 1 in its config.json, DIR_OFF the fit with
 # --residual-inputs off (the JSONs name the folders).
@@ -153,11 +160,9 @@ RESULTS = {
     ) for r in (8, 1)},
     "deep_frontier_paired_today": Result(
         f"{_DEEP}/frontier_paired_today_source_to_target.json",
-        f"python {_CAS}/paired_rows.py --eval " + " ".join(
-            f"{name}={_DEEP}/eval_{stem}source_to_target.json" for name, stem in (
-                ("default", "window_"), ("recompute_8", "window_recompute_8_"), ("recompute_1", "window_recompute_1_"),
-                ("whole", ""), ("tolerance_8", "tolerance_8_"), ("source_kv_14_exact", "source_kv_14_exact_"))) +
-        " --json FILE",
+        _paired_command((
+            ("default", "window_"), ("recompute_8", "window_recompute_8_"), ("recompute_1", "window_recompute_1_"),
+            ("whole", ""), ("tolerance_8", "tolerance_8_"), ("source_kv_14_exact", "source_kv_14_exact_"))),
         "2026-12-05",
     ),
     # The lever of the exact pass that skips the last exact layer's MLP: maps of the residual after its attention.
@@ -234,12 +239,11 @@ RESULTS = {
     # Every lever of the deep pair on eval's items, paired against the default.
     "deep_levers_paired": Result(
         f"{_DEEP}/levers_paired_source_to_target.json",
-        f"python {_CAS}/paired_rows.py --eval " + " ".join(
-            f"{name}={_DEEP}/eval_{stem}source_to_target.json" for name, stem in (
-                ("default", "window_"), ("recompute_8", "window_recompute_8_"), ("recompute_1", "window_recompute_1_"),
-                ("whole", ""), ("tolerance_8", "tolerance_8_"), ("source_kv_14_exact", "source_kv_14_exact_"),
-                ("mid_residual", "mid_residual_"), ("mid_residual_tolerance_8", "mid_residual_tolerance_8_"),
-                ("small_calibration", "small_calibration_"), ("rows_256", "rows_256_"))) + " --best default --json FILE",
+        _paired_command((
+            ("default", "window_"), ("recompute_8", "window_recompute_8_"), ("recompute_1", "window_recompute_1_"),
+            ("whole", ""), ("tolerance_8", "tolerance_8_"), ("source_kv_14_exact", "source_kv_14_exact_"),
+            ("mid_residual", "mid_residual_"), ("mid_residual_tolerance_8", "mid_residual_tolerance_8_"),
+            ("small_calibration", "small_calibration_"), ("rows_256", "rows_256_")), best="default"),
         "2026-12-06",
     ),
     # The deep pair fit on calibration rows of 256 tokens (500 of them, 50 held out), and the default's passage recall
@@ -314,10 +318,9 @@ RESULTS = {
     ),
     "deep_frontier_paired": Result(
         f"{_DEEP}/frontier_paired_source_to_target.json",
-        f"python {_CAS}/paired_rows.py --eval " + " ".join(
-            f"{name}={_DEEP}/eval_{stem}source_to_target.json" for name, stem in (
-                ("default", ""), ("recompute_8", "recompute_8_"), ("recompute_1", "recompute_1_"),
-                ("tolerance_8", "tolerance_8_"), ("source_kv_14_exact", "source_kv_14_exact_"))) + " --json FILE",
+        _paired_command((
+            ("default", ""), ("recompute_8", "recompute_8_"), ("recompute_1", "recompute_1_"),
+            ("tolerance_8", "tolerance_8_"), ("source_kv_14_exact", "source_kv_14_exact_"))),
         "2026-12-05",
     ),
     # Passage recall by depth on the deep pair: the default fit before the exact pass's window, and since.
