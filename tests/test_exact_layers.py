@@ -1,6 +1,7 @@
 """The fit's exact-layer choice (`exact_layers.py`): the content probe, its wiring into fits, and what the cache does
 with the recorded number."""
 
+import math
 import warnings
 from pathlib import Path
 
@@ -284,3 +285,38 @@ def test_skipped_candidates_are_summarised_as_runs_of_exact_layers(layers):
     rows = [{"skipped": "fewer passed", "num_exact_layers": k} for k in sorted(layers) for _ in range(2)]
     rows.append({"skipped": None, "num_exact_layers": 1})
     assert _skipped_lines(rows) == ([f"{2 * len(layers)} skipped, {text} exact layers (fewer passed)"] if layers else [])
+
+
+@pytest.fixture(scope="module")
+def labelled_mapper():
+    from conftest import tiny_model
+
+    return exact_identity_mapper(tiny_model("qwen3", num_hidden_layers=2, seed=0))
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(st.data())
+def test_the_source_only_gate_finds_the_first_accepted_count_in_logarithmic_verdicts(labelled_mapper, data):
+    """The gate's search over the source-only answer's exact layers ends where a scan of every count from the
+    screen's upward ends (a gate that accepts from some count on), with at most 1 + ceil(log2(layers - first))
+    verdicts: a 64-layer target whose source K/V maps need 40 exact layers is judged about 6 times, not 37."""
+    from hf_kvtransfer.fitting.exact_layers import _gate_source_only
+
+    num_layers = data.draw(st.integers(1, 96), label="num_layers")
+    first = data.draw(st.integers(1, num_layers), label="first")
+    threshold = data.draw(st.integers(first, num_layers + 1), label="accepted from")
+    judged = []
+
+    class Gate:
+        def judge(self, mapper, k):
+            judged.append(k)
+            return {"accepted": k >= threshold, "tolerance": 0.05, "tasks": {}}
+
+    rows = [{"num_exact_layers": first, "retention": 0.99, "retention_ci": [0.98, 1.0], "passes": True}]
+    chosen = _gate_source_only(Gate(), labelled_mapper, first, num_layers, rows)
+    scan = next((k for k in range(first, num_layers) if k >= threshold), num_layers)
+    assert chosen == scan
+    assert len(judged) == len(set(judged)) <= 1 + math.ceil(math.log2(max(1, num_layers - first)))
+    assert all(num_layers > k >= first for k in judged)
+    assert sorted(r["num_exact_layers"] for r in rows if "gate" in r) == sorted(judged)
+    assert _gate_source_only(None, labelled_mapper, first, num_layers, []) == first

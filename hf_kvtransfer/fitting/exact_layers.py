@@ -307,10 +307,13 @@ def configuration_cost(target: PreTrainedModel, mapper: KVMapper, num_exact: int
 def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | None, num_layers: int,
                       rows: list[dict[str, Any]]) -> int | None:
     """The fewest exact layers from `first` on whose source-only transfer the gate accepts (`num_layers`, the
-    target's own prefill, when none is): each judged row of `rows` gets its `gate` verdict."""
+    target's own prefill, when none is), by bisection as the screen's (more exact layers are taken never to lose
+    content): about log2(num_layers - first) verdicts instead of one per count. Each judged row of `rows` gets its
+    `gate` verdict."""
     if gate is None or first is None:
         return first
-    for k in range(first, num_layers):
+
+    def accepted(k: int) -> bool:
         verdict = gate.judge(mapper, k)
         row = next((r for r in rows if r["num_exact_layers"] == k), None)
         if row is None:
@@ -319,9 +322,15 @@ def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | N
             rows.append(row)
         row["gate"] = verdict
         logger.info("content gate, %d exact, source K/V: %s", k, gate_line(verdict))
-        if verdict["accepted"]:
-            return k
-    return num_layers
+        return bool(verdict["accepted"])
+
+    if first >= num_layers or accepted(first):
+        return first
+    lo, hi = first, num_layers  # `lo` rejected; `hi` all layers: the target's own prefill
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if accepted(mid) else (mid, hi)
+    return hi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,7 +390,7 @@ def choose_configuration(
       items that `eval` does not use, paired against the target's own answers), the decision: a candidate is kept
       only if the lower end of the paired 95% interval of (candidate - own) accuracy is above `-gate.tolerance` on
       each task. The source-only answer is gated too, from the screen's number of exact layers upward, until one is
-      accepted (all of them: the target's own prefill). Without a gate the screen decides.
+      accepted (all of them: the target's own prefill), by bisection. Without a gate the screen decides.
 
     Candidates are tried by the exact layers they need, fewest first, each count's candidates in the given order; when
     the first of a count fails, the rest of that count are skipped (they read less), and once a count has a kept
