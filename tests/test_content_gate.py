@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import exact_identity_mapper
 from hf_kvtransfer.evaluation.evaluate import split_documents
@@ -147,6 +149,103 @@ def test_two_runs_choose_alike_whatever_the_clock(monkeypatch):
     assert not rejected["passes"] and not rejected["gate"]["accepted"]
 
 
+@pytest.fixture(scope="module")
+def variant_pair():
+    """A tiny pair (2 -> 4 layers) with its source-only mapper and every residual variant the fit would try for
+    residual layers 0-2 (several per exact-layer count, as the fit builds them), with a reduced-rank one each."""
+    from conftest import random_ids, tiny_model
+    from hf_kvtransfer import fit_mapper
+    from hf_kvtransfer.fitting.calibration_pass import calibration_pass
+    from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, residual_variants, solve_residual_mapper
+
+    source = tiny_model("qwen3", num_hidden_layers=2, seed=0)
+    target = tiny_model("qwen3", num_hidden_layers=4, seed=1)
+    ids = random_ids(6, 40, seed=5)
+    base = fit_mapper(source, target, ids, top_k=2, num_exact_layers=1, heldout_fraction=0, progress=False)
+    stats = ResidualStatistics.for_models(source, target, layers=[0, 1, 2], lags=(0, 1), stride=1)
+    calibration_pass(source, target, ids, consumers=[stats], progress=False)
+    variants = []
+    for j in (0, 1, 2):  # each layer's variants, then the residual alone at a reduced rank (its twin: the full rank)
+        alone = {t: [] for t in range(j + 1, 4)}
+        variants += [*residual_variants(base, stats, j), solve_residual_mapper(base, stats, j, sources=alone, residual_rank=2)]
+    return source, target, base, variants
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_the_search_chooses_what_scoring_every_candidate_would(variant_pair, monkeypatch, data):
+    """The configuration search scores a count's other candidates cheapest first and stops at the first kept one.
+    Whatever the gate keeps, it chooses what scoring every candidate under the rules before that order chose: the
+    cheapest kept candidate of the fewest exact layers whose first (fullest) candidate is kept, if it costs less
+    than the target's own prefill; and it asks the gate no more often."""
+    from hf_kvtransfer.core.map_inputs import exact_layers_needed
+    from hf_kvtransfer.fitting.fit_inputs import fit_input_of
+
+    source, target, base, variants = variant_pair
+    keep = data.draw(st.sets(st.sampled_from(range(len(variants)))), label="kept by the gate")
+    kept_ids = {id(variants[i]) for i in keep}
+    judged = []
+
+    class Gate:  # keeps the drawn candidates, never the source-only maps (so that answer is the whole target)
+        tolerance, num_items, max_items, seed = 0.05, 8, 32, 0
+
+        def judge(self, m, k, every_task=False):
+            judged.append(id(m))
+            ok = id(m) in kept_ids
+            d = {"difference": 0.0 if ok else -0.2, "difference_ci": [-0.02, 0.02] if ok else [-0.3, -0.1], "num_items": 8}
+            return {"accepted": ok, "tolerance": 0.05, "tasks": {"recall": d, "handoff": d}}
+
+    def fake_probe(*args, **kwargs):
+        return 1, {"tried": [{"num_exact_layers": 1, "retention": 0.99, "retention_ci": [0.98, 1.0]}], "prefix_len": 64,
+                   "copy_gain": {"mean": 5.0, "ci": [4, 6]}, "reason": "the fewest"}  # fmt: skip
+
+    def fake_retention(s, t, m, items, num_exact_layers, **kw):
+        n = len(items)
+        return {"retention": 0.99, "retention_ci": [0.98, 1.0],
+                "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [1.0] * n}}
+
+    def untimed(s, t, configs, ids, rounds=5, measure_own=True):
+        return [{"wall": [1.0], "cpu": [1.0]} for _ in configs], {"wall": [2.0], "cpu": [2.0]}
+
+    monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
+    monkeypatch.setattr(exact_layers, "_time_candidates", untimed)
+    stream = list(range(5, 600))
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=variants, gate=Gate())
+
+    # Every candidate scored, the rules before the order: counts fewest first; a count whose first candidate the
+    # gate refuses is skipped; a reduced-rank one whose full-rank twin is refused is too; the first count with a
+    # kept candidate ends the search; the cheapest kept one wins (ties: the given order) if it costs less than the
+    # target's own prefill.
+    seq_len, layers = min(512, len(stream)), target.config.num_hidden_layers
+    own = exact_layers.configuration_cost(target, base, layers, seq_len)["total"]
+    by_count: dict[int, list] = {}
+    for v in variants:
+        by_count.setdefault(exact_layers_needed(v.config)[0], []).append(v)
+    expected, gate_calls = base, 1  # the source-only answer is judged at the screen's count (it is refused)
+    for n in sorted(by_count):
+        gate_calls += len(by_count[n]) if id(by_count[n][0]) in kept_ids else 1
+        if id(by_count[n][0]) not in kept_ids:
+            continue
+        twin = {id(v): fit_input_of(v).twin(v) for v in by_count[n]}
+        refused_full = {key for v in by_count[n] for key, reduced in [twin[id(v)]] if not reduced and id(v) not in kept_ids}
+        kept = [v for v in by_count[n] if id(v) in kept_ids and not (twin[id(v)][1] and twin[id(v)][0] in refused_full)]
+        best = min(kept, key=lambda v: exact_layers.configuration_cost(target, v, n, seq_len)["total"])
+        if exact_layers.configuration_cost(target, best, n, seq_len)["total"] < own:
+            expected = best
+        break
+    assert chosen.config.to_dict() == expected.with_config(num_exact_layers=chosen.config.num_exact_layers).config.to_dict()
+    assert report["chosen"] == (layers if expected is base else exact_layers_needed(expected.config)[0])
+    assert len(judged) <= gate_calls + math.ceil(math.log2(layers))
+    # ... and no candidate is scored once one of its count that costs no more was kept (the first aside).
+    cost = {id(v): exact_layers.configuration_cost(target, v, n, seq_len)["total"] for n, vs in by_count.items() for v in vs}
+    for n, vs in by_count.items():
+        order = [i for i in judged if i in {id(v) for v in vs[1:]}]
+        for j, i in enumerate(order):
+            earlier = [cost[k] for k in ([id(vs[0])] + order[:j]) if k in kept_ids and k in judged]
+            assert not earlier or cost[i] < min(earlier), (n, j)
+
+
 @pytest.mark.parametrize("name", ["small"])
 def test_gate_on_the_bundled_model_accepts_its_own_cache_and_rejects_a_broken_layer(tokenizer, name):
     # Ground truth by construction: an exact identity mapper keeps every answer the target gives (differences 0);
@@ -205,3 +304,24 @@ def test_gate_refuses_to_judge_when_the_target_does_not_read_its_context(tokeniz
         gate.judge(exact_identity_mapper(model), 1)
     message = str(err.value)
     assert "\n" not in message and "without the context" in message and "--exact-layers" in message
+
+
+@settings(max_examples=200, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=12))
+def test_a_reduced_rank_candidate_is_scored_after_its_full_rank_twin(twins):
+    """The search's order within a count: every candidate once, the cost order kept, except that a reduced-rank
+    candidate waits for the first full-rank one of its key when that one is among them."""
+    items = list(range(len(twins)))
+    ordered = exact_layers._after_full_rank_twins(items, twins)
+    assert sorted(ordered) == items
+    position = {item: i for i, item in enumerate(ordered)}
+    full: dict[int, int] = {}  # each key's first full-rank candidate
+    for item, (key, reduced) in zip(items, twins):
+        if not reduced:
+            full.setdefault(key, position[item])
+    for item, (key, reduced) in zip(items, twins):
+        if reduced and key in full:
+            assert position[item] > full[key]
+    # Apart from the reduced ones moved, the given (cost) order stays.
+    unmoved = [item for item, (key, reduced) in zip(items, twins) if not reduced or key not in full]
+    assert [item for item in ordered if item in unmoved] == unmoved

@@ -1,6 +1,7 @@
 """research/probe_calibration/every_candidate.py: the fit's configuration search with its skip-after-a-failed-count
 rule off, every other rule the library's. Checked against the library's own search on the same state."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def _search():
 
 
 def _state(**sets):
-    return {"failed": set(), "passed": set(), "seen": set(), "failed_full_rank": set(), **sets}
+    return {"failed": set(), "passed": set(), "seen": set(), "failed_full_rank": set(), "cheapest_kept": {}, **sets}
 
 
 @pytest.mark.parametrize("state,library_skips,every_skips", [
@@ -43,7 +44,7 @@ def _state(**sets):
 def test_only_the_failed_count_rule_is_off(every, state, library_skips, every_skips):
     mapper = exact_identity_mapper(tiny_model("qwen3", num_hidden_layers=3, seed=1))
     for candidate, skips in ((exact_layers._InputSearch.candidate, library_skips), (every._every_candidate, every_skips)):
-        before = {k: set(v) for k, v in state.items()}
+        before = copy.deepcopy(state)
         row = {"num_exact_layers": 2}
         if skips:
             assert candidate(_search(), mapper, row, state) is mapper and row["skipped"]

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -392,11 +392,13 @@ def choose_configuration(
       each task. The source-only answer is gated too, from the screen's number of exact layers upward, until one is
       accepted (all of them: the target's own prefill), by bisection. Without a gate the screen decides.
 
-    Candidates are tried by the exact layers they need, fewest first, each count's candidates in the given order; when
-    the first of a count fails, the rest of that count are skipped (they read less), and once a count has a kept
-    candidate, larger counts are not tried (they compute more of the target), nor those with more exact layers than
-    the source-only answer; a reduced-rank candidate whose full-rank twin (`FitInput.twin`: same layer, sources and
-    readers) failed is skipped too.
+    Candidates are tried by the exact layers they need, fewest first, each count's first (given) candidate first; when
+    it fails, the rest of that count are skipped (they read less), and once a count has a kept candidate, larger
+    counts are not tried (they compute more of the target), nor those with more exact layers than the source-only
+    answer; a reduced-rank candidate whose full-rank twin (`FitInput.twin`: same layer, sources and readers) failed is
+    skipped too. The rest of a count are tried cheapest first (a full-rank one with its reduced-rank twins, at the
+    cheapest of their places), and those that cost no less than a kept one of the count are skipped (without a
+    `refine`, which changes the costs): the choice below is the one that scoring all of them makes.
 
     Of the kept candidates the one with the least `configuration_cost` (multiply-adds per token from the shapes:
     exact layers and maps) is chosen, a tie going to the one with more exact layers; when the source-only answer is
@@ -543,6 +545,7 @@ class _InputSearch:
         self.source, self.target, self.mapper, self.stream, self.report = source, target, mapper, stream, report
         self.gate, self.min_retention, self.num_items = options.gate, options.min_retention, options.num_items
         self.refine, self.seed, self.journal = options.refine, options.seed, options.journal
+        self.cost_tokens = min(options.timing_tokens, len(stream))  # the choice's `configuration_cost` length
         self.references: dict[str, Any] = {}
         self.more_cued = self.more_reference = self.cued_reference = None
 
@@ -556,10 +559,12 @@ class _InputSearch:
         return r
 
     def run(self, given, faithful_kv: int | None, num_layers: int, progress: bool):
+        """`(rows, candidates)` in the given order by exact layers (the choice's tie-break reads it), each candidate
+        scored or skipped in `probe_order`'s."""
         candidates_in = list(given.values() if isinstance(given, Mapping) else given or [])
         candidates_in.sort(key=lambda m: exact_layers_needed(m.config)[0])  # stable: each count's in the given order
-        rows: list[dict[str, Any]] = []
-        candidates: list[tuple[KVMapper, int]] = []
+        rows: list[dict[str, Any]] = [{} for _ in candidates_in]
+        candidates: list[tuple[KVMapper, int]] = [(m, exact_layers_needed(m.config)[0]) for m in candidates_in]
         if not candidates_in:
             return rows, candidates
         report, prefix_len = self.report, self.report["prefix_len"]
@@ -578,32 +583,64 @@ class _InputSearch:
         else:  # the source-only answer is the target's own prefill: retention 1
             report["cued_reference"] = {"num_exact_layers": num_layers, "retention": 1.0, "retention_ci": None}
         report["cued_max_loss"] = 1 - self.min_retention
-        state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set()}
-        bar = progress_bar(candidates_in, desc="configuration probe", unit="candidate", enabled=progress)
-        for index, m in enumerate(bar, 1):
+        state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set(), "cheapest_kept": {}}
+        order = self.probe_order(candidates)
+        bar = progress_bar(order, desc="configuration probe", unit="candidate", enabled=progress)
+        for step, i in enumerate(bar, 1):
+            m, num_exact = candidates[i]
             fit_input = fit_input_of(m)
-            row = {"inputs": maps_read(m.config), "extends": fit_input.name if fit_input else None,
-                   **(fit_input.describe(m) if fit_input else {}), "num_exact_layers": exact_layers_needed(m.config)[0],
-                   "retention": None, "retention_ci": None, "cued_retention": None, "cued_retention_ci": None,
-                   "passes": False}  # fmt: skip
-            rows.append(row)
-            candidates.append((m, row["num_exact_layers"]))
+            row = rows[i]
+            row.update({"inputs": maps_read(m.config), "extends": fit_input.name if fit_input else None,
+                        **(fit_input.describe(m) if fit_input else {}), "num_exact_layers": num_exact,
+                        "retention": None, "retention_ci": None, "cued_retention": None, "cued_retention_ci": None,
+                        "passes": False})  # fmt: skip
             try:
-                candidates[-1] = (self.candidate(m, row, state), row["num_exact_layers"])
+                candidates[i] = (self.candidate(m, row, state, rank=(self.cost(m, num_exact), i)), num_exact)
             finally:  # a skipped candidate is one line of the summary below (each is in the report)
                 level = logging.DEBUG if row.get("skipped") else logging.INFO
-                logger.log(level, "configuration probe, candidate %d of %d: %s", index, len(candidates_in), _row_line(row))
+                logger.log(level, "configuration probe, candidate %d of %d: %s", step, len(order), _row_line(row))
         for line in _skipped_lines(rows):
             logger.info("configuration probe: %s", line)
         return rows, candidates
 
-    def candidate(self, m: KVMapper, row: dict[str, Any], state: dict[str, set]) -> KVMapper:
+    def cost(self, m: KVMapper, num_exact: int) -> int:
+        return configuration_cost(self.target, m, num_exact, self.cost_tokens)["total"]
+
+    def probe_order(self, candidates: list[tuple[KVMapper, int]]) -> list[int]:
+        """The indices of `candidates` (sorted by exact layers) in the order they are scored: each count's first
+        (fullest) candidate, then the others cheapest first (`configuration_cost`), a full-rank one with its
+        reduced-rank twins (`FitInput.twin`), whose failure skips them, at the cheapest of their places. Once one
+        passes, the count's dearer rest are skipped: the choice is the cheapest kept one, and they could not be
+        chosen. A `refine` changes the costs: then the given order, and none skipped so."""
+        by_count: dict[int, list[int]] = {}
+        for i, (_, n) in enumerate(candidates):
+            by_count.setdefault(n, []).append(i)
+        if self.refine is not None:
+            return [i for n in sorted(by_count) for i in by_count[n]]
+        order = []
+        for n in sorted(by_count):
+            first, *rest = by_count[n]
+            cost = {i: self.cost(candidates[i][0], n) for i in rest}
+            twin = {i: _twin(candidates[i][0]) for i in rest}
+            place = dict(cost)
+            for i in rest:  # a full-rank candidate takes the cheapest place of its reduced-rank twins
+                if not twin[i][1]:
+                    place[i] = min([cost[i]] + [cost[j] for j in rest if twin[j] == (twin[i][0], True)])
+            by_place = sorted(rest, key=lambda i: (place[i], i))
+            order += [first, *_after_full_rank_twins(by_place, [twin[i] for i in by_place])]
+        return order
+
+    def candidate(self, m: KVMapper, row: dict[str, Any], state: dict[str, Any], rank: tuple[int, int] | None = None) -> KVMapper:
+        """Scores (or skips) one candidate; `rank`: its (cost, given place), by which a kept one of its count that
+        ranks before it skips it (None: never skipped so)."""
         num_exact = row["num_exact_layers"]
         fit_input = fit_input_of(m)
         twin, reduced = fit_input.twin(m) if fit_input else ((num_exact, id(m)), False)
         skip = None
         if num_exact in state["failed"]:
             skip = "the first candidate with these exact layers failed the probe"
+        elif self.refine is None and rank is not None and rank > state["cheapest_kept"].get(num_exact, rank):
+            skip = "a candidate with these exact layers that costs no more passed"
         elif any(passed < num_exact for passed in state["passed"]):
             skip = "a candidate with fewer exact layers passed (more compute more of the target)"
         elif self.faithful_kv is not None and num_exact > self.faithful_kv:
@@ -627,6 +664,9 @@ class _InputSearch:
             state["failed"].add(num_exact)
         if not row["passes"] and not reduced:
             state["failed_full_rank"].add(twin)
+        if row["passes"] and rank is not None:
+            kept = state["cheapest_kept"]
+            kept[num_exact] = min(kept.get(num_exact, rank), rank)
         state["seen"].add(num_exact)
         if row["passes"]:
             state["passed"].add(num_exact)
@@ -657,6 +697,28 @@ class _InputSearch:
         row.update(cued_minus_reference=diff["difference"], cued_minus_reference_ci=diff["difference_ci"])
         low = (diff["difference_ci"] or [None])[0]
         return low is not None and math.isfinite(low) and low >= -max_loss
+
+
+def _twin(m: KVMapper) -> tuple[Hashable, bool]:
+    fit_input = fit_input_of(m)
+    return fit_input.twin(m) if fit_input else ((id(m),), False)
+
+
+def _after_full_rank_twins(items: list, twins: list[tuple[Hashable, bool]]) -> list:
+    """`items` in their order, except that a reduced-rank one (`twins[i]`: `(key, reduced)`) comes right after the
+    first full-rank one of its key when that one is among them."""
+    pending = {key for key, reduced in twins if not reduced}  # full-rank keys not yet placed
+    waiting: dict[Hashable, list] = {}
+    ordered = []
+    for item, (key, reduced) in zip(items, twins):
+        if reduced and key in pending:
+            waiting.setdefault(key, []).append(item)
+            continue
+        ordered.append(item)
+        if not reduced and key in pending:
+            pending.discard(key)
+            ordered += waiting.pop(key, [])
+    return ordered
 
 
 def _row_line(row: dict[str, Any]) -> str:

@@ -23,12 +23,12 @@ from hf_kvtransfer.fitting import exact_layers
 _library_candidate = exact_layers._InputSearch.candidate
 
 
-def _every_candidate(self, mapper, row, state):
+def _every_candidate(self, mapper, row, state, **keywords):
     """The library's `candidate`, shown no failed exact-layer count (its other skips stay)."""
     failed = set(state["failed"])
     state["failed"].clear()
     try:
-        return _library_candidate(self, mapper, row, state)
+        return _library_candidate(self, mapper, row, state, **keywords)
     finally:
         state["failed"].update(failed)
 
