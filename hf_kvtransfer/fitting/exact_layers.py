@@ -634,8 +634,7 @@ class _InputSearch:
         """Scores (or skips) one candidate; `rank`: its (cost, given place), by which a kept one of its count that
         ranks before it skips it (None: never skipped so)."""
         num_exact = row["num_exact_layers"]
-        fit_input = fit_input_of(m)
-        twin, reduced = fit_input.twin(m) if fit_input else ((num_exact, id(m)), False)
+        twin, reduced = _twin(m)
         skip = None
         if num_exact in state["failed"]:
             skip = "the first candidate with these exact layers failed the probe"
@@ -700,6 +699,7 @@ class _InputSearch:
 
 
 def _twin(m: KVMapper) -> tuple[Hashable, bool]:
+    """`FitInput.twin` of a candidate (one without a fit input has no twin)."""
     fit_input = fit_input_of(m)
     return fit_input.twin(m) if fit_input else ((id(m),), False)
 
