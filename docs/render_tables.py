@@ -107,6 +107,13 @@ RESULTS = {
            ("split", "time_split", "json", f"{_ONE_THREAD} python {_CAS}/time_split.py {{x}}--source {{s}} "
                                            f"--target {{t}} --mapper DIR --rounds {rounds} --output FILE"),
        ) if (d, kind) != ("l2s", "eval")},  # fmt: skip (large -> small maps nothing: no eval)
+    # The deep pair's default fit again with the search that bisects the source-only answer's gate (2026-12-06): the
+    # same configuration, fewer verdicts; the at-a-glance table shows its wall clock.
+    "gate_fit_deepb": Result(f"{_DEEP}/fit_bisection_source_to_target.log",
+                             "hf-kvtransfer fit -v --source examples/family_deep/source --target examples/family_deep/target "
+                             "--dataset examples/family_deep/calibration.txt --output DIR", "2026-12-06"),
+    "gate_mapper_deepb": Result(f"{_DEEP}/mapper_config_bisection_source_to_target.json",
+                                "(DIR/config.json of that fit)", "2026-12-06"),
     # The deep pair's frontier: variants of the default fit, and one paired timing run of all of them.
     **{f"deep_eval_{name}": Result(f"{_DEEP}/eval_{name}_source_to_target.json",
                                    "hf-kvtransfer eval --source examples/family_deep/source --target "
@@ -504,8 +511,16 @@ def describe(variant: dict) -> str:
 _SPLIT = {"s2l": "gate_split_s2l", "l2s": "gate_split_l2s", "deep": "deep_split_frontier", "deepw": "lean_split_deepw",
           "s2lw": "lean_split_s2lw"}
 # The fit whose wall clock an at-a-glance row shows: small -> large's window fit resumed the calibration pass of a
-# stopped run, so its row shows the full fit before it (same calibration and probe, without the window's two scores).
-_FIT_TIME = {"s2lw": "gate_fit_s2l"}
+# stopped run, so its row shows the full fit before it (same calibration and probe, without the window's two scores);
+# the deep pair's, the same fit with today's search (the same configuration: `_same_choice`).
+_FIT_TIME = {"s2lw": "gate_fit_s2l", "deepw": "gate_fit_deepb"}
+_CHOICE = ("num_exact_layers", "exact_window", "selected_layers", "map_inputs", "num_recompute_tokens")
+
+
+def _same_choice(a: str, b: str) -> None:
+    """Two fits' mapper configs chose the same configuration (or the table would mix two fits)."""
+    first, second = RESULTS[a].load(), RESULTS[b].load()
+    assert all(first.get(k) == second.get(k) for k in _CHOICE), (a, b)
 
 
 def _gate_row(pair: str, direction: str) -> list[str]:
@@ -555,6 +570,7 @@ def _gate_row(pair: str, direction: str) -> list[str]:
 
 def at_a_glance() -> str:
     """Today's defaults, both directions of the bundled pair: what the fit keeps, what the transfer keeps and costs."""
+    _same_choice("gate_mapper_deepw", "gate_mapper_deepb")
     rows = [_gate_row("small -> large", "s2lw"), _gate_row("large -> small", "l2s"),
             _gate_row("deep: source (8 layers) -> target (24)", "deepw")]
     header = ["pair", "what the fit chose", "passage recall kept [95% CI]", "hand-off kept",
@@ -574,11 +590,13 @@ def at_a_glance() -> str:
         f"{bundled['rounds']} interleaved rounds, 1-minute load average {bundled['load_average_before'][0]:.1f} at "
         f"the start ({deep['rounds']} rounds and {deep['load_average_before'][0]:.1f} on the deep pair); fit: 500 x 1024 calibration "
         "tokens, wall clock on the 2-core VM beside other jobs (small -> large: the same fit before the window search, "
-        "whose calibration pass the window fit resumed)."
+        "whose calibration pass the window fit resumed; the deep pair: the same fit with the search of 2026-12-06, "
+        "which chose the same configuration in fewer content-gate verdicts)."
     )
     keys = [f"gate_{kind}_{d}" for d, kinds in (("s2lw", ("fit", "mapper", "eval")), ("s2l", ("fit",)),
                                                  ("l2s", ("fit", "split")),
-                                                 ("deepw", ("fit", "mapper", "eval"))) for kind in kinds]  # fmt: skip
+                                                 ("deepw", ("fit", "mapper", "eval")), ("deepb", ("fit", "mapper")))
+            for kind in kinds]  # fmt: skip
     return "\n\n".join([table(header, rows), note, sources(*keys, _SPLIT["s2lw"], _SPLIT["deepw"])])
 
 
