@@ -212,17 +212,22 @@ def _bisect(
             f"keep; default {DEFAULT_NUM_EXACT_LAYERS} kept"
         )
         return None
-    # Bisection: `lo` layers are known to lose content, `hi` to keep it (all of them: the target's own prefill).
-    lo, hi = DEFAULT_NUM_EXACT_LAYERS, num_layers
     if first >= min_retention:
-        hi = lo
+        return DEFAULT_NUM_EXACT_LAYERS
+
+    def keeps(k: int) -> bool:
+        value = retention(k)
+        return value is not None and value >= min_retention
+
+    return _first_passing(keeps, DEFAULT_NUM_EXACT_LAYERS, num_layers)
+
+
+def _first_passing(passes: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The fewest exact layers in `lo + 1 .. hi` that `passes`, by bisection: `lo` is known to lose content, `hi`
+    (all of them: the target's own prefill) to keep it, and more exact layers are taken never to lose it."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        value = retention(mid)
-        if value is not None and value >= min_retention:
-            hi = mid
-        else:
-            lo = mid
+        lo, hi = (lo, mid) if passes(mid) else (mid, hi)
     return hi
 
 
@@ -307,9 +312,8 @@ def configuration_cost(target: PreTrainedModel, mapper: KVMapper, num_exact: int
 def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | None, num_layers: int,
                       rows: list[dict[str, Any]]) -> int | None:
     """The fewest exact layers from `first` on whose source-only transfer the gate accepts (`num_layers`, the
-    target's own prefill, when none is), by bisection as the screen's (more exact layers are taken never to lose
-    content): about log2(num_layers - first) verdicts instead of one per count. Each judged row of `rows` gets its
-    `gate` verdict."""
+    target's own prefill, when none is), by `_first_passing` as the screen: about log2(num_layers - first) verdicts
+    instead of one per count. Each judged row of `rows` gets its `gate` verdict."""
     if gate is None or first is None:
         return first
 
@@ -326,11 +330,7 @@ def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | N
 
     if first >= num_layers or accepted(first):
         return first
-    lo, hi = first, num_layers  # `lo` rejected; `hi` all layers: the target's own prefill
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if accepted(mid) else (mid, hi)
-    return hi
+    return _first_passing(accepted, first, num_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -595,7 +595,8 @@ class _InputSearch:
                         "retention": None, "retention_ci": None, "cued_retention": None, "cued_retention_ci": None,
                         "passes": False})  # fmt: skip
             try:
-                candidates[i] = (self.candidate(m, row, state, rank=(self.cost(m, num_exact), i)), num_exact)
+                rank = None if self.refine is not None else (self.cost(m, num_exact), i)  # a refine changes the cost
+                candidates[i] = (self.candidate(m, row, state, rank=rank), num_exact)
             finally:  # a skipped candidate is one line of the summary below (each is in the report)
                 level = logging.DEBUG if row.get("skipped") else logging.INFO
                 logger.log(level, "configuration probe, candidate %d of %d: %s", step, len(order), _row_line(row))
@@ -638,7 +639,7 @@ class _InputSearch:
         skip = None
         if num_exact in state["failed"]:
             skip = "the first candidate with these exact layers failed the probe"
-        elif self.refine is None and rank is not None and rank > state["cheapest_kept"].get(num_exact, rank):
+        elif rank is not None and rank > state["cheapest_kept"].get(num_exact, rank):
             skip = "a candidate with these exact layers that costs no more passed"
         elif any(passed < num_exact for passed in state["passed"]):
             skip = "a candidate with fewer exact layers passed (more compute more of the target)"
