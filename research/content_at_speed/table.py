@@ -1,14 +1,18 @@
-"""Markdown table of content_at_speed.py results: python research/content_at_speed/table.py results/*.json"""
+"""Markdown table of content_at_speed.py results: one row per variant of each result file, in the order given.
 
+    python research/content_at_speed/table.py research/content_at_speed/results/small_to_large.json \\
+        research/content_at_speed/results/large_to_small.json
+"""
+
+import argparse
 import json
-import sys
 
 
 def pct(x):
     return f"{100 * x:.1f}"
 
 
-def main(paths):
+def print_table(paths):
     print("| pair | variant | exact layers | recall retention [95% CI] | minus today [paired CI] | hand-off retention | "
           "minus today | repeated spans | minus today | TTFT own / transfer ms (speed-up) 512 | 1024 | 4096 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -31,5 +35,11 @@ def main(paths):
             print("| " + " | ".join(cells) + " |")
 
 
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", help="result files written by content_at_speed.py (--output)")
+    print_table(parser.parse_args(argv).results)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
