@@ -6,7 +6,7 @@ sequences (one pass), then every variant scored on the same held-out items (pass
 spans), paired bootstrap CIs of each variant's retention minus the reference variant's (today's default), and the
 time to the first token own vs transfer at several prompt lengths (one thread).
 
-    python research/content_at_speed/content_at_speed.py --source small --target large \
+    python research/content_at_speed/content_at_speed.py --source small --target large \\
         --variants kv:4 kv:2 res:1 res:0 --reference kv:4 --output research/content_at_speed/results/s2l.json
 
 A variant is `dir:PATH` (a saved mapper at its own defaults: exact layers, recomputed tokens), `kv:E` (source K/V maps, E exact layers) or `res:J[:R][:readers][:src]` (maps also reading the
@@ -132,7 +132,7 @@ def ttft(source, target, mapper, ids, num_exact, repeats):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--variants", nargs="+", default=["kv:4", "kv:2", "res:1"])

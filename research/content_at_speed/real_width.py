@@ -5,8 +5,8 @@ from the residual entering layer 2 at positions t, t-1, t-2, no source K/V, the 
 ranks asked for. `time_split.py` then times them against the target's own prefill, as it does the deep pair:
 
     python research/content_at_speed/real_width.py --output DIR
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --family DIR \
-        --source source --target target --mapper DIR/mapper_full --also share=DIR/mapper_rank_584 \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --family DIR \\
+        --source source --target target --mapper DIR/mapper_full --also share=DIR/mapper_rank_584 \\
         --lengths 1024 4096 --rounds 5 --output FILE
 
 On the deep pair (128 wide) a forward of a few tokens costs far more than its FLOPs on this CPU, which limits the
@@ -94,7 +94,7 @@ def build(output: Path, target_shape: dict = TARGET, source_shape: dict = SOURCE
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, required=True, help="the family folder to write")
     p.add_argument("--ranks", nargs="+", default=["full", "share"],
                    help="ranks of the residual features' shared projection: full (none), share (the deep default's "

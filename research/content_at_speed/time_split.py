@@ -11,8 +11,8 @@ token alone: what any forward of the target costs whatever its tokens (the layer
 Each length also records the FLOPs of the own prefill and of each stage (`plan.mapper_first_token`, transformer
 bodies: what the transfer computes, counted from the shapes), and the speed-up they predict (`speedup_flops`).
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --source small \
-        --target large --mapper DIR --lengths 512 1024 4096 --rounds 15 [--recompute-tokens 1] \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --source small \\
+        --target large --mapper DIR --lengths 512 1024 4096 --rounds 15 [--recompute-tokens 1] \\
         [--also NAME=DIR ...] --output results/time_split_s2l.json
 
 `--compile-target` times everything with the target's forward compiled (`torch.compile(target.forward,
@@ -49,7 +49,7 @@ def clocks() -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", type=Path, default=FAMILY, help="family directory (default: examples/family)")
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")

@@ -10,8 +10,8 @@ The window is the library's (`MapperConfig.exact_window`, `hf_kvtransfer/core/lo
 it on a saved mapper (`fitting.exact_window.with_window`; 0 below: the whole prompt) whatever the mapper records, to
 measure each window against the whole pass. The fit chooses a window by its own content gate.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/windowed_exact.py \
-        --family examples/family_deep --source source --target target --mapper DIR --windows 64 256 \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/windowed_exact.py \\
+        --family examples/family_deep --source source --target target --mapper DIR --windows 64 256 \\
         --items 600 --lengths 1024 4096 --rounds 9 --output FILE
 """
 
@@ -112,7 +112,7 @@ def speed(pair, mapper, windows, lengths, rounds: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", type=Path, default=FAMILY)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")

@@ -60,7 +60,7 @@ def apply_rope(key_states, cos, sin):
     rotated = k_rot * cos + torch.cat((-k_rot[..., half:], k_rot[..., :half]), dim=-1) * sin
     return torch.cat((rotated, k_pass), dim=-1) if k_pass.shape[-1] else rotated
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--family", default="examples/family")
 parser.add_argument("--source", default="large")
 parser.add_argument("--target", default="small")

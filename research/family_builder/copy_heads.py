@@ -16,13 +16,13 @@ the top heads, the median depth of the heads above `--threshold` (x the largest 
 score highest. The public reference: retrieval heads sit at a median 47-69% of depth in seven 32-40-layer models,
 the earliest at layer 2-11, almost none in the first 3 layers.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/family_builder/copy_heads.py --family examples/family \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/family_builder/copy_heads.py --family examples/family \\
         --models small,large --json research/family_builder/results/copy_heads_family.json
 
 Any other model (a Hub id or a local folder; its own tokenizer), on a text file of your own, with the copy score
 alone where its tokenizer cannot build the passage-recall items:
 
-    python research/family_builder/copy_heads.py --model Qwen/Qwen3-8B --text heldout.txt --dtype bfloat16 \
+    python research/family_builder/copy_heads.py --model Qwen/Qwen3-8B --text heldout.txt --dtype bfloat16 \\
         --device-map auto --json qwen3_8b.json
 """
 
@@ -130,7 +130,7 @@ def score_model(model, tok, docs: list[str], args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="examples/family")
     p.add_argument("--models", default="small,large")
     p.add_argument("--model", action="append", default=[],

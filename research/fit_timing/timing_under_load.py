@@ -5,9 +5,9 @@ busy processes (one-thread matrix products) started by this script. Each trial's
 clock's medians and by process CPU time's; a choice is right when it names the mapper that is faster on the idle
 machine over all its trials.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/fit_timing/timing_under_load.py \
-        --mappers research/token_tables/results/mappers/small_to_large_tables_922 \
-                  research/token_tables/results/mappers/small_to_large_tables_1843 \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/fit_timing/timing_under_load.py \\
+        --mappers research/token_tables/results/mappers/small_to_large_tables_922 \\
+                  research/token_tables/results/mappers/small_to_large_tables_1843 \\
         --trials 12 --load 2 --output research/fit_timing/results/small_to_large.json
 """
 
@@ -60,7 +60,7 @@ def run(pair, mappers, ids, trials, rounds, label):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--mappers", nargs=2, required=True)

@@ -125,7 +125,7 @@ def _phase(name: str, directory: str, seq_len: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--output", default="mapper_memory.json")
     parser.add_argument("--shard-size", default="100MB", help="max_shard_size of the sharded checkpoint")

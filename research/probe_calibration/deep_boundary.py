@@ -14,11 +14,11 @@ many more items of each kind, paired against the target's own answers:
 
 One result file; each kind is written as soon as it is scored, and a rerun skips the kinds already in the file.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/probe_calibration/deep_boundary.py \
-        --mapper DIR_TOL8 --items 2000 --kinds eval probe \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/probe_calibration/deep_boundary.py \\
+        --mapper DIR_TOL8 --items 2000 --kinds eval probe \\
         --json research/probe_calibration/results/deep_boundary_tolerance_8.json
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/probe_calibration/deep_boundary.py \
-        --mapper DIR --items 2000 --kinds eval probe \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/probe_calibration/deep_boundary.py \\
+        --mapper DIR --items 2000 --kinds eval probe \\
         --json research/probe_calibration/results/deep_boundary_default.json
 
 DIR_TOL8 is the deep pair's fit at `--exact-layers-tolerance 0.08` (2 of 24 exact layers, the residual alone, rank
@@ -87,7 +87,7 @@ def summary(correct: dict[str, np.ndarray], first: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mapper", required=True)
     p.add_argument("--items", type=int, default=1200)
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))

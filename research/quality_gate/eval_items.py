@@ -23,7 +23,7 @@ FAMILY = Path(__file__).resolve().parents[2] / "examples" / "family"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mapper", required=True, help="a small -> large mapper fit with --quality-gate-quantile")
     parser.add_argument("--items", type=int, default=40)
     parser.add_argument("--out", required=True)

@@ -33,7 +33,7 @@ def variants(heldout: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mapper", required=True)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256)

@@ -306,7 +306,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", choices=sorted(PAIRS), default="qwen3")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024])
     parser.add_argument("--top-k", type=int, default=4)

@@ -10,7 +10,7 @@ tokens as the cache's default) is scored with every mapped layer as `Transferred
 copy layer's keys corrected, then with that layer's keys the target's own (the bound any key map can reach). One
 thread.
 
-    python research/recall_probe/copy_layer_mlp.py --source large --target small --residual-layer 1 --layer 3 --items 600 \
+    python research/recall_probe/copy_layer_mlp.py --source large --target small --residual-layer 1 --layer 3 --items 600 \\
         --hidden 64 256 1024
 """
 
@@ -110,7 +110,7 @@ def train(x, y, xv, yv, hidden: int, epochs: int, lr: float):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="large")
     p.add_argument("--target", default="small")
     p.add_argument("--residual-layer", type=int, default=1)

@@ -42,7 +42,7 @@ def parse_lags(variant: str) -> tuple[str, tuple[int, ...]]:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--variants", nargs="+", required=True)

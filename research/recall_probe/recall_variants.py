@@ -1,6 +1,6 @@
 """Passage recall (greedy first answer token) through `TransferredCache` for residual-mapper variants, fast.
 
-    python research/recall_probe/recall_variants.py --source small --target large --items 200 --recompute 32 \
+    python research/recall_probe/recall_variants.py --source small --target large --items 200 --recompute 32 \\
         "2;0,1,2;all;" "2;0,1,2;3;" "2;0,1,2;all;3=3|4=3|5=3|6=3|7=3"
 
 A variant is `J;LAGS;READERS;SOURCES`: residual layer J (J + 1 exact layers), lags, the reader layers (`all`, or
@@ -27,7 +27,7 @@ from content_at_speed import load_pair  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--items", type=int, default=200)

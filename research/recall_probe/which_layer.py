@@ -26,7 +26,7 @@ from content_at_speed import load_pair  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="large")
     p.add_argument("--target", default="small")
     p.add_argument("--residual-layer", type=int, default=1)

@@ -25,7 +25,7 @@ from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, solve_resid
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--residual-layer", type=int, required=True)

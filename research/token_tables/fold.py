@@ -21,7 +21,7 @@ from token_tables_plugin import fold_residual_into_tables, tabulate_first_layer 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", type=Path)
     p.add_argument("output", type=Path)
     p.add_argument("--source", default="small")

@@ -3,7 +3,7 @@ K/V + the target's residual entering J, every mapped layer reading it), with tab
 calibration sequences, scored on the fit's own probe: repeated spans and cued recall of the held-out calibration
 sequences (the last tenth), as `choose_configuration` scores them.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/token_tables/table_data.py --source small --target large \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/token_tables/table_data.py --source small --target large \\
         --residual-layer 0 --rows 512 --table-rows 0 64 461 1843 [--lags 0 1 2 3 4 5 6 7]
 """
 
@@ -29,7 +29,7 @@ from token_tables_plugin import fit_token_tables  # noqa: E402  (this folder's p
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--residual-layer", type=int, default=0)

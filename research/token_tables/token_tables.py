@@ -44,7 +44,7 @@ def unflat(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--exact", type=int, default=1, help="exact layers of the source-only map (no residual)")

@@ -2,7 +2,7 @@
 target's own prefill, timed in interleaved rounds in one process: each round times the own prefill and every
 mapper's transfer once, at each prompt length; medians of wall and process CPU time, ratios own / transfer.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/token_tables/ttft.py --source small --target large \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/token_tables/ttft.py --source small --target large \\
         --mappers DIR_A DIR_B --lengths 512 1024 4096 --rounds 15 [--recompute-tokens 32] --output results/ttft.json
 """
 
@@ -26,7 +26,7 @@ from hf_kvtransfer.evaluation.timing import time_call  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--mappers", nargs="+", required=True, help="saved mapper directories, timed at their defaults")
