@@ -177,14 +177,23 @@ def test_the_search_chooses_what_scoring_every_candidate_would(variant_pair, mon
     """The configuration search scores a count's other candidates cheapest first and stops at the first kept one.
     Whatever the gate keeps, it chooses what scoring every candidate under the rules before that order chose: the
     cheapest kept candidate of the fewest exact layers whose first (fullest) candidate is kept, if it costs less
-    than the target's own prefill; and it asks the gate no more often."""
+    than the target's own prefill; and it asks the gate no more often. Handed as the fit hands them, in groups by
+    exact-layer count (`CandidateGroup`), it chooses the same and solves only the groups of the counts it tries."""
     from hf_kvtransfer.core.map_inputs import exact_layers_needed
-    from hf_kvtransfer.fitting.fit_inputs import fit_input_of
+    from hf_kvtransfer.fitting.fit_inputs import CandidateGroup, fit_input_of
 
     source, target, base, variants = variant_pair
     keep = data.draw(st.sets(st.sampled_from(range(len(variants)))), label="kept by the gate")
     kept_ids = {id(variants[i]) for i in keep}
-    judged = []
+    judged, solved = [], []
+    by_count: dict[int, list] = {}
+    for v in variants:
+        by_count.setdefault(exact_layers_needed(v.config)[0], []).append(v)
+
+    def group(n):
+        return CandidateGroup("residual", n, {"inputs": f"group {n}"}, lambda: solved.append(n) or by_count[n])
+
+    handed = [group(n) for n in by_count] if data.draw(st.booleans(), label="in groups") else variants
 
     class Gate:  # keeps the drawn candidates, never the source-only maps (so that answer is the whole target)
         tolerance, num_items, max_items, seed = 0.05, 8, 32, 0
@@ -211,7 +220,7 @@ def test_the_search_chooses_what_scoring_every_candidate_would(variant_pair, mon
     monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
     monkeypatch.setattr(exact_layers, "_time_candidates", untimed)
     stream = list(range(5, 600))
-    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=variants, gate=Gate())
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=handed, gate=Gate())
 
     # Every candidate scored, the rules before the order: counts fewest first; a count whose first candidate the
     # gate refuses is skipped; a reduced-rank one whose full-rank twin is refused is too; the first count with a
@@ -219,11 +228,9 @@ def test_the_search_chooses_what_scoring_every_candidate_would(variant_pair, mon
     # target's own prefill.
     seq_len, layers = min(512, len(stream)), target.config.num_hidden_layers
     own = exact_layers.configuration_cost(target, base, layers, seq_len)["total"]
-    by_count: dict[int, list] = {}
-    for v in variants:
-        by_count.setdefault(exact_layers_needed(v.config)[0], []).append(v)
-    expected, gate_calls = base, 1  # the source-only answer is judged at the screen's count (it is refused)
+    expected, gate_calls, tried = base, 1, []  # the source-only answer is judged at the screen's count (it is refused)
     for n in sorted(by_count):
+        tried.append(n)
         gate_calls += len(by_count[n]) if id(by_count[n][0]) in kept_ids else 1
         if id(by_count[n][0]) not in kept_ids:
             continue
@@ -237,6 +244,7 @@ def test_the_search_chooses_what_scoring_every_candidate_would(variant_pair, mon
     assert chosen.config.to_dict() == expected.with_config(num_exact_layers=chosen.config.num_exact_layers).config.to_dict()
     assert report["chosen"] == (layers if expected is base else exact_layers_needed(expected.config)[0])
     assert len(judged) <= gate_calls + math.ceil(math.log2(layers))
+    assert solved == (tried if handed is not variants else [])
     # ... and no candidate is scored once one of its count that costs no more was kept (the first aside).
     cost = {id(v): exact_layers.configuration_cost(target, v, n, seq_len)["total"] for n, vs in by_count.items() for v in vs}
     for n, vs in by_count.items():
@@ -244,6 +252,19 @@ def test_the_search_chooses_what_scoring_every_candidate_would(variant_pair, mon
         for j, i in enumerate(order):
             earlier = [cost[k] for k in ([id(vs[0])] + order[:j]) if k in kept_ids and k in judged]
             assert not earlier or cost[i] < min(earlier), (n, j)
+
+
+def test_a_candidate_group_is_refused_when_its_maps_need_other_exact_layers(variant_pair):
+    """A group is tried at the count it declares; maps needing another count would be scored with the wrong exact
+    layers, so solving them is refused with one line naming the input and both counts."""
+    from hf_kvtransfer.core.map_inputs import exact_layers_needed
+    from hf_kvtransfer.fitting.fit_inputs import CandidateGroup
+
+    _, _, _, variants = variant_pair
+    needed = exact_layers_needed(variants[0].config)[0]
+    assert exact_layers._solved(CandidateGroup("residual", needed, {}, lambda: variants[:1]), needed) == variants[:1]
+    with pytest.raises(ValueError, match=f"residual candidate group of {needed + 1} exact layers solved maps that need {needed} "):
+        exact_layers._solved(CandidateGroup("residual", needed + 1, {}, lambda: variants[:1]), needed + 1)
 
 
 @pytest.mark.parametrize("name", ["small"])

@@ -812,8 +812,9 @@ def _budget_fit(pair, monkeypatch, budget: int):
 
     class Residual(residual_stats.ResidualFit):
         def candidates(self, mapper, statistics, config):
-            handed.extend(super().candidates(mapper, statistics, config))
-            return handed
+            groups = super().candidates(mapper, statistics, config)
+            handed.extend(m for group in groups for m in group.solve())  # every group's maps, solved or not by the probe
+            return groups
 
     monkeypatch.setitem(fit_inputs.FIT_INPUTS, "residual", Residual)
     monkeypatch.setattr(fit_budget, "RESIDUAL_STATISTICS_BYTES", budget)

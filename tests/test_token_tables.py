@@ -252,8 +252,8 @@ def test_an_undecided_cued_comparison_is_decided_on_more_items(pair, monkeypatch
         chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=[residual])
     row = next(r for r in report["candidates"] if r.get("residual_layer") == 0)
     assert row["passes"] and row["cued_items"] == 3 * 4 * 64 and chosen.needs_exact_layers
-    # what the candidate scored is in the log (the progress bar only counts candidates)
-    assert f"configuration probe, candidate 1 of 1: 1 exact, {row['inputs']}: repeated spans 99% [98, 100], cued " \
+    # what the candidate scored is in the log (the progress bar only counts exact-layer counts)
+    assert f"configuration probe, candidate 1: 1 exact, {row['inputs']}: repeated spans 99% [98, 100], cued " \
            "recall 99% [98, 100]: passes" in caplog.messages, caplog.messages
     # The source-only answer and the candidate were both scored on the extra items.
     assert sum(n == 2 * 4 * 64 for _, n in scored) == 2

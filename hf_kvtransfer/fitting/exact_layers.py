@@ -48,7 +48,7 @@ from ..evaluation.content import repeated_span_retention
 from ..evaluation.metrics import retention_difference
 from ..evaluation.tasks import cued_recall_items, repeated_span_items
 from .content_gate import ContentGate, gate_line, tolerance_points
-from .fit_inputs import fit_input_of
+from .fit_inputs import CandidateGroup, fit_input_of
 from .probe_journal import ProbeJournal, scored
 
 logger = logging.getLogger(__name__)
@@ -379,6 +379,8 @@ def choose_configuration(
     `candidates` (mappers whose maps also read a map input that the exact layers compute, from its fit input's
     `FitInput.candidates`, e.g. `residual_stats.residual_variants`: maps reading the target's residual entering its
     layer J; a dict or a list) with the exact layers their inputs need (`map_inputs.exact_layers_needed`: J + 1).
+    An item may also be a group of them (`fit_inputs.CandidateGroup`, what a fit input hands): it is solved only when
+    the search reaches its count, so the maps of counts the search never tries cost nothing.
 
     Two stages decide whether a candidate keeps the content:
 
@@ -499,9 +501,12 @@ def _pick_cheapest(target, rows, candidates, faithful_kv, num_layers, seq_len, g
     own = configuration_cost(target, candidates[0][0], num_layers, seq_len)["total"]
     kept = []
     for i, (row, (m, n)) in enumerate(zip(rows, candidates)):
+        row["chosen"] = False
+        if m is None:  # a group never solved
+            row["cost"] = row["cost_vs_own_prefill"] = None
+            continue
         row["cost"] = configuration_cost(target, m, n, seq_len)
         row["cost_vs_own_prefill"] = row["cost"]["total"] / own
-        row["chosen"] = False
         ok = row["passes"] and not row.get("skipped") and n < num_layers
         if gated:
             ok = ok and bool(row.get("gate", {}).get("accepted"))
@@ -531,10 +536,11 @@ def _time_rows(source, target, rows, candidates, ids, num_layers, report) -> Non
     report["timing"] = {"num_tokens": int(ids.shape[-1]), "threads": 1, "rounds": TIMING_ROUNDS, "interleaved": True,
                         "clock": "process CPU time" if clock == "cpu" else "wall", "decides": False,
                         "num_recompute_tokens": "per candidate (None: TransferredCache's default)"}  # fmt: skip
-    for i, row in enumerate(rows):
+    for i, (row, (m, _)) in enumerate(zip(rows, candidates)):
         row.update(_timing_row(times[i], own, clock) if i in times else
                    {"transfer_ms": None, "target_prefill_ms": None, "speedup": None if row.get("skipped") else 1.0})  # fmt: skip
-        row["num_recompute_tokens"] = candidates[i][0].config.num_recompute_tokens  # None: TransferredCache's default
+        # None: TransferredCache's default, or a group never solved
+        row["num_recompute_tokens"] = None if m is None else m.config.num_recompute_tokens
 
 
 class _InputSearch:
@@ -559,14 +565,45 @@ class _InputSearch:
         return r
 
     def run(self, given, faithful_kv: int | None, num_layers: int, progress: bool):
-        """`(rows, candidates)` in the given order by exact layers (the choice's tie-break reads it), each candidate
-        scored or skipped in `probe_order`'s."""
-        candidates_in = list(given.values() if isinstance(given, Mapping) else given or [])
-        candidates_in.sort(key=lambda m: exact_layers_needed(m.config)[0])  # stable: each count's in the given order
-        rows: list[dict[str, Any]] = [{} for _ in candidates_in]
-        candidates: list[tuple[KVMapper, int]] = [(m, exact_layers_needed(m.config)[0]) for m in candidates_in]
-        if not candidates_in:
+        """`(rows, candidates)` in the given order by exact layers (the choice's tie-break reads it), each count's
+        candidates scored or skipped in `probe_order`'s. A group of them (`fit_inputs.CandidateGroup`) is solved when
+        its count is tried; a count skipped as a whole leaves a group unsolved: one row, skipped, candidate None."""
+        by_count = _by_count(given)
+        rows: list[dict[str, Any]] = []
+        candidates: list[tuple[KVMapper | None, int]] = []
+        if not by_count:
             return rows, candidates
+        self.references_for(faithful_kv, num_layers)
+        state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set(), "cheapest_kept": {}}
+        step = 0
+        for n in progress_bar(sorted(by_count), desc="configuration probe", unit="exact-layer count", enabled=progress):
+            skip = self.count_skip(n, state)
+            if skip is not None:  # none of the count could be scored: its groups stay unsolved
+                for item in by_count[n]:
+                    rows.append({**_row(item, n), "skipped": skip})
+                    candidates.append((item if isinstance(item, KVMapper) else None, n))
+                    logger.debug("configuration probe: %s", _row_line(rows[-1]))
+                continue
+            solved = [m for item in by_count[n] for m in _solved(item, n)]
+            first = len(rows)
+            rows += [_row(m, n) for m in solved]
+            candidates += [(m, n) for m in solved]
+            for i in self.probe_order(candidates, list(range(first, len(rows)))):
+                step += 1
+                m, row = candidates[i][0], rows[i]
+                try:
+                    rank = None if self.refine is not None else (self.cost(m, n), i)  # a refine changes the cost
+                    candidates[i] = (self.candidate(m, row, state, rank=rank), n)
+                finally:  # a skipped candidate is one line of the summary below (each is in the report)
+                    level = logging.DEBUG if row.get("skipped") else logging.INFO
+                    logger.log(level, "configuration probe, candidate %d: %s", step, _row_line(row))
+        for line in _skipped_lines(rows):
+            logger.info("configuration probe: %s", line)
+        return rows, candidates
+
+    def references_for(self, faithful_kv: int | None, num_layers: int) -> None:
+        """The probe's items (repeated spans, cued recall) and the source-only answer's cued-recall scores, which each
+        candidate is paired against."""
         report, prefix_len = self.report, self.report["prefix_len"]
         self.spans = repeated_span_items(self.target.config.get_text_config().vocab_size, self.stream, self.num_items,
                                          seed=self.seed, prefix_len=prefix_len, continuation_len=PROBE_CONTINUATION_LEN,
@@ -583,53 +620,35 @@ class _InputSearch:
         else:  # the source-only answer is the target's own prefill: retention 1
             report["cued_reference"] = {"num_exact_layers": num_layers, "retention": 1.0, "retention_ci": None}
         report["cued_max_loss"] = 1 - self.min_retention
-        state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set(), "cheapest_kept": {}}
-        order = self.probe_order(candidates)
-        bar = progress_bar(order, desc="configuration probe", unit="candidate", enabled=progress)
-        for step, i in enumerate(bar, 1):
-            m, num_exact = candidates[i]
-            fit_input = fit_input_of(m)
-            row = rows[i]
-            row.update({"inputs": maps_read(m.config), "extends": fit_input.name if fit_input else None,
-                        **(fit_input.describe(m) if fit_input else {}), "num_exact_layers": num_exact,
-                        "retention": None, "retention_ci": None, "cued_retention": None, "cued_retention_ci": None,
-                        "passes": False})  # fmt: skip
-            try:
-                rank = None if self.refine is not None else (self.cost(m, num_exact), i)  # a refine changes the cost
-                candidates[i] = (self.candidate(m, row, state, rank=rank), num_exact)
-            finally:  # a skipped candidate is one line of the summary below (each is in the report)
-                level = logging.DEBUG if row.get("skipped") else logging.INFO
-                logger.log(level, "configuration probe, candidate %d of %d: %s", step, len(order), _row_line(row))
-        for line in _skipped_lines(rows):
-            logger.info("configuration probe: %s", line)
-        return rows, candidates
+
+    def count_skip(self, num_exact: int, state: dict[str, Any]) -> str | None:
+        """Why no candidate needing `num_exact` exact layers is scored any more, whatever its maps (None: they may be)."""
+        if any(passed < num_exact for passed in state["passed"]):
+            return "a candidate with fewer exact layers passed (more compute more of the target)"
+        if self.faithful_kv is not None and num_exact > self.faithful_kv:
+            return f"more exact layers than the source-only answer's {self.faithful_kv} (more of the target computed)"
+        return None
 
     def cost(self, m: KVMapper, num_exact: int) -> int:
         return configuration_cost(self.target, m, num_exact, self.cost_tokens)["total"]
 
-    def probe_order(self, candidates: list[tuple[KVMapper, int]]) -> list[int]:
-        """The indices of `candidates` (sorted by exact layers) in the order they are scored: each count's first
-        (fullest) candidate, then the others cheapest first (`configuration_cost`), a full-rank one with its
-        reduced-rank twins (`FitInput.twin`), whose failure skips them, at the cheapest of their places. Once one
-        passes, the count's dearer rest are skipped: the choice is the cheapest kept one, and they could not be
-        chosen. A `refine` changes the costs: then the given order, and none skipped so."""
-        by_count: dict[int, list[int]] = {}
-        for i, (_, n) in enumerate(candidates):
-            by_count.setdefault(n, []).append(i)
-        if self.refine is not None:
-            return [i for n in sorted(by_count) for i in by_count[n]]
-        order = []
-        for n in sorted(by_count):
-            first, *rest = by_count[n]
-            cost = {i: self.cost(candidates[i][0], n) for i in rest}
-            twin = {i: _twin(candidates[i][0]) for i in rest}
-            place = dict(cost)
-            for i in rest:  # a full-rank candidate takes the cheapest place of its reduced-rank twins
-                if not twin[i][1]:
-                    place[i] = min([cost[i]] + [cost[j] for j in rest if twin[j] == (twin[i][0], True)])
-            by_place = sorted(rest, key=lambda i: (place[i], i))
-            order += [first, *_after_full_rank_twins(by_place, [twin[i] for i in by_place])]
-        return order
+    def probe_order(self, candidates: list[tuple[KVMapper, int]], indices: list[int]) -> list[int]:
+        """`indices` (one count's candidates, in the given order) in the order they are scored: the first (fullest),
+        then the others cheapest first (`configuration_cost`), a full-rank one with its reduced-rank twins
+        (`FitInput.twin`), whose failure skips them, at the cheapest of their places. Once one passes, the count's
+        dearer rest are skipped: the choice is the cheapest kept one, and they could not be chosen. A `refine`
+        changes the costs: then the given order, and none skipped so."""
+        if self.refine is not None or not indices:
+            return indices
+        first, *rest = indices
+        cost = {i: self.cost(*candidates[i]) for i in rest}
+        twin = {i: _twin(candidates[i][0]) for i in rest}
+        place = dict(cost)
+        for i in rest:  # a full-rank candidate takes the cheapest place of its reduced-rank twins
+            if not twin[i][1]:
+                place[i] = min([cost[i]] + [cost[j] for j in rest if twin[j] == (twin[i][0], True)])
+        by_place = sorted(rest, key=lambda i: (place[i], i))
+        return [first, *_after_full_rank_twins(by_place, [twin[i] for i in by_place])]
 
     def candidate(self, m: KVMapper, row: dict[str, Any], state: dict[str, Any], rank: tuple[int, int] | None = None) -> KVMapper:
         """Scores (or skips) one candidate; `rank`: its (cost, given place), by which a kept one of its count that
@@ -641,11 +660,9 @@ class _InputSearch:
             skip = "the first candidate with these exact layers failed the probe"
         elif rank is not None and rank > state["cheapest_kept"].get(num_exact, rank):
             skip = "a candidate with these exact layers that costs no more passed"
-        elif any(passed < num_exact for passed in state["passed"]):
-            skip = "a candidate with fewer exact layers passed (more compute more of the target)"
-        elif self.faithful_kv is not None and num_exact > self.faithful_kv:
-            skip = f"more exact layers than the source-only answer's {self.faithful_kv} (more of the target computed)"
-        elif reduced and twin in state["failed_full_rank"]:
+        else:
+            skip = self.count_skip(num_exact, state)
+        if skip is None and reduced and twin in state["failed_full_rank"]:
             skip = "the same maps at full rank failed the probe (a reduced rank keeps less)"
         if skip:
             row["skipped"] = skip
@@ -699,6 +716,41 @@ class _InputSearch:
         return low is not None and math.isfinite(low) and low >= -max_loss
 
 
+def _by_count(given) -> dict[int, list[KVMapper | CandidateGroup]]:
+    """`choose_configuration`'s `candidates` (mappers or groups of them, a dict or a list) by the exact layers they
+    need, each count's in the given order."""
+    by_count: dict[int, list[KVMapper | CandidateGroup]] = {}
+    for item in given.values() if isinstance(given, Mapping) else given or []:
+        n = item.num_exact_layers if isinstance(item, CandidateGroup) else exact_layers_needed(item.config)[0]
+        by_count.setdefault(n, []).append(item)
+    return by_count
+
+
+def _solved(item: KVMapper | CandidateGroup, num_exact: int) -> list[KVMapper]:
+    """The mappers of a candidate or group, each checked to need the group's exact layers."""
+    if isinstance(item, KVMapper):
+        return [item]
+    mappers = item.solve()
+    for m in mappers:
+        needed = exact_layers_needed(m.config)[0]
+        if needed != num_exact:
+            raise ValueError(f"a {item.extends} candidate group of {num_exact} exact layers solved maps that need "
+                             f"{needed} ({maps_read(m.config)}): its num_exact_layers must be what its maps need")  # fmt: skip
+    return mappers
+
+
+def _row(item: KVMapper | CandidateGroup, num_exact: int) -> dict[str, Any]:
+    """A candidate's row in the probe's report before it is scored (a group not solved: its own fields)."""
+    if isinstance(item, CandidateGroup):
+        what = {"extends": item.extends, **item.fields, "solved": False}
+    else:
+        fit_input = fit_input_of(item)
+        what = {"inputs": maps_read(item.config), "extends": fit_input.name if fit_input else None,
+                **(fit_input.describe(item) if fit_input else {})}  # fmt: skip
+    return {**what, "num_exact_layers": num_exact, "retention": None, "retention_ci": None, "cued_retention": None,
+            "cued_retention_ci": None, "passes": False}  # fmt: skip
+
+
 def _twin(m: KVMapper) -> tuple[Hashable, bool]:
     """`FitInput.twin` of a candidate (one without a fit input has no twin)."""
     fit_input = fit_input_of(m)
@@ -737,12 +789,18 @@ def _row_line(row: dict[str, Any]) -> str:
 
 def _skipped_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The skipped candidates by reason, one line each: `12 skipped, 4-6, 9 exact layers (a candidate with fewer exact
-    layers passed ...)`."""
-    by_reason: dict[str, list[int]] = {}
+    layers passed ...)`, a group of them never solved counted as one."""
+    by_reason: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         if row.get("skipped"):
-            by_reason.setdefault(row["skipped"], []).append(row["num_exact_layers"])
-    return [f"{len(counts)} skipped, {_spans(sorted(set(counts)))} exact layers ({reason})" for reason, counts in by_reason.items()]
+            by_reason.setdefault(row["skipped"], []).append(row)
+    lines = []
+    for reason, skipped in by_reason.items():
+        unsolved = sum(not row.get("solved", True) for row in skipped)
+        groups = f"; {unsolved} of them groups whose maps were not solved" if unsolved else ""
+        counts = _spans(sorted({row["num_exact_layers"] for row in skipped}))
+        lines.append(f"{len(skipped)} skipped, {counts} exact layers ({reason}{groups})")
+    return lines
 
 
 def _spans(values: list[int]) -> str:

@@ -9,8 +9,9 @@ fit finds maps that read it:
   (`budget.StatisticsBudget.residual_bytes`: what the K/V sums leave); None when this fit does not search the input
   (its options switch it off, the mapper kind cannot take it, its sums would not fit in memory: it logs one line why);
 - `candidates`: from those sums and the source-only mapper, the mappers reading the input that the content probe
-  (`exact_layers.choose_configuration`) tries, each needing the exact layers its config says
-  (`map_inputs.exact_layers_needed`);
+  (`exact_layers.choose_configuration`) tries, in groups (`CandidateGroup`) by the exact layers they need
+  (`map_inputs.exact_layers_needed`), each group solved only when the probe reaches its count: the search stops at
+  the first count that keeps the content, so the maps of the deeper counts are never solved;
 - `describe` and `twin`: a candidate's fields in the probe's report, and which candidate is the same maps at full
   rank (a reduced-rank candidate is skipped once its full-rank twin failed);
 - `planned_statistics`: what `statistics` would collect for a pair within a budget, from the two configs alone
@@ -30,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
@@ -43,6 +45,20 @@ from .budget import StatisticsBudget
 # FitConfig (fitting/config.py) and a calibration consumer (calibration_pass.CalibrationConsumer): annotations only.
 FitConfig = Any
 Consumer = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateGroup:
+    """The candidates of one fit input that need the same exact layers, solved when the probe reaches them.
+
+    `extends`: the fit input's name; `num_exact_layers`: what each of them needs (`map_inputs.exact_layers_needed` of
+    its config; the probe checks); `fields`: the group's row in the probe's report while it is not solved (`inputs`, a
+    phrase, and the fields of `FitInput.describe` it knows beforehand); `solve`: the mappers, the fullest first."""
+
+    extends: str
+    num_exact_layers: int
+    fields: dict[str, Any]
+    solve: Callable[[], list[KVMapper]]
 
 
 class FitInput:
@@ -59,8 +75,9 @@ class FitInput:
         or None (with one logged line why) when this fit does not search the input."""
         return None
 
-    def candidates(self, mapper: KVMapper, statistics: Consumer, config: FitConfig) -> list[KVMapper]:
-        """The mappers reading this input that the probe tries, from the source-only `mapper` and `statistics`."""
+    def candidates(self, mapper: KVMapper, statistics: Consumer, config: FitConfig) -> list[CandidateGroup]:
+        """The mappers reading this input that the probe tries, from the source-only `mapper` and `statistics`, one
+        group per exact-layer count, each solved only when the probe reaches it."""
         return []
 
     def describe(self, mapper: KVMapper) -> dict[str, Any]:
@@ -113,5 +130,5 @@ def fit_input_named(name: str | None) -> FitInput | None:
     return FIT_INPUTS[name]() if name in FIT_INPUTS else None
 
 
-__all__ = ["BUILT_IN_FIT_INPUTS", "FIT_INPUTS", "FitInput", "fit_input_named", "fit_input_of", "register_fit_input",
+__all__ = ["BUILT_IN_FIT_INPUTS", "FIT_INPUTS", "CandidateGroup", "FitInput", "fit_input_named", "fit_input_of", "register_fit_input",
            "registered_fit_inputs"]  # fmt: skip

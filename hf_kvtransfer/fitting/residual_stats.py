@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -51,7 +52,7 @@ from ..core.rope import text_config
 from ..core.stats import KVLayout
 from .budget import StatisticsBudget
 from .calibration_pass import CalibrationBatch
-from .fit_inputs import FitInput, register_fit_input
+from .fit_inputs import CandidateGroup, FitInput, register_fit_input
 
 DEFAULT_RESIDUAL_LAMBDA = 0.01
 # The reduced-rank candidate keeps this fraction of the full-rank maps' fitted variance (`residual_variants`).
@@ -521,10 +522,15 @@ class ResidualFit(FitInput):
                                              stride=config.residual_stride or config.stride,
                                              source_features=choice.source_features)  # fmt: skip
 
-    def candidates(self, mapper: KVMapper, statistics: ResidualStatistics, config: Any) -> list[KVMapper]:
-        return [variant for layer in statistics.target_hidden_layers
-                for variant in residual_variants(mapper, statistics, layer, residual_lambda=config.residual_lambda,
-                                                 residual_rank=config.residual_rank)]  # fmt: skip
+    def candidates(self, mapper: KVMapper, statistics: ResidualStatistics, config: Any) -> list[CandidateGroup]:
+        """`residual_variants` of each residual layer J, a group needing J + 1 exact layers (the cache computes the
+        residual entering layer J in its exact pass: `ResidualConfig.exact_layers_needed`)."""
+        return [CandidateGroup(self.name, layer + 1, {"inputs": f"target residual entering layer {layer} (maps not solved)",
+                                           "residual_layer": layer},
+                               functools.partial(residual_variants, mapper, statistics, layer,
+                                                 residual_lambda=config.residual_lambda,
+                                                 residual_rank=config.residual_rank))
+                for layer in statistics.target_hidden_layers]  # fmt: skip
 
     def describe(self, mapper: KVMapper) -> dict[str, Any]:
         return {"residual_layer": residual_config(mapper.config).layer, "readers": residual_readers(mapper.config)}
