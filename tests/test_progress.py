@@ -131,3 +131,19 @@ def test_transformers_bars_print_lines_off_a_terminal(bars_on, monkeypatch):
     lines = log.getvalue().splitlines()
     assert "\r" not in log.getvalue() and lines and all(line.startswith("Loading weights:") for line in lines), lines
     assert "3/3" in lines[-1]
+
+
+def test_a_bar_without_an_estimate_shows_no_rate_or_time_left(bars_on):
+    """The configuration probe's counts take from no time to minutes: its bar must not extrapolate a time left."""
+    log = io.StringIO()
+    bar = progress_bar(total=23, desc="configuration probe", unit="exact-layer counts", stream=log, estimate=False)
+    bar.update(3)
+    bar.close()
+    last = log.getvalue().splitlines()[-1]
+    assert last.startswith("configuration probe: 3/23 exact-layer counts [") and "so far]" in last, last
+    assert "<" not in last and "/s" not in last and "s/" not in last, last
+    with_estimate = io.StringIO()
+    bar = progress_bar(total=23, desc="probe", stream=with_estimate)
+    bar.update(3)
+    bar.close()
+    assert "<" in with_estimate.getvalue().splitlines()[-1]  # the default bar does estimate (the check above can fail)

@@ -71,3 +71,20 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(train_deep, so
     # a finished model is skipped on the next call
     _run(train_deep, sources, tmp_path / "split")
     assert "already done" in (tmp_path / "split" / "run" / "train_log.txt").read_text()
+
+
+def test_a_snapshot_exports_the_checkpoint_of_a_run_still_in_progress(train_deep, sources, tmp_path):
+    """`--snapshot DIR`: the latest checkpoint's weights, loadable as a model, and the run left to resume as it was."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _run(train_deep, sources, tmp_path, "--stop-after", "2")
+    ckpt = tmp_path / "run" / "tiny" / "checkpoint.pt"
+    before = ckpt.read_bytes()
+    _run(train_deep, sources, tmp_path, "--snapshot", str(tmp_path / "snap"))
+    assert ckpt.read_bytes() == before and not (tmp_path / "run" / "tiny" / "done.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "snap" / "tiny")
+    saved = model.state_dict()
+    for name, weight in _weights(tmp_path).items():  # the checkpoint's fp32 weights, rounded as the export rounds them
+        assert torch.equal(saved[name].to(torch.bfloat16), weight.to(torch.bfloat16)), name
+    assert '"step": 2' in (tmp_path / "snap" / "tiny" / "snapshot.json").read_text()

@@ -31,6 +31,8 @@ from huggingface_hub.utils import tqdm
 LOG_INTERVAL_S = 30.0
 # A bar off a terminal: a line at most every LOG_INTERVAL_S, drawn in ASCII at a fixed width.
 _LOG_OPTIONS = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S, "ascii": True, "ncols": 100}
+# A bar whose steps differ too much in cost for a time-left estimate to mean anything: counts and time so far only.
+_NO_ESTIMATE = "{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed} so far]"
 # What a bar writes to redraw in place or move between nested bars: a carriage return, cursor-up escapes.
 _REDRAW = re.compile(r"\r|\x1b\[A")
 
@@ -55,10 +57,14 @@ class _Lines:
 
 
 def progress_bar(iterable: Iterable | None = None, *, desc: str, enabled: bool = True,
-                 stream: TextIO | None = None, **options: Any) -> tqdm:  # fmt: skip
+                 stream: TextIO | None = None, estimate: bool = True, **options: Any) -> tqdm:  # fmt: skip
     """A tqdm bar labelled `desc` (`options`: tqdm's, e.g. `total`, `unit`, `unit_scale`, `initial`), shown when
-    `enabled`; on a `stream` (default stderr) that is not a terminal, one plain line every `LOG_INTERVAL_S` seconds."""
+    `enabled`; on a `stream` (default stderr) that is not a terminal, one plain line every `LOG_INTERVAL_S` seconds.
+    `estimate=False` for steps of very different cost (some skipped at once, some taking minutes): the bar then shows
+    the steps done and the time so far, and no rate or time left that the next step would belie."""
     stream = stream if stream is not None else sys.stderr
+    if not estimate:
+        options = {"bar_format": _NO_ESTIMATE, **options}
     if not _is_terminal(stream):
         options = {**_LOG_OPTIONS, **options}
         stream = _Lines(stream)

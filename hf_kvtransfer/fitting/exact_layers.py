@@ -576,7 +576,10 @@ class _InputSearch:
         self.references_for(faithful_kv, num_layers)
         state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set(), "cheapest_kept": {}}
         step = 0
-        for n in progress_bar(sorted(by_count), desc="configuration probe", unit="exact-layer count", enabled=progress):
+        # A count skipped takes no time and a count probed takes minutes: no time-left estimate.
+        counts = progress_bar(sorted(by_count), desc="configuration probe", unit="exact-layer counts",
+                              enabled=progress, estimate=False)
+        for n in counts:
             skip = self.count_skip(n, state)
             if skip is not None:  # none of the count could be scored: its groups stay unsolved
                 for item in by_count[n]:

@@ -414,11 +414,32 @@ def finish(name: str, model, state: dict, data: Data, args, fh) -> None:
            f"exported to {dst}", fh)
 
 
+def snapshot(name: str, args, fh) -> None:
+    """Export `name`'s latest checkpoint (bf16 + tokenizer) to `<snapshot>/<name>/` without training: a run that
+    spans sessions can be scored mid-way (e.g. `copy_heads.py --model <snapshot>/<name>`)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    ckpt = Path(args.run_dir) / name / "checkpoint.pt"
+    if not ckpt.is_file():
+        sys.exit(f"no checkpoint at {ckpt}: train first (the same command without --snapshot)")
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    model, _ = build(name, args, tok)
+    blob = torch.load(ckpt, weights_only=False)
+    model.load_state_dict(blob["model"])
+    dst = Path(args.snapshot) / name
+    tf.save_model(model.eval().to("cpu"), tok, dst)
+    (dst / "snapshot.json").write_text(json.dumps({k: blob["state"][k] for k in ("step", "steps", "tokens", "wall_s",
+                                                   "aux_on", "pool_grown", "history")}, indent=2) + "\n")  # fmt: skip
+    tf.log(f"[{name}] checkpoint at step {blob['state']['step']}/{blob['state']['steps']} exported to {dst}", fh)
+
+
 # --------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=(
         "example:\n  python research/family_builder/train_deep.py --run-dir runs/deep_family "
-        "--export-dir examples/family_deep\n  (run it again to resume; --fresh starts over)"),
+        "--export-dir examples/family_deep\n  (run it again to resume; --fresh starts over; --snapshot DIR exports "
+        "where a run stands)"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--run-dir", default="runs/deep_family", help="checkpoints, train_log.txt, done.json (default: %(default)s)")
@@ -462,6 +483,8 @@ def parse_args(argv=None):
       help="fit each model's step count to this wall-clock budget, measured from the start of the command, after "
            f"{BUDGET_PROBE_STEPS} steps (0 = the steps asked for; default: %(default)s)")
     a("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    a("--snapshot", metavar="DIR", help="export each model's latest checkpoint to DIR/<model> (bf16 + tokenizer, "
+                                        "snapshot.json: step, probes so far) and exit, without training")
     return p.parse_args(argv)
 
 
@@ -484,6 +507,10 @@ def main(argv=None) -> int:
     with open(Path(args.run_dir) / "train_log.txt", "a", encoding="utf-8") as fh:
         tf.log(f"train_deep.py {' '.join(sys.argv[1:])}; torch {torch.__version__}, "
                f"threads {torch.get_num_threads()}", fh)
+        if args.snapshot:
+            for name in names:
+                snapshot(name, args, fh)
+            return 0
         data = None
         for name in names:
             if (Path(args.run_dir) / name / "done.json").is_file() and not args.fresh:
