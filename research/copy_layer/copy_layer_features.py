@@ -41,6 +41,7 @@ rising with data and width) but costs, per token, more than the small target's w
 import argparse
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -61,7 +62,8 @@ def apply_rope(key_states, cos, sin):
     return torch.cat((rotated, k_pass), dim=-1) if k_pass.shape[-1] else rotated
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--family", default="examples/family")
+parser.add_argument("--family", default=str(Path(__file__).resolve().parents[2] / "examples" / "family"),
+                    help="family directory (default: the repository's examples/family)")
 parser.add_argument("--source", default="large")
 parser.add_argument("--target", default="small")
 parser.add_argument("--layer", type=int, default=3, help="the target layer mapped (the others: own prefill)")

@@ -131,7 +131,8 @@ def score_model(model, tok, docs: list[str], args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="examples/family")
+    p.add_argument("--family", default=str(Path(__file__).resolve().parents[2] / "examples" / "family"),
+                   help="family directory (default: the repository's examples/family)")
     p.add_argument("--models", default="small,large")
     p.add_argument("--model", action="append", default=[],
                    help="score this model instead (Hub id or folder, its own tokenizer; repeatable); with --text")

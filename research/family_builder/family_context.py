@@ -130,7 +130,8 @@ def fmt(s: dict, pct: bool = False) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="example:\n  OMP_WAIT_POLICY=PASSIVE python research/family_builder/family_context.py --family examples/family\n")
-    p.add_argument("--family", default="examples/family", help="family directory (default: %(default)s)")
+    p.add_argument("--family", default=str(Path(__file__).resolve().parents[2] / "examples" / "family"),
+                   help="family directory (default: the repository's examples/family)")
     p.add_argument("--models", default="small,large,large_kv4", help="model subdirectories; missing ones are skipped")
     p.add_argument("--items", type=int, default=600,
                    help="items for random-span repeats and passage recall (default: %(default)s)")

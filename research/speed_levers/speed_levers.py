@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,7 +44,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="examples/family")
+    p.add_argument("--family", default=str(Path(__file__).resolve().parents[2] / "examples" / "family"),
+                   help="family directory (default: the repository's examples/family)")
     p.add_argument("--source", default="small")
     p.add_argument("--target", default="large")
     p.add_argument("--n-cal", type=int, default=128, help="calibration sequences of 256 tokens of calibration.txt")
