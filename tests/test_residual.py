@@ -662,6 +662,21 @@ def test_residual_statistics_resume_from_a_checkpoint_as_if_uninterrupted(pair, 
                          batch_size=2, num_heldout=2, checkpoint_dir=tmp_path, progress=False)  # fmt: skip
 
 
+def test_residual_statistics_do_not_depend_on_the_batch_size(pair):
+    """`fit --batch-size` is the lever for the pass's memory (one batch's activations): the sums it collects, and so the
+    maps solved from them, are those of one sequence at a time, up to the order of float additions."""
+    source, target, ids, _, _ = pair
+    sums = {}
+    for batch_size in (1, 3):
+        stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=LAGS, stride=2)
+        calibration_pass(source, target, ids, consumers=[stats], batch_size=batch_size, num_heldout=2, progress=False)
+        sums[batch_size] = stats
+    assert sums[1].count == sums[3].count and sums[1].source_features
+    for key, by_name in sums[1].sums.items():
+        for name, tensor in by_name.items():
+            torch.testing.assert_close(sums[3].sums[key][name], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_maps_without_source_inputs_follow_beam_search(pair):
     """Every mapped layer from the residual alone (the source cache gives only the length): beam search on the lazy
     cache writes what it writes on the same cache converted up front (the pending residual follows the beams)."""
