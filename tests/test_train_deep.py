@@ -88,3 +88,27 @@ def test_a_snapshot_exports_the_checkpoint_of_a_run_still_in_progress(train_deep
     for name, weight in _weights(tmp_path).items():  # the checkpoint's fp32 weights, rounded as the export rounds them
         assert torch.equal(saved[name].to(torch.bfloat16), weight.to(torch.bfloat16)), name
     assert '"step": 2' in (tmp_path / "snap" / "tiny" / "snapshot.json").read_text()
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_the_previous_token_loss_pins_the_layer_asked_for(train_deep, layer):
+    """`--prev-token-layer L`: the auxiliary term reaches layer L's attention and no layer after it (a layer after L
+    cannot change L's attention pattern), which is what lets it put the copying head deeper."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config).float()
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, 64, (2, 17))
+
+    def grads(weight: float) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        train_deep.tf.train_loss(model, ids, ids.clone(), weight, layer)[0].backward()
+        return [model.model.layers[i].self_attn.q_proj.weight.grad.clone() for i in range(4)]
+
+    plain, pinned = grads(0.0), grads(10.0)
+    moved = [not torch.allclose(a, b, atol=1e-7) for a, b in zip(plain, pinned)]
+    assert moved[layer] and not any(moved[layer + 1 :]), moved

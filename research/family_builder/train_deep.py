@@ -10,7 +10,8 @@ from it (an interrupted and resumed run gives the same weights as an uninterrupt
 ``tests/test_train_deep.py``). A model whose export is complete (``<run-dir>/<name>/done.json``) is skipped.
 
 The curriculum is the bundled family's (``train_family.py``) with harder recall, and one auxiliary loss at most:
-a previous-token head on layer 0 / head 0 during the copy phase, nothing that decides which layer copies:
+a previous-token head on layer 0 / head 0 during the copy phase (``--prev-token-layer L`` pins layer L's head 0
+instead: the copying head then tends to form after it, a way to put copying at mid-depth on purpose):
 
 - copy phase (first ``--copy-phase`` of the steps): short rows, 90% repeated random spans from a pool of frequent
   tokens that doubles each time copying on it is learned, 10% text;
@@ -262,7 +263,7 @@ def train_step(model, opt, state: dict, data: Data, args, peak: float) -> dict:
     in_copy = step / steps < args.copy_phase
     if in_copy and not state["aux_on"] and state["pool_grown"] == 0 and args.prev_token_aux_weight > 0 \
             and step >= args.prev_token_fallback * args.copy_phase * steps:
-        state["aux_on"] = True  # copying has not formed: pin a previous-token head (layer 0 / head 0) from here on
+        state["aux_on"] = True  # copying has not formed: pin a previous-token head (head 0 of --prev-token-layer)
     aux_w = args.prev_token_aux_weight if (in_copy and state["aux_on"]) else 0.0
     model.config._attn_implementation = "eager" if aux_w > 0 else "sdpa"
     mix = deep_mix(step / steps, args.copy_phase)
@@ -274,7 +275,7 @@ def train_step(model, opt, state: dict, data: Data, args, peak: float) -> dict:
     ids, labels = tf.make_batch(data.short_maker if in_copy else data.maker, kinds, step / steps, args.copy_phase)
     for g in opt.param_groups:
         g["lr"] = lr_at(step, steps, peak, args)
-    loss, row_loss, aux = tf.train_loss(model, ids.to(args.device), labels.to(args.device), aux_w)
+    loss, row_loss, aux = tf.train_loss(model, ids.to(args.device), labels.to(args.device), aux_w, args.prev_token_layer)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -329,8 +330,8 @@ def _loop(name, model, opt, state, data, args, peak, ckpt, fh) -> bool:
             fit_steps_to_budget(name, model, state, ran, time.time() - t_start, args, fh)
         if state["aux_on"] and not was_aux:
             was_aux = True
-            tf.log(f"[{name}] step {step}: previous-token loss on layer 0 / head 0 switched on for the rest of the "
-                   f"copy phase (pool not grown after {args.prev_token_fallback:.0%} of it)", fh)
+            tf.log(f"[{name}] step {step}: previous-token loss on layer {args.prev_token_layer} / head 0 switched on "
+                   f"for the rest of the copy phase (pool not grown after {args.prev_token_fallback:.0%} of it)", fh)
         if step % args.log_every == 0 or step == 1:
             now = time.time()
             tf.log(f"[{name}] step {step}/{state['steps']} loss {info['loss']:.4f} ema {state['ema']:.4f} "
@@ -466,6 +467,9 @@ def parse_args(argv=None):
            "head 0 for the rest of the copy phase; 0 = from the start (default: %(default)s)")
     a("--prev-token-aux-weight", type=float, default=0.3,
       help="its weight; 0 = no auxiliary loss at all (default: %(default)s)")
+    a("--prev-token-layer", type=int, default=0,
+      help="the layer whose head 0 the loss pins (default: %(default)s); the copying head then tends to form just "
+           "after it, so a deeper one puts copying deeper, as a stand-in for pretrained models that copy at mid-depth")
     a("--min-lr-frac", type=float, default=0.1, help="cosine floor as a fraction of peak (default: %(default)s)")
     a("--warmup-frac", type=float, default=0.02, help="warmup fraction of steps (default: %(default)s)")
     a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: %(default)s)")

@@ -320,10 +320,10 @@ def lm_loss(model, ids, labels):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
-def train_loss(model, ids, labels, prev_token_weight: float):
+def train_loss(model, ids, labels, prev_token_weight: float, prev_token_layer: int = 0):
     """Mean LM loss, the per-row mean losses (detached) and the previous-token auxiliary term.
 
-    The auxiliary term is the NLL of layer 0 / head 0 attending to position t-1. An induction head needs a
+    The auxiliary term is the NLL of head 0 of layer `prev_token_layer` (default 0) attending to position t-1. An induction head needs a
     previous-token head *and* a head matching on its output; each one's gradient is proportional to the other's
     strength, hence the long plateau. Supervising the first one for the copy phase breaks that symmetry (measured
     on periodic random rows, 256-token pool: repeat NLL 0.1 after 200 steps with it, 4.3 after 300 without).
@@ -339,7 +339,7 @@ def train_loss(model, ids, labels, prev_token_weight: float):
     rows = ((tok_loss * valid).sum(1) / valid.sum(1).clamp(min=1)).detach()
     aux = torch.zeros(())
     if prev_token_weight > 0:
-        att = out.attentions[0][:, 0]  # (batch, T, T): layer 0, head 0
+        att = out.attentions[prev_token_layer][:, 0]  # (batch, T, T): that layer's head 0
         t = torch.arange(1, att.shape[-1])
         aux = -(att[:, t, t - 1] + 1e-6).log().mean()
         loss = loss + prev_token_weight * aux
