@@ -112,3 +112,11 @@ def test_the_previous_token_loss_pins_the_layer_asked_for(train_deep, layer):
     plain, pinned = grads(0.0), grads(10.0)
     moved = [not torch.allclose(a, b, atol=1e-7) for a, b in zip(plain, pinned)]
     assert moved[layer] and not any(moved[layer + 1 :]), moved
+
+
+def test_a_layer_the_model_does_not_have_is_refused_in_one_line(train_deep, tmp_path):
+    """`--prev-token-layer` past the last layer stops before any training, naming the range to choose from."""
+    with pytest.raises(SystemExit) as stop:
+        train_deep.main(["--models", "tiny", "--prev-token-layer", "2", "--run-dir", str(tmp_path / "run")])
+    assert str(stop.value) == "--prev-token-layer 2 is not a layer of ['tiny']: choose 0 to 1"
+    assert not (tmp_path / "run" / "tiny").exists()

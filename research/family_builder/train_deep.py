@@ -500,6 +500,10 @@ def main(argv=None) -> int:
     unknown = [m for m in names if m not in PRESETS]
     if unknown:
         sys.exit(f"unknown model(s) {unknown}; choose from {sorted(PRESETS)}")
+    shallow = [m for m in names if not 0 <= args.prev_token_layer < PRESETS[m]["arch"]["num_hidden_layers"]]
+    if shallow:
+        sys.exit(f"--prev-token-layer {args.prev_token_layer} is not a layer of {shallow}: "
+                 f"choose 0 to {min(PRESETS[m]['arch']['num_hidden_layers'] for m in shallow) - 1}")
     torch.set_num_threads(args.threads)
     args.t0 = time.time()
     # CPU runs are bit-reproducible (and resumable to the same weights); on CUDA some kernels have no deterministic
