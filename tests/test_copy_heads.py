@@ -62,7 +62,9 @@ def test_it_scores_any_model_folder_on_a_text_of_ones_own(tmp_path):
                           "--span", "8", "--gap", "16", "--json", str(out)],  # fmt: skip
                          capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
     assert run.returncode == 0, run.stderr
-    model = json.loads(out.read_text())["models"][str(target)]
+    result = json.loads(out.read_text())
+    assert result["settings"]["text"] == str(text) and not {"family", "models"} & set(result["settings"])
+    model = result["models"][str(target)]
     assert model["num_layers"] == 2 and model["num_heads"] == 2
     assert len(model["copy"]["scores"]) == 2 and 0 <= model["copy"]["summary"]["best_layer"] < 2
     assert len(model["retrieval"]["scores"]) == 2

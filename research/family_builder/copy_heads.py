@@ -148,9 +148,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     fam = Path(args.family)
-    text = (args.text or fam / "heldout.txt").read_text(encoding="utf-8")
-    docs = documents(text)
-    out = {"settings": {k: str(v) for k, v in vars(args).items()}, "models": {}}
+    args.text = args.text or fam / "heldout.txt"
+    docs = documents(args.text.read_text(encoding="utf-8"))
+    unused = {"family", "models"} if args.model else {"model"}  # the settings record only what was scored
+    out = {"settings": {k: str(v) for k, v in vars(args).items() if k not in unused}, "models": {}}
     if args.model:
         todo = [(name, name, name) for name in args.model]  # (name, model, tokenizer)
     else:
