@@ -311,6 +311,20 @@ RESULTS = {
         "--json FILE",
         "2026-12-04",
     ) for name, models in (("family", "small,large"), ("family_deep", "source,target"))},
+    # Two deep targets trained on the CPU (research/family_builder/README.md), fit from the bundled source: the
+    # recipe's control run, and a run whose copying formed near its top. EXPORT is the run's export folder.
+    **{f"{kind}_{name}": Result(f"research/family_builder/results/{folder}/{file}", command.format(run=run), "2026-12-07")
+       for name, folder, run in (("deep_cpu", "deep_cpu", ""),
+                                 ("deep_late", "deep_pin4_long", " --prev-token-layer 4 --copy-phase 0.6"))
+       for kind, file, command in (
+           ("copy_heads", "copy_heads.json", "python research/family_builder/train_deep.py --models target{run} "
+                                             "--run-dir RUN --export-dir EXPORT; OMP_NUM_THREADS=1 python "
+                                             "research/family_builder/copy_heads.py --model EXPORT/target "
+                                             "--text examples/family_deep/heldout.txt --json FILE"),
+           ("gate_fit", "fit_source_to_target.log", "hf-kvtransfer fit -v --source examples/family_deep/source "
+                                                    "--target EXPORT/target --dataset examples/family_deep/calibration.txt "
+                                                    "--output DIR"),
+           ("gate_mapper", "mapper_config_source_to_target.json", "(DIR/config.json of that fit)"))},
     "deep_windowed": Result(
         f"{_DEEP}/windowed_exact_source_to_target.json",
         f"{_ONE_THREAD} python {_CAS}/windowed_exact.py --family examples/family_deep --source source --target target "
@@ -1144,10 +1158,14 @@ def copy_depth() -> str:
     """Where each default fit's target copies from its context (its strongest copy layer, `copy_heads.py`) next to
     the exact layers that fit keeps and what its maps read: how far the exact pass reaches past the copy layer."""
     rows = []
-    for label, heads, model, direction in (("bundled, small -> large", "copy_heads_family", "large", "s2l"),
-                                           ("bundled, large -> small", "copy_heads_family", "small", "l2s"),
-                                           ("deep, source -> target", "copy_heads_family_deep", "target", "deep")):
-        summary = RESULTS[heads].load()["models"][model]
+    for label, heads, model, direction in (
+            ("bundled, small -> large", "copy_heads_family", "large", "s2l"),
+            ("bundled, large -> small", "copy_heads_family", "small", "l2s"),
+            ("deep, source -> target", "copy_heads_family_deep", "target", "deep"),
+            ("deep, source -> a second target (trained on the CPU)", "copy_heads_deep_cpu", None, "deep_cpu"),
+            ("deep, source -> a target that copies late", "copy_heads_deep_late", None, "deep_late")):
+        models = RESULTS[heads].load()["models"]
+        summary = models[model] if model else next(iter(models.values()))  # None: the file's one model
         layers, copy = summary["num_layers"], summary["copy"]["summary"]["best_layer"]
         config = RESULTS[f"gate_mapper_{direction}"].load()
         exact, residual = config["num_exact_layers"], (config.get("map_inputs") or {}).get("residual")
@@ -1159,7 +1177,7 @@ def copy_depth() -> str:
         else:
             reads = "the source's K/V"
         of_copy = ("its keys and values" if exact == copy + 1 else
-                   "its keys, values and output" if exact > copy + 1 else "nothing")  # fmt: skip
+                   "its keys, values and output" if exact > copy + 1 else "nothing: the maps give its keys and values")  # fmt: skip
         rows.append([label, str(layers), f"{copy} ({(copy + 0.5) / layers:.0%} of depth)", f"{exact} of {layers}",
                      reads, of_copy])  # fmt: skip
     header = ["pair", "target layers", "target's copy layer", "exact layers the default fit keeps", "the maps read",
@@ -1169,7 +1187,8 @@ def copy_depth() -> str:
             "and values come from its own projections of the residual entering it: its attention and MLP are not run.")
     return "\n\n".join([table(header, rows), note, sources(
         "copy_heads_family", "copy_heads_family_deep", "gate_fit_s2l", "gate_mapper_s2l", "gate_fit_l2s",
-        "gate_mapper_l2s", "gate_fit_deep", "gate_mapper_deep")])
+        "gate_mapper_l2s", "gate_fit_deep", "gate_mapper_deep", "copy_heads_deep_cpu", "gate_fit_deep_cpu",
+        "gate_mapper_deep_cpu", "copy_heads_deep_late", "gate_fit_deep_late", "gate_mapper_deep_late")])
 
 
 def deep_windowed() -> str:
