@@ -1,7 +1,7 @@
-"""Every percentage and speed-up the README, the method, the guides, the results pages, the bundled families'
+"""Every percentage, speed-up and loss in nats the README, the method, the guides, the results pages, the bundled families'
 READMEs and the studies' READMEs under research/ quote comes from a result file.
 
-A figure such as `97.8%` or `1.98x` in a page's prose (outside code blocks and generated tables) must be a value
+A figure such as `97.8%`, `1.98x` or `4.75 nats` (or both of `6.95 vs 10.08 nats`) in a page's prose (outside code blocks and generated tables) must be a value
 of a result file named in the same section of the page (or in the page's opening, before its first `##`), as
 the value itself, as a percentage of a fraction, or rounded; or a figure of a generated table included in that
 section (`docs/snippets/`, which `docs/render_tables.py` renders from result files). Result files are the files
@@ -55,6 +55,10 @@ NOT_RESULTS = [
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 FIGURE = re.compile(r"(?<![\w.\-/\[])(?:(\d+(?:\.\d+)?)\s?-\s?)?(-?\d+(?:\.\d+)?)(%|x\b)")
+# A loss in nats, alone or as the second of a pair ("6.95 vs 10.08 nats", "10.51 against 10.53 nats").
+NATS = re.compile(
+    r"(?<![\w.\-/\[])(?:(-?\d+\.\d+)\s+(?:vs\.?|against|and|to|->)\s+(?:[a-z' ]{0,20}?)?)?(-?\d+\.\d+)\s?(nats)\b"
+)
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
 GENERATED = re.compile(r"<!-- table:[\w-]+ -->.*?<!-- /table -->", re.S)
 INCLUDE = re.compile(r'^--8<-- "([^"]+)"\s*$', re.M)
@@ -112,8 +116,8 @@ def _texts(x: float) -> set[str]:
 
 def renderings(values, *, percentages_as_written: bool = False) -> dict[str, set[str]]:
     """How a file's values may be quoted: as percentages ('%': a fraction times 100, or, in a log or a Markdown
-    table, the number as written) and as speed-ups ('x': the value itself)."""
-    out: dict[str, set[str]] = {"%": set(), "x": set()}
+    table, the number as written), as speed-ups ('x': the value itself) and as losses ('nats': the value itself)."""
+    out: dict[str, set[str]] = {"%": set(), "x": set(), "nats": set()}
     for value in values:
         if not math.isfinite(value) or abs(value) > 1e9:
             continue
@@ -122,6 +126,7 @@ def renderings(values, *, percentages_as_written: bool = False) -> dict[str, set
         if percentages_as_written:
             out["%"] |= _texts(value)
         out["x"] |= _texts(value)
+        out["nats"] |= _texts(value)
     return out
 
 
@@ -195,7 +200,7 @@ def unbacked_figures(raw: str) -> list[str]:
     opening = cited_files(re.split(r"^#{2,6} ", FENCE.sub("", raw), maxsplit=1, flags=re.M)[0])
     missing = []
     for section in sections:
-        known: dict[str, set[str]] = {"%": set(), "x": set()}
+        known: dict[str, set[str]] = {"%": set(), "x": set(), "nats": set()}
         for path in opening | cited_files(section):
             for kind, figures in file_figures(path).items():
                 known[kind] |= figures
@@ -205,7 +210,7 @@ def unbacked_figures(raw: str) -> list[str]:
                 known[kind] |= {m.group(0) for m in NUMBER.finditer(text)}
         prose = INCLUDE.sub("", GENERATED.sub("", section))
         title = section.splitlines()[0] if section.strip() else ""
-        for match in FIGURE.finditer(prose):
+        for match in [*FIGURE.finditer(prose), *NATS.finditer(prose)]:
             if _allowed(prose, match.start(), match.end()):
                 continue
             kind = match.group(3)
@@ -218,6 +223,17 @@ def unbacked_figures(raw: str) -> list[str]:
 def test_figure_pattern():
     found = [(m.group(1), m.group(2), m.group(3)) for m in FIGURE.finditer("97.8% [94.8, 1.5x] 2.6-2.8x 500 x 1024, 0x1f")]
     assert found == [(None, "97.8", "%"), (None, "1.5", "x"), ("2.6", "2.8", "x")]
+
+
+def test_nats_pattern():
+    text = "copy NLL 6.95 vs 10.08 nats, held-out loss 4.75 nats; 3.87 for the control, 2 nats"
+    assert [(m.group(1), m.group(2)) for m in NATS.finditer(text)] == [("6.95", "10.08"), (None, "4.75")]
+
+
+def test_a_loss_without_its_result_file_fails():
+    cited = "`research/family_builder/results/deep_pin4_long/target_done.json`"
+    assert unbacked_figures(f"# A page\n\nCopy 6.95 vs 10.08 nats, held-out 4.749 nats ({cited}).\n") == []
+    assert unbacked_figures(f"# A page\n\nHeld-out 4.76 vs 4.75 nats ({cited}).\n") == ["4.76nats (section 'A page')"]
 
 
 def test_renderings_of_a_fraction():
