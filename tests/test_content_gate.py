@@ -327,6 +327,71 @@ def test_gate_refuses_to_judge_when_the_target_does_not_read_its_context(tokeniz
     assert "\n" not in message and "without the context" in message and "--exact-layers" in message
 
 
+@pytest.mark.parametrize("mapper_type", ["ridge", "mlp"])
+def test_a_fit_the_gate_cannot_judge_fails_before_its_calibration_pass(tokenizer, monkeypatch, mapper_type):
+    # A default fit (exact layers "auto") whose screen will find copying (`target_copies` stands in for a target
+    # that copies from its context, as a layer-23 copier does) but whose target answers the gate's passage recall no
+    # better with the passage than without (random weights): the fit stops before the calibration pass or the MLP
+    # training runs, not after them (that copier's fit errored after 16 minutes of pass and probe).
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_kvtransfer import fit_mapper
+    from hf_kvtransfer.fitting import fit
+
+    def never(*args, **kwargs):
+        raise AssertionError("the calibration pass ran before the gate's precondition was checked")
+
+    monkeypatch.setattr(fit, "run_fit_pass", never)
+    monkeypatch.setattr(fit, "fit_mlp", never)
+    monkeypatch.setattr(fit, "target_copies", lambda *args, **kwargs: True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(FAMILY / "small")).eval()
+    text = (FAMILY / "calibration.txt").read_text(encoding="utf-8")[:20_000]
+    ids = torch.tensor(tokenizer(text)["input_ids"][: 8 * 64]).view(8, 64)
+    with pytest.raises(content_gate.ContextUnusedError) as err:
+        fit_mapper(model, model, ids, tokenizer=tokenizer, mapper_type=mapper_type, exact_layers_items=6, progress=False)
+    assert "\n" not in str(err.value) and "passage recall on 12 probe items" in str(err.value)
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_target_copies_says_what_the_screen_then_finds(tokenizer, trained):
+    # `target_copies` (before the pass, the target alone) and the screen (after it, with a mapper) must agree on
+    # whether there is copying to keep: the bundled model copies, the same shape with random weights does not.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = (AutoModelForCausalLM.from_pretrained(FAMILY / "small", dtype=torch.float32) if trained else
+             AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(FAMILY / "small"))).eval()  # fmt: skip
+    text = (FAMILY / "calibration.txt").read_text(encoding="utf-8")[:20_000]
+    stream = tokenizer(text)["input_ids"][:2048]
+    with torch.no_grad():
+        _, report = exact_layers.choose_num_exact_layers(model, model, exact_identity_mapper(model), stream, num_items=16)
+        copies = exact_layers.target_copies(model, stream, num_items=16)
+    assert copies == trained
+    assert copies == ("barely copies" not in report["reason"]), report["reason"]
+
+
+def test_the_checked_own_answers_are_the_ones_a_candidate_scores(tokenizer):
+    # The precondition's own and no-context scores become the reference of every candidate's recall: they must
+    # equal what scoring a candidate from scratch gives (eval's passage_recall, no reference).
+    from transformers import AutoModelForCausalLM
+
+    from hf_kvtransfer.evaluation.content import passage_recall
+
+    model = AutoModelForCausalLM.from_pretrained(FAMILY / "small", dtype=torch.float32).eval()
+    exact = exact_identity_mapper(model)
+    gate = ContentGate(model, model, tokenizer, None, tolerance=0.05, num_items=12, max_items=12)
+    with torch.no_grad():
+        found = gate.check_context()
+        verdict = gate.judge(exact, 1)
+        fresh = passage_recall(model, model, exact, gate.items["recall"][:12], num_exact_layers=1, progress=False,
+                               num_bootstrap=0)  # fmt: skip
+    own = np.asarray(fresh["correct_per_item"]["own"])
+    assert found["own_accuracy"] - found["no_context_accuracy"] > 0.05  # the trained model reads its passage
+    assert found["own_accuracy"] == own.mean() == verdict["tasks"]["recall"]["own_accuracy"]
+    assert verdict["tasks"]["recall"]["no_context_accuracy"] == np.mean(fresh["correct_per_item"]["no_context"])
+
+
 @settings(max_examples=200, derandomize=True)
 @given(st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=12))
 def test_a_reduced_rank_candidate_is_scored_after_its_full_rank_twin(twins):

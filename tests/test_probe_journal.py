@@ -5,12 +5,13 @@ written."""
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import random_ids, residual_pair, steady_timings, tiny_model
+from conftest import exact_identity_mapper, random_ids, residual_pair, steady_timings, tiny_model
 from hf_kvtransfer.fitting import content_gate, exact_layers
 from hf_kvtransfer.fitting.content_gate import ContentGate
 from hf_kvtransfer.fitting.probe_journal import ProbeJournal
@@ -112,20 +113,23 @@ def test_a_score_is_read_back_only_for_the_same_candidate_layers_and_items(tmp_p
     journal.score("repeated spans", base, 1, [[1, 2, 3], [4, 6]], compute)  # other items
     journal.score("cued recall", base, 1, items, compute)  # another probe
     assert len(calls) == 5
-    # What cannot come back from JSON as it was (a NaN, a tuple) is not kept: it is scored again after a restart.
-    journal.score("nan", base, 1, items, lambda: {"retention": float("nan")})
+    # What cannot come back from JSON as it was (a tuple) is not kept: it is scored again after a restart. A NaN (the
+    # interval of a score taken without a bootstrap, as the content gate's are) comes back as a NaN.
+    journal.score("nan", base, 1, items, lambda: {"retention": float("nan"), "ci": [float("nan"), 1.0]})
     journal.score("tuple", base, 1, items, lambda: {"ci": (0.1, 0.2)})
     reread = ProbeJournal(tmp_path / "j.jsonl", {"models": "the pair"})
     assert reread.score("repeated spans", base, 1, items, lambda: pytest.fail("scored again")) == first
-    assert len(reread.entries) == 5
+    nan = reread.score("nan", base, 1, items, lambda: pytest.fail("scored again"))
+    assert math.isnan(nan["retention"]) and math.isnan(nan["ci"][0]) and nan["ci"][1] == 1.0
+    assert len(reread.entries) == 6
     # A line cut short by a kill mid-write is dropped; the rest is read.
     with (tmp_path / "j.jsonl").open("a") as f:
         f.write('{"key": "abc", "result": {"retent')
     resumed = ProbeJournal(tmp_path / "j.jsonl", {"models": "the pair"})
-    assert len(resumed.entries) == 5
+    assert len(resumed.entries) == 6
     # and the next score goes on a line of its own, read back after another restart
     resumed.score("after the cut", base, 1, items, compute)
-    assert len(ProbeJournal(tmp_path / "j.jsonl", {"models": "the pair"}).entries) == 6
+    assert len(ProbeJournal(tmp_path / "j.jsonl", {"models": "the pair"}).entries) == 7
 
 
 def test_a_journal_of_other_models_is_started_afresh(tmp_path):
@@ -138,3 +142,30 @@ def test_a_journal_of_other_models_is_started_afresh(tmp_path):
     header = json.loads((tmp_path / "probe-journal-rank0-of-1.jsonl").read_text().splitlines()[0])
     assert header["context"]["target"]["weights_sample"] != ProbeJournal.for_fit(tmp_path, source, target).context[
         "target"]["weights_sample"]  # fmt: skip
+
+
+def test_the_content_gates_own_scores_come_back_from_the_journal(tokenizer, tmp_path, monkeypatch):
+    # The gate scores without a bootstrap, so its results hold NaN intervals: they must still be journaled, or an
+    # interrupted fit scores every gate verdict again. Real scoring on the bundled model first; then a fresh gate on
+    # the same journal decides alike with no model run.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(FAMILY / "small", dtype=torch.float32).eval()
+    exact = exact_identity_mapper(model)
+    context = {"models": "small"}
+
+    def gate(journal):
+        return ContentGate(model, model, tokenizer, None, tolerance=0.05, num_items=8, max_items=8, journal=journal)
+
+    with torch.no_grad():
+        first = gate(ProbeJournal(tmp_path / "j.jsonl", context))
+        checked, verdict = first.check_context(), first.judge(exact, 1)
+
+    def never(*args, **kwargs):
+        raise AssertionError("scored again")
+
+    monkeypatch.setattr(content_gate, "passage_recall", never)
+    monkeypatch.setattr(content_gate, "handoff", never)
+    again = gate(ProbeJournal(tmp_path / "j.jsonl", context))
+    assert again.check_context() == checked
+    assert json.dumps(again.judge(exact, 1), sort_keys=True) == json.dumps(verdict, sort_keys=True)

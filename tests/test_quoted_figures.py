@@ -1,12 +1,12 @@
-"""Every percentage, speed-up and loss in nats the README, the method, the guides, the results pages, the bundled families'
-READMEs and the studies' READMEs under research/ quote comes from a result file.
+"""Every percentage, speed-up and loss in nats the README, the method, the guides, the results pages, the bundled
+families' READMEs and the studies' READMEs under research/ quote comes from a result file.
 
-A figure such as `97.8%`, `1.98x` or `4.75 nats` (or both of `6.95 vs 10.08 nats`) in a page's prose (outside code blocks and generated tables) must be a value
-of a result file named in the same section of the page (or in the page's opening, before its first `##`), as
-the value itself, as a percentage of a fraction, or rounded; or a figure of a generated table included in that
-section (`docs/snippets/`, which `docs/render_tables.py` renders from result files). Result files are the files
-under `research/` in a `results*` folder. Numbers that are not results (a probe's threshold, a CI's level) are
-allowed by the patterns in `NOT_RESULTS`, each with its reason.
+A figure such as `97.8%`, `1.98x` or `4.75 nats` (or both of `6.95 vs 10.08 nats`) in a page's prose (outside code
+blocks and generated tables) must be a value of a result file named in the same section of the page (or in the
+page's opening, before its first `##`), as the value itself, as a percentage of a fraction, or rounded; or a figure
+of a generated table included in that section (`docs/snippets/`, which `docs/render_tables.py` renders from result
+files). Result files are the files under `research/` in a `results*` folder. Numbers that are not results (a probe's
+threshold, a CI's level) are allowed by the patterns in `NOT_RESULTS`, each with its reason.
 
 So a figure whose result file is not in the repository, or not named beside it, fails here; a figure that no
 longer matches its file fails too, unless the new value happens to round to it.

@@ -334,7 +334,7 @@ def test_the_fit_hands_the_callers_refiner_to_the_probe(pair, monkeypatch):
     source, target, ids, _, _ = pair
     seen = []
 
-    def record(source, target, mapper, ids, mask, config, log=None, searched=(), refine=None, tokenizer=None):
+    def record(source, target, mapper, ids, mask, config, log=None, searched=(), refine=None, gate=None):
         seen.append(refine)
         return mapper
 

@@ -3,8 +3,9 @@ probe scores (`fitting/probe_journal.py`) and `eval`'s finished tasks (`evaluati
 
 A result is found again only by what determines it: what was computed (a name and its settings), the mapper's
 weights and config, its exact layers and the inputs themselves (hashed); the journal's header names the models, and
-a journal of other models is dropped whole. Only results that survive a JSON round trip unchanged are kept (a
-result with a NaN is computed again), so a resumed run reads exactly what the first one computed. A line cut short
+a journal of other models is dropped whole. Only results that survive a JSON round trip unchanged are kept (a tuple
+or a numpy number is computed again; a NaN, such as the interval of a score taken without a bootstrap, is written as
+Python's `json` writes it and comes back as a NaN), so a resumed run reads exactly what the first one computed. A line cut short
 by a kill is skipped (that result is computed again).
 
 Example:
@@ -20,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -58,10 +60,10 @@ class ResultJournal:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps({"context": self.context}) + "\n", encoding="utf-8")
 
-    def score(self, what: str, mapper: KVMapper, num_exact: int, items: Sequence, compute: Callable[[], dict],
+    def score(self, what: str, mapper: KVMapper | None, num_exact: int, items: Sequence, compute: Callable[[], dict],
               **settings: Any) -> dict:  # fmt: skip
-        """`compute()`'s result for this mapper, exact layers, items and settings: read back when journaled, else
-        computed and appended."""
+        """`compute()`'s result for this mapper (None: the target alone), exact layers, items and settings: read back
+        when journaled, else computed and appended."""
         key = self._key(what, mapper, num_exact, items, settings)
         if key in self.entries:
             self.reused += 1
@@ -72,16 +74,16 @@ class ResultJournal:
         if text is not None:
             self.entries[key], self.names[key] = text, what
             with self.path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps({"key": key, "what": what, "result": result}, allow_nan=False) + "\n")
+                f.write(json.dumps({"key": key, "what": what, "result": result}) + "\n")
         return result
 
     def kept_names(self) -> Counter[str | None]:
         """How many results the journal holds, by what was computed."""
         return Counter(self.names.get(key) for key in self.entries)
 
-    def _key(self, what: str, mapper: KVMapper, num_exact: int, items: Sequence, settings: dict[str, Any]) -> str:
+    def _key(self, what: str, mapper: KVMapper | None, num_exact: int, items: Sequence, settings: dict[str, Any]) -> str:
         h = hashlib.sha256(json.dumps([what, num_exact, settings], sort_keys=True, default=str).encode())
-        h.update(self.fingerprint(mapper).encode())
+        h.update(("target alone" if mapper is None else self.fingerprint(mapper)).encode())
         h.update(repr(list(items)).encode())
         return h.hexdigest()
 
@@ -111,7 +113,7 @@ class ResultJournal:
                 entry = json.loads(line)
             except ValueError:
                 continue  # a line cut short when the run was killed mid-write: that result is computed again
-            self.entries[entry["key"]] = json.dumps(entry["result"], allow_nan=False)
+            self.entries[entry["key"]] = json.dumps(entry["result"])
             self.names[entry["key"]] = entry.get("what")
 
 
@@ -138,14 +140,23 @@ def model_identity(model) -> dict[str, Any]:
 
 
 def _exact_json(value: Any) -> str | None:
-    """`value` as JSON when reading it back gives `value` itself, else None (a tuple, a numpy number, a NaN)."""
+    """`value` as JSON when reading it back gives `value` itself (a NaN for a NaN), else None (a tuple, a numpy
+    number)."""
     if not _json_native(value):
         return None
-    try:
-        text = json.dumps(value, allow_nan=False)
-    except ValueError:
-        return None
-    return text if json.loads(text) == value else None
+    text = json.dumps(value)
+    return text if _same(json.loads(text), value) else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """`a == b`, but a NaN equals a NaN (what a round trip through JSON gives back for one)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _json_native(value: Any) -> bool:

@@ -116,7 +116,8 @@ class ContentGate:
             self.source, self.target, mapper, items, num_exact_layers=num_exact, progress=False,
             reference=self._own.get(key), num_bootstrap=0, seed=self.seed,
         ), seed=self.seed)  # fmt: skip
-        self._own.setdefault(key, result)
+        if key not in self._own or "source_alone" not in self._own[key]["correct_per_item"]:
+            self._own[key] = result  # the settings no candidate changes (the source alone too, once scored)
         return result
 
     def _per_item(self, task: str, mapper: KVMapper, num_exact: int, stops: list[int]) -> dict[str, np.ndarray]:
@@ -143,10 +144,31 @@ class ContentGate:
                 "gap_recovered_ci": gap.get("gap_recovered_ci"), "decision": decided,
                 "required_items": required_items(d, self.tolerance)}  # fmt: skip
 
+    def check_context(self) -> dict[str, Any]:
+        """The gate's precondition, before a fit's calibration pass: the target's own passage recall on the first
+        stage's probe items is more than the tolerance above its answer without the passage, else
+        `ContextUnusedError`; a pair the gate cannot judge then fails in the time of this one measurement, not after
+        the pass. The scores become the reference every candidate's recall reuses. (Hand-off's own answer follows
+        the source's answer to its first question, so hand-off is checked when the first candidate is scored.)
+
+        Returns:
+            `{"num_items", "own_accuracy", "no_context_accuracy"}` of passage recall.
+        """
+        items = self.items["recall"][: self.num_items]
+        result = scored(self.journal, "gate recall", None, 0, items, lambda: passage_recall(
+            None, self.target, None, items, progress=False, num_bootstrap=0, seed=self.seed,
+        ), seed=self.seed)  # fmt: skip
+        correct = result["correct_per_item"]
+        found = {"num_items": len(items), "own_accuracy": float(np.mean(correct["own"])),
+                 "no_context_accuracy": float(np.mean(correct["no_context"]))}  # fmt: skip
+        self._check_context_matters("recall", found)
+        self._own.setdefault(("recall", 0, self.num_items), result)
+        return found
+
     def _check_context_matters(self, task: str, verdict: dict[str, Any]) -> None:
         """Refuse to judge when the target's own accuracy is within the tolerance of its accuracy without the
         context: a transfer that loses the whole context would then pass (a broken model run, e.g. a dtype or device
-        the models do not run correctly on, or a pair that does not read its context)."""
+        the models do not run correctly on, or a target that barely reads its context)."""
         own, blind = verdict["own_accuracy"], verdict["no_context_accuracy"]
         if own - blind > self.tolerance:
             return

@@ -126,17 +126,13 @@ def choose_num_exact_layers(
         "tried": [],
         "chosen": None,
     }
-    prefix_len = prefix_len or probe_prefix_len(len(stream))
-    if prefix_len is None:
+    items, prefix_len = _screen_items(target, stream, num_items, seed, prefix_len)
+    if items is None:
         report["reason"] = (
             f"{len(stream)} held-out tokens are too few for the probe (it needs "
             f"{2 * (PROBE_PREFIX_LEN // 4 + PROBE_CONTINUATION_LEN) + 24}); default {DEFAULT_NUM_EXACT_LAYERS} kept"
         )
         return None, report
-    items = repeated_span_items(
-        target.config.get_text_config().vocab_size, stream, num_items, seed=seed, prefix_len=prefix_len,
-        continuation_len=PROBE_CONTINUATION_LEN, kind="text",
-    )  # fmt: skip
     report["prefix_len"] = prefix_len
 
     hi = _probe_bisection(source, target, mapper, items, num_layers, min_retention, report, progress, journal)
@@ -146,6 +142,39 @@ def choose_num_exact_layers(
     report["tried"].sort(key=lambda row: row["num_exact_layers"])
     report["reason"] = _num_exact_reason(hi, num_layers, min_retention)
     return hi, report
+
+
+def _screen_items(target: PreTrainedModel, stream: list[int], num_items: int, seed: int,
+                  prefix_len: int | None) -> tuple[list | None, int | None]:  # fmt: skip
+    """The screen's repeated-span items cut from `stream` and their prefix length (None, None: too few tokens)."""
+    prefix_len = prefix_len or probe_prefix_len(len(stream))
+    if prefix_len is None:
+        return None, None
+    return repeated_span_items(
+        target.config.get_text_config().vocab_size, stream, num_items, seed=seed, prefix_len=prefix_len,
+        continuation_len=PROBE_CONTINUATION_LEN, kind="text",
+    ), prefix_len  # fmt: skip
+
+
+def _copies(gain: dict[str, Any]) -> bool:
+    """Whether a target's copy gain on the screen's repeated spans (own vs first occurrence replaced) says it copies."""
+    return gain["mean"] >= MIN_COPY_GAIN and gain["ci"][0] > 0
+
+
+@torch.no_grad()
+def target_copies(target: PreTrainedModel, token_ids: list[int] | torch.Tensor, *, num_items: int = 64,
+                  prefix_len: int | None = None, seed: int = 0, journal: ProbeJournal | None = None) -> bool:  # fmt: skip
+    """Whether the screen of `choose_num_exact_layers` (same arguments) will compare candidates: its stream is long
+    enough and the target copies from its context on its items. It reads the target alone (no source, no mapper), so
+    a fit can ask before its calibration pass; where it is False the fit keeps the default exact layers unjudged."""
+    stream = probe_stream(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
+    items, _ = _screen_items(target, stream, num_items, seed, prefix_len)
+    if items is None:
+        return False
+    own = scored(journal, "repeated spans", None, 0, items, lambda: repeated_span_retention(
+        None, target, None, items, num_recompute_tokens=PROBE_RECOMPUTE_TOKENS, progress=False,
+    ), recompute=PROBE_RECOMPUTE_TOKENS)  # fmt: skip
+    return _copies(own["context_gain"])
 
 
 def _num_exact_reason(num_exact: int, num_layers: int, min_retention: float) -> str:
@@ -205,7 +234,7 @@ def _bisect(
     `report`, when the target barely copies from its context: nothing to keep)."""
     first = retention(DEFAULT_NUM_EXACT_LAYERS)
     gain = report["copy_gain"]
-    if first is None or gain["mean"] < MIN_COPY_GAIN or gain["ci"][0] <= 0:
+    if first is None or not _copies(gain):
         report["reason"] = (
             f"the target barely copies from its context on the probe (NLL gain {gain['mean']:.3f} nats/token, "
             f"95% CI [{gain['ci'][0]:.3f}, {gain['ci'][1]:.3f}]; needs >= {MIN_COPY_GAIN}): there is no content to "
@@ -828,4 +857,4 @@ def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
 
 
 __all__ = ["MIN_COPY_GAIN", "TIMING_ROUNDS", "ProbeOptions", "choose_configuration", "choose_num_exact_layers",
-           "configuration_cost", "probe_stream"]
+           "configuration_cost", "probe_stream", "target_copies"]

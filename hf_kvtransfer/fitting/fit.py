@@ -48,7 +48,7 @@ from .config import (
     resolve_config,
 )
 from .content_gate import ContentGate, gate_line, heldout_texts, tolerance_points
-from .exact_layers import choose_configuration, probe_stream
+from .exact_layers import choose_configuration, probe_stream, target_copies
 from .exact_window import with_exact_window
 from .fit_inputs import FitInput, fit_input_named, registered_fit_inputs
 from .mlp import fit_mlp
@@ -434,9 +434,10 @@ def fit_mappers(
     _warn_beyond_positions(source, target, ids.shape[1])
     if info:
         mapper_kwargs.setdefault("calibration", info)
+    gate = _checked_gate(source, target, tokenizer, ids, mask, config)  # before the pass: a pair it cannot judge fails now
     if config.mapper_type == MLP:
         mapper = fit_mlp(source, target, ids, mask, config, log=log, **mapper_kwargs)
-        mapper = with_exact_layers(source, target, mapper, ids, mask, config, log, tokenizer=tokenizer)
+        mapper = with_exact_layers(source, target, mapper, ids, mask, config, log, gate=gate)
         return {mapper_name(config.top_k_values[0]): _with_quality_gate(source, target, mapper, ids, mask, config)}
     metadata = {"calibration": mapper_kwargs.pop("calibration")} if "calibration" in mapper_kwargs else None
     kv = plan_kv_sums(source, target, ids.shape[0], config)
@@ -451,7 +452,7 @@ def fit_mappers(
     )  # fmt: skip
     return {name: _with_quality_gate(source, target, with_exact_layers(
                 source, target, m, ids, mask, config, log, searched=searched, refine=refine,
-                tokenizer=tokenizer), ids, mask, config)
+                gate=gate), ids, mask, config)
             for name, m in mappers.items()}  # fmt: skip
 
 
@@ -507,31 +508,28 @@ def with_exact_layers(
     log: Callable[[str], None] | None = None,
     searched: Sequence[tuple[FitInput, Any]] = (),
     refine: Callable[[KVMapper], KVMapper] | None = None,
-    tokenizer=None,
+    gate: ContentGate | None = None,
 ) -> KVMapper:
     """`mapper` with `config.num_exact_layers` recorded: a given number as is, "auto" from the content probe
     (`exact_layers.choose_configuration`) on the held-out calibration sequences (all of them without a
     held-out shard), its table in `mapper.report["exact_layers"]`. With `searched` (fit inputs and the statistics the
     calibration pass collected for them, `fit_inputs.py`) the probe also tries each input's candidates (e.g. maps reading
     the target's residual stream) and may return one of them; `refine` (the caller's) turns each of those candidates
-    into the one probed (`fit_mapper`). With the models' `tokenizer` the choice is made by the
-    content gate (`content_gate.py`: passage recall and hand-off on probe items, paired against the target's own
-    answers, `config.exact_layers_tolerance`); without one the screen decides (a warning says so). Then the exact
-    pass's window (`config.exact_window`; "auto": the smallest the gate accepts, `exact_window.py`)."""
+    into the one probed (`fit_mapper`). With a content `gate` (`_checked_gate`: passage recall and hand-off on
+    probe items, paired against the target's own answers, `config.exact_layers_tolerance`) the gate makes the
+    choice; without one the screen decides. Then the exact pass's window (`config.exact_window`; "auto": the
+    smallest the gate accepts, `exact_window.py`)."""
     if config.num_exact_layers != "auto":  # given: no probe, and a window only when given too
         window = None if config.exact_window == "auto" else config.exact_window
         mapper.config = dataclasses.replace(mapper.config, num_exact_layers=config.num_exact_layers, exact_window=window)
         return mapper
-    num_heldout = heldout_count(input_ids.shape[0], config.heldout_fraction)
-    rows = slice(-num_heldout, None) if num_heldout else slice(None)
-    mask = attention_mask[rows] if attention_mask is not None else None
+    rows, mask, num_heldout = _probe_rows(input_ids, attention_mask, config)
     started = time.perf_counter()
     candidates = [m for fit_input, stats in searched for m in fit_input.candidates(mapper, stats, config)]
-    journal = _probe_journal(source, target, config)
-    gate = _content_gate(source, target, tokenizer, input_ids[rows], mask, config, journal)
+    journal = gate.journal if gate is not None else _probe_journal(source, target, config)
     with torch.no_grad():
         mapper, report = choose_configuration(
-            source, target, mapper, probe_stream(input_ids[rows], mask), candidates=candidates,
+            source, target, mapper, probe_stream(rows, mask), candidates=candidates,
             min_retention=config.exact_layers_retention, num_items=config.exact_layers_items,
             timing_tokens=config.exact_layers_timing_tokens, refine=refine, gate=gate, progress=config.progress,
             journal=journal,
@@ -544,6 +542,34 @@ def with_exact_layers(
         f"{_probe_summary(report)}; {time.perf_counter() - started:.0f} s{reused})"
     )
     return with_exact_window(mapper, gate, config.exact_window, log)
+
+
+def _probe_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: FitConfig):
+    """`(rows, mask, num_heldout)`: the calibration rows the probe reads, the held-out ones (all of them without a
+    held-out shard)."""
+    num_heldout = heldout_count(input_ids.shape[0], config.heldout_fraction)
+    rows = slice(-num_heldout, None) if num_heldout else slice(None)
+    return input_ids[rows], attention_mask[rows] if attention_mask is not None else None, num_heldout
+
+
+def _checked_gate(source, target, tokenizer, input_ids, attention_mask, config: FitConfig) -> ContentGate | None:
+    """The content gate of a fit that chooses its exact layers (None for a fixed count, or without a tokenizer),
+    its precondition checked before the calibration pass: where the screen will compare candidates (the target
+    copies from its context, `exact_layers.target_copies`), a target that answers the gate's probe items no better
+    with their passage than without (`ContentGate.check_context`) fails in the time of that check, not after the
+    pass. (A target that does not copy keeps the default exact layers unjudged, as the screen decides.)"""
+    if config.num_exact_layers != "auto":
+        return None
+    rows, mask, _ = _probe_rows(input_ids, attention_mask, config)
+    journal = _probe_journal(source, target, config)
+    gate = _content_gate(source, target, tokenizer, rows, mask, config, journal)
+    if gate is not None and target_copies(target, probe_stream(rows, mask), num_items=config.exact_layers_items,
+                                          journal=journal):  # fmt: skip
+        with torch.no_grad():
+            found = gate.check_context()
+        logger.info("content gate: the target's own passage recall on %d probe items %.1f%%, %.1f%% without the "
+                    "passage", found["num_items"], 100 * found["own_accuracy"], 100 * found["no_context_accuracy"])  # fmt: skip
+    return gate
 
 
 def _probe_journal(source, target, config: FitConfig) -> ProbeJournal | None:

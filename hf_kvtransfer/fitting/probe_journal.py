@@ -1,6 +1,7 @@
 """The fit's probe scores kept on disk while it runs, so an interrupted fit resumes its probe where it stopped.
 
-After the calibration pass (checkpointed by `calibration_pass`), a fit with `num_exact_layers="auto"` scores its
+A fit with `num_exact_layers="auto"` scores the target alone before its calibration pass (does it copy, does it
+read the gate's passages: `fit._checked_gate`), then, after the pass (checkpointed by `calibration_pass`), its
 candidates: repeated spans, cued recall and the content gate's passage recall and hand-off, each a forward of both
 models over a few hundred items per candidate. On the deep bundled pair that took 1,993 s of a 2,870 s fit. Each
 score is appended to a journal (`core/journal.py`) beside the calibration checkpoint; a rerun of the same fit reads
@@ -39,7 +40,7 @@ class ProbeJournal(ResultJournal):
         return cls(Path(checkpoint_dir) / f"{JOURNAL_PREFIX}{rank}-of-{world}.jsonl", context)
 
 
-def scored(journal: ProbeJournal | None, what: str, mapper: KVMapper, num_exact: int, items: Sequence,
+def scored(journal: ProbeJournal | None, what: str, mapper: KVMapper | None, num_exact: int, items: Sequence,
            compute: Callable[[], dict], **settings: Any) -> dict:  # fmt: skip
     """`journal.score(...)`, or `compute()` without a journal."""
     if journal is None:
