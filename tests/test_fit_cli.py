@@ -321,6 +321,38 @@ def test_solve_from_kept_statistics_without_models(pair, tmp_path, monkeypatch, 
     assert "--stats-dir" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
+def test_a_fixed_exact_layers_fit_resumes_the_statistics_a_searching_fit_kept(pair, tmp_path, monkeypatch):
+    """What the content gate advises when it cannot judge a target is `--exact-layers N`: the same command with it
+    resumes the statistics the searching fit checkpointed (their residual sums go unused) instead of refusing the
+    checkpoint as another fit's, runs no model forward of the pass, and writes what a fresh fixed fit writes."""
+    from hf_kvtransfer.fitting import fit as fit_module
+
+    def searching(output):
+        argv = _args(pair, output, "--heldout-fraction", "0.5")
+        argv[argv.index("--residual-inputs") + 1] = "auto"  # the default: the residual's sums are collected too
+        return argv
+
+    def fixed(output):
+        return _args(pair, output, "--heldout-fraction", "0.5", "--exact-layers", "1")
+
+    assert main(fixed(tmp_path / "fresh")) == 0
+    real_summary = fit_module._probe_summary
+
+    def interrupt(report):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fit_module, "_probe_summary", interrupt)  # stopped after its pass, while choosing
+    out = tmp_path / "mapper"
+    assert main(searching(out)) == 130
+    assert list(out.with_name(f".{out.name}.fit-checkpoint").glob("checkpoint-*.safetensors"))
+    monkeypatch.setattr(fit_module, "_probe_summary", real_summary)
+    counter = _CountingCapture()
+    monkeypatch.setattr(calibrate_module, "capture_kv", counter)
+    assert main(fixed(out)) == 0
+    assert counter.calls == 0
+    _assert_same_mapper(tmp_path / "fresh", out, rtol=0, atol=0)
+
+
 def test_a_fit_interrupted_while_probing_resumes_without_scoring_again(pair, tmp_path, monkeypatch, capsys):
     """Ctrl-C after the calibration pass, while the exact layers are chosen: the statistics and the probe's scores
     stay beside the output, the message says so, and the same command resumes with no model forward of the

@@ -313,11 +313,15 @@ def _sample_hash_of_all_ranks(input_ids: torch.Tensor, world: int, group) -> str
 
 def _resume(path: Path, run: dict, saving: Sequence[CalibrationConsumer]) -> int:
     """Load the checkpoint at `path` into the checkpointable consumers `saving`; the sequences it has done.
-    Raises if it belongs to another `run` (models, data or options)."""
+    Raises if it belongs to another `run` (models, data or options). A checkpoint that also holds the sums of
+    consumers this pass does not run (a fit with `--exact-layers N` after one that searched the residual's maps)
+    is resumed for the sums this pass needs: the rest go unused."""
     meta, tensors = read_checkpoint_state(path)
-    if meta["run"] != _json_roundtrip(run):
-        expected = _json_roundtrip(run)
-        diffs = sorted(k for k in set(expected) | set(meta["run"]) if expected.get(k) != meta["run"].get(k))
+    expected, stored = _json_roundtrip(run), meta["run"]
+    unused = sorted(set(meta["consumers"]) - {c.name for c in saving})
+    diffs = sorted(k for k in set(expected) | set(stored)
+                   if expected.get(k) != stored.get(k) and not (k not in expected and unused))  # fmt: skip
+    if diffs:
         raise ValueError(
             f"checkpoint {path} belongs to a different fit (differs in: {', '.join(diffs)}); rerun with the same "
             "models, data and options to resume it, or delete it (or choose another --stats-dir) to start over"
@@ -327,7 +331,8 @@ def _resume(path: Path, run: dict, saving: Sequence[CalibrationConsumer]) -> int
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         c.load_checkpoint_state(state, meta["consumers"][c.name], str(path))
     done = int(meta["done"])
-    logger.warning("resuming from %s: %d sequences of this rank already done", path, done)
+    logger.warning("resuming from %s: %d sequences of this rank already done%s", path, done,
+                   f" (its {', '.join(unused)} sums unused by this fit)" if unused else "")  # fmt: skip
     return done
 
 
