@@ -5,8 +5,8 @@ A result is found again only by what determines it: what was computed (a name an
 weights and config, its exact layers and the inputs themselves (hashed); the journal's header names the models, and
 a journal of other models is dropped whole. Only results that survive a JSON round trip unchanged are kept (a tuple
 or a numpy number is computed again; a NaN, such as the interval of a score taken without a bootstrap, is written as
-Python's `json` writes it and comes back as a NaN), so a resumed run reads exactly what the first one computed. A line cut short
-by a kill is skipped (that result is computed again).
+Python's `json` writes it and comes back as a NaN), so a resumed run reads exactly what the first one computed. A
+line cut short by a kill is skipped (that result is computed again).
 
 Example:
     ```python
