@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -141,22 +140,8 @@ def model_identity(model) -> dict[str, Any]:
 
 def _exact_json(value: Any) -> str | None:
     """`value` as JSON when reading it back gives `value` itself (a NaN for a NaN), else None (a tuple, a numpy
-    number)."""
-    if not _json_native(value):
-        return None
-    text = json.dumps(value)
-    return text if _same(json.loads(text), value) else None
-
-
-def _same(a: Any, b: Any) -> bool:
-    """`a == b`, but a NaN equals a NaN (what a round trip through JSON gives back for one)."""
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
+    number): for JSON's own types, written as Python's `json` writes them, the round trip is exact."""
+    return json.dumps(value) if _json_native(value) else None
 
 
 def _json_native(value: Any) -> bool:
