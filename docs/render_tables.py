@@ -315,7 +315,8 @@ RESULTS = {
     # recipe's control run, and a run whose copying formed near its top. EXPORT is the run's export folder.
     **{f"{kind}_{name}": Result(f"research/family_builder/results/{folder}/{file}", command.format(run=run), "2026-12-07")
        for name, folder, run in (("deep_cpu", "deep_cpu", ""),
-                                 ("deep_late", "deep_pin4_long", " --prev-token-layer 4 --copy-phase 0.6"))
+                                 ("deep_late", "deep_pin4_long", " --prev-token-layer 4 --copy-phase 0.6"),
+                                 ("deep_top", "deep_pin2_long", " --prev-token-layer 2 --copy-phase 0.6"))
        for kind, file, command in (
            ("copy_heads", "copy_heads.json", "python research/family_builder/train_deep.py --models target{run} "
                                              "--run-dir RUN --export-dir EXPORT; OMP_NUM_THREADS=1 python "
@@ -1163,7 +1164,8 @@ def copy_depth() -> str:
             ("bundled, large -> small", "copy_heads_family", "small", "l2s"),
             ("deep, source -> target", "copy_heads_family_deep", "target", "deep"),
             ("deep, source -> a second target (trained on the CPU)", "copy_heads_deep_cpu", None, "deep_cpu"),
-            ("deep, source -> a target that copies late", "copy_heads_deep_late", None, "deep_late")):
+            ("deep, source -> a target that copies late", "copy_heads_deep_late", None, "deep_late"),
+            ("deep, source -> a target that copies in layers 17, 20 and 23", "copy_heads_deep_top", None, "deep_top")):
         models = RESULTS[heads].load()["models"]
         summary = models[model] if model else next(iter(models.values()))  # None: the file's one model
         layers, copy = summary["num_layers"], summary["copy"]["summary"]["best_layer"]
@@ -1188,7 +1190,8 @@ def copy_depth() -> str:
     return "\n\n".join([table(header, rows), note, sources(
         "copy_heads_family", "copy_heads_family_deep", "gate_fit_s2l", "gate_mapper_s2l", "gate_fit_l2s",
         "gate_mapper_l2s", "gate_fit_deep", "gate_mapper_deep", "copy_heads_deep_cpu", "gate_fit_deep_cpu",
-        "gate_mapper_deep_cpu", "copy_heads_deep_late", "gate_fit_deep_late", "gate_mapper_deep_late")])
+        "gate_mapper_deep_cpu", "copy_heads_deep_late", "gate_fit_deep_late", "gate_mapper_deep_late",
+        "copy_heads_deep_top", "gate_fit_deep_top", "gate_mapper_deep_top")])
 
 
 def deep_windowed() -> str:

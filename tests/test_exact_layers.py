@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import exact_identity_mapper, random_ids
+from conftest import exact_identity_mapper, random_ids, tiny_model
 from hf_kvtransfer import FitConfig, TransferredCache, fit_mapper, prefill
 from hf_kvtransfer.fitting.exact_layers import choose_num_exact_layers, probe_stream
 from hf_kvtransfer.core.mapper import DEFAULT_NUM_EXACT_LAYERS
@@ -289,8 +289,6 @@ def test_skipped_candidates_are_summarised_as_runs_of_exact_layers(layers):
 
 @pytest.fixture(scope="module")
 def labelled_mapper():
-    from conftest import tiny_model
-
     return exact_identity_mapper(tiny_model("qwen3", num_hidden_layers=2, seed=0))
 
 
@@ -320,3 +318,46 @@ def test_the_source_only_gate_finds_the_first_accepted_count_in_logarithmic_verd
     assert all(num_layers > k >= first for k in judged)
     assert sorted(r["num_exact_layers"] for r in rows if "gate" in r) == sorted(judged)
     assert _gate_source_only(None, labelled_mapper, first, num_layers, []) == first
+
+
+def test_a_mapper_that_saves_little_is_named_by_its_share_of_the_prefill_torch_counts(qwen3_model):
+    """`little_saved` warns exactly when a mapper's default transfer (exact layers, maps, then the last 32 tokens
+    through the whole target) costs the first token more than half the target's own prefill, and names that share:
+    checked against torch's FLOP counter on the target's own forward and on the transfer done by hand, for every
+    exact-layer count (the counter sees eager attention's full square where the count takes the causal half: a wide
+    MLP makes attention a few percent, and counts whose share is near the line are left out); all layers exact is
+    the target's own prefill."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_kvtransfer import KVMapper, MapperConfig
+    from hf_kvtransfer.fitting.exact_layers import LITTLE_SAVED, little_saved
+
+    target = tiny_model("qwen3", num_hidden_layers=6, seed=5, intermediate_size=4096)
+    source, seq, recompute = qwen3_model, 256, 32  # the cache's default recomputed tokens
+    ids = random_ids(1, seq, seed=3)
+    layers, transferred = target.config.num_hidden_layers, seq - recompute
+    config = MapperConfig(source.config.to_dict(), target.config.to_dict(), [[0]] * layers)
+    with FlopCounterMode(display=False) as counter:
+        target.model(ids)
+    own = counter.get_total_flops()
+    source_cache = prefill(source, ids[:, :transferred])
+    decided = 0
+    for n in range(layers):
+        mapper = KVMapper(config).with_config(num_exact_layers=n)
+        cache = TransferredCache(source_cache, mapper, num_recompute_tokens=0, input_ids=ids[:, :transferred], model=target)
+        with FlopCounterMode(display=False) as counter:
+            cache.convert_all()
+            target.model(ids[:, transferred:], cache=cache)
+        share = counter.get_total_flops() / own
+        line = little_saved(mapper, seq)
+        if abs(share - LITTLE_SAVED) < 0.05:
+            continue
+        decided += 1
+        assert (line is not None) == (share > LITTLE_SAVED), (n, share, line)
+        if line is not None:
+            stated = int(line.split("transfer does ")[1].split("%")[0])
+            assert abs(stated - 100 * share) <= 3, (n, share, line)
+            assert f"{n} of {layers} target layers" in line and f"{seq}-token prompt" in line
+    assert decided >= layers - 1
+    line = little_saved(KVMapper(config).with_config(num_exact_layers=layers), seq)
+    assert line is not None and f"all {layers} target layers" in line and "saves nothing" in line

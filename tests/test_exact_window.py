@@ -252,7 +252,8 @@ def test_fit_config_window_grammar_and_a_given_window_is_recorded(qwen3_model, c
 
 def test_info_plan_and_eval_say_what_the_window_is(tmp_path, capsys):
     from hf_kvtransfer.commands import cli
-    from hf_kvtransfer.commands.plan import mapper_first_token, plan_transfer
+    from hf_kvtransfer.commands.plan import plan_transfer
+    from hf_kvtransfer.core.flops import mapper_first_token
     from hf_kvtransfer.commands.reporting import transfer_settings
 
     model = tiny_model("qwen3", num_hidden_layers=4)

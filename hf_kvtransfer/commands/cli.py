@@ -263,7 +263,7 @@ def _run_info(args) -> int:
     if args.json:
         print(json.dumps(config, indent=2, sort_keys=True))
         return 0
-    from .plan import mapper_first_token
+    from ..core.flops import mapper_first_token
 
     # Describe only a mapper that loads: opened as `from_pretrained` opens it (every shard, shapes, finite values).
     mapper = KVMapper.from_pretrained(str(path), local_files_only=True)

@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from ..core.loading import DTYPES, parse_dtype
-from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
+from ..core.flops import first_token_parts, mapping_flops, prefill_flops
 from ..core.map_inputs import InputCost, MapInput, PlanShape, map_input_class, registered_map_inputs
 from ..core.mapper_types import LOWRANK, RIDGE
 from ..core.options import with_options
@@ -46,7 +46,6 @@ __all__ = [
     "first_token_flops",
     "format_plan",
     "map_input_costs",
-    "mapper_first_token",
     "plan_transfer",
 ]
 
@@ -276,11 +275,9 @@ def first_token_flops(
     input_ranks: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """FLOPs to the target's first token for a `seq_len`-token prompt whose source cache is at hand, batch 1, by
-    part, as `TransferredCache` computes it: the target's first `num_exact_layers` layers over the transferred
-    tokens (`seq_len - num_recompute_tokens`; `flops.exact_layers_flops`), the maps of the other layers over them,
-    and the last `num_recompute_tokens` tokens through every layer, attending to the rest; beside it the target's own
-    prefill. Transformer bodies (no LM head), as `flops.prefill_flops` counts them. `mapper` is a planning mapper
-    (`planning_mapper`) or a loaded one, whose own map inputs are then counted in `mapping`.
+    part (`flops.first_token_parts`: exact layers, maps, recomputed tokens, and the target's own prefill beside them),
+    with what planned map inputs would add. `mapper` is a planning mapper (`planning_mapper`) or a loaded one, whose
+    own map inputs are then counted in `mapping`.
 
     With `inputs` (`{input name: positions}`), the maps also read those map inputs (`MapInput.cost`; e.g. the target's
     residual stream entering the last exact layer, which the exact pass computes anyway before that layer's
@@ -292,44 +289,16 @@ def first_token_flops(
     Returns:
         `{"own_prefill", "exact_layers", "mapping", "map_inputs", "recompute", "total"}` (total: the transfer).
     """
-    layers = text_config(target_config).num_hidden_layers
-    if not 0 <= num_exact_layers <= layers:
-        raise ValueError(f"num_exact_layers must be in [0, {layers}] (the target's layers), got {num_exact_layers}")
-    if not 1 <= num_recompute_tokens <= seq_len:
-        raise ValueError(f"num_recompute_tokens must be in [1, {seq_len}] (the prompt), got {num_recompute_tokens}")
+    core = first_token_parts(target_config, mapper, seq_len, num_exact_layers=num_exact_layers,
+                             num_recompute_tokens=num_recompute_tokens, exact_window=exact_window)  # fmt: skip
+    mapped = text_config(target_config).num_hidden_layers - num_exact_layers
     transferred = seq_len - num_recompute_tokens
-    mapped = layers - num_exact_layers
-    # The maps of the layers after the exact ones, with what a loaded mapper's own inputs add (a planning mapper has
-    # none: `inputs` costs them from the shapes).
-    mapping = mapping_flops(mapper, transferred, num_exact_layers)
     costs = [_input_cost(map_input_class(name), target_config, mapped, transferred, count, rank, _FLOPS_ONLY, input_ranks)
              for name, count in (inputs or {}).items()]  # fmt: skip
-    parts = {
-        "own_prefill": prefill_flops(target_config, seq_len)["total"],
-        "exact_layers": exact_layers_flops(target_config, transferred, num_exact_layers, window=exact_window),
-        "mapping": mapping if source_inputs else 0,
-        "map_inputs": sum(c.flops for c in costs if c is not None),
-        "recompute": prefill_flops(target_config, num_recompute_tokens, context_len=transferred)["total"],
-    }
+    parts = {**core, "mapping": core["mapping"] if source_inputs else 0,
+             "map_inputs": sum(c.flops for c in costs if c is not None)}  # fmt: skip
     parts["total"] = parts["exact_layers"] + parts["mapping"] + parts["map_inputs"] + parts["recompute"]
     return parts
-
-
-def mapper_first_token(mapper, lengths: tuple[int, ...] = (1024, 4096),
-                       num_recompute_tokens: int | None = None) -> dict[int, dict[str, int]]:  # fmt: skip
-    """`first_token_flops` of a saved mapper at its defaults (`resolve_transfer`: its exact layers and window, the cache's
-    recomputed tokens unless `num_recompute_tokens` says otherwise) for prompts of each length, by length: what its
-    arithmetic allows, from its config and weights alone (the target's config is the one the mapper stores)."""
-    from ..core.defaults import resolve_transfer
-    from ..core.rope import config_from_dict
-
-    target = config_from_dict(mapper.config.target_config)
-    out = {}
-    for n in lengths:
-        at = resolve_transfer(mapper, n, num_recompute_tokens=num_recompute_tokens)
-        out[n] = first_token_flops(target, mapper, n, num_exact_layers=at.num_exact_layers,
-                                   num_recompute_tokens=at.num_recompute_tokens, exact_window=at.exact_window)  # fmt: skip
-    return out
 
 
 @dataclass(frozen=True)

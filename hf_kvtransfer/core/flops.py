@@ -1,7 +1,9 @@
 """FLOPs (2 x multiply-adds) of what a transfer and the target's own prefill compute, batch 1, counted from the
-shapes: a decoder's forward (`prefill_flops`), the exact layers a transfer computes (`exact_layers_flops`) and the
-maps of the other layers with what their inputs add (`mapping_flops`). One count for every surface: `hf-kvtransfer
-bench` reports it, `plan` predicts with it, and the fit orders the configurations that keep the content by it.
+shapes: a decoder's forward (`prefill_flops`), the exact layers a transfer computes (`exact_layers_flops`), the
+maps of the other layers with what their inputs add (`mapping_flops`), and a saved mapper's whole first token at its
+defaults (`mapper_first_token`). One count for every surface: `hf-kvtransfer bench` reports it, `plan` and `info`
+predict with it, and the fit orders the configurations that keep the content by it and says when the one it keeps
+saves little.
 Tests check each against torch's FLOP counter."""
 
 from __future__ import annotations
@@ -79,4 +81,53 @@ def mapping_flops(mapper: KVMapper, seq_len: int, num_exact_layers: int = 0) -> 
     return 2 * total + sum(inp.transfer_flops(seq_len, mapped) for inp in map_inputs_of(mapper))
 
 
-__all__ = ["exact_layers_flops", "mapping_flops", "prefill_flops"]
+def first_token_parts(
+    target_config, mapper: KVMapper, seq_len: int, *, num_exact_layers: int, num_recompute_tokens: int,
+    exact_window: int | None = None,
+) -> dict[str, int]:
+    """FLOPs to the target's first token for a `seq_len`-token prompt whose source cache is at hand, batch 1, by
+    part, as `TransferredCache` computes it with `mapper` (its map inputs counted in its maps): the target's first
+    `num_exact_layers` layers over the transferred tokens (`seq_len - num_recompute_tokens`; within `exact_window`
+    tokens when given), the maps of the other layers over them, and the last `num_recompute_tokens` tokens through
+    every layer, attending to the rest; beside it the target's own prefill. Transformer bodies (no LM head).
+
+    Returns:
+        `{"own_prefill", "exact_layers", "mapping", "map_inputs", "recompute", "total"}` (total: the transfer;
+        `map_inputs` 0: what a planning mapper's inputs would add is the plan's, `commands.plan.first_token_flops`).
+    """
+    layers = text_config(target_config).num_hidden_layers
+    if not 0 <= num_exact_layers <= layers:
+        raise ValueError(f"num_exact_layers must be in [0, {layers}] (the target's layers), got {num_exact_layers}")
+    if not 1 <= num_recompute_tokens <= seq_len:
+        raise ValueError(f"num_recompute_tokens must be in [1, {seq_len}] (the prompt), got {num_recompute_tokens}")
+    transferred = seq_len - num_recompute_tokens
+    parts = {
+        "own_prefill": prefill_flops(target_config, seq_len)["total"],
+        "exact_layers": exact_layers_flops(target_config, transferred, num_exact_layers, window=exact_window),
+        "mapping": mapping_flops(mapper, transferred, num_exact_layers),
+        "map_inputs": 0,
+        "recompute": prefill_flops(target_config, num_recompute_tokens, context_len=transferred)["total"],
+    }
+    parts["total"] = parts["exact_layers"] + parts["mapping"] + parts["recompute"]
+    return parts
+
+
+def mapper_first_token(mapper: KVMapper, lengths: tuple[int, ...] = (1024, 4096),
+                       num_recompute_tokens: int | None = None) -> dict[int, dict[str, int]]:  # fmt: skip
+    """`first_token_parts` of a saved mapper at its defaults (`defaults.resolve_transfer`: its exact layers and window,
+    the cache's recomputed tokens unless `num_recompute_tokens` says otherwise) for prompts of each length, by length:
+    what its arithmetic allows, from its config and weights alone (the target's config is the one the mapper
+    stores)."""
+    from .defaults import resolve_transfer
+    from .rope import config_from_dict
+
+    target = config_from_dict(mapper.config.target_config)
+    out = {}
+    for n in lengths:
+        at = resolve_transfer(mapper, n, num_recompute_tokens=num_recompute_tokens)
+        out[n] = first_token_parts(target, mapper, n, num_exact_layers=at.num_exact_layers,
+                                   num_recompute_tokens=at.num_recompute_tokens, exact_window=at.exact_window)  # fmt: skip
+    return out
+
+
+__all__ = ["exact_layers_flops", "first_token_parts", "mapper_first_token", "mapping_flops", "prefill_flops"]

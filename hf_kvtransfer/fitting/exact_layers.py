@@ -39,7 +39,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.defaults import DEFAULT_NUM_EXACT_LAYERS
-from ..core.flops import exact_layers_flops, mapping_flops, prefill_flops
+from ..core.flops import exact_layers_flops, mapper_first_token, mapping_flops, prefill_flops
 from ..core.mapper import KVMapper
 from ..core.map_inputs import exact_layers_needed, maps_read
 from ..core.options import with_options
@@ -336,6 +336,31 @@ def configuration_cost(target: PreTrainedModel, mapper: KVMapper, num_exact: int
         exact, maps = exact_layers_flops(target.config, seq_len, num_exact), mapping_flops(mapper, seq_len, num_exact)
     per_token = 2 * seq_len
     return {"exact_layers": exact // per_token, "maps": maps // per_token, "total": (exact + maps) // per_token}
+
+
+# A mapper whose default transfer costs the first token more than this share of the target's own prefill (FLOPs:
+# exact layers, maps and recomputed tokens, before each forward's fixed costs) is reported as saving little.
+# The prompt length it is judged at: the fit's default calibration sequences.
+LITTLE_SAVED = 0.5
+LITTLE_SAVED_TOKENS = 1024
+
+
+def little_saved(mapper: KVMapper, seq_len: int = LITTLE_SAVED_TOKENS) -> str | None:
+    """One line saying that `mapper`'s default transfer (`core.flops.mapper_first_token`: its exact layers and window,
+    the cache's recomputed tokens) costs the first token of a `seq_len`-token prompt more than `LITTLE_SAVED` of the
+    target's own prefill, None when it costs less: the content needed most of the target computed exactly (a target
+    that reads its context only in its top layers), and the user should time it before deploying it."""
+    layers, num_exact = mapper.target_layout.num_layers, mapper.num_exact_layers
+    if num_exact >= layers:
+        return (f"keeping the context needs all {layers} target layers computed exactly: a transfer with this mapper "
+                "is the target's own prefill and saves nothing")
+    flops = mapper_first_token(mapper, (seq_len,))[seq_len]
+    share = flops["total"] / flops["own_prefill"]
+    if share <= LITTLE_SAVED:
+        return None
+    return (f"keeping the context needs {num_exact} of {layers} target layers computed exactly, so a transfer does "
+            f"{share:.0%} of the target's own prefill's FLOPs to the first token of a {seq_len}-token prompt: this "
+            "mapper saves little over the target's own prefill; time it with `hf-kvtransfer bench` before deploying it")
 
 
 def _gate_source_only(gate: ContentGate | None, mapper: KVMapper, first: int | None, num_layers: int,
@@ -856,5 +881,5 @@ def _with_num_exact(mapper: KVMapper, num_exact: int | None) -> KVMapper:
     return mapper.with_config(num_exact_layers=num_exact)
 
 
-__all__ = ["MIN_COPY_GAIN", "TIMING_ROUNDS", "ProbeOptions", "choose_configuration", "choose_num_exact_layers",
-           "configuration_cost", "probe_stream", "target_copies"]
+__all__ = ["LITTLE_SAVED", "LITTLE_SAVED_TOKENS", "MIN_COPY_GAIN", "TIMING_ROUNDS", "ProbeOptions", "choose_configuration",
+           "choose_num_exact_layers", "configuration_cost", "little_saved", "probe_stream", "target_copies"]

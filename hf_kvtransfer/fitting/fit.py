@@ -48,7 +48,7 @@ from .config import (
     resolve_config,
 )
 from .content_gate import ContentGate, gate_line, heldout_texts, tolerance_points
-from .exact_layers import choose_configuration, probe_stream, target_copies
+from .exact_layers import choose_configuration, little_saved, probe_stream, target_copies
 from .exact_window import with_exact_window
 from .fit_inputs import FitInput, fit_input_named, registered_fit_inputs
 from .mlp import fit_mlp
@@ -541,7 +541,11 @@ def with_exact_layers(
         f"exact layers: {mapper.num_exact_layers} of {mapper.target_layout.num_layers} ({report['reason']}; "
         f"{_probe_summary(report)}; {time.perf_counter() - started:.0f} s{reused})"
     )
-    return with_exact_window(mapper, gate, config.exact_window, log)
+    mapper = with_exact_window(mapper, gate, config.exact_window, log)
+    warning = little_saved(mapper)
+    if warning is not None:
+        logger.warning("exact layers: %s", warning)
+    return mapper
 
 
 def _probe_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: FitConfig):

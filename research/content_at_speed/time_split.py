@@ -8,7 +8,7 @@ CPU time over interleaved rounds, one thread. The last columns are the speed-ups
 context, so `speedup_cpu_bound` (own prefill over exact pass + floor) is the most any cheaper maps and attention
 could give at these exact layers and recomputed tokens. `one_token` is the target's forward of the prompt's last
 token alone: what any forward of the target costs whatever its tokens (the layers' fixed cost on this machine).
-Each length also records the FLOPs of the own prefill and of each stage (`plan.mapper_first_token`, transformer
+Each length also records the FLOPs of the own prefill and of each stage (`flops.mapper_first_token`, transformer
 bodies: what the transfer computes, counted from the shapes), and the speed-up they predict (`speedup_flops`).
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python research/content_at_speed/time_split.py --source small \\
@@ -39,7 +39,7 @@ import torch
 from content_at_speed import FAMILY, load_pair
 
 from hf_kvtransfer import KVMapper, TransferredCache, prefill
-from hf_kvtransfer.commands.plan import mapper_first_token
+from hf_kvtransfer.core.flops import mapper_first_token
 
 STAGES = ("construct", "exact", "maps", "recomputed")
 
