@@ -349,11 +349,11 @@ def little_saved(mapper: KVMapper, seq_len: int = LITTLE_SAVED_TOKENS) -> str | 
     """One line saying that `mapper`'s default transfer (`core.flops.mapper_first_token`: its exact layers and window,
     the cache's recomputed tokens) costs the first token of a `seq_len`-token prompt more than `LITTLE_SAVED` of the
     target's own prefill, None when it costs less: the content needed most of the target computed exactly (a target
-    that reads its context only in its top layers), and the user should time it before deploying it."""
+    that reads its context only in its top layers), and the user should time it before deploying it. None too when
+    every layer is exact: the fit's choice already says that the target computes its whole cache itself."""
     layers, num_exact = mapper.target_layout.num_layers, mapper.num_exact_layers
     if num_exact >= layers:
-        return (f"keeping the context needs all {layers} target layers computed exactly: a transfer with this mapper "
-                "is the target's own prefill and saves nothing")
+        return None
     flops = mapper_first_token(mapper, (seq_len,))[seq_len]
     share = flops["total"] / flops["own_prefill"]
     if share <= LITTLE_SAVED:
