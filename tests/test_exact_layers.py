@@ -360,3 +360,26 @@ def test_a_mapper_that_saves_little_is_named_by_its_share_of_the_prefill_torch_c
             assert f"{n} of {layers} target layers" in line and f"{seq}-token prompt" in line
     assert decided >= layers - 1
     assert little_saved(KVMapper(config).with_config(num_exact_layers=layers), seq) is None  # the fit's reason says so
+
+
+def test_a_fit_that_keeps_most_layers_exact_says_so_in_one_line(qwen3_model, calibration_ids, monkeypatch, caplog):
+    """The fit's call: where its choice (here forced to 5 of 6 exact layers) saves little, one warning line, the one
+    `little_saved` words; at its own choice on random weights (1 exact layer), none."""
+    from hf_kvtransfer.fitting import fit as fit_module
+    from hf_kvtransfer.fitting.exact_layers import little_saved
+
+    target = tiny_model("qwen3", num_hidden_layers=6, seed=5, intermediate_size=4096)
+    real = fit_module.choose_configuration
+
+    def forced(*args, **kwargs):
+        mapper, report = real(*args, **kwargs)
+        return mapper.with_config(num_exact_layers=5), report
+
+    for choose, expect in ((real, False), (forced, True)):
+        monkeypatch.setattr(fit_module, "choose_configuration", choose)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hf_kvtransfer.fitting.fit"):
+            mapper = fit_mapper(qwen3_model, target, calibration_ids, top_k=1, num_exact_layers="auto", progress=False)
+        said = [r.getMessage() for r in caplog.records if "saves little" in r.getMessage()]
+        line = little_saved(mapper)
+        assert (line is not None) == expect and said == ([f"exact layers: {line}"] if expect else []), (said, line)
