@@ -518,7 +518,8 @@ def with_exact_layers(
     into the one probed (`fit_mapper`). With a content `gate` (`_checked_gate`: passage recall and hand-off on
     probe items, paired against the target's own answers, `config.exact_layers_tolerance`) the gate makes the
     choice; without one the screen decides. Then the exact pass's window (`config.exact_window`; "auto": the
-    smallest the gate accepts, `exact_window.py`)."""
+    smallest the gate accepts, `exact_window.py`), and one warning line when the mapper chosen so saves little
+    (`exact_layers.little_saved`)."""
     if config.num_exact_layers != "auto":  # given: no probe, and a window only when given too
         window = None if config.exact_window == "auto" else config.exact_window
         mapper.config = dataclasses.replace(mapper.config, num_exact_layers=config.num_exact_layers, exact_window=window)
