@@ -5,7 +5,9 @@ A figure such as `97.8%`, `1.98x` or `4.75 nats` (or both of `6.95 vs 10.08 nats
 blocks and generated tables) must be a value of a result file named in the same section of the page (or in the
 page's opening, before its first `##`), as the value itself, as a percentage of a fraction, or rounded; or a figure
 of a generated table included in that section (`docs/snippets/`, which `docs/render_tables.py` renders from result
-files). Result files are the files under `research/` in a `results*` folder. Numbers that are not results (a probe's
+files). A percentage is a fraction times 100, or a number the file itself gives as a percentage: written with a `%`
+in a log or a table, or under a key naming the unit (`..._pct`, `...percent`) in JSON. So a share worked out from
+two measurements (`12% less time`) fails unless a file holds it, however many numbers the cited files hold. Result files are the files under `research/` in a `results*` folder. Numbers that are not results (a probe's
 threshold, a CI's level) are allowed by the patterns in `NOT_RESULTS`, each with its reason.
 
 So a figure whose result file is not in the repository, or not named beside it, fails here; a figure that no
@@ -51,6 +53,7 @@ NOT_RESULTS = [
     (r"keep 95% of it", "the exact-layer probe's threshold, a setting"),
     (r"chance \(25%\)", "the chance level of a four-way choice"),
     (r"\b1?00?% means", "the ends of a scale, defined"),
+    (r"\|\s*\d+%\s*\|\s*\d+%\s*\|\s*\d+%\s*\|", "a training mix's row: each phase's share of a kind of row, a setting"),
 ]
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -84,15 +87,23 @@ def _result_files() -> list[Path]:
 RESULT_FILES = _result_files()
 
 
-def _walk(value, out: list[float]) -> None:
+PERCENT_KEY = re.compile(r"(?:pct|percent)$", re.I)
+# A number a log or a Markdown table gives as a percentage.
+WRITTEN_PERCENT = re.compile(r"(-?\d+(?:\.\d+)?)\s?%")
+
+
+def _walk(value, out: list[float], percents: list[float] | None = None) -> None:
+    """The numbers of a JSON value into `out`, and those under a key naming a percentage into `percents` too."""
     if isinstance(value, dict):
-        for item in value.values():
-            _walk(item, out)
+        for key, item in value.items():
+            _walk(item, out, percents)
+            if percents is not None and PERCENT_KEY.search(str(key)):
+                _walk(item, percents)
     elif isinstance(value, list):
         # A longer list of numbers holds per-item scores, not quoted figures; a list of records (rows) is read.
         if len(value) <= 16 or not all(isinstance(item, (int, float)) for item in value):
             for item in value:
-                _walk(item, out)
+                _walk(item, out, percents)
     elif isinstance(value, bool):
         return
     elif isinstance(value, (int, float)):
@@ -114,19 +125,21 @@ def _texts(x: float) -> set[str]:
     return out
 
 
-def renderings(values, *, percentages_as_written: bool = False) -> dict[str, set[str]]:
-    """How a file's values may be quoted: as percentages ('%': a fraction times 100, or, in a log or a Markdown
-    table, the number as written), as speed-ups ('x': the value itself) and as losses ('nats': the value itself)."""
+def renderings(values, *, percents=()) -> dict[str, set[str]]:
+    """How a file's values may be quoted: as percentages ('%': a fraction times 100, or one of `percents`, the
+    numbers the file gives as percentages, as written), as speed-ups ('x': the value itself) and as losses ('nats':
+    the value itself)."""
     out: dict[str, set[str]] = {"%": set(), "x": set(), "nats": set()}
     for value in values:
         if not math.isfinite(value) or abs(value) > 1e9:
             continue
         if abs(value) <= 3:
             out["%"] |= _texts(100 * value)
-        if percentages_as_written:
-            out["%"] |= _texts(value)
         out["x"] |= _texts(value)
         out["nats"] |= _texts(value)
+    for value in percents:
+        if math.isfinite(value):
+            out["%"] |= _texts(value)
     return out
 
 
@@ -134,15 +147,16 @@ def renderings(values, *, percentages_as_written: bool = False) -> dict[str, set
 def file_figures(path: Path) -> dict[str, frozenset[str]]:
     text = path.read_text(encoding="utf-8", errors="replace")
     values: list[float] = []
-    as_written = path.suffix != ".json"
+    percents: list[float] = []
     if path.suffix == ".json":
         try:
-            _walk(json.loads(text), values)
+            _walk(json.loads(text), values, percents)
         except json.JSONDecodeError:
-            as_written = True
-    if as_written:
+            values = []
+    if not values:
         values = [float(m) for m in NUMBER.findall(text)]
-    return {kind: frozenset(v) for kind, v in renderings(values, percentages_as_written=as_written).items()}
+        percents = [float(m) for m in WRITTEN_PERCENT.findall(text)]
+    return {kind: frozenset(v) for kind, v in renderings(values, percents=percents).items()}
 
 
 def _expand(token: str) -> list[str]:
@@ -239,7 +253,20 @@ def test_a_loss_without_its_result_file_fails():
 def test_renderings_of_a_fraction():
     assert {"97.8", "98", "97.77"} <= renderings([0.97774])["%"]
     assert "1.98" in renderings([1.97619])["x"] and "1.98" not in renderings([1.97619])["%"]
-    assert "97.8" not in renderings([97.8])["%"] and "97.8" in renderings([97.8], percentages_as_written=True)["%"]
+    assert "97.8" not in renderings([97.8])["%"] and "97.8" in renderings([], percents=[97.8])["%"]
+
+
+def test_a_number_backs_a_percentage_only_where_its_file_gives_it_as_one(tmp_path):
+    """A log's bare `45` (a count, a step, a millisecond) backs no `45%`; its `45%` does, and so does a JSON value
+    under a key naming the unit (`decode_overhead_pct: 0.67` backs 0.7%) besides any fraction (0.45 backs 45%)."""
+    log = tmp_path / "run.log"
+    log.write_text("step 45: 12.5 ms, retention 97.8%\n")
+    figures = file_figures(log)
+    assert "45" not in figures["%"] and {"97.8", "98"} <= figures["%"] and "12.5" in figures["x"]
+    report = tmp_path / "bench.json"
+    report.write_text(json.dumps({"decode_overhead_pct": 0.67297, "steps": 45, "recall": 0.45}))
+    figures = file_figures(report)
+    assert {"0.7", "45"} <= figures["%"] and "4500" not in figures["%"] and "67.3" in figures["%"]
 
 
 def test_a_figure_without_its_result_file_fails():
