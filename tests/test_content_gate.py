@@ -149,6 +149,27 @@ def test_two_runs_choose_alike_whatever_the_clock(monkeypatch):
     assert not rejected["passes"] and not rejected["gate"]["accepted"]
 
 
+def _screens_pass_untimed(monkeypatch):
+    """The search with the screen's source-only answer at 1 exact layer, every screen passed, no timing: the gate
+    alone decides (each test's own)."""
+
+    def fake_probe(*args, **kwargs):
+        return 1, {"tried": [{"num_exact_layers": 1, "retention": 0.99, "retention_ci": [0.98, 1.0]}], "prefix_len": 64,
+                   "copy_gain": {"mean": 5.0, "ci": [4, 6]}, "reason": "the fewest"}  # fmt: skip
+
+    def fake_retention(s, t, m, items, num_exact_layers, **kw):
+        n = len(items)
+        return {"retention": 0.99, "retention_ci": [0.98, 1.0],
+                "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [1.0] * n}}
+
+    def untimed(s, t, configs, ids, rounds=5, measure_own=True):
+        return [{"wall": [1.0], "cpu": [1.0]} for _ in configs], {"wall": [2.0], "cpu": [2.0]}
+
+    monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
+    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
+    monkeypatch.setattr(exact_layers, "_time_candidates", untimed)
+
+
 @pytest.fixture(scope="module")
 def variant_pair():
     """A tiny pair (2 -> 4 layers) with its source-only mapper and every residual variant the fit would try for
@@ -204,26 +225,12 @@ def test_the_search_chooses_what_scoring_every_candidate_would(variant_pair, mon
             d = {"difference": 0.0 if ok else -0.2, "difference_ci": [-0.02, 0.02] if ok else [-0.3, -0.1], "num_items": 8}
             return {"accepted": ok, "tolerance": 0.05, "tasks": {"recall": d, "handoff": d}}
 
-    def fake_probe(*args, **kwargs):
-        return 1, {"tried": [{"num_exact_layers": 1, "retention": 0.99, "retention_ci": [0.98, 1.0]}], "prefix_len": 64,
-                   "copy_gain": {"mean": 5.0, "ci": [4, 6]}, "reason": "the fewest"}  # fmt: skip
-
-    def fake_retention(s, t, m, items, num_exact_layers, **kw):
-        n = len(items)
-        return {"retention": 0.99, "retention_ci": [0.98, 1.0],
-                "nll_per_item": {"own": [1.0] * n, "no_context": [3.0] * n, "transfer": [1.0] * n}}
-
-    def untimed(s, t, configs, ids, rounds=5, measure_own=True):
-        return [{"wall": [1.0], "cpu": [1.0]} for _ in configs], {"wall": [2.0], "cpu": [2.0]}
-
-    monkeypatch.setattr(exact_layers, "choose_num_exact_layers", fake_probe)
-    monkeypatch.setattr(exact_layers, "repeated_span_retention", fake_retention)
-    monkeypatch.setattr(exact_layers, "_time_candidates", untimed)
+    _screens_pass_untimed(monkeypatch)
     stream = list(range(5, 600))
     chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=handed, gate=Gate())
 
-    # Every candidate scored, the rules before the order: counts fewest first; a count whose first candidate the
-    # gate refuses is skipped; a reduced-rank one whose full-rank twin is refused is too; the first count with a
+    # Every candidate scored, the rules before the order: counts fewest first (over three counts the search's
+    # galloping tries them in that order too); a count whose first candidate the gate refuses is skipped; a reduced-rank one whose full-rank twin is refused is too; the first count with a
     # kept candidate ends the search; the cheapest kept one wins (ties: the given order) if it costs less than the
     # target's own prefill.
     seq_len, layers = min(512, len(stream)), target.config.num_hidden_layers
@@ -252,6 +259,77 @@ def test_the_search_chooses_what_scoring_every_candidate_would(variant_pair, mon
         for j, i in enumerate(order):
             earlier = [cost[k] for k in ([id(vs[0])] + order[:j]) if k in kept_ids and k in judged]
             assert not earlier or cost[i] < min(earlier), (n, j)
+
+
+@pytest.fixture(scope="module")
+def deep_variants():
+    """A tiny pair (2 -> 14 layers) with its source-only mapper and the residual variants for every residual layer
+    but the last: 13 exact-layer counts, enough for the search's galloping to differ from a scan."""
+    from conftest import random_ids, tiny_model
+    from hf_kvtransfer import fit_mapper
+    from hf_kvtransfer.fitting.calibration_pass import calibration_pass
+    from hf_kvtransfer.fitting.residual_stats import ResidualStatistics, residual_variants
+
+    source = tiny_model("qwen3", num_hidden_layers=2, seed=0)
+    target = tiny_model("qwen3", num_hidden_layers=14, seed=1)
+    ids = random_ids(6, 40, seed=5)
+    base = fit_mapper(source, target, ids, top_k=2, num_exact_layers=1, heldout_fraction=0, progress=False)
+    stats = ResidualStatistics.for_models(source, target, layers=list(range(13)), lags=(0,), stride=1)
+    calibration_pass(source, target, ids, consumers=[stats], progress=False)
+    return source, target, base, {j + 1: residual_variants(base, stats, j) for j in range(13)}
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3, 5, 8, 11, 13, 14])
+def test_the_search_gallops_to_the_fewest_exact_layers_that_keep_the_content(deep_variants, monkeypatch, threshold):
+    """The gate keeps every candidate from `threshold` exact layers on (14: none of them). The search finds that
+    count by galloping, judging about 2 log2 of the counts where a scan judges every one below it (13 + 1 where
+    none is kept); it chooses the cheapest candidate of that count if it costs less than the target's own prefill,
+    solves only the groups of the counts it tried, sets aside what passed above it, and skips every other count."""
+    from hf_kvtransfer.fitting.fit_inputs import CandidateGroup
+
+    source, target, base, by_count = deep_variants
+    judged_counts, solved = [], []
+
+    class Gate:
+        tolerance, num_items, max_items, seed = 0.05, 8, 32, 0
+
+        def judge(self, m, k, every_task=False):
+            if m is not base:
+                judged_counts.append(k)
+            ok = m is not base and k >= threshold
+            d = {"difference": 0.0 if ok else -0.2, "difference_ci": [-0.02, 0.02] if ok else [-0.3, -0.1], "num_items": 8}
+            return {"accepted": ok, "tolerance": 0.05, "tasks": {"recall": d, "handoff": d}}
+
+    _screens_pass_untimed(monkeypatch)
+    groups = [CandidateGroup("residual", n, {"inputs": f"group {n}"}, lambda n=n: solved.append(n) or by_count[n])
+              for n in by_count]  # fmt: skip
+    stream = list(range(5, 600))
+    chosen, report = exact_layers.choose_configuration(source, target, base, stream, candidates=groups, gate=Gate())
+
+    counts = sorted(by_count)
+    tried = sorted(set(judged_counts))
+    assert solved and sorted(solved) == tried  # each tried count's group solved once, no other
+    reach = counts.index(threshold) + 1 if threshold in by_count else len(counts)
+    assert len(tried) <= 2 * math.ceil(math.log2(reach + 1)) + 1
+    if reach >= 8:
+        assert len(tried) < reach  # a scan from 1 judges every count up to the answer
+    seq_len, layers = min(512, len(stream)), target.config.num_hidden_layers
+    own = exact_layers.configuration_cost(target, base, layers, seq_len)["total"]
+    expected = base
+    if threshold in by_count:
+        best = min(by_count[threshold], key=lambda v: exact_layers.configuration_cost(target, v, threshold, seq_len)["total"])
+        if exact_layers.configuration_cost(target, best, threshold, seq_len)["total"] < own:
+            expected = best
+    assert chosen.config.to_dict() == expected.with_config(num_exact_layers=chosen.config.num_exact_layers).config.to_dict()
+    rows = [r for r in report["candidates"] if r.get("extends") == "residual"]
+    assert [r["num_exact_layers"] for r in rows] == sorted(r["num_exact_layers"] for r in rows)
+    for r in rows:
+        n = r["num_exact_layers"]
+        if n not in tried:
+            assert r["skipped"] and r.get("solved") is False
+        elif n > threshold and r["passes"]:
+            assert r["set_aside"].startswith(f"{threshold} exact layers") and not r["chosen"]
+    assert {r["num_exact_layers"] for r in rows if r.get("gate") and r["gate"]["accepted"] and not r.get("set_aside")} <= {threshold}
 
 
 def test_a_candidate_group_is_refused_when_its_maps_need_other_exact_layers(variant_pair):

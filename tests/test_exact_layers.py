@@ -383,3 +383,30 @@ def test_a_fit_that_keeps_most_layers_exact_says_so_in_one_line(qwen3_model, cal
         said = [r.getMessage() for r in caplog.records if "saves little" in r.getMessage()]
         line = little_saved(mapper)
         assert (line is not None) == expect and said == ([f"exact layers: {line}"] if expect else []), (said, line)
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(st.lists(st.booleans(), max_size=80))
+def test_the_count_search_finds_a_boundary_in_about_two_log2_tries(outcomes):
+    """`_gallop` (the configuration search over exact-layer counts) on any pass/fail pattern: what it returns passes
+    and the one before it fails, each place is tried once, and it tries about 2 log2 of the answer's place where a
+    scan tries every one; where nothing fails after a pass it is the first pass, as the scan finds; None only when
+    the last place fails."""
+    from hf_kvtransfer.fitting.exact_layers import _gallop
+
+    tries = []
+
+    def passes(i):
+        tries.append(i)
+        return outcomes[i]
+
+    found = _gallop(passes, len(outcomes))
+    assert len(tries) == len(set(tries)) and all(0 <= i < len(outcomes) for i in tries)
+    if found is None:
+        assert not outcomes or not outcomes[-1]
+    else:
+        assert outcomes[found] and (found == 0 or not outcomes[found - 1])
+    if outcomes == sorted(outcomes):  # every fail before every pass
+        assert found == (outcomes.index(True) if True in outcomes else None)
+    reach = len(outcomes) if found is None else found + 1
+    assert len(tries) <= 2 * math.ceil(math.log2(reach + 1)) + 1

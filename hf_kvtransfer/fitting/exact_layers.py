@@ -260,6 +260,24 @@ def _first_passing(passes: Callable[[int], bool], lo: int, hi: int) -> int:
     return hi
 
 
+def _gallop(passes: Callable[[int], bool], n: int) -> int | None:
+    """The first of `0 .. n - 1` that `passes`, taking every one after a passing one to pass: tries 0, 1, 3, 7, ...
+    (doubling) until one passes, then bisects between it and the last that failed (`_first_passing`): about
+    2 log2(i + 1) tries where a scan from 0 takes i + 1. None when all tried fail (the last one is always tried)."""
+    lo, probe = -1, 0
+    while probe < n:
+        if passes(probe):
+            return _first_passing(passes, lo, probe)
+        lo, probe = probe, (n if probe == n - 1 else min(2 * probe + 1, n - 1))
+    return None
+
+
+def _gallop_steps(n: int) -> int:
+    """The most tries `_gallop` makes over `n`: the doubling ones, then the bisection's."""
+    doubling = math.floor(math.log2(n)) + 2 if n > 1 else n
+    return doubling + max(0, math.ceil(math.log2(max(1, (n + 1) // 2))))
+
+
 def _percent(value: float | None, ci: Sequence[float] | None) -> str:
     """`97% [93, 101]` (a retention and its 95% interval), or n/a."""
     if value is None:
@@ -448,13 +466,17 @@ def choose_configuration(
       each task. The source-only answer is gated too, from the screen's number of exact layers upward, until one is
       accepted (all of them: the target's own prefill), by bisection. Without a gate the screen decides.
 
-    Candidates are tried by the exact layers they need, fewest first, each count's first (given) candidate first; when
-    it fails, the rest of that count are skipped (they read less), and once a count has a kept candidate, larger
-    counts are not tried (they compute more of the target), nor those with more exact layers than the source-only
-    answer; a reduced-rank candidate whose full-rank twin (`FitInput.twin`: same layer, sources and readers) failed is
-    skipped too. The rest of a count are tried cheapest first (a full-rank one with its reduced-rank twins, at the
-    cheapest of their places), and those that cost no less than a kept one of the count are skipped (without a
-    `refine`, which changes the costs): the choice below is the one that scoring all of them makes.
+    Candidates are searched by the exact layers they need, up to the source-only answer's (more would compute more of
+    the target). The count searched is the fewest whose first (given, fullest) candidate passes, found by galloping
+    (`_gallop`: the 1st, 2nd, 4th, 8th, ... of the counts until one passes, then bisection below it) with only each
+    count's first candidate scored, taking more exact layers never to lose content (as the source-only answer's
+    bisection does): about 2 log2 of the counts where a scan from the fewest scores every one below the answer. A
+    passing count above it that the search tried is set aside (`set_aside` in its row), and the rest of a count
+    whose first candidate fails are skipped (they read less). The rest of the searched count are tried cheapest
+    first (a full-rank one with its reduced-rank twins, at the cheapest of their places; a reduced-rank one whose
+    full-rank twin (`FitInput.twin`: same layer, sources and readers) failed is skipped), and those that cost no
+    less than a kept one of the count are skipped (without a `refine`, which changes the costs): the choice below
+    is the one that scoring all of that count's candidates makes.
 
     Of the kept candidates the one with the least `configuration_cost` (multiply-adds per token from the shapes:
     exact layers and maps) is chosen, a tie going to the one with more exact layers; when the source-only answer is
@@ -561,7 +583,7 @@ def _pick_cheapest(target, rows, candidates, faithful_kv, num_layers, seq_len, g
             continue
         row["cost"] = configuration_cost(target, m, n, seq_len)
         row["cost_vs_own_prefill"] = row["cost"]["total"] / own
-        ok = row["passes"] and not row.get("skipped") and n < num_layers
+        ok = row["passes"] and not row.get("skipped") and not row.get("set_aside") and n < num_layers
         if gated:
             ok = ok and bool(row.get("gate", {}).get("accepted"))
         elif row.get("extends") is None:
@@ -608,6 +630,7 @@ class _InputSearch:
         self.cost_tokens = min(options.timing_tokens, len(stream))  # the choice's `configuration_cost` length
         self.references: dict[str, Any] = {}
         self.more_cued = self.more_reference = self.cued_reference = None
+        self.step = 0  # candidates scored or skipped so far (the log numbers them)
 
     def probe(self, name: str, items, m: KVMapper, num_exact: int) -> dict[str, Any]:
         logger.debug("configuration probe (%s, %d items): %d exact, %s", name, len(items), num_exact, maps_read(m.config))
@@ -619,44 +642,77 @@ class _InputSearch:
         return r
 
     def run(self, given, faithful_kv: int | None, num_layers: int, progress: bool):
-        """`(rows, candidates)` in the given order by exact layers (the choice's tie-break reads it), each count's
-        candidates scored or skipped in `probe_order`'s. A group of them (`fit_inputs.CandidateGroup`) is solved when
-        its count is tried; a count skipped as a whole leaves a group unsolved: one row, skipped, candidate None."""
+        """`(rows, candidates)` in the given order by exact layers (the choice's tie-break reads it). The count whose
+        candidates are searched is the fewest whose first (fullest) candidate passes, found by `_gallop` over the
+        counts up to the source-only answer's, scoring that first candidate only; then each tried count's other
+        candidates are scored or skipped in `probe_order`'s order (`candidate`'s rules: the rest of a failed count
+        and of a count above a passing one are skipped). A group of them (`fit_inputs.CandidateGroup`) is solved
+        when its count is tried; an untried count leaves it unsolved: one row, skipped, candidate None."""
         by_count = _by_count(given)
-        rows: list[dict[str, Any]] = []
-        candidates: list[tuple[KVMapper | None, int]] = []
         if not by_count:
-            return rows, candidates
+            return [], []
         self.references_for(faithful_kv, num_layers)
         state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set(), "cheapest_kept": {}}
-        step = 0
-        # A count skipped takes no time and a count probed takes minutes: no time-left estimate.
-        counts = progress_bar(sorted(by_count), desc="configuration probe", unit="exact-layer counts",
-                              enabled=progress, estimate=False)
-        for n in counts:
-            skip = self.count_skip(n, state)
-            if skip is not None:  # none of the count could be scored: its groups stay unsolved
-                for item in by_count[n]:
-                    rows.append({**_row(item, n), "skipped": skip})
-                    candidates.append((item if isinstance(item, KVMapper) else None, n))
-                    logger.debug("configuration probe: %s", _row_line(rows[-1]))
-                continue
+        counts = [n for n in sorted(by_count) if self.count_skip(n, state) is None]
+        tried: dict[int, tuple[list[dict[str, Any]], list[tuple[KVMapper | None, int]], list[int]]] = {}
+        # One step per count tried; a count probed takes minutes, so no time-left estimate.
+        bar = progress_bar(total=_gallop_steps(len(counts)), desc="configuration probe", unit="exact-layer counts",
+                           enabled=progress, estimate=False)  # fmt: skip
+
+        def first_passes(i: int) -> bool:
+            n = counts[i]
             solved = [m for item in by_count[n] for m in _solved(item, n)]
-            first = len(rows)
-            rows += [_row(m, n) for m in solved]
-            candidates += [(m, n) for m in solved]
-            for i in self.probe_order(candidates, list(range(first, len(rows)))):
-                step += 1
-                m, row = candidates[i][0], rows[i]
-                try:
-                    rank = None if self.refine is not None else (self.cost(m, n), i)  # a refine changes the cost
-                    candidates[i] = (self.candidate(m, row, state, rank=rank), n)
-                finally:  # a skipped candidate is one line of the summary below (each is in the report)
-                    level = logging.DEBUG if row.get("skipped") else logging.INFO
-                    logger.log(level, "configuration probe, candidate %d: %s", step, _row_line(row))
-        for line in _skipped_lines(rows):
+            rows, cands = [_row(m, n) for m in solved], [(m, n) for m in solved]
+            order = self.probe_order(cands, list(range(len(rows))))
+            tried[n] = (rows, cands, order)
+            self.score(rows, cands, order[:1], state)
+            bar.update(1)
+            return n in state["passed"]
+
+        with bar:
+            _gallop(first_passes, len(counts))
+            bar.total = bar.n  # the search may stop before its most steps: the bar ends full
+            bar.refresh()
+        all_rows: list[dict[str, Any]] = []
+        all_candidates: list[tuple[KVMapper | None, int]] = []
+        for n in sorted(by_count):
+            if n in tried:
+                rows, cands, order = tried[n]
+                self.score(rows, cands, order[1:], state)
+            else:
+                rows = [{**_row(item, n), "skipped": self.untried(n, state)} for item in by_count[n]]
+                cands = [(item if isinstance(item, KVMapper) else None, n) for item in by_count[n]]
+            all_rows += rows
+            all_candidates += cands
+        _set_aside(all_rows, state["passed"])
+        aside = sorted({row["num_exact_layers"] for row in all_rows if row.get("set_aside")})
+        if aside:
+            logger.info("configuration probe: passing candidates at %s exact layers set aside (%d keep the content)",
+                        _spans(aside), min(state["passed"]))  # fmt: skip
+        for line in _skipped_lines(all_rows):
             logger.info("configuration probe: %s", line)
-        return rows, candidates
+        return all_rows, all_candidates
+
+    def score(self, rows, candidates, indices: list[int], state: dict[str, Any]) -> None:
+        """Scores (or skips, by `candidate`'s rules) one count's candidates at `indices`, in that order, each on one
+        line of the log (a skipped one at DEBUG: the summary counts them)."""
+        for i in indices:
+            m, n = candidates[i]
+            row = rows[i]
+            try:
+                rank = None if self.refine is not None else (self.cost(m, n), i)  # a refine changes the cost
+                candidates[i] = (self.candidate(m, row, state, rank=rank), n)
+            finally:
+                self.step += 1
+                level = logging.DEBUG if row.get("skipped") else logging.INFO
+                logger.log(level, "configuration probe, candidate %d: %s", self.step, _row_line(row))
+
+    def untried(self, num_exact: int, state: dict[str, Any]) -> str:
+        """Why the search never tried a count (`count_skip`'s reasons, or below a count whose first candidate failed)."""
+        skip = self.count_skip(num_exact, state)
+        if skip is not None:
+            return skip
+        return "a candidate with more exact layers failed the probe (fewer compute less of the target)"
 
     def references_for(self, faithful_kv: int | None, num_layers: int) -> None:
         """The probe's items (repeated spans, cued recall) and the source-only answer's cued-recall scores, which each
@@ -808,6 +864,14 @@ def _row(item: KVMapper | CandidateGroup, num_exact: int) -> dict[str, Any]:
             "cued_retention_ci": None, "passes": False}  # fmt: skip
 
 
+def _set_aside(rows: list[dict[str, Any]], passed: set[int]) -> None:
+    """Marks the passing rows of counts above the fewest that passes (tried on the way to it, see `_gallop`): the
+    choice is among the fewest's, which compute less of the target."""
+    for row in rows:
+        if passed and row["passes"] and not row.get("skipped") and row["num_exact_layers"] > min(passed):
+            row["set_aside"] = f"{min(passed)} exact layers keep the content (fewer compute less of the target)"
+
+
 def _twin(m: KVMapper) -> tuple[Hashable, bool]:
     """`FitInput.twin` of a candidate (one without a fit input has no twin)."""
     fit_input = fit_input_of(m)
@@ -841,7 +905,8 @@ def _row_line(row: dict[str, Any]) -> str:
         scores.append(f"cued recall {_percent(row['cued_retention'], row['cued_retention_ci'])}")
     if row.get("gate"):
         scores.append(f"content gate: {gate_line(row['gate'])}")
-    return f"{what}: {', '.join(scores)}: {'passes' if row['passes'] else 'fails'}"
+    verdict = "passes" if row["passes"] else "fails"
+    return f"{what}: {', '.join(scores)}: {verdict}" + (f", set aside ({row['set_aside']})" if row.get("set_aside") else "")
 
 
 def _skipped_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -617,7 +617,7 @@ def _probe_summary(report: dict[str, Any]) -> str:
                 + (f"/cued {row['cued_retention']:.0%}" if row.get("cued_retention") is not None else ""))  # fmt: skip
         if row.get("gate"):
             text += f", {gate_line(row['gate'])}"
-        rows.append(text + (" (chosen)" if row.get("chosen") else ""))
+        rows.append(text + (" (chosen)" if row.get("chosen") else "") + (" (set aside)" if row.get("set_aside") else ""))
     gate = report.get("gate") or {}
     what = (f"content gate: recall and hand-off within {tolerance_points(gate['tolerance'])} of the target's own, paired"
             if gate.get("used") else "screen only (no content gate)")  # fmt: skip
