@@ -6,8 +6,10 @@ blocks and generated tables) must be a value of a result file named in the same 
 page's opening, before its first `##`), as the value itself, as a percentage of a fraction, or rounded; or a figure
 of a generated table included in that section (`docs/snippets/`, which `docs/render_tables.py` renders from result
 files). A percentage is a fraction times 100, or a number the file itself gives as a percentage: written with a `%`
-in a log or a table, or under a key naming the unit (`..._pct`, `...percent`) in JSON. So a share worked out from
-two measurements (`12% less time`) fails unless a file holds it, however many numbers the cited files hold. Result files are the files under `research/` in a `results*` folder. Numbers that are not results (a probe's
+in a log or a table, or under a key naming the unit (`..._pct`, `...percent`) in JSON. A speed-up is a JSON value,
+or in a log or a table a number written with its `x`, or a number printed to 3 or more decimals (a computed ratio)
+quoted rounded. So a share worked out from two measurements (`12% less time`) fails unless a file holds it, and a
+step count or a millisecond in a long log backs no speed-up, however many numbers the cited files hold. Result files are the files under `research/` in a `results*` folder. Numbers that are not results (a probe's
 threshold, a CI's level) are allowed by the patterns in `NOT_RESULTS`, each with its reason.
 
 So a figure whose result file is not in the repository, or not named beside it, fails here; a figure that no
@@ -88,8 +90,11 @@ RESULT_FILES = _result_files()
 
 
 PERCENT_KEY = re.compile(r"(?:pct|percent)$", re.I)
-# A number a log or a Markdown table gives as a percentage.
+# A number a log or a Markdown table gives as a percentage, or as a speed-up.
 WRITTEN_PERCENT = re.compile(r"(-?\d+(?:\.\d+)?)\s?%")
+WRITTEN_SPEEDUP = re.compile(r"(-?\d+(?:\.\d+)?)x\b")
+# A number a log prints to this many decimals or more is a computed value (a ratio), which prose quotes rounded.
+COMPUTED_DECIMALS = 3
 
 
 def _walk(value, out: list[float], percents: list[float] | None = None) -> None:
@@ -125,21 +130,39 @@ def _texts(x: float) -> set[str]:
     return out
 
 
-def renderings(values, *, percents=()) -> dict[str, set[str]]:
+def renderings(values, *, percents=(), speedups=None) -> dict[str, set[str]]:
     """How a file's values may be quoted: as percentages ('%': a fraction times 100, or one of `percents`, the
-    numbers the file gives as percentages, as written), as speed-ups ('x': the value itself) and as losses ('nats':
-    the value itself)."""
+    numbers the file gives as percentages, as written), as speed-ups ('x': the value itself, or with `speedups`
+    given only those) and as losses ('nats': the value itself)."""
     out: dict[str, set[str]] = {"%": set(), "x": set(), "nats": set()}
     for value in values:
         if not math.isfinite(value) or abs(value) > 1e9:
             continue
         if abs(value) <= 3:
             out["%"] |= _texts(100 * value)
-        out["x"] |= _texts(value)
+        if speedups is None:
+            out["x"] |= _texts(value)
         out["nats"] |= _texts(value)
     for value in percents:
         if math.isfinite(value):
             out["%"] |= _texts(value)
+    for value in speedups or ():
+        out["x"] |= _texts(value)
+    return out
+
+
+def _written_speedups(text: str) -> list[float]:
+    """A log's or a table's numbers written with an `x` (its computed ratios: `_computed_roundings`)."""
+    return [float(m) for m in WRITTEN_SPEEDUP.findall(text)]
+
+
+def _computed_roundings(text: str) -> set[str]:
+    """The numbers of `text` printed to `COMPUTED_DECIMALS` or more decimals, rounded to fewer."""
+    out: set[str] = set()
+    for token in NUMBER.findall(text):
+        decimals = len(token.partition(".")[2].partition("e")[0].partition("E")[0])
+        if decimals >= COMPUTED_DECIMALS:
+            out |= {t for t in _texts(float(token)) if len(t.partition(".")[2]) < decimals}
     return out
 
 
@@ -153,10 +176,13 @@ def file_figures(path: Path) -> dict[str, frozenset[str]]:
             _walk(json.loads(text), values, percents)
         except json.JSONDecodeError:
             values = []
-    if not values:
-        values = [float(m) for m in NUMBER.findall(text)]
-        percents = [float(m) for m in WRITTEN_PERCENT.findall(text)]
-    return {kind: frozenset(v) for kind, v in renderings(values, percents=percents).items()}
+    if values:
+        return {kind: frozenset(v) for kind, v in renderings(values, percents=percents).items()}
+    values = [float(m) for m in NUMBER.findall(text)]
+    percents = [float(m) for m in WRITTEN_PERCENT.findall(text)]
+    figures = renderings(values, percents=percents, speedups=_written_speedups(text))
+    figures["x"] |= _computed_roundings(text)
+    return {kind: frozenset(v) for kind, v in figures.items()}
 
 
 def _expand(token: str) -> list[str]:
@@ -260,9 +286,11 @@ def test_a_number_backs_a_percentage_only_where_its_file_gives_it_as_one(tmp_pat
     """A log's bare `45` (a count, a step, a millisecond) backs no `45%`; its `45%` does, and so does a JSON value
     under a key naming the unit (`decode_overhead_pct: 0.67` backs 0.7%) besides any fraction (0.45 backs 45%)."""
     log = tmp_path / "run.log"
-    log.write_text("step 45: 12.5 ms, retention 97.8%\n")
+    log.write_text("step 45: 12.5 ms, retention 97.8%, 3.96x, ratio 1.660109\n")
     figures = file_figures(log)
-    assert "45" not in figures["%"] and {"97.8", "98"} <= figures["%"] and "12.5" in figures["x"]
+    assert "45" not in figures["%"] and {"97.8", "98"} <= figures["%"]
+    # a speed-up: written with its x, or a computed ratio rounded; not a step count or a millisecond
+    assert {"3.96", "4", "1.66", "1.7"} <= figures["x"] and not {"45", "12.5", "1.660109"} & figures["x"]
     report = tmp_path / "bench.json"
     report.write_text(json.dumps({"decode_overhead_pct": 0.67297, "steps": 45, "recall": 0.45}))
     figures = file_figures(report)
