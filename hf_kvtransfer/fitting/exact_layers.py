@@ -653,8 +653,32 @@ class _InputSearch:
             return [], []
         self.references_for(faithful_kv, num_layers)
         state = {"seen": set(), "failed": set(), "passed": set(), "failed_full_rank": set(), "cheapest_kept": {}}
+        tried = self.gallop(by_count, state, progress)
+        rows: list[dict[str, Any]] = []
+        candidates: list[tuple[KVMapper | None, int]] = []
+        for n in sorted(by_count):
+            if n in tried:
+                count_rows, count_candidates, order = tried[n]
+                self.score(count_rows, count_candidates, order[1:], state)
+            else:
+                count_rows = [{**_row(item, n), "skipped": self.untried(n, state)} for item in by_count[n]]
+                count_candidates = [(item if isinstance(item, KVMapper) else None, n) for item in by_count[n]]
+            rows += count_rows
+            candidates += count_candidates
+        _set_aside(rows, state["passed"])
+        aside = sorted({row["num_exact_layers"] for row in rows if row.get("set_aside")})
+        if aside:
+            logger.info("configuration probe: passing candidates at %s exact layers set aside (%d keep the content)",
+                        _spans(aside), min(state["passed"]))  # fmt: skip
+        for line in _skipped_lines(rows):
+            logger.info("configuration probe: %s", line)
+        return rows, candidates
+
+    def gallop(self, by_count, state: dict[str, Any], progress: bool) -> dict[int, tuple[list, list, list[int]]]:
+        """`_gallop` over the counts `count_skip` allows, scoring each tried count's first candidate in `probe_order`:
+        `{count: (rows, candidates, probe order)}` of the counts tried (their groups solved)."""
         counts = [n for n in sorted(by_count) if self.count_skip(n, state) is None]
-        tried: dict[int, tuple[list[dict[str, Any]], list[tuple[KVMapper | None, int]], list[int]]] = {}
+        tried: dict[int, tuple[list, list, list[int]]] = {}
         # One step per count tried; a count probed takes minutes, so no time-left estimate.
         bar = progress_bar(total=_gallop_steps(len(counts)), desc="configuration probe", unit="exact-layer counts",
                            enabled=progress, estimate=False)  # fmt: skip
@@ -662,10 +686,10 @@ class _InputSearch:
         def first_passes(i: int) -> bool:
             n = counts[i]
             solved = [m for item in by_count[n] for m in _solved(item, n)]
-            rows, cands = [_row(m, n) for m in solved], [(m, n) for m in solved]
-            order = self.probe_order(cands, list(range(len(rows))))
-            tried[n] = (rows, cands, order)
-            self.score(rows, cands, order[:1], state)
+            rows, candidates = [_row(m, n) for m in solved], [(m, n) for m in solved]
+            order = self.probe_order(candidates, list(range(len(rows))))
+            tried[n] = (rows, candidates, order)
+            self.score(rows, candidates, order[:1], state)
             bar.update(1)
             return n in state["passed"]
 
@@ -673,25 +697,7 @@ class _InputSearch:
             _gallop(first_passes, len(counts))
             bar.total = bar.n  # the search may stop before its most steps: the bar ends full
             bar.refresh()
-        all_rows: list[dict[str, Any]] = []
-        all_candidates: list[tuple[KVMapper | None, int]] = []
-        for n in sorted(by_count):
-            if n in tried:
-                rows, cands, order = tried[n]
-                self.score(rows, cands, order[1:], state)
-            else:
-                rows = [{**_row(item, n), "skipped": self.untried(n, state)} for item in by_count[n]]
-                cands = [(item if isinstance(item, KVMapper) else None, n) for item in by_count[n]]
-            all_rows += rows
-            all_candidates += cands
-        _set_aside(all_rows, state["passed"])
-        aside = sorted({row["num_exact_layers"] for row in all_rows if row.get("set_aside")})
-        if aside:
-            logger.info("configuration probe: passing candidates at %s exact layers set aside (%d keep the content)",
-                        _spans(aside), min(state["passed"]))  # fmt: skip
-        for line in _skipped_lines(all_rows):
-            logger.info("configuration probe: %s", line)
-        return all_rows, all_candidates
+        return tried
 
     def score(self, rows, candidates, indices: list[int], state: dict[str, Any]) -> None:
         """Scores (or skips, by `candidate`'s rules) one count's candidates at `indices`, in that order, each on one

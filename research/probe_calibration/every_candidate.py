@@ -1,5 +1,6 @@
-"""`hf-kvtransfer fit` with one rule of the configuration search off: every candidate of an exact-layer count is
-scored, where the library skips the rest of a count once its first (widest) candidate fails.
+"""`hf-kvtransfer fit` with one rule of the configuration search off: every candidate of an exact-layer count the
+search tries is scored, where the library skips the rest of a count once its first (widest) candidate fails (which
+counts it tries is the library's: its gallop over the counts reads the first candidates only).
 
 The question: does that rule skip configurations that would pass the content gate? A narrower candidate (maps that
 read less: fewer source layers, no source K/V, fewer readers) is taken to keep no more than the widest one of the
