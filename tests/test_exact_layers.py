@@ -392,7 +392,7 @@ def test_the_count_search_finds_a_boundary_in_about_two_log2_tries(outcomes):
     and the one before it fails, each place is tried once, and it tries about 2 log2 of the answer's place where a
     scan tries every one; where nothing fails after a pass it is the first pass, as the scan finds; None only when
     the last place fails."""
-    from hf_kvtransfer.fitting.exact_layers import _gallop
+    from hf_kvtransfer.fitting.exact_layers import _gallop, _gallop_steps
 
     tries = []
 
@@ -410,3 +410,4 @@ def test_the_count_search_finds_a_boundary_in_about_two_log2_tries(outcomes):
         assert found == (outcomes.index(True) if True in outcomes else None)
     reach = len(outcomes) if found is None else found + 1
     assert len(tries) <= 2 * math.ceil(math.log2(reach + 1)) + 1
+    assert len(tries) <= _gallop_steps(len(outcomes))  # the progress bar's total is never passed

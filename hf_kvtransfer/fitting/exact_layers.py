@@ -911,8 +911,7 @@ def _row_line(row: dict[str, Any]) -> str:
         scores.append(f"cued recall {_percent(row['cued_retention'], row['cued_retention_ci'])}")
     if row.get("gate"):
         scores.append(f"content gate: {gate_line(row['gate'])}")
-    verdict = "passes" if row["passes"] else "fails"
-    return f"{what}: {', '.join(scores)}: {verdict}" + (f", set aside ({row['set_aside']})" if row.get("set_aside") else "")
+    return f"{what}: {', '.join(scores)}: {'passes' if row['passes'] else 'fails'}"
 
 
 def _skipped_lines(rows: list[dict[str, Any]]) -> list[str]:
