@@ -8,7 +8,7 @@ of a generated table included in that section (`docs/snippets/`, which `docs/ren
 files). A percentage is a fraction times 100, or a number the file itself gives as a percentage: written with a `%`
 in a log or a table, or under a key naming the unit (`..._pct`, `...percent`) in JSON. A speed-up is a JSON value,
 or in a log or a table a number written with its `x`, or a number printed to 3 or more decimals (a computed ratio)
-quoted rounded. So a share worked out from two measurements (`12% less time`) fails unless a file holds it, and a
+quoted rounded; a loss likewise, written with its `nats` or printed to 3 or more decimals. So a share worked out from two measurements (`12% less time`) fails unless a file holds it, and a
 step count or a millisecond in a long log backs no speed-up, however many numbers the cited files hold. Result files are the files under `research/` in a `results*` folder. Numbers that are not results (a probe's
 threshold, a CI's level) are allowed by the patterns in `NOT_RESULTS`, each with its reason.
 
@@ -93,6 +93,7 @@ PERCENT_KEY = re.compile(r"(?:pct|percent)$", re.I)
 # A number a log or a Markdown table gives as a percentage, or as a speed-up.
 WRITTEN_PERCENT = re.compile(r"(-?\d+(?:\.\d+)?)\s?%")
 WRITTEN_SPEEDUP = re.compile(r"(-?\d+(?:\.\d+)?)x\b")
+WRITTEN_NATS = re.compile(r"(-?\d+(?:\.\d+)?)\s?nats\b")
 # A number a log prints to this many decimals or more is a computed value (a ratio), which prose quotes rounded.
 COMPUTED_DECIMALS = 3
 
@@ -130,10 +131,10 @@ def _texts(x: float) -> set[str]:
     return out
 
 
-def renderings(values, *, percents=(), speedups=None) -> dict[str, set[str]]:
+def renderings(values, *, percents=(), speedups=None, losses=None) -> dict[str, set[str]]:
     """How a file's values may be quoted: as percentages ('%': a fraction times 100, or one of `percents`, the
     numbers the file gives as percentages, as written), as speed-ups ('x': the value itself, or with `speedups`
-    given only those) and as losses ('nats': the value itself)."""
+    given only those) and as losses ('nats': the value itself, or with `losses` given only those)."""
     out: dict[str, set[str]] = {"%": set(), "x": set(), "nats": set()}
     for value in values:
         if not math.isfinite(value) or abs(value) > 1e9:
@@ -142,18 +143,21 @@ def renderings(values, *, percents=(), speedups=None) -> dict[str, set[str]]:
             out["%"] |= _texts(100 * value)
         if speedups is None:
             out["x"] |= _texts(value)
-        out["nats"] |= _texts(value)
+        if losses is None:
+            out["nats"] |= _texts(value)
     for value in percents:
         if math.isfinite(value):
             out["%"] |= _texts(value)
     for value in speedups or ():
         out["x"] |= _texts(value)
+    for value in losses or ():
+        out["nats"] |= _texts(value)
     return out
 
 
-def _written_speedups(text: str) -> list[float]:
-    """A log's or a table's numbers written with an `x` (its computed ratios: `_computed_roundings`)."""
-    return [float(m) for m in WRITTEN_SPEEDUP.findall(text)]
+def _written(pattern: re.Pattern, text: str) -> list[float]:
+    """A log's or a table's numbers written with a unit (its computed values: `_computed_roundings`)."""
+    return [float(m) for m in pattern.findall(text)]
 
 
 def _computed_roundings(text: str) -> set[str]:
@@ -179,9 +183,12 @@ def file_figures(path: Path) -> dict[str, frozenset[str]]:
     if values:
         return {kind: frozenset(v) for kind, v in renderings(values, percents=percents).items()}
     values = [float(m) for m in NUMBER.findall(text)]
-    percents = [float(m) for m in WRITTEN_PERCENT.findall(text)]
-    figures = renderings(values, percents=percents, speedups=_written_speedups(text))
-    figures["x"] |= _computed_roundings(text)
+    percents = _written(WRITTEN_PERCENT, text)
+    figures = renderings(values, percents=percents, speedups=_written(WRITTEN_SPEEDUP, text),
+                         losses=_written(WRITTEN_NATS, text))  # fmt: skip
+    computed = _computed_roundings(text)
+    figures["x"] |= computed
+    figures["nats"] |= computed
     return {kind: frozenset(v) for kind, v in figures.items()}
 
 
@@ -291,6 +298,7 @@ def test_a_number_backs_a_percentage_only_where_its_file_gives_it_as_one(tmp_pat
     assert "45" not in figures["%"] and {"97.8", "98"} <= figures["%"]
     # a speed-up: written with its x, or a computed ratio rounded; not a step count or a millisecond
     assert {"3.96", "4", "1.66", "1.7"} <= figures["x"] and not {"45", "12.5", "1.660109"} & figures["x"]
+    assert {"1.66", "1.7"} <= figures["nats"] and not {"45", "12.5"} & figures["nats"]
     report = tmp_path / "bench.json"
     report.write_text(json.dumps({"decode_overhead_pct": 0.67297, "steps": 45, "recall": 0.45}))
     figures = file_figures(report)
