@@ -44,3 +44,45 @@ def test_two_ranks_equal_one(tmp_path):
     assert m1.config.calibration == m2.config.calibration
     for name, tensor in m1.state_dict().items():
         torch.testing.assert_close(m2.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+PRINCIPAL_SCRIPT = """
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from hf_kvtransfer.fitting.calibration_pass import calibration_pass
+from hf_kvtransfer.fitting.residual_stats import ResidualStatistics
+
+source_dir, target_dir, out = sys.argv[1:4]
+if "RANK" in __import__("os").environ:
+    dist.init_process_group("gloo")
+source, target = (AutoModelForCausalLM.from_pretrained(d) for d in (source_dir, target_dir))
+ids = torch.randint(4, 60, (13, 32), generator=torch.Generator().manual_seed(0))
+stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=(0, 1), stride=1, source_features=False,
+                                      principal=4)
+calibration_pass(source, target, ids, consumers=[stats], progress=False, batch_size=3, num_heldout=3)
+if not dist.is_initialized() or dist.get_rank() == 0:
+    torch.save(stats.checkpoint_state(), out)
+"""
+
+
+def test_two_ranks_fix_the_principal_directions_one_does(tmp_path):
+    """The residual sums through principal directions: the directions come from the calibration sequences one
+    process's first batch holds, whatever the number of ranks, so two ranks sum what one does."""
+    source, target = save_pair(tmp_path / "models")
+    script = tmp_path / "principal.py"
+    script.write_text(PRINCIPAL_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    runs = {"one": [sys.executable, str(script)],
+            "two": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]}
+    for name, command in runs.items():
+        proc = subprocess.run([*command, str(source), str(target), str(tmp_path / f"{name}.pt")], capture_output=True,
+                              text=True, env=env, timeout=HANG_GUARD_S)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (one, one_meta), (two, two_meta) = (torch.load(tmp_path / f"{n}.pt") for n in runs)
+    assert one_meta == two_meta and set(one) == set(two) and "1.basis" in one
+    for name, tensor in one.items():
+        torch.testing.assert_close(two[name], tensor, rtol=1e-9, atol=1e-9)

@@ -304,17 +304,31 @@ def _residual_bytes_per_layer(source_features: int, residual_features: int, targ
     return 2 * 8 * (f * f + f * target_features + f + 2 * target_features)
 
 
-@pytest.mark.parametrize("gib,layers,with_source", [(None, 1, False), (1, 0, False), (96, 14, False), (1000, 27, True)])
-def test_plan_says_which_residual_layers_a_fit_collects_within_its_budget(gib, layers, with_source):
+def _principal_by_hand(budget: int, layers: int, hidden: int, target_features: int) -> int:
+    """The most directions per position (3 positions) whose sums for `layers` residual layers, with each layer's
+    [directions, hidden] basis, fit in `budget`: bisection on the count, each size counted by hand."""
+    nbytes = lambda r: layers * (_residual_bytes_per_layer(0, 3 * r, target_features) + 8 * r * hidden)  # noqa: E731
+    lo, hi = 0, hidden - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if nbytes(mid) <= budget else (lo, mid - 1)
+    return lo
+
+
+@pytest.mark.parametrize("gib,layers,with_source,compressed", [(None, 27, False, True), (1, 0, False, False),
+                                                               (96, 27, False, True), (1000, 27, True, False)])
+def test_plan_says_which_residual_layers_a_fit_collects_within_its_budget(gib, layers, with_source, compressed):
     """Qwen3-0.6B -> 1.7B: 28 x 8 x 128 source features per kind, 3 positions x 2048 residual features, 27 candidate
     residual layers (every one that leaves a layer to map). The default budget is 4 GiB; a given one is a total, of
     which the K/V sums take theirs first (full: two sets of 2 x (f^2 + f^2 + f + 2f) float64, f = 28 x 8 x 128; at
     1 GiB two-stage, and more than the budget). With the source's K/V the residual sums of a layer are 33 GiB,
-    without them 3.2 GiB."""
+    without them 3.2 GiB: where those cannot cover the 27 layers, each position's residual enters the sums through
+    as many principal directions as let all 27 fit."""
     plan = plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", use_hub=False, available_memory=2**40,
                          max_statistics_memory=gib)  # fmt: skip
     row = plan.fit_input_statistics["residual"]
-    with_kv, alone = _residual_bytes_per_layer(28 * 8 * 128, 3 * 2048, 28 * 8 * 128), _residual_bytes_per_layer(0, 3 * 2048, 28 * 8 * 128)
+    target_features = 28 * 8 * 128
+    with_kv, alone = _residual_bytes_per_layer(28 * 8 * 128, 3 * 2048, target_features), _residual_bytes_per_layer(0, 3 * 2048, target_features)
     assert (row["bytes_per_layer"], row["bytes_per_layer_residual_alone"]) == (with_kv, alone)
     f = 28 * 8 * 128
     kv_full = 2 * 2 * 8 * (2 * f * f + 3 * f)
@@ -323,8 +337,15 @@ def test_plan_says_which_residual_layers_a_fit_collects_within_its_budget(gib, l
     assert row["budget_bytes"] == budget
     assert row["layers"] == list(range(layers)) and row["source_features"] == with_source
     assert row["candidates"] == 27
-    assert min(27, budget // (with_kv if with_source else alone)) == layers  # the most that fit in the budget
-    assert row["bytes"] == layers * (with_kv if with_source else alone)
+    if compressed:
+        principal = _principal_by_hand(budget, 27, 2048, target_features)
+        assert row["principal"] == principal >= 16 and 27 * alone > budget
+        assert row["bytes"] == 27 * (_residual_bytes_per_layer(0, 3 * principal, target_features) + 8 * principal * 2048)
+        assert f"in its {principal} principal directions of 2048" in row["line"]
+    else:
+        assert row["principal"] is None
+        assert min(27, budget // (with_kv if with_source else alone)) == layers  # the most that fit in the budget
+        assert row["bytes"] == layers * (with_kv if with_source else alone)
     text = format_plan(plan)
     assert row["line"] in text
     if not layers:
@@ -371,12 +392,14 @@ def test_plan_cli_max_statistics_memory(capsys):
     # One total: the residual sums (the residual features alone) get what the full K/V sums leave of the 96 GiB.
     residual = out["fit_input_statistics"]["residual"]
     left = 96 * 2**30 - out["fit_default_statistics_bytes"]
-    assert residual["layers"] == list(range(left // residual["bytes_per_layer_residual_alone"]))
-    assert 0 < len(residual["layers"]) < 27 and not residual["source_features"]
+    assert residual["layers"] == list(range(27)) and not residual["source_features"]
+    assert residual["principal"] == _principal_by_hand(left, 27, 2048, 28 * 8 * 128)
+    assert left // residual["bytes_per_layer_residual_alone"] < 27  # whole, the features would cover fewer
     # docs/guides/plan.md quotes this run
     guide = " ".join((Path(__file__).parents[1] / "docs/guides/plan.md").read_text(encoding="utf-8").split())
     total = (out["fit_default_statistics_bytes"] + residual["bytes"]) / 2**30
-    assert f"residual entering layers 0-{residual['layers'][-1]}" in guide and f"(there, {total:.2f} GiB)" in guide
+    assert f"residual entering every one of its 27 candidate layers through {residual['principal']} principal" in guide
+    assert f"(there, {total:.2f} GiB)" in guide
     assert f"full K/V sums take {out['fit_default_statistics_bytes'] / 2**30:.2f} GiB" in guide
 
 

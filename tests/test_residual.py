@@ -850,12 +850,38 @@ def test_the_fit_keeps_to_the_residual_features_where_the_source_would_cost_resi
     assert line.startswith("residual-input statistics for residual layers [0, 1]") and "the residual features alone" in line
     assert handed and not any(v.config.selected_layers[2] for v in handed)
     assert {v.config.map_inputs["residual"].layer for v in handed} == {0, 1}
-    (line,), handed = _budget_fit(pair, monkeypatch, per_layer[False])  # one residual layer, without the source
-    assert "residual layers [0]" in line and "1 deeper residual layers over the budget" in line
-    assert "--max-statistics-memory raises it" in line
-    (line,), handed = _budget_fit(pair, monkeypatch, per_layer[False] - 1)
+    # Room for one whole residual layer: both, each position's residual in its principal directions, as many as fit.
+    (line,), handed = _budget_fit(pair, monkeypatch, per_layer[False])
+    principal = _widest_by_hand(per_layer[False], 2)
+    assert residual_stats.MIN_PRINCIPAL_DIRECTIONS <= principal < 64
+    assert line.startswith("residual-input statistics for residual layers [0, 1]")
+    assert f"in its {principal} principal directions of 64" in line and "--max-statistics-memory raises it" in line
+    assert handed and not any(v.config.selected_layers[2] for v in handed)
+    assert {v.config.map_inputs["residual"].layer for v in handed} == {0, 1}
+    assert all(v.residual.down.shape[1] == len(LAGS) * 64 and v.residual.down.shape[0] <= len(LAGS) * principal
+               for v in handed)  # fmt: skip
+    too_few = residual_stats.residual_statistics_nbytes(*_layouts(pair), 64, len(LAGS), 2, False,
+                                                        residual_stats.MIN_PRINCIPAL_DIRECTIONS)  # fmt: skip
+    (line,), handed = _budget_fit(pair, monkeypatch, too_few - 1)
     assert line.startswith("residual-input maps: not tried") and "--max-statistics-memory raises it" in line
     assert handed == []
+
+
+def _layouts(pair):
+    from hf_kvtransfer.core.stats import KVLayout
+
+    source, target = pair[0], pair[1]
+    return KVLayout.from_config(source.config), KVLayout.from_config(target.config)
+
+
+def _widest_by_hand(budget: int, layers: int) -> int:
+    """The most directions per position whose sums (2 lags, the tiny target's 96 outputs, both kinds, float64, and
+    the [directions, 64] basis) for `layers` residual layers fit in `budget`, by counting up."""
+    def nbytes(r):
+        f = len(LAGS) * r
+        return layers * (16 * (f * f + f * 96 + f + 192) + 8 * r * 64)
+
+    return max(r for r in range(64) if nbytes(r) <= budget)
 
 
 def _fit_logs(pair, **keywords) -> list[str]:
@@ -873,11 +899,120 @@ def test_a_given_statistics_budget_is_one_total_for_both_kinds_of_sums(pair):
     `test_the_fit_keeps_to_the_residual_features_where_the_source_would_cost_residual_layers`."""
     kv = 16 * (64**2 + 64 * 96 + 64 + 2 * 96)
     alone = 16 * (128**2 + 128 * 96 + 128 + 192)
-    logs = _fit_logs(pair, max_statistics_memory=(kv + alone) / 2**30)
+    logs = _fit_logs(pair, max_statistics_memory=(kv + alone) / 2**30)  # one whole layer's room: both, compressed
     line = next(line for line in logs if line.startswith("residual-input"))
-    assert line.startswith("residual-input statistics for residual layers [0]") and "residual features alone" in line
+    assert line.startswith("residual-input statistics for residual layers [0, 1]") and "residual features alone" in line
+    assert f"in its {_widest_by_hand(alone, 2)} principal directions" in line, line
     assert f"what the K/V sums' {kv / 2**20:,.1f} MiB leave of --max-statistics-memory" in line, line
     assert any(line.startswith("statistics: ") and "on cpu" in line for line in logs)  # the K/V sums in full, on CPU
-    logs = _fit_logs(pair, max_statistics_memory=(kv + alone - 1) / 2**30)  # one layer's room, less one byte
+    too_few = residual_stats.residual_statistics_nbytes(*_layouts(pair), 64, len(LAGS), 2, False,
+                                                        residual_stats.MIN_PRINCIPAL_DIRECTIONS)  # fmt: skip
+    logs = _fit_logs(pair, max_statistics_memory=(kv + too_few - 1) / 2**30)  # the fewest directions' room, less a byte
     line = next(line for line in logs if line.startswith("residual-input"))
     assert line.startswith("residual-input maps: not tried"), line
+
+
+# -- the residual features in their principal directions (a wide target's sums for every candidate layer) ----------
+
+PRINCIPAL = 8
+
+
+@pytest.fixture(scope="module")
+def principal_only(pair):
+    source, target, ids, _, _ = pair
+    stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=LAGS, stride=1, source_features=False,
+                                          principal=PRINCIPAL)  # fmt: skip
+    calibration_pass(source, target, ids, consumers=[stats], progress=False, batch_size=len(ids))
+    return stats
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_principal_directions_solve_as_a_ridge_on_the_projected_residual(pair, principal_only, kind):
+    """The sums of each position's residual in its 8 principal directions (the one batch's: every token here), solved:
+    the map the mapper applies (its per-layer weights after the shared projection) is a ridge on the residual block
+    projected by hand onto the leading eigenvectors of the residual's covariance (numpy), for both lags."""
+    source, target, ids, base, _ = pair
+    stats = principal_only
+    held = sum(t.nbytes for sums in stats.sums.values() for t in sums.values()) + sum(b.nbytes for b in stats.basis.values())
+    assert held == residual_stats.residual_statistics_nbytes(stats.source_layout, stats.target_layout, 64, len(LAGS), 2,
+                                                             source_features=False, principal=PRINCIPAL)  # fmt: skip
+    mapper = solve_residual_mapper(base, stats, residual_layer=1, sources={2: []}, residual_lambda=0.01)
+    x, y, fs = _features_by_hand(source, target, ids, layer=1, kind=kind)
+    now = x[:, fs : fs + 64]  # lag 0: every token's own residual
+    vecs = np.linalg.eigh(np.cov(now.T, bias=True))[1][:, ::-1][:, :PRINCIPAL]  # [64, 8], descending
+    z = np.concatenate([x[:, fs + 64 * i : fs + 64 * (i + 1)] @ vecs for i in range(len(LAGS))], axis=1)
+    mu, sd = z.mean(0), z.std(0)
+    zs = (z - mu) / sd
+    w = np.linalg.solve(zs.T @ zs / len(zs) + 0.01 * np.eye(zs.shape[1]), zs.T @ (y - y.mean(0)) / len(zs)) / sd[:, None]
+    applied = (mapper.residual.weight(kind, 2).double() @ mapper.residual.down.double()).detach().numpy()  # [out, 128]
+    by_hand = w.T @ np.kron(np.eye(len(LAGS)), vecs.T)  # the same map on the whole residual block
+    np.testing.assert_allclose(applied, by_hand, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(getattr(mapper.layers[2], kind).bias.detach().double().numpy(), y.mean(0) - mu @ w,
+                               rtol=1e-3, atol=1e-4)  # fmt: skip
+    assert mapper.config.map_inputs["residual"].rank == len(LAGS) * PRINCIPAL
+
+
+def test_principal_directions_resume_from_a_checkpoint(pair, principal_only):
+    """A checkpoint holds each layer's directions with the sums (they were fixed by the pass's first batch), and the
+    run key names their count; sums without the directions are refused."""
+    source, target, _, _, _ = pair
+    tensors, meta = principal_only.checkpoint_state()
+    fresh = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=LAGS, stride=1, source_features=False,
+                                          principal=PRINCIPAL)  # fmt: skip
+    assert fresh.run_key()["residual"]["principal"] == PRINCIPAL
+    fresh.load_checkpoint_state(tensors, meta, "here")
+    for j in (0, 1):
+        assert torch.equal(fresh.basis[j], principal_only.basis[j])
+        assert torch.equal(fresh.sums[(j, "key")]["cross"], principal_only.sums[(j, "key")]["cross"])
+    with pytest.raises(ValueError, match="1.basis missing"):
+        fresh.load_checkpoint_state({k: v for k, v in tensors.items() if k != "1.basis"}, meta, "here")
+
+
+def test_a_fit_with_principal_directions_hands_mappers_that_save_and_serve(pair, monkeypatch, tmp_path):
+    """Every mapper such a fit's search is handed, saved and loaded again, gives the same cache as before saving, and
+    `generate` runs on it."""
+    source, target, ids, _, _ = pair
+    per_layer = 16 * (128**2 + 128 * 96 + 128 + 192)  # one whole residual layer's room: both through directions
+    (line,), handed = _budget_fit(pair, monkeypatch, per_layer)
+    assert "principal directions" in line and len(handed) >= 2
+    prompt = ids[:1, :24]
+    for i, mapper in enumerate(handed):
+        mapper.save_pretrained(tmp_path / str(i))
+        loaded = KVMapper.from_pretrained(tmp_path / str(i))
+        caches = []
+        for m in (mapper, loaded):
+            cache = TransferredCache(prefill(source, prompt), m, model=target, input_ids=prompt)
+            target(prompt[:, -cache.num_recompute_tokens :], cache=cache)
+            caches.append(cache)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            torch.testing.assert_close(a.keys, b.keys)
+            torch.testing.assert_close(a.values, b.values)
+    cache = TransferredCache(prefill(source, prompt), loaded, model=target)
+    out = target.generate(prompt, cache=cache, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 28)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_statistics_choice_covers_every_layer_within_the_budget(seed):
+    """Over random layouts and budgets: where the whole sums cannot cover every candidate layer, the choice takes
+    every one through the most principal directions that fit the budget (one more would not), never fewer than
+    `MIN_PRINCIPAL_DIRECTIONS`; otherwise the whole features of as many of the shallowest layers as fit, as before."""
+    from hf_kvtransfer.core.stats import KVLayout
+
+    rng = np.random.default_rng(seed)
+    layers_t, hidden = int(rng.integers(3, 40)), int(rng.choice([64, 256, 1024, 4096]))
+    source = KVLayout(int(rng.integers(2, 30)), int(rng.choice([2, 8])), 128)
+    target = KVLayout(layers_t, int(rng.choice([2, 8])), 128)
+    budget = int(2 ** rng.uniform(20, 36))
+    choice = residual_stats.residual_statistics_choice(source, target, hidden, 3, budget)
+    candidates = residual_stats.residual_candidates(layers_t)
+    nbytes = lambda r, n=len(candidates): residual_stats.residual_statistics_nbytes(source, target, hidden, 3, n, False, r)  # noqa: E731
+    if choice.principal is None:
+        whole = budget // choice.per_layer[choice.source_features]
+        assert list(choice.layers) == candidates[: min(len(candidates), whole)]
+        assert len(choice.layers) == len(candidates) or nbytes(residual_stats.MIN_PRINCIPAL_DIRECTIONS) > budget
+    else:
+        assert list(choice.layers) == candidates and not choice.source_features
+        assert residual_stats.MIN_PRINCIPAL_DIRECTIONS <= choice.principal < hidden
+        assert choice.nbytes == nbytes(choice.principal) <= budget < nbytes(choice.principal + 1)
+        assert budget < len(candidates) * choice.per_layer[False]  # the whole features would not have covered them

@@ -13,7 +13,10 @@ Memory: per candidate J and kind, `(F_s + F_r)^2 + (F_s + F_r) * L_t * n_kv_t * 
 `F_s = L_s * n_kv_s * d_s` and `F_r = len(lags) * hidden_size` (`residual_statistics_nbytes`). With
 `source_features=False` the sums hold the residual features alone (`F_s = 0`): enough for the maps that read no
 source layer, and what the fit collects where a pair's source K/V would make the sums too large (a real pair's
-`F_s` is tens of thousands of features).
+`F_s` is tens of thousands of features). With `principal=r` each position's residual enters the sums through its
+`r` principal directions instead (`F_r = len(lags) * r`; the directions from the first calibration batch, one set
+per residual layer): what lets a wide target's sums cover every candidate layer (`residual_statistics_choice`);
+the maps then read the residual through that projection (`ResidualStatistics.projection`).
 
 Example:
     ```python
@@ -55,6 +58,9 @@ from .calibration_pass import CalibrationBatch
 from .fit_inputs import CandidateGroup, FitInput, register_fit_input
 
 DEFAULT_RESIDUAL_LAMBDA = 0.01
+# The fewest principal directions per position the sums are compressed to (`residual_statistics_choice`); below it
+# the fit collects the shallowest residual layers in full instead.
+MIN_PRINCIPAL_DIRECTIONS = 16
 # The reduced-rank candidate keeps this fraction of the full-rank maps' fitted variance (`residual_variants`).
 RESIDUAL_RANK_ENERGY = 0.99
 KINDS = ("key", "value")
@@ -67,10 +73,12 @@ def has_key_norm(model: PreTrainedModel) -> bool:
 
 
 def residual_statistics_nbytes(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int, num_candidates: int,
-                               source_features: bool = True) -> int:  # fmt: skip
-    """Bytes of `ResidualStatistics` for `num_candidates` residual layers (float64, both kinds)."""
-    f = (source.total_dim if source_features else 0) + num_lags * hidden_size
-    return 8 * 2 * num_candidates * (f * f + f * target.total_dim + f + 2 * target.total_dim)
+                               source_features: bool = True, principal: int | None = None) -> int:  # fmt: skip
+    """Bytes of `ResidualStatistics` for `num_candidates` residual layers (float64, both kinds; with `principal`,
+    each position's residual in that many directions, and the directions themselves)."""
+    f = (source.total_dim if source_features else 0) + num_lags * (principal or hidden_size)
+    basis = principal * hidden_size if principal else 0
+    return 8 * num_candidates * (2 * (f * f + f * target.total_dim + f + 2 * target.total_dim) + basis)
 
 
 def _flat(states: list[torch.Tensor]) -> torch.Tensor:
@@ -95,15 +103,20 @@ class ResidualStatistics:
         key_before_norm: bool = False,
         stride: int = 1,
         source_features: bool = True,
+        principal: int | None = None,
     ):
         self.source_layout, self.target_layout = source_layout, target_layout
         self.hidden_size, self.lags, self.stride = hidden_size, list(lags), stride
         self.key_before_norm = key_before_norm
         self.source_features = source_features  # False: the residual features alone (maps reading no source layer)
+        if principal is not None and not 0 < principal <= hidden_size:
+            raise ValueError(f"principal must be in [1, {hidden_size}] (the hidden size), got {principal}")
+        self.principal = principal  # each position's residual in this many principal directions (None: all features)
+        self.basis: dict[int, torch.Tensor | None] = {j: None for j in layers}  # [principal, hidden] per layer
         # What the calibration pass captures for this consumer.
         self.target_hidden_layers = tuple(layers)
         self.target_key_projections = key_before_norm
-        f = self.source_dim + len(self.lags) * hidden_size
+        f = self.source_dim + self.residual_dim
         out = target_layout.total_dim
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
         self.count = {j: 0 for j in layers}
@@ -114,6 +127,36 @@ class ResidualStatistics:
     def source_dim(self) -> int:
         """The source features leading each row of the sums (0 without them)."""
         return self.source_layout.total_dim if self.source_features else 0
+
+    @property
+    def residual_dim(self) -> int:
+        """The residual features closing each row of the sums: every position's whole residual, or its principal
+        directions."""
+        return len(self.lags) * (self.principal or self.hidden_size)
+
+    def projection(self, residual_layer: int, down: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The shared projection `[rank, len(lags) * hidden]` a mapper solved from these sums reads the residual
+        features through: `down` (a projection of the sums' residual features, e.g. `reduced_rank_projection`) after
+        the principal directions, those directions alone, or `down` itself where the sums hold every feature."""
+        basis = self.basis[residual_layer]
+        if basis is None:
+            if self.principal is not None:
+                raise ValueError(f"no principal directions for residual layer {residual_layer}: the pass saw no batch")
+            return down
+        whole = torch.block_diag(*[basis] * len(self.lags))
+        return whole if down is None else down @ whole
+
+    @property
+    def basis_pending(self) -> bool:
+        """Whether the principal directions are still to be fixed (before the pass's first batch)."""
+        return any(b is None for b in self.basis.values())
+
+    def _principal_features(self, j: int, res: torch.Tensor, leading: torch.Tensor) -> torch.Tensor:
+        """`res` `[tokens, len(lags) * hidden]` in residual layer `j`'s principal directions, fixing them on the
+        first batch from its tokens in `leading` (`_leading_tokens`)."""
+        if self.basis[j] is None:
+            self.basis[j] = _principal_directions(res[leading, : self.hidden_size], self.principal)
+        return (res.view(len(res), len(self.lags), self.hidden_size) @ self.basis[j].T).flatten(1)
 
     @classmethod
     def for_models(cls, source: PreTrainedModel, target: PreTrainedModel, layers: Sequence[int], **kwargs) -> "ResidualStatistics":
@@ -135,8 +178,11 @@ class ResidualStatistics:
         targets = {"key": _flat(target_keys).cpu()[keep].double(), "value": _flat(batch.target_values).cpu()[keep].double()}
         sources = {"key": _flat(batch.source_keys).cpu()[keep].double(),
                    "value": _flat(batch.source_values).cpu()[keep].double()} if self.source_features else {}  # fmt: skip
+        leading = _leading_tokens(batch.rows, keep) if self.principal is not None and self.basis_pending else None
         for j in self.target_hidden_layers:
             res = residual_features(batch.target_hidden[j], self.lags, batch.attention_mask).cpu()[keep].double()
+            if self.principal is not None:
+                res = self._principal_features(j, res, leading)
             self.count[j] += int(keep.sum())
             for kind in KINDS:
                 x = torch.cat([sources[kind], res], dim=-1) if self.source_features else res
@@ -152,10 +198,12 @@ class ResidualStatistics:
         """What must match for a checkpoint of these sums to be resumed."""
         return {"residual": {"layers": list(self.target_hidden_layers), "lags": self.lags, "stride": self.stride,
                              "key_before_norm": self.key_before_norm,
-                             **({} if self.source_features else {"source_features": False})}}  # fmt: skip
+                             **({} if self.source_features else {"source_features": False}),
+                             **({} if self.principal is None else {"principal": self.principal})}}  # fmt: skip
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         tensors = {f"{j}.{kind}.{name}": t.contiguous() for (j, kind), sums in self.sums.items() for name, t in sums.items()}
+        tensors.update({f"{j}.basis": b.contiguous() for j, b in self.basis.items() if b is not None})
         return tensors, {"count": {str(j): c for j, c in self.count.items()}}
 
     def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict, where: str) -> None:
@@ -166,6 +214,8 @@ class ResidualStatistics:
                     raise ValueError(f"checkpoint {where}: residual statistics {j}.{kind}.{name} missing or mis-shaped")
                 sums[name] = saved.to(torch.float64)
         self.count = {int(j): int(c) for j, c in meta["count"].items()}
+        if self.principal is not None:
+            self.basis = {j: _saved_basis(tensors, j, self.count[j], where) for j in self.basis}
 
     def finish(self) -> None:
         """Sum over `torch.distributed` ranks (each saw its shard of the sequences)."""
@@ -180,6 +230,45 @@ class ResidualStatistics:
         for sums in self.sums.values():
             for tensor in sums.values():
                 dist.all_reduce(tensor)
+
+
+def _leading_tokens(rows: list[int], keep: torch.Tensor) -> torch.Tensor:
+    """Of the kept tokens of a rank's first batch (`keep` `[batch, seq]`), those of the calibration sequences whose
+    index is below the batch's size (the fewest rows of any rank's first batch under `torch.distributed`): over all
+    ranks, the sequences one process's first batch holds, so that the directions do not depend on the world size."""
+    import torch.distributed as dist
+
+    size = torch.tensor([len(rows)], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(size, op=dist.ReduceOp.MIN)
+    leading = torch.tensor([r < size.item() for r in rows], dtype=torch.bool)
+    return (keep & leading[:, None])[keep]
+
+
+def _principal_directions(x: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` directions `[count, hidden]` along which the rows of `x` (and, under `torch.distributed`, every
+    rank's rows) vary most: the leading eigenvectors of their covariance, each signed so that its largest entry is
+    positive (the same directions on every machine and every run)."""
+    import torch.distributed as dist
+
+    sums = [torch.tensor([float(len(x))], dtype=torch.float64), x.sum(0), x.T @ x]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for t in sums:
+            dist.all_reduce(t)
+    n, total, gram = sums[0].item(), sums[1], sums[2]
+    mean = total / max(n, 1.0)
+    cov = gram / max(n, 1.0) - torch.outer(mean, mean)
+    vecs = torch.linalg.eigh(cov)[1].flip(1)[:, :count].T.contiguous()
+    sign = torch.sign(vecs.gather(1, vecs.abs().argmax(1, keepdim=True)))
+    return vecs * sign
+
+
+def _saved_basis(tensors: dict[str, torch.Tensor], j: int, count: int, where: str) -> torch.Tensor | None:
+    """Residual layer `j`'s principal directions from a checkpoint: none before the pass's first batch."""
+    saved = tensors.get(f"{j}.basis")
+    if saved is None and count:
+        raise ValueError(f"checkpoint {where}: residual statistics {j}.basis missing")
+    return None if saved is None else saved.to(torch.float64)
 
 
 def solve_residual_mapper(
@@ -223,17 +312,19 @@ def solve_residual_mapper(
         mapper.config, selected_layers=selected, map_inputs=inputs,
         num_exact_layers=max(mapper.config.num_exact_layers or 0, residual_layer + 1),
     )  # fmt: skip
-    down = None
+    down = None  # a projection of the sums' residual features
     if residual_rank is not None or residual_energy is not None:
         down = reduced_rank_projection(stats, residual_layer, config, residual_lambda, rank=residual_rank, energy=residual_energy)
-        config = with_input(config, ResidualInput.name, dataclasses.replace(res, rank=down.shape[0]))
+    shared = stats.projection(residual_layer, down)  # ... of the residual features the mapper computes
+    if shared is not None:
+        config = with_input(config, ResidualInput.name, dataclasses.replace(res, rank=shared.shape[0]))
     new = KVMapper(config, report=dict(mapper.report))
     for t, layer in enumerate(new.layers):
         if t not in sources:
             layer.load_state_dict(mapper.layers[t].state_dict())
     new = new.to(mapper.dtype)
-    if down is not None:
-        new.residual.down.data.copy_(down.to(new.residual.down.dtype))
+    if shared is not None:
+        new.residual.down.data.copy_(shared.to(new.residual.down.dtype))
     r2 = _solve_into(new, config, stats, residual_layer, sources, residual_lambda, down)
     # Held-out R^2 was measured for the source-only maps: not these.
     new.config = dataclasses.replace(new.config, fit_r2_key=r2["key"], fit_r2_value=r2["value"], heldout_r2_key=None,
@@ -266,7 +357,7 @@ def _solve_into(
     """Solve `new`'s layers that read the residual or whose `sources` were replaced, into its weights. Returns the
     in-sample R^2 of the new maps per kind and target layer (of the keys before the norm for the key-norm input);
     where the source-only fit recorded none, the source-only layers get none either (JSON has no NaN)."""
-    fr = len(stats.lags) * stats.hidden_size
+    fr = stats.residual_dim
     r2 = {kind: list(getattr(config, f"fit_r2_{kind}") or [0.0] * stats.target_layout.num_layers) for kind in KINDS}
     for kind in KINDS:
         for t in sorted(set(new.residual.layers) | set(sources)):
@@ -284,7 +375,7 @@ def _solve_into(
 
 def _residual_covariance(stats: ResidualStatistics, residual_layer: int) -> torch.Tensor:
     """Covariance `[F_r, F_r]` of the residual features (from the key sums: the block is the same in both kinds')."""
-    n, fr = stats.count[residual_layer], len(stats.lags) * stats.hidden_size
+    n, fr = stats.count[residual_layer], stats.residual_dim
     s = stats.sums[(residual_layer, "key")]
     mu = s["x"][-fr:] / n
     return s["gram"][-fr:, -fr:] / n - torch.outer(mu, mu)
@@ -294,7 +385,7 @@ def _prediction_spectrum(stats: ResidualStatistics, residual_layer: int, config,
     """What the full-rank residual blocks of `config`'s readers predict, as one eigenproblem: `(eigenvalues,
     directions)` with `directions` `[F_r, m]` (descending) spanning the residual features' combinations that carry
     the most of the maps' fitted variance, each (layer, kind) block counted as a fraction of its target's variance."""
-    n, fr = stats.count[residual_layer], len(stats.lags) * stats.hidden_size
+    n, fr = stats.count[residual_layer], stats.residual_dim
     cov = _residual_covariance(stats, residual_layer)
     width = stats.target_layout.layer_dim
     blocks = []
@@ -347,7 +438,7 @@ def _solve(
     selected source layers' features, then (when `reads`) the residual block, through `down` when given. Returns
     `(weight [F, out], bias [out], in-sample R^2)`; no inputs at all give the calibration mean (R^2 0)."""
     n, s = stats.count[layer], stats.sums[(layer, kind)]
-    fs, fr = stats.source_dim, len(stats.lags) * stats.hidden_size
+    fs, fr = stats.source_dim, stats.residual_dim
     if selected and not stats.source_features:
         raise ValueError(f"these residual statistics hold no source features: target layer {t} cannot read source "
                          f"layers {selected} (solve with sources=[] for it)")  # fmt: skip
@@ -417,7 +508,8 @@ def residual_variants(
         low = solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped},
                                     residual_lambda=residual_lambda, residual_energy=RESIDUAL_RANK_ENERGY)  # fmt: skip
         features, outputs = len(stats.lags) * stats.hidden_size, 2 * len(mapped) * stats.target_layout.layer_dim
-        if residual_config(low.config).rank * (features + outputs) <= features * outputs / 2:
+        full = features * outputs if stats.principal is None else stats.residual_dim * (features + outputs)
+        if residual_config(low.config).rank * (features + outputs) <= full / 2:
             variants.append(low)
     unique: dict[tuple, KVMapper] = {}  # e.g. one mapped layer: "only the copy layer" is the first variant again
     for v in variants:
@@ -444,14 +536,25 @@ def _with_source_variants(mapper: KVMapper, stats: ResidualStatistics, residual_
 class ResidualStatisticsChoice:
     """Which residual-input sums a fit collects within its budget (`residual_statistics_choice`): the shallowest
     `layers` of the `candidates`, with the source's K/V among the features (`source_features`) unless the residual
-    features alone cover more of them. `per_layer` and `within`: bytes per residual layer and layers within the
-    budget, with (True) and without (False) the source's K/V."""
+    features alone cover more of them; or every candidate, each position's residual in its `principal` directions.
+    `per_layer` and `within`: bytes per residual layer and layers within the budget, with (True) and without (False)
+    the source's K/V, every feature kept."""
 
     layers: tuple[int, ...]
     source_features: bool
     per_layer: dict[bool, int]
     within: dict[bool, int]
     candidates: int
+    principal: int | None = None
+    hidden_size: int = 0
+    principal_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """What the chosen sums take."""
+        if self.principal is None:
+            return len(self.layers) * self.per_layer[self.source_features]
+        return self.principal_bytes
 
 
 def residual_statistics_choice(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int,
@@ -465,8 +568,28 @@ def residual_statistics_choice(source: KVLayout, target: KVLayout, hidden_size: 
                  for with_source in (True, False)}  # fmt: skip
     within = {with_source: min(len(candidates), int(budget // n)) for with_source, n in per_layer.items()}
     with_source = within[True] >= within[False] and within[True] > 0
-    return ResidualStatisticsChoice(tuple(candidates[: within[with_source]]), with_source, per_layer, within,
-                                    len(candidates))  # fmt: skip
+    choice = ResidualStatisticsChoice(tuple(candidates[: within[with_source]]), with_source, per_layer, within,
+                                      len(candidates), hidden_size=hidden_size)  # fmt: skip
+    if within[with_source] == len(candidates):
+        return choice
+    principal = _widest_principal(source, target, hidden_size, num_lags, len(candidates), budget)
+    if principal < MIN_PRINCIPAL_DIRECTIONS:
+        return choice
+    nbytes = residual_statistics_nbytes(source, target, hidden_size, num_lags, len(candidates), False, principal)
+    return dataclasses.replace(choice, layers=tuple(candidates), source_features=False, principal=principal,
+                               principal_bytes=nbytes)  # fmt: skip
+
+
+def _widest_principal(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int, num_candidates: int,
+                      budget: int) -> int:  # fmt: skip
+    """The most principal directions per position (below `hidden_size`) for which the sums of `num_candidates`
+    residual layers without the source's K/V fit in `budget` bytes (0 when not even one does)."""
+    lo, hi = 0, hidden_size - 1
+    while lo < hi:  # the sums grow with the directions: the largest count that fits
+        mid = (lo + hi + 1) // 2
+        fits = residual_statistics_nbytes(source, target, hidden_size, num_lags, num_candidates, False, mid) <= budget
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    return lo
 
 
 def _statistics_line(choice: ResidualStatisticsChoice, budget: StatisticsBudget) -> str:
@@ -477,7 +600,12 @@ def _statistics_line(choice: ResidualStatisticsChoice, budget: StatisticsBudget)
                 f"residual layer (float64, CPU), over {budget.describe('residual')}; source K/V maps only")  # fmt: skip
     layers = list(choice.layers)
     named = f"{layers[0]}-{layers[-1]}" if len(layers) > 4 and layers == list(range(layers[0], layers[-1] + 1)) else layers
-    line = f"residual-input statistics for residual layers {named}: {len(layers) * per_layer[choice.source_features] / 2**20:,.1f} MiB (float64, CPU)"
+    line = f"residual-input statistics for residual layers {named}: {choice.nbytes / 2**20:,.1f} MiB (float64, CPU)"
+    if choice.principal is not None:
+        return line + (f", the residual features alone, each position's in its {choice.principal} principal directions "
+                       f"of {choice.hidden_size} (from the first calibration batch), so that every candidate layer fits "
+                       f"{budget.describe('residual')}: whole, they would need {per_layer[False] / 2**20:,.1f} MiB per "
+                       "layer; only maps reading no source layer, through those directions, are tried")  # fmt: skip
     if not choice.source_features:
         line += (f", the residual features alone: with the source's K/V they would need {per_layer[True] / 2**20:,.1f} MiB per "
                  f"layer ({choice.within[True]} within the budget), so only maps reading no source layer are tried")  # fmt: skip
@@ -520,7 +648,7 @@ class ResidualFit(FitInput):
             return None
         return ResidualStatistics.for_models(source, target, choice.layers, lags=config.residual_lags,
                                              stride=config.residual_stride or config.stride,
-                                             source_features=choice.source_features)  # fmt: skip
+                                             source_features=choice.source_features, principal=choice.principal)  # fmt: skip
 
     def candidates(self, mapper: KVMapper, statistics: ResidualStatistics, config: Any) -> list[CandidateGroup]:
         """`residual_variants` of each residual layer J, a group needing J + 1 exact layers (the cache computes the
@@ -543,7 +671,7 @@ class ResidualFit(FitInput):
                            budget: StatisticsBudget) -> dict[str, Any]:  # fmt: skip
         choice = residual_statistics_choice(source, target, hidden_size, positions, budget.residual_bytes)
         return {"layers": list(choice.layers), "candidates": choice.candidates, "source_features": choice.source_features,
-                "bytes": len(choice.layers) * choice.per_layer[choice.source_features],
+                "principal": choice.principal, "bytes": choice.nbytes,
                 "bytes_per_layer": choice.per_layer[True], "bytes_per_layer_residual_alone": choice.per_layer[False],
                 "budget_bytes": budget.residual_bytes, "line": _statistics_line(choice, budget)}  # fmt: skip
 
@@ -551,6 +679,7 @@ class ResidualFit(FitInput):
 __all__ = [
     "DEFAULT_RESIDUAL_LAGS",
     "DEFAULT_RESIDUAL_LAMBDA",
+    "MIN_PRINCIPAL_DIRECTIONS",
     "RESIDUAL_RANK_ENERGY",
     "ResidualStatisticsChoice",
     "ResidualFit",
