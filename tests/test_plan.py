@@ -177,8 +177,9 @@ def test_plan_reports_the_first_token_and_residual_inputs_at_scale():
 
     for source, target, layers, hidden in (("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", 64, 5120),
                                            ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", 80, 8192)):  # fmt: skip
+        # A budget whole residual sums fit in: maps at full rank (`test_the_plan_costs_the_residual_maps_the_fit_builds`)
         plan = plan_transfer(source, target, top_k=8, seq_len=4096, use_hub=False, num_exact_layers=4,
-                             residual_positions=2, available_memory=2**40)  # fmt: skip
+                             residual_positions=2, available_memory=2**40, max_statistics_memory=8192)  # fmt: skip
         assert plan.num_exact_layers == 4 and plan.num_recompute_tokens == 32
         row = plan.map_inputs["residual"]
         # Full rank, K and V: 2 positions x hidden more inputs per map, on the 60 / 76 mapped layers.
@@ -208,7 +209,7 @@ def test_plan_says_which_map_inputs_are_practical_at_real_shapes():
     # transferred token (2 x 4064 x 1,981,808,640 = 16.108 TFLOP). (The token tables
     # of the research plug-in, 146 GiB at this shape: tests/test_token_tables.py.)
     plan = plan_transfer("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", top_k=8, seq_len=4096, use_hub=False, num_exact_layers=1,
-                         available_memory=2**40)  # fmt: skip
+                         available_memory=2**40, max_statistics_memory=8192)  # fmt: skip  (whole sums: full rank)
     text = format_plan(plan)
     residual = plan.map_inputs["residual"]
     assert residual["parameters"] == 3 * 63 * 2 * 5120 * 1024 and residual["flops"] == 2 * (4096 - 32) * residual["parameters"]
@@ -216,6 +217,27 @@ def test_plan_says_which_map_inputs_are_practical_at_real_shapes():
     assert ": 3.69 GiB, +16.108 TFLOP" in line and ": practical" in line, line
     assert "to the first token with it (+1,981,808,640 mapper parameters" in text
     assert 2 * plan.model_parameters["target"] > 60 * 2**30
+
+
+@pytest.mark.parametrize("source,target,principal", [("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", 112),
+                                                     ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B", 67),
+                                                     ("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", 20)])
+def test_the_plan_costs_the_residual_maps_the_fit_builds(source, target, principal):
+    """Where the fit's residual sums hold each position's principal directions (the default 4 GiB; counts from
+    `_principal_by_hand` in the tests above), its widest residual maps read the residual through one projection of
+    rank 3 x that many, and the plan costs them there unless `--residual-rank` says otherwise: a projection of
+    3 x hidden features to that rank, then that rank's inputs per map."""
+    from hf_kvtransfer.commands.model_configs import load_model_config
+
+    hidden = load_model_config(target, use_hub=False).hidden_size
+    plan = plan_transfer(source, target, use_hub=False, available_memory=2**40, num_exact_layers=1)
+    row = plan.map_inputs["residual"]
+    assert plan.fit_input_statistics["residual"]["principal"] == principal
+    assert row["shared_rank"] == 3 * principal
+    mapped, layer_dim = plan.target_layout["num_layers"] - 1, plan.target_layout["num_kv_heads"] * plan.target_layout["head_dim"]
+    assert row["parameters"] == 3 * principal * 3 * hidden + mapped * 2 * layer_dim * 3 * principal
+    named = plan_transfer(source, target, use_hub=False, available_memory=2**40, num_exact_layers=1, residual_rank=64)
+    assert named.map_inputs["residual"]["shared_rank"] == 64
 
 
 def test_plan_options_object_or_keywords():

@@ -389,6 +389,7 @@ def plan_transfer(
     # The plan's sums live on the CPU, so a given budget is one total: the map inputs' sums get what the K/V sums leave.
     left = budget.after_kv(fit["fit_default_statistics_bytes"], "cpu")
     fit["fit_input_statistics"] = _fit_input_statistics(src, tgt, target_config, o.input_positions or {}, left)
+    o = _with_fit_ranks(o, fit["fit_input_statistics"])
     return TransferPlan(
         source=source_name,
         target=target_name,
@@ -405,6 +406,17 @@ def plan_transfer(
         **_transfer_memory(src, tgt, o.top_k, o.batch_size * o.seq_len, weight_dtype),
         notes=notes,
     )
+
+
+def _with_fit_ranks(o: PlanOptions, statistics: dict[str, dict[str, Any]]) -> PlanOptions:
+    """`o` with the rank of the projection each input's widest fitted maps would share (`shared_rank` of its planned
+    statistics: the residual's principal directions where the fit compresses its sums) wherever `o` names none."""
+    ranks = dict(o.input_ranks or {})
+    for name, row in statistics.items():
+        option = map_input_class(name).plan_rank
+        if row.get("shared_rank") and option and option not in ranks:
+            ranks[option] = row["shared_rank"]
+    return dataclasses.replace(o, input_ranks=ranks or o.input_ranks)
 
 
 def _with_input_options(keywords: dict[str, Any]) -> dict[str, Any]:

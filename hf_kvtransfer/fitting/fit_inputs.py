@@ -93,7 +93,8 @@ class FitInput:
                            budget: StatisticsBudget) -> dict[str, Any] | None:  # fmt: skip
         """What `statistics` collects for a pair of these layouts (`hidden_size`: the target's; `positions`: what the
         input reads per token) within `budget`, by the same rule: JSON fields, with `bytes` (what it collects) and
-        `line` (the fit's log line). None: this input collects no sums of its own."""
+        `line` (the fit's log line), and `shared_rank` where the widest maps it would fit share a projection of that
+        rank (the plan then costs the input at it). None: this input collects no sums of its own."""
         return None
 
 

@@ -671,7 +671,8 @@ class ResidualFit(FitInput):
                            budget: StatisticsBudget) -> dict[str, Any]:  # fmt: skip
         choice = residual_statistics_choice(source, target, hidden_size, positions, budget.residual_bytes)
         return {"layers": list(choice.layers), "candidates": choice.candidates, "source_features": choice.source_features,
-                "principal": choice.principal, "bytes": choice.nbytes,
+                "principal": choice.principal, "shared_rank": positions * choice.principal if choice.principal else None,
+                "bytes": choice.nbytes,
                 "bytes_per_layer": choice.per_layer[True], "bytes_per_layer_residual_alone": choice.per_layer[False],
                 "budget_bytes": budget.residual_bytes, "line": _statistics_line(choice, budget)}  # fmt: skip
 
