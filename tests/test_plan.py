@@ -219,14 +219,14 @@ def test_plan_says_which_map_inputs_are_practical_at_real_shapes():
     assert 2 * plan.model_parameters["target"] > 60 * 2**30
 
 
-@pytest.mark.parametrize("source,target,principal", [("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", 112),
-                                                     ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B", 67),
-                                                     ("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", 20)])
+@pytest.mark.parametrize("source,target,principal", [("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", 102),
+                                                     ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B", 58),
+                                                     ("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", 18)])
 def test_the_plan_costs_the_residual_maps_the_fit_builds(source, target, principal):
-    """Where the fit's residual sums hold each position's principal directions (the default 4 GiB; counts from
-    `_principal_by_hand` in the tests above), its widest residual maps read the residual through one projection of
-    rank 3 x that many, and the plan costs them there unless `--residual-rank` says otherwise: a projection of
-    3 x hidden features to that rank, then that rank's inputs per map."""
+    """Where the fit's residual sums hold the residual features through 3 x `principal` directions (the default
+    4 GiB; counts from `_principal_by_hand` in the tests above), its widest residual maps read the residual through
+    one projection of that rank, and the plan costs them there unless `--residual-rank` says otherwise: a projection
+    of 3 x hidden features to that rank, then that rank's inputs per map."""
     from hf_kvtransfer.commands.model_configs import load_model_config
 
     hidden = load_model_config(target, use_hub=False).hidden_size
@@ -329,7 +329,7 @@ def _residual_bytes_per_layer(source_features: int, residual_features: int, targ
 def _principal_by_hand(budget: int, layers: int, hidden: int, target_features: int) -> int:
     """The most directions per position (3 positions) whose sums for `layers` residual layers, with each layer's
     [directions, hidden] basis, fit in `budget`: bisection on the count, each size counted by hand."""
-    nbytes = lambda r: layers * (_residual_bytes_per_layer(0, 3 * r, target_features) + 8 * r * hidden)  # noqa: E731
+    nbytes = lambda r: layers * (_residual_bytes_per_layer(0, 3 * r, target_features) + 8 * 3 * r * 3 * hidden)  # noqa: E731
     lo, hi = 0, hidden - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -345,7 +345,7 @@ def test_plan_says_which_residual_layers_a_fit_collects_within_its_budget(gib, l
     which the K/V sums take theirs first (full: two sets of 2 x (f^2 + f^2 + f + 2f) float64, f = 28 x 8 x 128; at
     1 GiB two-stage, and more than the budget). With the source's K/V the residual sums of a layer are 33 GiB,
     without them 3.2 GiB: where those cannot cover the 27 layers, each position's residual enters the sums through
-    as many principal directions as let all 27 fit."""
+    as many directions as let all 27 fit."""
     plan = plan_transfer("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", use_hub=False, available_memory=2**40,
                          max_statistics_memory=gib)  # fmt: skip
     row = plan.fit_input_statistics["residual"]
@@ -362,8 +362,8 @@ def test_plan_says_which_residual_layers_a_fit_collects_within_its_budget(gib, l
     if compressed:
         principal = _principal_by_hand(budget, 27, 2048, target_features)
         assert row["principal"] == principal >= 16 and 27 * alone > budget
-        assert row["bytes"] == 27 * (_residual_bytes_per_layer(0, 3 * principal, target_features) + 8 * principal * 2048)
-        assert f"in its {principal} principal directions of 2048" in row["line"]
+        assert row["bytes"] == 27 * (_residual_bytes_per_layer(0, 3 * principal, target_features) + 8 * 3 * principal * 3 * 2048)
+        assert f"through {3 * principal} of their 6144 dimensions" in row["line"]
     else:
         assert row["principal"] is None
         assert min(27, budget // (with_kv if with_source else alone)) == layers  # the most that fit in the budget
@@ -420,7 +420,7 @@ def test_plan_cli_max_statistics_memory(capsys):
     # docs/guides/plan.md quotes this run
     guide = " ".join((Path(__file__).parents[1] / "docs/guides/plan.md").read_text(encoding="utf-8").split())
     total = (out["fit_default_statistics_bytes"] + residual["bytes"]) / 2**30
-    assert f"residual entering every one of its 27 candidate layers through {residual['principal']} principal" in guide
+    assert f"residual entering every one of its 27 candidate layers through 3 x {residual['principal']} directions" in guide
     assert f"(there, {total:.2f} GiB)" in guide
     assert f"full K/V sums take {out['fit_default_statistics_bytes'] / 2**30:.2f} GiB" in guide
 

@@ -855,7 +855,7 @@ def test_the_fit_keeps_to_the_residual_features_where_the_source_would_cost_resi
     principal = _widest_by_hand(per_layer[False], 2)
     assert residual_stats.MIN_PRINCIPAL_DIRECTIONS <= principal < 64
     assert line.startswith("residual-input statistics for residual layers [0, 1]")
-    assert f"in its {principal} principal directions of 64" in line and "--max-statistics-memory raises it" in line
+    assert f"through {2 * principal} of their 128 dimensions" in line and "--max-statistics-memory raises it" in line
     assert handed and not any(v.config.selected_layers[2] for v in handed)
     assert {v.config.map_inputs["residual"].layer for v in handed} == {0, 1}
     assert all(v.residual.down.shape[1] == len(LAGS) * 64 and v.residual.down.shape[0] <= len(LAGS) * principal
@@ -876,10 +876,10 @@ def _layouts(pair):
 
 def _widest_by_hand(budget: int, layers: int) -> int:
     """The most directions per position whose sums (2 lags, the tiny target's 96 outputs, both kinds, float64, and
-    the [directions, 64] basis) for `layers` residual layers fit in `budget`, by counting up."""
+    the [2 x directions, 2 x 64] projection) for `layers` residual layers fit in `budget`, by counting up."""
     def nbytes(r):
         f = len(LAGS) * r
-        return layers * (16 * (f * f + f * 96 + f + 192) + 8 * r * 64)
+        return layers * (16 * (f * f + f * 96 + f + 192) + 8 * f * len(LAGS) * 64)
 
     return max(r for r in range(64) if nbytes(r) <= budget)
 
@@ -902,7 +902,7 @@ def test_a_given_statistics_budget_is_one_total_for_both_kinds_of_sums(pair):
     logs = _fit_logs(pair, max_statistics_memory=(kv + alone) / 2**30)  # one whole layer's room: both, compressed
     line = next(line for line in logs if line.startswith("residual-input"))
     assert line.startswith("residual-input statistics for residual layers [0, 1]") and "residual features alone" in line
-    assert f"in its {_widest_by_hand(alone, 2)} principal directions" in line, line
+    assert f"through {2 * _widest_by_hand(alone, 2)} of their 128 dimensions" in line, line
     assert f"what the K/V sums' {kv / 2**20:,.1f} MiB leave of --max-statistics-memory" in line, line
     assert any(line.startswith("statistics: ") and "on cpu" in line for line in logs)  # the K/V sums in full, on CPU
     too_few = residual_stats.residual_statistics_nbytes(*_layouts(pair), 64, len(LAGS), 2, False,
@@ -914,7 +914,7 @@ def test_a_given_statistics_budget_is_one_total_for_both_kinds_of_sums(pair):
 
 # -- the residual features in their principal directions (a wide target's sums for every candidate layer) ----------
 
-PRINCIPAL = 8
+PRINCIPAL = 8  # directions per position: 2 x 8 of the 2 x 64 residual features
 
 
 @pytest.fixture(scope="module")
@@ -926,27 +926,45 @@ def principal_only(pair):
     return stats
 
 
-@pytest.mark.parametrize("kind", ["key", "value"])
-def test_principal_directions_solve_as_a_ridge_on_the_projected_residual(pair, principal_only, kind):
-    """The sums of each position's residual in its 8 principal directions (the one batch's: every token here), solved:
-    the map the mapper applies (its per-layer weights after the shared projection) is a ridge on the residual block
-    projected by hand onto the leading eigenvectors of the residual's covariance (numpy), for both lags."""
-    source, target, ids, base, _ = pair
+def test_the_sums_directions_are_the_residuals_covariance_with_the_deeper_layers(pair, principal_only):
+    """The 2 x 8 directions the sums of residual layer 1 hold (the one batch's: every token here) span the leading
+    left singular vectors of the standardised residual block's cross-covariance with target layer 2's keys (before the
+    key norm) and values, each block scaled to unit total variance: partial least squares computed by hand (numpy
+    SVD), with the sums' size as `residual_statistics_nbytes` counts it."""
+    source, target, ids, _, _ = pair
     stats = principal_only
     held = sum(t.nbytes for sums in stats.sums.values() for t in sums.values()) + sum(b.nbytes for b in stats.basis.values())
     assert held == residual_stats.residual_statistics_nbytes(stats.source_layout, stats.target_layout, 64, len(LAGS), 2,
                                                              source_features=False, principal=PRINCIPAL)  # fmt: skip
+    blocks = []
+    for kind in ("key", "value"):
+        x, y, fs = _features_by_hand(source, target, ids, layer=1, kind=kind)
+        y = y - y.mean(0)
+        blocks.append(y / np.sqrt((y**2).sum() / len(y)))
+    res = x[:, fs:]
+    std = res.std(0)
+    cross = ((res - res.mean(0)) / std).T @ np.concatenate(blocks, axis=1)
+    want = np.linalg.svd(cross)[0][:, : len(LAGS) * PRINCIPAL]
+    got = stats.basis[1].T.numpy() * std[:, None]  # back to the standardised features: orthonormal columns
+    np.testing.assert_allclose(got.T @ got, np.eye(len(LAGS) * PRINCIPAL), atol=1e-8)
+    np.testing.assert_allclose(got @ got.T, want @ want.T, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_maps_through_the_directions_solve_as_a_ridge_on_the_projected_residual(pair, principal_only, kind):
+    """Solved from those sums, the map the mapper applies (its per-layer weights after the shared projection) is a
+    ridge on the residual block projected by hand onto the sums' directions."""
+    source, target, ids, base, _ = pair
+    stats = principal_only
     mapper = solve_residual_mapper(base, stats, residual_layer=1, sources={2: []}, residual_lambda=0.01)
     x, y, fs = _features_by_hand(source, target, ids, layer=1, kind=kind)
-    now = x[:, fs : fs + 64]  # lag 0: every token's own residual
-    vecs = np.linalg.eigh(np.cov(now.T, bias=True))[1][:, ::-1][:, :PRINCIPAL]  # [64, 8], descending
-    z = np.concatenate([x[:, fs + 64 * i : fs + 64 * (i + 1)] @ vecs for i in range(len(LAGS))], axis=1)
+    directions = stats.basis[1].numpy()
+    z = x[:, fs:] @ directions.T
     mu, sd = z.mean(0), z.std(0)
     zs = (z - mu) / sd
     w = np.linalg.solve(zs.T @ zs / len(zs) + 0.01 * np.eye(zs.shape[1]), zs.T @ (y - y.mean(0)) / len(zs)) / sd[:, None]
     applied = (mapper.residual.weight(kind, 2).double() @ mapper.residual.down.double()).detach().numpy()  # [out, 128]
-    by_hand = w.T @ np.kron(np.eye(len(LAGS)), vecs.T)  # the same map on the whole residual block
-    np.testing.assert_allclose(applied, by_hand, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(applied, w.T @ directions, rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(getattr(mapper.layers[2], kind).bias.detach().double().numpy(), y.mean(0) - mu @ w,
                                rtol=1e-3, atol=1e-4)  # fmt: skip
     assert mapper.config.map_inputs["residual"].rank == len(LAGS) * PRINCIPAL
@@ -974,7 +992,7 @@ def test_a_fit_with_principal_directions_hands_mappers_that_save_and_serve(pair,
     source, target, ids, _, _ = pair
     per_layer = 16 * (128**2 + 128 * 96 + 128 + 192)  # one whole residual layer's room: both through directions
     (line,), handed = _budget_fit(pair, monkeypatch, per_layer)
-    assert "principal directions" in line and len(handed) >= 2
+    assert "dimensions (the directions that covary most" in line and len(handed) >= 2
     prompt = ids[:1, :24]
     for i, mapper in enumerate(handed):
         mapper.save_pretrained(tmp_path / str(i))

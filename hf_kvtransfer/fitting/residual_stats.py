@@ -13,10 +13,12 @@ Memory: per candidate J and kind, `(F_s + F_r)^2 + (F_s + F_r) * L_t * n_kv_t * 
 `F_s = L_s * n_kv_s * d_s` and `F_r = len(lags) * hidden_size` (`residual_statistics_nbytes`). With
 `source_features=False` the sums hold the residual features alone (`F_s = 0`): enough for the maps that read no
 source layer, and what the fit collects where a pair's source K/V would make the sums too large (a real pair's
-`F_s` is tens of thousands of features). With `principal=r` each position's residual enters the sums through its
-`r` principal directions instead (`F_r = len(lags) * r`; the directions from the first calibration batch, one set
-per residual layer): what lets a wide target's sums cover every candidate layer (`residual_statistics_choice`);
-the maps then read the residual through that projection (`ResidualStatistics.projection`).
+`F_s` is tens of thousands of features). With `principal=r` the residual features enter the sums through
+`len(lags) * r` directions instead (`F_r = len(lags) * r`): those that carry the most of the residual's covariance
+with the keys and values its maps predict (partial least squares on the first calibration batch, one set per
+residual layer, `_predictive_directions`). That lets a wide target's sums cover every candidate layer
+(`residual_statistics_choice`); the maps then read the residual through that projection
+(`ResidualStatistics.projection`).
 
 Example:
     ```python
@@ -58,8 +60,8 @@ from .calibration_pass import CalibrationBatch
 from .fit_inputs import CandidateGroup, FitInput, register_fit_input
 
 DEFAULT_RESIDUAL_LAMBDA = 0.01
-# The fewest principal directions per position the sums are compressed to (`residual_statistics_choice`); below it
-# the fit collects the shallowest residual layers in full instead.
+# The fewest directions per position (times the lags in all) the residual sums are compressed to
+# (`residual_statistics_choice`); below it the fit collects the shallowest residual layers whole instead.
 MIN_PRINCIPAL_DIRECTIONS = 16
 # The reduced-rank candidate keeps this fraction of the full-rank maps' fitted variance (`residual_variants`).
 RESIDUAL_RANK_ENERGY = 0.99
@@ -77,7 +79,7 @@ def residual_statistics_nbytes(source: KVLayout, target: KVLayout, hidden_size: 
     """Bytes of `ResidualStatistics` for `num_candidates` residual layers (float64, both kinds; with `principal`,
     each position's residual in that many directions, and the directions themselves)."""
     f = (source.total_dim if source_features else 0) + num_lags * (principal or hidden_size)
-    basis = principal * hidden_size if principal else 0
+    basis = num_lags * principal * num_lags * hidden_size if principal else 0
     return 8 * num_candidates * (2 * (f * f + f * target.total_dim + f + 2 * target.total_dim) + basis)
 
 
@@ -111,8 +113,8 @@ class ResidualStatistics:
         self.source_features = source_features  # False: the residual features alone (maps reading no source layer)
         if principal is not None and not 0 < principal <= hidden_size:
             raise ValueError(f"principal must be in [1, {hidden_size}] (the hidden size), got {principal}")
-        self.principal = principal  # each position's residual in this many principal directions (None: all features)
-        self.basis: dict[int, torch.Tensor | None] = {j: None for j in layers}  # [principal, hidden] per layer
+        self.principal = principal  # len(lags) * principal directions of the residual features (None: every feature)
+        self.basis: dict[int, torch.Tensor | None] = {j: None for j in layers}  # [residual_dim, F_r] per layer
         # What the calibration pass captures for this consumer.
         self.target_hidden_layers = tuple(layers)
         self.target_key_projections = key_before_norm
@@ -130,33 +132,24 @@ class ResidualStatistics:
 
     @property
     def residual_dim(self) -> int:
-        """The residual features closing each row of the sums: every position's whole residual, or its principal
-        directions."""
+        """The residual features closing each row of the sums: every feature, or the directions they enter by."""
         return len(self.lags) * (self.principal or self.hidden_size)
 
     def projection(self, residual_layer: int, down: torch.Tensor | None = None) -> torch.Tensor | None:
         """The shared projection `[rank, len(lags) * hidden]` a mapper solved from these sums reads the residual
         features through: `down` (a projection of the sums' residual features, e.g. `reduced_rank_projection`) after
-        the principal directions, those directions alone, or `down` itself where the sums hold every feature."""
+        the sums' directions, those directions alone, or `down` itself where the sums hold every feature."""
         basis = self.basis[residual_layer]
         if basis is None:
             if self.principal is not None:
-                raise ValueError(f"no principal directions for residual layer {residual_layer}: the pass saw no batch")
+                raise ValueError(f"no directions for residual layer {residual_layer}: the pass saw no batch")
             return down
-        whole = torch.block_diag(*[basis] * len(self.lags))
-        return whole if down is None else down @ whole
+        return basis if down is None else down @ basis
 
     @property
     def basis_pending(self) -> bool:
-        """Whether the principal directions are still to be fixed (before the pass's first batch)."""
+        """Whether the directions are still to be fixed (before the pass's first batch)."""
         return any(b is None for b in self.basis.values())
-
-    def _principal_features(self, j: int, res: torch.Tensor, leading: torch.Tensor) -> torch.Tensor:
-        """`res` `[tokens, len(lags) * hidden]` in residual layer `j`'s principal directions, fixing them on the
-        first batch from its tokens in `leading` (`_leading_tokens`)."""
-        if self.basis[j] is None:
-            self.basis[j] = _principal_directions(res[leading, : self.hidden_size], self.principal)
-        return (res.view(len(res), len(self.lags), self.hidden_size) @ self.basis[j].T).flatten(1)
 
     @classmethod
     def for_models(cls, source: PreTrainedModel, target: PreTrainedModel, layers: Sequence[int], **kwargs) -> "ResidualStatistics":
@@ -178,11 +171,13 @@ class ResidualStatistics:
         targets = {"key": _flat(target_keys).cpu()[keep].double(), "value": _flat(batch.target_values).cpu()[keep].double()}
         sources = {"key": _flat(batch.source_keys).cpu()[keep].double(),
                    "value": _flat(batch.source_values).cpu()[keep].double()} if self.source_features else {}  # fmt: skip
-        leading = _leading_tokens(batch.rows, keep) if self.principal is not None and self.basis_pending else None
-        for j in self.target_hidden_layers:
+        fixing = _DirectionSample(batch.rows, keep, targets, self.target_layout) if self.principal and self.basis_pending else None
+        for j in sorted(self.target_hidden_layers):  # increasing: `_DirectionSample.directions`
             res = residual_features(batch.target_hidden[j], self.lags, batch.attention_mask).cpu()[keep].double()
-            if self.principal is not None:
-                res = self._principal_features(j, res, leading)
+            if fixing is not None and self.basis[j] is None:
+                self.basis[j] = fixing.directions(j, res, self.residual_dim)
+            if self.basis[j] is not None:
+                res = res @ self.basis[j].T
             self.count[j] += int(keep.sum())
             for kind in KINDS:
                 x = torch.cat([sources[kind], res], dim=-1) if self.source_features else res
@@ -232,39 +227,85 @@ class ResidualStatistics:
                 dist.all_reduce(tensor)
 
 
-def _leading_tokens(rows: list[int], keep: torch.Tensor) -> torch.Tensor:
-    """Of the kept tokens of a rank's first batch (`keep` `[batch, seq]`), those of the calibration sequences whose
-    index is below the batch's size (the fewest rows of any rank's first batch under `torch.distributed`): over all
-    ranks, the sequences one process's first batch holds, so that the directions do not depend on the world size."""
+class _DirectionSample:
+    """The tokens the sums' directions are fixed from: of a rank's first batch, those of the calibration sequences
+    whose index is below the batch's size (the fewest rows of any rank's first batch under `torch.distributed`),
+    gathered from every rank: the sequences one process's first batch holds, so that the directions do not depend on
+    the world size. Holds their keys and values (each target layer's block of each kind scaled to unit total
+    variance) and, per residual layer, the residual's covariance with those of the deeper layers (`directions`)."""
+
+    def __init__(self, rows: list[int], keep: torch.Tensor, targets: dict[str, torch.Tensor], layout: KVLayout):
+        size = torch.tensor([len(rows)], dtype=torch.float64)
+        if _distributed():
+            import torch.distributed as dist
+
+            dist.all_reduce(size, op=dist.ReduceOp.MIN)
+        leading = torch.tensor([r < size.item() for r in rows], dtype=torch.bool)
+        self.rows = (keep & leading[:, None])[keep]  # of the kept tokens
+        width = layout.layer_dim
+        blocks = []
+        for t in range(layout.num_layers):
+            for kind in KINDS:
+                y = _gathered(targets[kind][self.rows, t * width : (t + 1) * width])
+                y = y - y.mean(0)
+                blocks.append(y / y.pow(2).sum(0).sum().div(len(y)).sqrt().clamp_min(1e-30))
+        self.blocks = blocks  # 2 per target layer, in layer order
+        self.after, self.gram = -1, sum(b @ b.T for b in blocks)  # the outputs' Gram over the layers after `after`
+
+    def directions(self, residual_layer: int, res: torch.Tensor, count: int) -> torch.Tensor:
+        """`_predictive_directions` of this sample's residual features `res` (every kept token of the batch) for the
+        keys and values of the target layers after `residual_layer` (layers in increasing order)."""
+        if residual_layer < self.after:
+            raise ValueError("the residual layers' directions are fixed in increasing order")
+        for t in range(self.after + 1, residual_layer + 1):
+            self.gram = self.gram - sum(b @ b.T for b in self.blocks[2 * t : 2 * t + 2])
+        self.after = residual_layer
+        return _predictive_directions(_gathered(res[self.rows]), self.gram, count)
+
+
+def _distributed() -> bool:
     import torch.distributed as dist
 
-    size = torch.tensor([len(rows)], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(size, op=dist.ReduceOp.MIN)
-    leading = torch.tensor([r < size.item() for r in rows], dtype=torch.bool)
-    return (keep & leading[:, None])[keep]
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _principal_directions(x: torch.Tensor, count: int) -> torch.Tensor:
-    """The `count` directions `[count, hidden]` along which the rows of `x` (and, under `torch.distributed`, every
-    rank's rows) vary most: the leading eigenvectors of their covariance, each signed so that its largest entry is
-    positive (the same directions on every machine and every run)."""
+def _gathered(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` `[n, F]` of every `torch.distributed` rank, concatenated in rank order (this rank's alone without it)."""
+    if not _distributed():
+        return rows
     import torch.distributed as dist
 
-    sums = [torch.tensor([float(len(x))], dtype=torch.float64), x.sum(0), x.T @ x]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        for t in sums:
-            dist.all_reduce(t)
-    n, total, gram = sums[0].item(), sums[1], sums[2]
-    mean = total / max(n, 1.0)
-    cov = gram / max(n, 1.0) - torch.outer(mean, mean)
-    vecs = torch.linalg.eigh(cov)[1].flip(1)[:, :count].T.contiguous()
-    sign = torch.sign(vecs.gather(1, vecs.abs().argmax(1, keepdim=True)))
-    return vecs * sign
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([len(rows)]))
+    most = int(max(c.item() for c in counts))
+    padded = torch.cat([rows, rows.new_zeros(most - len(rows), *rows.shape[1:])])
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[: int(c.item())] for part, c in zip(parts, counts)])
+
+
+def _predictive_directions(x: torch.Tensor, output_gram: torch.Tensor, count: int) -> torch.Tensor:
+    """`[count, F]`: the `count` combinations of the (standardised) features `x` `[n, F]` that carry the most of
+    their covariance with outputs whose centred Gram matrix `[n, n]` is `output_gram` (partial least squares: the
+    leading left singular vectors of `x_std^T y`, found in the n-by-n space of the tokens), as rows applied to the raw
+    features (each divided by its feature's deviation). Beyond the directions the sample gives, seeded random ones
+    complete the set; each row's largest entry is positive (the same directions on every machine and every run)."""
+    std = x.std(0, unbiased=False).clamp_min(1e-12)
+    xs = (x - x.mean(0)) / std
+    evals, evecs = torch.linalg.eigh(output_gram)
+    root = (evecs * evals.clamp_min(0).sqrt()) @ evecs.T
+    values, u = torch.linalg.eigh(root @ (xs @ xs.T) @ root)
+    values, u = values.flip(0), u.flip(1)
+    kept = values > 1e-10 * values.max().clamp_min(1e-30)
+    found = xs.T @ (root @ u[:, kept][:, :count])
+    extra = torch.randn(x.shape[1], count, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
+    q = torch.linalg.qr(torch.cat([found / found.norm(dim=0).clamp_min(1e-30), extra], dim=1))[0][:, :count]
+    q = q * torch.sign(q.gather(0, q.abs().argmax(0, keepdim=True)))
+    return (q / std[:, None]).T.contiguous()
 
 
 def _saved_basis(tensors: dict[str, torch.Tensor], j: int, count: int, where: str) -> torch.Tensor | None:
-    """Residual layer `j`'s principal directions from a checkpoint: none before the pass's first batch."""
+    """Residual layer `j`'s directions from a checkpoint: none before the pass's first batch."""
     saved = tensors.get(f"{j}.basis")
     if saved is None and count:
         raise ValueError(f"checkpoint {where}: residual statistics {j}.basis missing")
@@ -536,7 +577,8 @@ def _with_source_variants(mapper: KVMapper, stats: ResidualStatistics, residual_
 class ResidualStatisticsChoice:
     """Which residual-input sums a fit collects within its budget (`residual_statistics_choice`): the shallowest
     `layers` of the `candidates`, with the source's K/V among the features (`source_features`) unless the residual
-    features alone cover more of them; or every candidate, each position's residual in its `principal` directions.
+    features alone cover more of them; or every candidate, the residual features through `num_lags * principal`
+    directions.
     `per_layer` and `within`: bytes per residual layer and layers within the budget, with (True) and without (False)
     the source's K/V, every feature kept."""
 
@@ -547,6 +589,7 @@ class ResidualStatisticsChoice:
     candidates: int
     principal: int | None = None
     hidden_size: int = 0
+    num_lags: int = 0
     principal_bytes: int = 0
 
     @property
@@ -569,7 +612,7 @@ def residual_statistics_choice(source: KVLayout, target: KVLayout, hidden_size: 
     within = {with_source: min(len(candidates), int(budget // n)) for with_source, n in per_layer.items()}
     with_source = within[True] >= within[False] and within[True] > 0
     choice = ResidualStatisticsChoice(tuple(candidates[: within[with_source]]), with_source, per_layer, within,
-                                      len(candidates), hidden_size=hidden_size)  # fmt: skip
+                                      len(candidates), hidden_size=hidden_size, num_lags=num_lags)  # fmt: skip
     if within[with_source] == len(candidates):
         return choice
     principal = _widest_principal(source, target, hidden_size, num_lags, len(candidates), budget)
@@ -582,8 +625,8 @@ def residual_statistics_choice(source: KVLayout, target: KVLayout, hidden_size: 
 
 def _widest_principal(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int, num_candidates: int,
                       budget: int) -> int:  # fmt: skip
-    """The most principal directions per position (below `hidden_size`) for which the sums of `num_candidates`
-    residual layers without the source's K/V fit in `budget` bytes (0 when not even one does)."""
+    """The most directions per position (below `hidden_size`; `num_lags` times as many in all) for which the sums of
+    `num_candidates` residual layers without the source's K/V fit in `budget` bytes (0 when not even one does)."""
     lo, hi = 0, hidden_size - 1
     while lo < hi:  # the sums grow with the directions: the largest count that fits
         mid = (lo + hi + 1) // 2
@@ -602,10 +645,11 @@ def _statistics_line(choice: ResidualStatisticsChoice, budget: StatisticsBudget)
     named = f"{layers[0]}-{layers[-1]}" if len(layers) > 4 and layers == list(range(layers[0], layers[-1] + 1)) else layers
     line = f"residual-input statistics for residual layers {named}: {choice.nbytes / 2**20:,.1f} MiB (float64, CPU)"
     if choice.principal is not None:
-        return line + (f", the residual features alone, each position's in its {choice.principal} principal directions "
-                       f"of {choice.hidden_size} (from the first calibration batch), so that every candidate layer fits "
-                       f"{budget.describe('residual')}: whole, they would need {per_layer[False] / 2**20:,.1f} MiB per "
-                       "layer; only maps reading no source layer, through those directions, are tried")  # fmt: skip
+        return line + (f", the residual features alone through {choice.num_lags * choice.principal} of their "
+                       f"{choice.num_lags * choice.hidden_size} dimensions (the directions that covary most with the "
+                       "deeper layers' keys and values on the first calibration batch), so that every candidate layer "
+                       f"fits {budget.describe('residual')}: whole, they would need {per_layer[False] / 2**20:,.1f} MiB "
+                       "per layer; only maps reading no source layer, through those directions, are tried")  # fmt: skip
     if not choice.source_features:
         line += (f", the residual features alone: with the source's K/V they would need {per_layer[True] / 2**20:,.1f} MiB per "
                  f"layer ({choice.within[True]} within the budget), so only maps reading no source layer are tried")  # fmt: skip
