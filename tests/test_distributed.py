@@ -46,7 +46,7 @@ def test_two_ranks_equal_one(tmp_path):
         torch.testing.assert_close(m2.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
 
 
-PRINCIPAL_SCRIPT = """
+DIRECTIONS_SCRIPT = """
 import sys
 
 import torch
@@ -62,19 +62,19 @@ if "RANK" in __import__("os").environ:
 source, target = (AutoModelForCausalLM.from_pretrained(d) for d in (source_dir, target_dir))
 ids = torch.randint(4, 60, (13, 32), generator=torch.Generator().manual_seed(0))
 stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=(0, 1), stride=1, source_features=False,
-                                      principal=4)
+                                      directions=4)
 calibration_pass(source, target, ids, consumers=[stats], progress=False, batch_size=3, num_heldout=3)
 if not dist.is_initialized() or dist.get_rank() == 0:
     torch.save(stats.checkpoint_state(), out)
 """
 
 
-def test_two_ranks_fix_the_principal_directions_one_does(tmp_path):
-    """The residual sums through principal directions: the directions come from the calibration sequences one
+def test_two_ranks_fix_the_residual_directions_one_does(tmp_path):
+    """The residual sums through fewer directions: the directions come from the calibration sequences one
     process's first batch holds, whatever the number of ranks, so two ranks sum what one does."""
     source, target = save_pair(tmp_path / "models")
-    script = tmp_path / "principal.py"
-    script.write_text(PRINCIPAL_SCRIPT)
+    script = tmp_path / "directions.py"
+    script.write_text(DIRECTIONS_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     runs = {"one": [sys.executable, str(script)],
             "two": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]}

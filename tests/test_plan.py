@@ -219,12 +219,12 @@ def test_plan_says_which_map_inputs_are_practical_at_real_shapes():
     assert 2 * plan.model_parameters["target"] > 60 * 2**30
 
 
-@pytest.mark.parametrize("source,target,principal", [("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", 102),
+@pytest.mark.parametrize("source,target,directions", [("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", 102),
                                                      ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B", 58),
                                                      ("Qwen/Qwen3-14B", "Qwen/Qwen3-32B", 18)])
-def test_the_plan_costs_the_residual_maps_the_fit_builds(source, target, principal):
-    """Where the fit's residual sums hold the residual features through 3 x `principal` directions (the default
-    4 GiB; counts from `_principal_by_hand` in the tests above), its widest residual maps read the residual through
+def test_the_plan_costs_the_residual_maps_the_fit_builds(source, target, directions):
+    """Where the fit's residual sums hold the residual features through 3 x `directions` directions (the default
+    4 GiB; counts from `_directions_by_hand` in the tests above), its widest residual maps read the residual through
     one projection of that rank, and the plan costs them there unless `--residual-rank` says otherwise: a projection
     of 3 x hidden features to that rank, then that rank's inputs per map."""
     from hf_kvtransfer.commands.model_configs import load_model_config
@@ -232,10 +232,10 @@ def test_the_plan_costs_the_residual_maps_the_fit_builds(source, target, princip
     hidden = load_model_config(target, use_hub=False).hidden_size
     plan = plan_transfer(source, target, use_hub=False, available_memory=2**40, num_exact_layers=1)
     row = plan.map_inputs["residual"]
-    assert plan.fit_input_statistics["residual"]["principal"] == principal
-    assert row["shared_rank"] == 3 * principal
+    assert plan.fit_input_statistics["residual"]["directions"] == directions
+    assert row["shared_rank"] == 3 * directions
     mapped, layer_dim = plan.target_layout["num_layers"] - 1, plan.target_layout["num_kv_heads"] * plan.target_layout["head_dim"]
-    assert row["parameters"] == 3 * principal * 3 * hidden + mapped * 2 * layer_dim * 3 * principal
+    assert row["parameters"] == 3 * directions * 3 * hidden + mapped * 2 * layer_dim * 3 * directions
     named = plan_transfer(source, target, use_hub=False, available_memory=2**40, num_exact_layers=1, residual_rank=64)
     assert named.map_inputs["residual"]["shared_rank"] == 64
 
@@ -326,7 +326,7 @@ def _residual_bytes_per_layer(source_features: int, residual_features: int, targ
     return 2 * 8 * (f * f + f * target_features + f + 2 * target_features)
 
 
-def _principal_by_hand(budget: int, layers: int, hidden: int, target_features: int) -> int:
+def _directions_by_hand(budget: int, layers: int, hidden: int, target_features: int) -> int:
     """The most directions per position (3 positions) whose sums for `layers` residual layers, with each layer's
     [directions, hidden] basis, fit in `budget`: bisection on the count, each size counted by hand."""
     nbytes = lambda r: layers * (_residual_bytes_per_layer(0, 3 * r, target_features) + 8 * 3 * r * 3 * hidden)  # noqa: E731
@@ -360,12 +360,12 @@ def test_plan_says_which_residual_layers_a_fit_collects_within_its_budget(gib, l
     assert row["layers"] == list(range(layers)) and row["source_features"] == with_source
     assert row["candidates"] == 27
     if compressed:
-        principal = _principal_by_hand(budget, 27, 2048, target_features)
-        assert row["principal"] == principal >= 16 and 27 * alone > budget
-        assert row["bytes"] == 27 * (_residual_bytes_per_layer(0, 3 * principal, target_features) + 8 * 3 * principal * 3 * 2048)
-        assert f"through {3 * principal} of their 6144 dimensions" in row["line"]
+        directions = _directions_by_hand(budget, 27, 2048, target_features)
+        assert row["directions"] == directions >= 16 and 27 * alone > budget
+        assert row["bytes"] == 27 * (_residual_bytes_per_layer(0, 3 * directions, target_features) + 8 * 3 * directions * 3 * 2048)
+        assert f"through {3 * directions} of their 6144 dimensions" in row["line"]
     else:
-        assert row["principal"] is None
+        assert row["directions"] is None
         assert min(27, budget // (with_kv if with_source else alone)) == layers  # the most that fit in the budget
         assert row["bytes"] == layers * (with_kv if with_source else alone)
     text = format_plan(plan)
@@ -415,12 +415,12 @@ def test_plan_cli_max_statistics_memory(capsys):
     residual = out["fit_input_statistics"]["residual"]
     left = 96 * 2**30 - out["fit_default_statistics_bytes"]
     assert residual["layers"] == list(range(27)) and not residual["source_features"]
-    assert residual["principal"] == _principal_by_hand(left, 27, 2048, 28 * 8 * 128)
+    assert residual["directions"] == _directions_by_hand(left, 27, 2048, 28 * 8 * 128)
     assert left // residual["bytes_per_layer_residual_alone"] < 27  # whole, the features would cover fewer
     # docs/guides/plan.md quotes this run
     guide = " ".join((Path(__file__).parents[1] / "docs/guides/plan.md").read_text(encoding="utf-8").split())
     total = (out["fit_default_statistics_bytes"] + residual["bytes"]) / 2**30
-    assert f"residual entering every one of its 27 candidate layers through 3 x {residual['principal']} directions" in guide
+    assert f"residual entering every one of its 27 candidate layers through 3 x {residual['directions']} directions" in guide
     assert f"(there, {total:.2f} GiB)" in guide
     assert f"full K/V sums take {out['fit_default_statistics_bytes'] / 2**30:.2f} GiB" in guide
 

@@ -850,18 +850,18 @@ def test_the_fit_keeps_to_the_residual_features_where_the_source_would_cost_resi
     assert line.startswith("residual-input statistics for residual layers [0, 1]") and "the residual features alone" in line
     assert handed and not any(v.config.selected_layers[2] for v in handed)
     assert {v.config.map_inputs["residual"].layer for v in handed} == {0, 1}
-    # Room for one whole residual layer: both, each position's residual in its principal directions, as many as fit.
+    # Room for one whole residual layer: both, the residual features through fewer directions, as many as fit.
     (line,), handed = _budget_fit(pair, monkeypatch, per_layer[False])
-    principal = _widest_by_hand(per_layer[False], 2)
-    assert residual_stats.MIN_PRINCIPAL_DIRECTIONS <= principal < 64
+    directions = _widest_by_hand(per_layer[False], 2)
+    assert residual_stats.MIN_DIRECTIONS_PER_POSITION <= directions < 64
     assert line.startswith("residual-input statistics for residual layers [0, 1]")
-    assert f"through {2 * principal} of their 128 dimensions" in line and "--max-statistics-memory raises it" in line
+    assert f"through {2 * directions} of their 128 dimensions" in line and "--max-statistics-memory raises it" in line
     assert handed and not any(v.config.selected_layers[2] for v in handed)
     assert {v.config.map_inputs["residual"].layer for v in handed} == {0, 1}
-    assert all(v.residual.down.shape[1] == len(LAGS) * 64 and v.residual.down.shape[0] <= len(LAGS) * principal
+    assert all(v.residual.down.shape[1] == len(LAGS) * 64 and v.residual.down.shape[0] <= len(LAGS) * directions
                for v in handed)  # fmt: skip
     too_few = residual_stats.residual_statistics_nbytes(*_layouts(pair), 64, len(LAGS), 2, False,
-                                                        residual_stats.MIN_PRINCIPAL_DIRECTIONS)  # fmt: skip
+                                                        residual_stats.MIN_DIRECTIONS_PER_POSITION)  # fmt: skip
     (line,), handed = _budget_fit(pair, monkeypatch, too_few - 1)
     assert line.startswith("residual-input maps: not tried") and "--max-statistics-memory raises it" in line
     assert handed == []
@@ -906,36 +906,36 @@ def test_a_given_statistics_budget_is_one_total_for_both_kinds_of_sums(pair):
     assert f"what the K/V sums' {kv / 2**20:,.1f} MiB leave of --max-statistics-memory" in line, line
     assert any(line.startswith("statistics: ") and "on cpu" in line for line in logs)  # the K/V sums in full, on CPU
     too_few = residual_stats.residual_statistics_nbytes(*_layouts(pair), 64, len(LAGS), 2, False,
-                                                        residual_stats.MIN_PRINCIPAL_DIRECTIONS)  # fmt: skip
+                                                        residual_stats.MIN_DIRECTIONS_PER_POSITION)  # fmt: skip
     logs = _fit_logs(pair, max_statistics_memory=(kv + too_few - 1) / 2**30)  # the fewest directions' room, less a byte
     line = next(line for line in logs if line.startswith("residual-input"))
     assert line.startswith("residual-input maps: not tried"), line
 
 
-# -- the residual features in their principal directions (a wide target's sums for every candidate layer) ----------
+# -- the residual features through fewer directions (a wide target's sums for every candidate layer) ------------------
 
-PRINCIPAL = 8  # directions per position: 2 x 8 of the 2 x 64 residual features
+DIRECTIONS = 8  # directions per position: 2 x 8 of the 2 x 64 residual features
 
 
 @pytest.fixture(scope="module")
-def principal_only(pair):
+def with_directions(pair):
     source, target, ids, _, _ = pair
     stats = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=LAGS, stride=1, source_features=False,
-                                          principal=PRINCIPAL)  # fmt: skip
+                                          directions=DIRECTIONS)  # fmt: skip
     calibration_pass(source, target, ids, consumers=[stats], progress=False, batch_size=len(ids))
     return stats
 
 
-def test_the_sums_directions_are_the_residuals_covariance_with_the_deeper_layers(pair, principal_only):
+def test_the_sums_directions_are_the_residuals_covariance_with_the_deeper_layers(pair, with_directions):
     """The 2 x 8 directions the sums of residual layer 1 hold (the one batch's: every token here) span the leading
     left singular vectors of the standardised residual block's cross-covariance with target layer 2's keys (before the
     key norm) and values, each block scaled to unit total variance: partial least squares computed by hand (numpy
     SVD), with the sums' size as `residual_statistics_nbytes` counts it."""
     source, target, ids, _, _ = pair
-    stats = principal_only
+    stats = with_directions
     held = sum(t.nbytes for sums in stats.sums.values() for t in sums.values()) + sum(b.nbytes for b in stats.basis.values())
     assert held == residual_stats.residual_statistics_nbytes(stats.source_layout, stats.target_layout, 64, len(LAGS), 2,
-                                                             source_features=False, principal=PRINCIPAL)  # fmt: skip
+                                                             source_features=False, directions=DIRECTIONS)  # fmt: skip
     blocks = []
     for kind in ("key", "value"):
         x, y, fs = _features_by_hand(source, target, ids, layer=1, kind=kind)
@@ -944,18 +944,18 @@ def test_the_sums_directions_are_the_residuals_covariance_with_the_deeper_layers
     res = x[:, fs:]
     std = res.std(0)
     cross = ((res - res.mean(0)) / std).T @ np.concatenate(blocks, axis=1)
-    want = np.linalg.svd(cross)[0][:, : len(LAGS) * PRINCIPAL]
+    want = np.linalg.svd(cross)[0][:, : len(LAGS) * DIRECTIONS]
     got = stats.basis[1].T.numpy() * std[:, None]  # back to the standardised features: orthonormal columns
-    np.testing.assert_allclose(got.T @ got, np.eye(len(LAGS) * PRINCIPAL), atol=1e-8)
+    np.testing.assert_allclose(got.T @ got, np.eye(len(LAGS) * DIRECTIONS), atol=1e-8)
     np.testing.assert_allclose(got @ got.T, want @ want.T, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])
-def test_maps_through_the_directions_solve_as_a_ridge_on_the_projected_residual(pair, principal_only, kind):
+def test_maps_through_the_directions_solve_as_a_ridge_on_the_projected_residual(pair, with_directions, kind):
     """Solved from those sums, the map the mapper applies (its per-layer weights after the shared projection) is a
     ridge on the residual block projected by hand onto the sums' directions."""
     source, target, ids, base, _ = pair
-    stats = principal_only
+    stats = with_directions
     mapper = solve_residual_mapper(base, stats, residual_layer=1, sources={2: []}, residual_lambda=0.01)
     x, y, fs = _features_by_hand(source, target, ids, layer=1, kind=kind)
     directions = stats.basis[1].numpy()
@@ -967,26 +967,26 @@ def test_maps_through_the_directions_solve_as_a_ridge_on_the_projected_residual(
     np.testing.assert_allclose(applied, w.T @ directions, rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(getattr(mapper.layers[2], kind).bias.detach().double().numpy(), y.mean(0) - mu @ w,
                                rtol=1e-3, atol=1e-4)  # fmt: skip
-    assert mapper.config.map_inputs["residual"].rank == len(LAGS) * PRINCIPAL
+    assert mapper.config.map_inputs["residual"].rank == len(LAGS) * DIRECTIONS
 
 
-def test_principal_directions_resume_from_a_checkpoint(pair, principal_only):
+def test_the_residual_directions_resume_from_a_checkpoint(pair, with_directions):
     """A checkpoint holds each layer's directions with the sums (they were fixed by the pass's first batch), and the
     run key names their count; sums without the directions are refused."""
     source, target, _, _, _ = pair
-    tensors, meta = principal_only.checkpoint_state()
+    tensors, meta = with_directions.checkpoint_state()
     fresh = ResidualStatistics.for_models(source, target, layers=[0, 1], lags=LAGS, stride=1, source_features=False,
-                                          principal=PRINCIPAL)  # fmt: skip
-    assert fresh.run_key()["residual"]["principal"] == PRINCIPAL
+                                          directions=DIRECTIONS)  # fmt: skip
+    assert fresh.run_key()["residual"]["directions"] == DIRECTIONS
     fresh.load_checkpoint_state(tensors, meta, "here")
     for j in (0, 1):
-        assert torch.equal(fresh.basis[j], principal_only.basis[j])
-        assert torch.equal(fresh.sums[(j, "key")]["cross"], principal_only.sums[(j, "key")]["cross"])
+        assert torch.equal(fresh.basis[j], with_directions.basis[j])
+        assert torch.equal(fresh.sums[(j, "key")]["cross"], with_directions.sums[(j, "key")]["cross"])
     with pytest.raises(ValueError, match="1.basis missing"):
         fresh.load_checkpoint_state({k: v for k, v in tensors.items() if k != "1.basis"}, meta, "here")
 
 
-def test_a_fit_with_principal_directions_hands_mappers_that_save_and_serve(pair, monkeypatch, tmp_path):
+def test_a_fit_with_residual_directions_hands_mappers_that_save_and_serve(pair, monkeypatch, tmp_path):
     """Every mapper such a fit's search is handed, saved and loaded again, gives the same cache as before saving, and
     `generate` runs on it."""
     source, target, ids, _, _ = pair
@@ -1013,8 +1013,8 @@ def test_a_fit_with_principal_directions_hands_mappers_that_save_and_serve(pair,
 @pytest.mark.parametrize("seed", range(30))
 def test_the_statistics_choice_covers_every_layer_within_the_budget(seed):
     """Over random layouts and budgets: where the whole sums cannot cover every candidate layer, the choice takes
-    every one through the most principal directions that fit the budget (one more would not), never fewer than
-    `MIN_PRINCIPAL_DIRECTIONS`; otherwise the whole features of as many of the shallowest layers as fit, as before."""
+    every one through the most directions directions that fit the budget (one more would not), never fewer than
+    `MIN_DIRECTIONS_PER_POSITION`; otherwise the whole features of as many of the shallowest layers as fit, as before."""
     from hf_kvtransfer.core.stats import KVLayout
 
     rng = np.random.default_rng(seed)
@@ -1025,12 +1025,12 @@ def test_the_statistics_choice_covers_every_layer_within_the_budget(seed):
     choice = residual_stats.residual_statistics_choice(source, target, hidden, 3, budget)
     candidates = residual_stats.residual_candidates(layers_t)
     nbytes = lambda r, n=len(candidates): residual_stats.residual_statistics_nbytes(source, target, hidden, 3, n, False, r)  # noqa: E731
-    if choice.principal is None:
+    if choice.directions is None:
         whole = budget // choice.per_layer[choice.source_features]
         assert list(choice.layers) == candidates[: min(len(candidates), whole)]
-        assert len(choice.layers) == len(candidates) or nbytes(residual_stats.MIN_PRINCIPAL_DIRECTIONS) > budget
+        assert len(choice.layers) == len(candidates) or nbytes(residual_stats.MIN_DIRECTIONS_PER_POSITION) > budget
     else:
         assert list(choice.layers) == candidates and not choice.source_features
-        assert residual_stats.MIN_PRINCIPAL_DIRECTIONS <= choice.principal < hidden
-        assert choice.nbytes == nbytes(choice.principal) <= budget < nbytes(choice.principal + 1)
+        assert residual_stats.MIN_DIRECTIONS_PER_POSITION <= choice.directions < hidden
+        assert choice.nbytes == nbytes(choice.directions) <= budget < nbytes(choice.directions + 1)
         assert budget < len(candidates) * choice.per_layer[False]  # the whole features would not have covered them

@@ -410,7 +410,7 @@ def plan_transfer(
 
 def _with_fit_ranks(o: PlanOptions, statistics: dict[str, dict[str, Any]]) -> PlanOptions:
     """`o` with the rank of the projection each input's widest fitted maps would share (`shared_rank` of its planned
-    statistics: the residual's principal directions where the fit compresses its sums) wherever `o` names none."""
+    statistics: the residual's directions where the fit compresses its sums) wherever `o` names none."""
     ranks = dict(o.input_ranks or {})
     for name, row in statistics.items():
         option = map_input_class(name).plan_rank

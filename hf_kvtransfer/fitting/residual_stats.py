@@ -13,7 +13,7 @@ Memory: per candidate J and kind, `(F_s + F_r)^2 + (F_s + F_r) * L_t * n_kv_t * 
 `F_s = L_s * n_kv_s * d_s` and `F_r = len(lags) * hidden_size` (`residual_statistics_nbytes`). With
 `source_features=False` the sums hold the residual features alone (`F_s = 0`): enough for the maps that read no
 source layer, and what the fit collects where a pair's source K/V would make the sums too large (a real pair's
-`F_s` is tens of thousands of features). With `principal=r` the residual features enter the sums through
+`F_s` is tens of thousands of features). With `directions=r` the residual features enter the sums through
 `len(lags) * r` directions instead (`F_r = len(lags) * r`): those that carry the most of the residual's covariance
 with the keys and values its maps predict (partial least squares on the first calibration batch, one set per
 residual layer, `_predictive_directions`). That lets a wide target's sums cover every candidate layer
@@ -62,7 +62,7 @@ from .fit_inputs import CandidateGroup, FitInput, register_fit_input
 DEFAULT_RESIDUAL_LAMBDA = 0.01
 # The fewest directions per position (times the lags in all) the residual sums are compressed to
 # (`residual_statistics_choice`); below it the fit collects the shallowest residual layers whole instead.
-MIN_PRINCIPAL_DIRECTIONS = 16
+MIN_DIRECTIONS_PER_POSITION = 16
 # The reduced-rank candidate keeps this fraction of the full-rank maps' fitted variance (`residual_variants`).
 RESIDUAL_RANK_ENERGY = 0.99
 KINDS = ("key", "value")
@@ -75,11 +75,11 @@ def has_key_norm(model: PreTrainedModel) -> bool:
 
 
 def residual_statistics_nbytes(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int, num_candidates: int,
-                               source_features: bool = True, principal: int | None = None) -> int:  # fmt: skip
-    """Bytes of `ResidualStatistics` for `num_candidates` residual layers (float64, both kinds; with `principal`,
+                               source_features: bool = True, directions: int | None = None) -> int:  # fmt: skip
+    """Bytes of `ResidualStatistics` for `num_candidates` residual layers (float64, both kinds; with `directions`,
     each position's residual in that many directions, and the directions themselves)."""
-    f = (source.total_dim if source_features else 0) + num_lags * (principal or hidden_size)
-    basis = num_lags * principal * num_lags * hidden_size if principal else 0
+    f = (source.total_dim if source_features else 0) + num_lags * (directions or hidden_size)
+    basis = num_lags * directions * num_lags * hidden_size if directions else 0
     return 8 * num_candidates * (2 * (f * f + f * target.total_dim + f + 2 * target.total_dim) + basis)
 
 
@@ -105,15 +105,15 @@ class ResidualStatistics:
         key_before_norm: bool = False,
         stride: int = 1,
         source_features: bool = True,
-        principal: int | None = None,
+        directions: int | None = None,
     ):
         self.source_layout, self.target_layout = source_layout, target_layout
         self.hidden_size, self.lags, self.stride = hidden_size, list(lags), stride
         self.key_before_norm = key_before_norm
         self.source_features = source_features  # False: the residual features alone (maps reading no source layer)
-        if principal is not None and not 0 < principal <= hidden_size:
-            raise ValueError(f"principal must be in [1, {hidden_size}] (the hidden size), got {principal}")
-        self.principal = principal  # len(lags) * principal directions of the residual features (None: every feature)
+        if directions is not None and not 0 < directions <= hidden_size:
+            raise ValueError(f"directions must be in [1, {hidden_size}] (the hidden size), got {directions}")
+        self.directions = directions  # per position: len(lags) * directions in all (None: every feature)
         self.basis: dict[int, torch.Tensor | None] = {j: None for j in layers}  # [residual_dim, F_r] per layer
         # What the calibration pass captures for this consumer.
         self.target_hidden_layers = tuple(layers)
@@ -133,7 +133,7 @@ class ResidualStatistics:
     @property
     def residual_dim(self) -> int:
         """The residual features closing each row of the sums: every feature, or the directions they enter by."""
-        return len(self.lags) * (self.principal or self.hidden_size)
+        return len(self.lags) * (self.directions or self.hidden_size)
 
     def projection(self, residual_layer: int, down: torch.Tensor | None = None) -> torch.Tensor | None:
         """The shared projection `[rank, len(lags) * hidden]` a mapper solved from these sums reads the residual
@@ -141,7 +141,7 @@ class ResidualStatistics:
         the sums' directions, those directions alone, or `down` itself where the sums hold every feature."""
         basis = self.basis[residual_layer]
         if basis is None:
-            if self.principal is not None:
+            if self.directions is not None:
                 raise ValueError(f"no directions for residual layer {residual_layer}: the pass saw no batch")
             return down
         return basis if down is None else down @ basis
@@ -171,7 +171,7 @@ class ResidualStatistics:
         targets = {"key": _flat(target_keys).cpu()[keep].double(), "value": _flat(batch.target_values).cpu()[keep].double()}
         sources = {"key": _flat(batch.source_keys).cpu()[keep].double(),
                    "value": _flat(batch.source_values).cpu()[keep].double()} if self.source_features else {}  # fmt: skip
-        fixing = _DirectionSample(batch.rows, keep, targets, self.target_layout) if self.principal and self.basis_pending else None
+        fixing = _DirectionSample(batch.rows, keep, targets, self.target_layout) if self.directions and self.basis_pending else None
         for j in sorted(self.target_hidden_layers):  # increasing: `_DirectionSample.directions`
             res = residual_features(batch.target_hidden[j], self.lags, batch.attention_mask).cpu()[keep].double()
             if fixing is not None and self.basis[j] is None:
@@ -194,7 +194,7 @@ class ResidualStatistics:
         return {"residual": {"layers": list(self.target_hidden_layers), "lags": self.lags, "stride": self.stride,
                              "key_before_norm": self.key_before_norm,
                              **({} if self.source_features else {"source_features": False}),
-                             **({} if self.principal is None else {"principal": self.principal})}}  # fmt: skip
+                             **({} if self.directions is None else {"directions": self.directions})}}  # fmt: skip
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         tensors = {f"{j}.{kind}.{name}": t.contiguous() for (j, kind), sums in self.sums.items() for name, t in sums.items()}
@@ -209,7 +209,7 @@ class ResidualStatistics:
                     raise ValueError(f"checkpoint {where}: residual statistics {j}.{kind}.{name} missing or mis-shaped")
                 sums[name] = saved.to(torch.float64)
         self.count = {int(j): int(c) for j, c in meta["count"].items()}
-        if self.principal is not None:
+        if self.directions is not None:
             self.basis = {j: _saved_basis(tensors, j, self.count[j], where) for j in self.basis}
 
     def finish(self) -> None:
@@ -549,7 +549,7 @@ def residual_variants(
         low = solve_residual_mapper(mapper, stats, residual_layer, sources={t: [] for t in mapped},
                                     residual_lambda=residual_lambda, residual_energy=RESIDUAL_RANK_ENERGY)  # fmt: skip
         features, outputs = len(stats.lags) * stats.hidden_size, 2 * len(mapped) * stats.target_layout.layer_dim
-        full = features * outputs if stats.principal is None else stats.residual_dim * (features + outputs)
+        full = features * outputs if stats.directions is None else stats.residual_dim * (features + outputs)
         if residual_config(low.config).rank * (features + outputs) <= full / 2:
             variants.append(low)
     unique: dict[tuple, KVMapper] = {}  # e.g. one mapped layer: "only the copy layer" is the first variant again
@@ -577,7 +577,7 @@ def _with_source_variants(mapper: KVMapper, stats: ResidualStatistics, residual_
 class ResidualStatisticsChoice:
     """Which residual-input sums a fit collects within its budget (`residual_statistics_choice`): the shallowest
     `layers` of the `candidates`, with the source's K/V among the features (`source_features`) unless the residual
-    features alone cover more of them; or every candidate, the residual features through `num_lags * principal`
+    features alone cover more of them; or every candidate, the residual features through `num_lags * directions`
     directions.
     `per_layer` and `within`: bytes per residual layer and layers within the budget, with (True) and without (False)
     the source's K/V, every feature kept."""
@@ -587,17 +587,17 @@ class ResidualStatisticsChoice:
     per_layer: dict[bool, int]
     within: dict[bool, int]
     candidates: int
-    principal: int | None = None
+    directions: int | None = None
     hidden_size: int = 0
     num_lags: int = 0
-    principal_bytes: int = 0
+    directions_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
         """What the chosen sums take."""
-        if self.principal is None:
+        if self.directions is None:
             return len(self.layers) * self.per_layer[self.source_features]
-        return self.principal_bytes
+        return self.directions_bytes
 
 
 def residual_statistics_choice(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int,
@@ -615,15 +615,15 @@ def residual_statistics_choice(source: KVLayout, target: KVLayout, hidden_size: 
                                       len(candidates), hidden_size=hidden_size, num_lags=num_lags)  # fmt: skip
     if within[with_source] == len(candidates):
         return choice
-    principal = _widest_principal(source, target, hidden_size, num_lags, len(candidates), budget)
-    if principal < MIN_PRINCIPAL_DIRECTIONS:
+    directions = _most_directions(source, target, hidden_size, num_lags, len(candidates), budget)
+    if directions < MIN_DIRECTIONS_PER_POSITION:
         return choice
-    nbytes = residual_statistics_nbytes(source, target, hidden_size, num_lags, len(candidates), False, principal)
-    return dataclasses.replace(choice, layers=tuple(candidates), source_features=False, principal=principal,
-                               principal_bytes=nbytes)  # fmt: skip
+    nbytes = residual_statistics_nbytes(source, target, hidden_size, num_lags, len(candidates), False, directions)
+    return dataclasses.replace(choice, layers=tuple(candidates), source_features=False, directions=directions,
+                               directions_bytes=nbytes)  # fmt: skip
 
 
-def _widest_principal(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int, num_candidates: int,
+def _most_directions(source: KVLayout, target: KVLayout, hidden_size: int, num_lags: int, num_candidates: int,
                       budget: int) -> int:  # fmt: skip
     """The most directions per position (below `hidden_size`; `num_lags` times as many in all) for which the sums of
     `num_candidates` residual layers without the source's K/V fit in `budget` bytes (0 when not even one does)."""
@@ -644,8 +644,8 @@ def _statistics_line(choice: ResidualStatisticsChoice, budget: StatisticsBudget)
     layers = list(choice.layers)
     named = f"{layers[0]}-{layers[-1]}" if len(layers) > 4 and layers == list(range(layers[0], layers[-1] + 1)) else layers
     line = f"residual-input statistics for residual layers {named}: {choice.nbytes / 2**20:,.1f} MiB (float64, CPU)"
-    if choice.principal is not None:
-        return line + (f", the residual features alone through {choice.num_lags * choice.principal} of their "
+    if choice.directions is not None:
+        return line + (f", the residual features alone through {choice.num_lags * choice.directions} of their "
                        f"{choice.num_lags * choice.hidden_size} dimensions (the directions that covary most with the "
                        "deeper layers' keys and values on the first calibration batch), so that every candidate layer "
                        f"fits {budget.describe('residual')}: whole, they would need {per_layer[False] / 2**20:,.1f} MiB "
@@ -692,7 +692,7 @@ class ResidualFit(FitInput):
             return None
         return ResidualStatistics.for_models(source, target, choice.layers, lags=config.residual_lags,
                                              stride=config.residual_stride or config.stride,
-                                             source_features=choice.source_features, principal=choice.principal)  # fmt: skip
+                                             source_features=choice.source_features, directions=choice.directions)  # fmt: skip
 
     def candidates(self, mapper: KVMapper, statistics: ResidualStatistics, config: Any) -> list[CandidateGroup]:
         """`residual_variants` of each residual layer J, a group needing J + 1 exact layers (the cache computes the
@@ -715,7 +715,7 @@ class ResidualFit(FitInput):
                            budget: StatisticsBudget) -> dict[str, Any]:  # fmt: skip
         choice = residual_statistics_choice(source, target, hidden_size, positions, budget.residual_bytes)
         return {"layers": list(choice.layers), "candidates": choice.candidates, "source_features": choice.source_features,
-                "principal": choice.principal, "shared_rank": positions * choice.principal if choice.principal else None,
+                "directions": choice.directions, "shared_rank": positions * choice.directions if choice.directions else None,
                 "bytes": choice.nbytes,
                 "bytes_per_layer": choice.per_layer[True], "bytes_per_layer_residual_alone": choice.per_layer[False],
                 "budget_bytes": budget.residual_bytes, "line": _statistics_line(choice, budget)}  # fmt: skip
@@ -724,7 +724,7 @@ class ResidualFit(FitInput):
 __all__ = [
     "DEFAULT_RESIDUAL_LAGS",
     "DEFAULT_RESIDUAL_LAMBDA",
-    "MIN_PRINCIPAL_DIRECTIONS",
+    "MIN_DIRECTIONS_PER_POSITION",
     "RESIDUAL_RANK_ENERGY",
     "ResidualStatisticsChoice",
     "ResidualFit",
