@@ -214,10 +214,10 @@ class ResidualStatistics:
 
     def finish(self) -> None:
         """Sum over `torch.distributed` ranks (each saw its shard of the sequences)."""
+        if not _distributed():
+            return
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
         for j in self.count:
             count = torch.tensor([self.count[j]], dtype=torch.float64)
             dist.all_reduce(count)
