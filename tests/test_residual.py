@@ -926,11 +926,12 @@ def with_directions(pair):
     return stats
 
 
-def test_the_sums_directions_are_the_residuals_covariance_with_the_deeper_layers(pair, with_directions):
+def test_the_sums_directions_are_what_a_ridge_on_the_residual_predicts_of_the_deeper_layers(pair, with_directions):
     """The 2 x 8 directions the sums of residual layer 1 hold (the one batch's: every token here) span the leading
-    left singular vectors of the standardised residual block's cross-covariance with target layer 2's keys (before the
-    key norm) and values, each block scaled to unit total variance: partial least squares computed by hand (numpy
-    SVD), with the sums' size as `residual_statistics_nbytes` counts it."""
+    directions of reduced-rank regression computed by hand in the features' own space (numpy): the ridge (penalty
+    0.01 on the standardised features' correlation) of target layer 2's keys (before the key norm) and values, each
+    block scaled to unit total variance, then its coefficients along the leading right singular vectors of its fitted
+    values; with the sums' size as `residual_statistics_nbytes` counts it."""
     source, target, ids, _, _ = pair
     stats = with_directions
     held = sum(t.nbytes for sums in stats.sums.values() for t in sums.values()) + sum(b.nbytes for b in stats.basis.values())
@@ -943,11 +944,42 @@ def test_the_sums_directions_are_the_residuals_covariance_with_the_deeper_layers
         blocks.append(y / np.sqrt((y**2).sum() / len(y)))
     res = x[:, fs:]
     std = res.std(0)
-    cross = ((res - res.mean(0)) / std).T @ np.concatenate(blocks, axis=1)
-    want = np.linalg.svd(cross)[0][:, : len(LAGS) * DIRECTIONS]
+    xs, y = (res - res.mean(0)) / std, np.concatenate(blocks, axis=1)
+    assert len(xs) > xs.shape[1]  # more tokens than features: the feature space's closed form is the small one
+    coef = np.linalg.solve(xs.T @ xs / len(xs) + 0.01 * np.eye(xs.shape[1]), xs.T @ y / len(xs))
+    lead = np.linalg.svd(xs @ coef, full_matrices=False)[2][: len(LAGS) * DIRECTIONS].T
+    want = np.linalg.qr(coef @ lead)[0]
     got = stats.basis[1].T.numpy() * std[:, None]  # back to the standardised features: orthonormal columns
     np.testing.assert_allclose(got.T @ got, np.eye(len(LAGS) * DIRECTIONS), atol=1e-8)
     np.testing.assert_allclose(got @ got.T, want @ want.T, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_maps_through_as_many_directions_as_the_outputs_rank_keep_the_whole_ridge(seed):
+    """Where the outputs are a linear function of rank r of the features (plus noise), the ridge through the r
+    directions predicts what the ridge on every feature predicts: they keep its predictive subspace. The r directions
+    of the standardised features' largest covariance with the outputs (partial least squares, by hand) would not,
+    where the predictive features are rotated among features that vary more."""
+    gen = torch.Generator().manual_seed(seed)
+    n, features, outputs, rank = 600, 40, 30, 4
+    scales = torch.cat([torch.full((rank,), 1.0), torch.full((features - rank,), 3.0)]).double()
+    latent = torch.randn(n, features, generator=gen, dtype=torch.float64) * scales
+    x = latent @ torch.linalg.qr(torch.randn(features, features, generator=gen, dtype=torch.float64))[0]
+    y = latent[:, :rank] @ torch.randn(rank, outputs, generator=gen, dtype=torch.float64)
+    y = y + 0.05 * torch.randn(n, outputs, generator=gen, dtype=torch.float64)
+    y = y - y.mean(0)
+    y = y / y.pow(2).sum().div(n).sqrt()
+
+    def fitted(z):
+        zs = (z - z.mean(0)) / z.std(0, unbiased=False)
+        return zs @ torch.linalg.solve(zs.T @ zs / n + 0.01 * torch.eye(z.shape[1], dtype=z.dtype), zs.T @ y / n)
+
+    whole = fitted(x)
+    lost = lambda z: float((whole - fitted(z)).pow(2).sum() / whole.pow(2).sum())  # noqa: E731
+    assert lost(x @ residual_stats._predictive_directions(x, y @ y.T, rank, 0.01).T) < 0.02
+    std = x.std(0, unbiased=False)
+    covariance = torch.linalg.svd(((x - x.mean(0)) / std).T @ y, full_matrices=False)[0][:, :rank] / std[:, None]
+    assert lost(x @ covariance) > 0.3
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])
@@ -992,7 +1024,7 @@ def test_a_fit_with_residual_directions_hands_mappers_that_save_and_serve(pair, 
     source, target, ids, _, _ = pair
     per_layer = 16 * (128**2 + 128 * 96 + 128 + 192)  # one whole residual layer's room: both through directions
     (line,), handed = _budget_fit(pair, monkeypatch, per_layer)
-    assert "dimensions (the directions that covary most" in line and len(handed) >= 2
+    assert "dimensions (those that carry most of what a ridge" in line and len(handed) >= 2
     prompt = ids[:1, :24]
     for i, mapper in enumerate(handed):
         mapper.save_pretrained(tmp_path / str(i))

@@ -14,9 +14,9 @@ Memory: per candidate J and kind, `(F_s + F_r)^2 + (F_s + F_r) * L_t * n_kv_t * 
 `source_features=False` the sums hold the residual features alone (`F_s = 0`): enough for the maps that read no
 source layer, and what the fit collects where a pair's source K/V would make the sums too large (a real pair's
 `F_s` is tens of thousands of features). With `directions=r` the residual features enter the sums through
-`len(lags) * r` directions instead (`F_r = len(lags) * r`): those that carry the most of the residual's covariance
-with the keys and values its maps predict (partial least squares on the first calibration batch, one set per
-residual layer, `_predictive_directions`). That lets a wide target's sums cover every candidate layer
+`len(lags) * r` directions instead (`F_r = len(lags) * r`): those that carry the most of what a ridge on the residual
+predicts of the keys and values its maps predict (reduced-rank regression on the first calibration batch, one set
+per residual layer, `_predictive_directions`). That lets a wide target's sums cover every candidate layer
 (`residual_statistics_choice`); the maps then read the residual through that projection
 (`ResidualStatistics.projection`).
 
@@ -106,6 +106,7 @@ class ResidualStatistics:
         stride: int = 1,
         source_features: bool = True,
         directions: int | None = None,
+        residual_lambda: float = DEFAULT_RESIDUAL_LAMBDA,
     ):
         self.source_layout, self.target_layout = source_layout, target_layout
         self.hidden_size, self.lags, self.stride = hidden_size, list(lags), stride
@@ -114,6 +115,7 @@ class ResidualStatistics:
         if directions is not None and not 0 < directions <= hidden_size:
             raise ValueError(f"directions must be in [1, {hidden_size}] (the hidden size), got {directions}")
         self.directions = directions  # per position: len(lags) * directions in all (None: every feature)
+        self.residual_lambda = residual_lambda  # the ridge whose predictions the directions keep
         self.basis: dict[int, torch.Tensor | None] = {j: None for j in layers}  # [residual_dim, F_r] per layer
         # What the calibration pass captures for this consumer.
         self.target_hidden_layers = tuple(layers)
@@ -175,7 +177,7 @@ class ResidualStatistics:
         for j in sorted(self.target_hidden_layers):  # increasing: `_DirectionSample.directions`
             res = residual_features(batch.target_hidden[j], self.lags, batch.attention_mask).cpu()[keep].double()
             if fixing is not None and self.basis[j] is None:
-                self.basis[j] = fixing.directions(j, res, self.residual_dim)
+                self.basis[j] = fixing.directions(j, res, self.residual_dim, self.residual_lambda)
             if self.basis[j] is not None:
                 res = res @ self.basis[j].T
             self.count[j] += int(keep.sum())
@@ -194,7 +196,8 @@ class ResidualStatistics:
         return {"residual": {"layers": list(self.target_hidden_layers), "lags": self.lags, "stride": self.stride,
                              "key_before_norm": self.key_before_norm,
                              **({} if self.source_features else {"source_features": False}),
-                             **({} if self.directions is None else {"directions": self.directions})}}  # fmt: skip
+                             **({} if self.directions is None else {"directions": self.directions,
+                                                                    "directions_lambda": self.residual_lambda})}}  # fmt: skip
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         tensors = {f"{j}.{kind}.{name}": t.contiguous() for (j, kind), sums in self.sums.items() for name, t in sums.items()}
@@ -232,7 +235,8 @@ class _DirectionSample:
     whose index is below the batch's size (the fewest rows of any rank's first batch under `torch.distributed`),
     gathered from every rank: the sequences one process's first batch holds, so that the directions do not depend on
     the world size. Holds their keys and values (each target layer's block of each kind scaled to unit total
-    variance) and, per residual layer, the residual's covariance with those of the deeper layers (`directions`)."""
+    variance) and, per residual layer, fixes the residual's directions that carry the most of what a ridge on it
+    predicts of those of the deeper layers (`directions`)."""
 
     def __init__(self, rows: list[int], keep: torch.Tensor, targets: dict[str, torch.Tensor], layout: KVLayout):
         size = torch.tensor([len(rows)], dtype=torch.float64)
@@ -252,7 +256,7 @@ class _DirectionSample:
         self.blocks = blocks  # 2 per target layer, in layer order
         self.after, self.gram = -1, sum(b @ b.T for b in blocks)  # the outputs' Gram over the layers after `after`
 
-    def directions(self, residual_layer: int, res: torch.Tensor, count: int) -> torch.Tensor:
+    def directions(self, residual_layer: int, res: torch.Tensor, count: int, lam: float) -> torch.Tensor:
         """`_predictive_directions` of this sample's residual features `res` (every kept token of the batch) for the
         keys and values of the target layers after `residual_layer` (layers in increasing order)."""
         if residual_layer < self.after:
@@ -260,7 +264,7 @@ class _DirectionSample:
         for t in range(self.after + 1, residual_layer + 1):
             self.gram = self.gram - sum(b @ b.T for b in self.blocks[2 * t : 2 * t + 2])
         self.after = residual_layer
-        return _predictive_directions(_gathered(res[self.rows]), self.gram, count)
+        return _predictive_directions(_gathered(res[self.rows]), self.gram, count, lam)
 
 
 def _distributed() -> bool:
@@ -284,20 +288,25 @@ def _gathered(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([part[: int(c.item())] for part, c in zip(parts, counts)])
 
 
-def _predictive_directions(x: torch.Tensor, output_gram: torch.Tensor, count: int) -> torch.Tensor:
-    """`[count, F]`: the `count` combinations of the (standardised) features `x` `[n, F]` that carry the most of
-    their covariance with outputs whose centred Gram matrix `[n, n]` is `output_gram` (partial least squares: the
-    leading left singular vectors of `x_std^T y`, found in the n-by-n space of the tokens), as rows applied to the raw
+def _predictive_directions(x: torch.Tensor, output_gram: torch.Tensor, count: int, lam: float) -> torch.Tensor:
+    """`[count, F]`: the `count` combinations of the (standardised) features `x` `[n, F]` that carry the most of what
+    a ridge on them (penalty `lam` on their correlation matrix, as `_solve`'s) predicts of outputs whose centred Gram
+    matrix `[n, n]` is `output_gram`: reduced-rank regression, as `reduced_rank_projection` finds it from whole sums,
+    here in the n-by-n space of the tokens (`K = x_std x_std^T`; the ridge's fitted values are `H y` with
+    `H = K (K + n lam)^-1`, and the fit's coefficients `x_std^T (K + n lam)^-1 y`), as rows applied to the raw
     features (each divided by its feature's deviation). Beyond the directions the sample gives, seeded random ones
     complete the set; each row's largest entry is positive (the same directions on every machine and every run)."""
     std = x.std(0, unbiased=False).clamp_min(1e-12)
     xs = (x - x.mean(0)) / std
-    evals, evecs = torch.linalg.eigh(output_gram)
-    root = (evecs * evals.clamp_min(0).sqrt()) @ evecs.T
-    values, u = torch.linalg.eigh(root @ (xs @ xs.T) @ root)
+    evals, evecs = torch.linalg.eigh(xs @ xs.T)
+    evals = evals.clamp_min(0)
+    shifted = evals + len(xs) * lam
+    hat = (evecs * (evals / shifted)) @ evecs.T
+    values, u = torch.linalg.eigh(hat @ output_gram @ hat)  # the fitted values' Gram: their principal directions
     values, u = values.flip(0), u.flip(1)
     kept = values > 1e-10 * values.max().clamp_min(1e-30)
-    found = xs.T @ (root @ u[:, kept][:, :count])
+    lead = u[:, kept][:, :count]
+    found = xs.T @ ((evecs / shifted) @ (evecs.T @ (output_gram @ (hat @ lead))))  # the coefficients along them
     extra = torch.randn(x.shape[1], count, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
     q = torch.linalg.qr(torch.cat([found / found.norm(dim=0).clamp_min(1e-30), extra], dim=1))[0][:, :count]
     q = q * torch.sign(q.gather(0, q.abs().argmax(0, keepdim=True)))
@@ -646,8 +655,8 @@ def _statistics_line(choice: ResidualStatisticsChoice, budget: StatisticsBudget)
     line = f"residual-input statistics for residual layers {named}: {choice.nbytes / 2**20:,.1f} MiB (float64, CPU)"
     if choice.directions is not None:
         return line + (f", the residual features alone through {choice.num_lags * choice.directions} of their "
-                       f"{choice.num_lags * choice.hidden_size} dimensions (the directions that covary most with the "
-                       "deeper layers' keys and values on the first calibration batch), so that every candidate layer "
+                       f"{choice.num_lags * choice.hidden_size} dimensions (those that carry most of what a ridge on "
+                       "them predicts of the deeper layers' keys and values on the first calibration batch), so that every candidate layer "
                        f"fits {budget.describe('residual')}: whole, they would need {per_layer[False] / 2**20:,.1f} MiB "
                        "per layer; only maps reading no source layer, through those directions, are tried")  # fmt: skip
     if not choice.source_features:
@@ -692,7 +701,8 @@ class ResidualFit(FitInput):
             return None
         return ResidualStatistics.for_models(source, target, choice.layers, lags=config.residual_lags,
                                              stride=config.residual_stride or config.stride,
-                                             source_features=choice.source_features, directions=choice.directions)  # fmt: skip
+                                             source_features=choice.source_features, directions=choice.directions,
+                                             residual_lambda=config.residual_lambda)  # fmt: skip
 
     def candidates(self, mapper: KVMapper, statistics: ResidualStatistics, config: Any) -> list[CandidateGroup]:
         """`residual_variants` of each residual layer J, a group needing J + 1 exact layers (the cache computes the
